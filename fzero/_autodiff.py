@@ -1,0 +1,56 @@
+"""value_and_grad over pytrees, on torch.autograd (the gradient engine fzero's steps use)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._tree import PyTree, tree_flatten, tree_unflatten
+
+# Why torch.autograd.grad and not torch.func.grad: fzero's steps need what torch.func's
+# transforms refuse or cannot express: saved-tensor hooks (activation checkpointing is
+# refused under torch.func.grad), per-unit backward hooks that reduce-scatter a unit's
+# gradient as soon as it is complete, and collectives issued from inside backward. The
+# user's loss may still use torch.func freely (functional_call, vmap, ...): it is only
+# differentiated by the eager engine, on fresh leaf tensors, so nothing the caller holds
+# is modified and the step stays a pure function of (state, batch).
+
+
+def value_and_grad(
+    fn: Callable[..., torch.Tensor],
+    tree: PyTree,
+    *args: Any,
+    what: str = "loss_fn",
+    rank: int | None = None,
+) -> tuple[torch.Tensor, PyTree | None]:
+    """`fn(tree, *args)` and its gradient with respect to every leaf of `tree`.
+
+    Args:
+      fn: returns a real scalar tensor.
+      tree: the pytree to differentiate by (its tensors are not modified).
+      *args: further arguments of `fn`, not differentiated.
+      what: the function's name, for error messages.
+      rank: this rank, for error messages.
+
+    Returns:
+      `(value, grads)`: the detached value, and a tree like `tree` with zeros for leaves
+      `fn` does not use; `grads` is None when the value does not depend on `tree` at all.
+    """
+    leaves, treedef = tree_flatten(tree)
+    inputs = [x.detach().requires_grad_() for x in leaves]
+    out = fn(tree_unflatten(treedef, inputs), *args)
+    where = "" if rank is None else f" on rank {rank}"
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{what} must return a scalar tensor, got {type(out).__name__}{where}")
+    if out.dim() != 0 or not out.is_floating_point():
+        raise ValueError(
+            f"{what} must return a real scalar tensor (shape ()), got shape "
+            f"{tuple(out.shape)} dtype {out.dtype}{where}"
+        )
+    if not out.requires_grad:
+        return out.detach(), None
+    grads = torch.autograd.grad(out, inputs, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+    return out.detach(), tree_unflatten(treedef, grads)

@@ -1,0 +1,94 @@
+"""Collectives: the only module that calls `torch.distributed`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._mesh import Mesh
+
+# torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextlib.contextmanager
+def _plain_tensors() -> Iterator[None]:
+    # A backward that runs under torch.func.grad receives functorch-wrapped tensors, and
+    # c10d's in-place writes into an output buffer are refused as "mutating a captured
+    # tensor". Collectives are opaque to autodiff anyway (the autograd.Function around
+    # them supplies the derivative), so run them on the unwrapped tensors.
+    guard = getattr(torch._C, "_DisableFuncTorch", None)
+    with guard() if guard is not None else contextlib.nullcontext():
+        yield
+
+
+def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    from torch._C._functorch import get_unwrapped, is_gradtrackingtensor
+
+    while is_gradtrackingtensor(tensor):
+        tensor = get_unwrapped(tensor)
+    return tensor
+
+
+def all_gather(shard: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Concatenation of every rank's 1-D `shard`, in rank order (a new tensor)."""
+    with _plain_tensors():
+        shard = _unwrap(shard).detach().contiguous()
+        if mesh.size == 1 or shard.numel() == 0:  # identical on every rank: no peer waits
+            return shard.repeat(mesh.size) if mesh.size > 1 else shard.clone()
+        out = shard.new_empty(shard.numel() * mesh.size)
+        _all_gather_single(out, shard, group=mesh.group)
+        return out
+
+
+def reduce_scatter_mean(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's slice of the mean over ranks of the 1-D `full` (a new tensor).
+
+    SUM then divide, rather than ReduceOp.AVG: older gloo rejects AVG, and NCCL's AVG is
+    not available for every dtype. On gloo a reduce-scatter runs as an all-reduce
+    underneath (twice the traffic); fzero counts the logical bytes.
+    """
+    with _plain_tensors():
+        full = _unwrap(full).detach().contiguous()
+        if full.numel() % mesh.size:
+            raise ValueError(f"reduce-scatter of {full.numel()} elements over {mesh.size} ranks")
+        if mesh.size == 1 or full.numel() == 0:
+            return full.clone()
+        out = full.new_empty(full.numel() // mesh.size)
+        _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=mesh.group)
+        return out.div_(mesh.size)
+
+
+def all_reduce_mean(flat: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Mean over ranks of `flat` (a new tensor)."""
+    with _plain_tensors():
+        out = _unwrap(flat).detach().clone()
+        if mesh.size > 1 and out.numel():
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group)
+            out.div_(mesh.size)
+        return out
+
+
+def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
+    """Overwrites `tensor` in place with rank `src`'s values and returns it."""
+    if mesh.size > 1:
+        dist.broadcast(
+            tensor,
+            src=dist.get_global_rank(mesh.group, src) if mesh.group else src,
+            group=mesh.group,
+        )
+    return tensor
+
+
+def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (small metadata only)."""
+    if mesh.size == 1:
+        return [obj]
+    out: list[Any] = [None] * mesh.size
+    dist.all_gather_object(out, obj, group=mesh.group)
+    return out

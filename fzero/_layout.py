@@ -1,0 +1,261 @@
+"""ShardLayout: which rank owns which elements of every parameter.
+
+Leaves are packed, per dtype, into flat buckets of `world_size * shard_numel` elements;
+rank r owns elements `[r * shard_numel, (r + 1) * shard_numel)` of every bucket. Two
+packings share that one mechanism, so gather and reduce-scatter never care which is used:
+
+- "flat" (default): leaves back to back, zero padding (< world_size elements) at the end.
+  Leaves may straddle ranks, so the optimizer sees 1-D slices: exact for pointwise
+  optimizers (SGD, Adam, ...), not for per-tensor ones (Adafactor factors a 2-D matrix's
+  second moment by rows and columns, which a slice of the flattened matrix does not have).
+- "tensor": whole tensors, assigned greedily to the least-loaded rank, largest first
+  (FairScale OSS); each rank's segment is padded to the largest load. The optimizer sees
+  whole tensors in their own shapes, so any optimizer gives exactly the unsharded result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+
+KINDS = ("flat", "tensor")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one leaf lives inside its bucket's padded flat buffer."""
+
+    index: int  # position in the flattened parameter tree
+    path: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    owner: int  # rank owning the whole leaf ("tensor" layout); -1 for "flat"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer: leaves of one dtype, split evenly over the ranks."""
+
+    dtype: torch.dtype
+    slots: tuple[Slot, ...]
+    shard_numel: int
+    world_size: int
+
+    @property
+    def full_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def numel(self) -> int:
+        """Real (unpadded) elements."""
+        return sum(s.numel for s in self.slots)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a parameter tree is packed into buckets and split over `world_size` ranks."""
+
+    kind: str
+    world_size: int
+    treedef: optree.PyTreeSpec
+    paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of parameters (without padding)."""
+        return sum(b.numel for b in self.buckets)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements one rank owns, padding included."""
+        return sum(b.shard_numel for b in self.buckets)
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        """Everything ranks must agree on, as plain picklable values."""
+        return (
+            self.kind,
+            self.world_size,
+            str(self.treedef),
+            tuple(zip(self.paths, self.shapes, map(str, self.dtypes))),
+        )
+
+    def leaves(self, tree: PyTree, what: str = "tree") -> list[Any]:
+        """The leaves of `tree`, after checking it has this layout's structure."""
+        leaves, treedef = tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(f"{what} has structure {treedef}, the layout expects {self.treedef}")
+        return leaves
+
+    def flatten(self, tree: PyTree) -> tuple[torch.Tensor, ...]:
+        """Packs `tree` into fresh full padded flat buffers, one per bucket."""
+        leaves = self.leaves(tree)
+        return tuple(_pack(b, leaves, 0, b.full_numel) for b in self.buckets)
+
+    def unflatten(self, flats: Sequence[torch.Tensor]) -> PyTree:
+        """The parameter tree whose leaves are views into the full flat buffers `flats`."""
+        leaves: list[Any] = [None] * len(self.paths)
+        for bucket, flat in zip(self.buckets, flats):
+            for s in bucket.slots:
+                leaves[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        return tree_unflatten(self.treedef, leaves)
+
+    def shard(self, tree: PyTree, rank: int) -> tuple[torch.Tensor, ...]:
+        """Rank `rank`'s slice of every bucket of `tree` (a copy; no communication)."""
+        leaves = self.leaves(tree)
+        return tuple(
+            _pack(b, leaves, rank * b.shard_numel, (rank + 1) * b.shard_numel) for b in self.buckets
+        )
+
+    def pieces(self, shards: Sequence[torch.Tensor], rank: int) -> tuple[torch.Tensor, ...]:
+        """What the optimizer updates on `rank`: views into its shard buffers.
+
+        "flat": the shard buffers themselves. "tensor": the owned leaves, in their shapes.
+        """
+        if self.kind == "flat":
+            return tuple(shards)
+        out = []
+        for bucket, shard in zip(self.buckets, shards):
+            base = rank * bucket.shard_numel
+            out += [
+                shard[s.offset - base : s.offset - base + s.numel].view(s.shape)
+                for s in bucket.slots
+                if s.owner == rank
+            ]
+        return tuple(out)
+
+    def piece_paths(self, rank: int) -> tuple[str, ...]:
+        """A name for each of `pieces(..., rank)`: a bucket name or the leaf's path."""
+        if self.kind == "flat":
+            return tuple(f"<bucket {i}: {b.dtype}>" for i, b in enumerate(self.buckets))
+        return tuple(s.path for b in self.buckets for s in b.slots if s.owner == rank)
+
+    def from_pieces(self, pieces: Sequence[torch.Tensor], rank: int) -> tuple[torch.Tensor, ...]:
+        """Inverse of `pieces`: shard buffers holding the (possibly new) pieces."""
+        if self.kind == "flat":
+            return tuple(pieces)
+        out, it = [], iter(pieces)
+        device = pieces[0].device if len(pieces) else None
+        for bucket in self.buckets:
+            owned = [next(it).reshape(-1) for s in bucket.slots if s.owner == rank]
+            used = sum(p.numel() for p in owned)
+            pad = torch.zeros(bucket.shard_numel - used, dtype=bucket.dtype, device=device)
+            out.append(torch.cat([*owned, pad]))
+        return tuple(out)
+
+
+def build_layout(params: PyTree, world_size: int, kind: str = "flat") -> ShardLayout:
+    """Computes the layout of `params` over `world_size` ranks.
+
+    Args:
+      params: a pytree whose leaves are floating-point tensors, all on one device.
+      world_size: number of ranks.
+      kind: "flat" or "tensor" (see the module docstring).
+
+    Returns:
+      The ShardLayout; it depends only on the leaves' paths, shapes and dtypes.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"layout must be one of {KINDS}, got {kind!r}")
+    leaves, treedef = tree_flatten(params)
+    paths = leaf_paths(params)
+    _check_leaves(paths, leaves)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_dtype.setdefault(leaf.dtype, []).append(i)
+    place = _place_flat if kind == "flat" else _place_greedy
+    buckets = tuple(place(dtype, idx, paths, leaves, world_size) for dtype, idx in by_dtype.items())
+    return ShardLayout(
+        kind,
+        world_size,
+        treedef,
+        tuple(paths),
+        tuple(tuple(x.shape) for x in leaves),
+        tuple(x.dtype for x in leaves),
+        buckets,
+    )
+
+
+def _check_leaves(paths: list[str], leaves: list[Any]) -> None:
+    if not leaves:
+        raise ValueError("params has no leaves: expected a pytree of floating-point tensors")
+    devices = set()
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"params leaf {path!r} is a {type(leaf).__name__}, expected a "
+                "floating-point torch.Tensor"
+            )
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"params leaf {path!r} has dtype {leaf.dtype}, expected a floating-point dtype"
+            )
+        if leaf.layout != torch.strided:
+            raise TypeError(f"params leaf {path!r} has layout {leaf.layout}, expected dense")
+        devices.add(leaf.device)
+    if len(devices) > 1:
+        raise ValueError(f"params leaves live on several devices {sorted(map(str, devices))}")
+
+
+def _place_flat(
+    dtype: torch.dtype, idx: list[int], paths: list[str], leaves: list[Any], n: int
+) -> Bucket:
+    slots, offset = [], 0
+    for i in idx:
+        numel = leaves[i].numel()
+        slots.append(Slot(i, paths[i], tuple(leaves[i].shape), offset, numel, -1))
+        offset += numel
+    return Bucket(dtype, tuple(slots), -(-offset // n), n)
+
+
+def _place_greedy(
+    dtype: torch.dtype, idx: list[int], paths: list[str], leaves: list[Any], n: int
+) -> Bucket:
+    load = [0] * n
+    owner: dict[int, int] = {}
+    for i in sorted(idx, key=lambda i: -leaves[i].numel()):  # stable: ties keep tree order
+        rank = min(range(n), key=lambda r: load[r])
+        owner[i] = rank
+        load[rank] += leaves[i].numel()
+    shard = max(load)
+    cursor = [r * shard for r in range(n)]
+    slots = []
+    for i in idx:  # within a rank's segment, tree order
+        r, numel = owner[i], leaves[i].numel()
+        slots.append(Slot(i, paths[i], tuple(leaves[i].shape), cursor[r], numel, r))
+        cursor[r] += numel
+    return Bucket(dtype, tuple(slots), shard, n)
+
+
+def _pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of `bucket`'s padded flat buffer built from `leaves` (a new tensor)."""
+    parts, cursor = [], lo
+    device = leaves[bucket.slots[0].index].device if bucket.slots else None
+    for s in sorted(bucket.slots, key=lambda s: s.offset):
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a >= b:
+            continue
+        if a > cursor:
+            parts.append(torch.zeros(a - cursor, dtype=bucket.dtype, device=device))
+        leaf = leaves[s.index]
+        if leaf.dtype != bucket.dtype or tuple(leaf.shape) != s.shape:
+            raise ValueError(
+                f"leaf {s.path!r}: got {tuple(leaf.shape)} {leaf.dtype}, "
+                f"layout expects {s.shape} {bucket.dtype}"
+            )
+        parts.append(leaf.reshape(-1)[a - s.offset : b - s.offset])
+        cursor = b
+    if hi > cursor:
+        parts.append(torch.zeros(hi - cursor, dtype=bucket.dtype, device=device))
+    if not parts:
+        return torch.zeros(0, dtype=bucket.dtype, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()

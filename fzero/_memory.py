@@ -1,0 +1,85 @@
+"""Model-state memory per rank: the ZeRO paper's arithmetic, and bytes measured on a state."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._state import ShardedState, check_stage
+from ._tree import tree_nbytes
+
+
+class MemoryEstimate(NamedTuple):
+    """Bytes per rank of each kind of model state."""
+
+    params: float
+    grads: float
+    opt_state: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.opt_state
+
+
+def estimate_memory(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optim_bytes: float = 12,
+) -> MemoryEstimate:
+    """Model-state bytes per rank for ZeRO `stage` (ZeRO, arXiv 1910.02054, section 5).
+
+    Stage 0 keeps everything; stage 1 shards the optimizer state, stage 2 also the
+    gradients, stage 3 also the parameters. Defaults are mixed-precision Adam (2-byte
+    params and grads, 12 bytes of fp32 master weights and moments); plain fp32 Adam is
+    `param_bytes=4, grad_bytes=4, optim_bytes=8`. Padding (< world_size elements per
+    buffer) is not counted.
+
+    Args:
+      num_params: Ψ, the number of parameters.
+      world_size: N, the number of data-parallel ranks.
+      stage: 0-3.
+      param_bytes: bytes per parameter as held for compute.
+      grad_bytes: bytes per gradient element.
+      optim_bytes: bytes of optimizer state per parameter.
+
+    Returns:
+      A MemoryEstimate (`.total` sums it).
+    """
+    stage = check_stage(stage)
+    if world_size < 1 or num_params < 0:
+        raise ValueError("need world_size >= 1 and num_params >= 0")
+    per = num_params / world_size
+    return MemoryEstimate(
+        params=(per if stage >= 3 else num_params) * param_bytes,
+        grads=(per if stage >= 2 else num_params) * grad_bytes,
+        opt_state=(per if stage >= 1 else num_params) * optim_bytes,
+    )
+
+
+class MemoryReport(NamedTuple):
+    """Bytes one rank really holds in a ShardedState (tensor storages, each counted once)."""
+
+    params: int
+    opt_state: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.opt_state
+
+
+def memory_report(state: ShardedState) -> MemoryReport:
+    """Measures the bytes of the parameters and optimizer state this rank holds.
+
+    Gradients are not part of a state between steps (fzero's steps hold them only inside
+    the step); measure them on what `reduce_scatter_grads` / `all_reduce_grads` return.
+
+    Args:
+      state: a ShardedState.
+
+    Returns:
+      A MemoryReport.
+    """
+    return MemoryReport(params=tree_nbytes(state.params), opt_state=tree_nbytes(state.opt_state))

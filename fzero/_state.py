@@ -1,0 +1,146 @@
+"""ShardedState and shard_state: the `init` of every ZeRO stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+
+from . import _comm
+from ._layout import ShardLayout, build_layout
+from ._mesh import Mesh
+from ._shards import Shards
+from ._tree import NAMESPACE, PyTree
+from .optim import Optimizer
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """Everything one rank keeps between steps.
+
+    Attributes:
+      params: stages 0-2: the full parameter tree (replicated; leaves are views into one
+        flat buffer per dtype). Stage 3: this rank's `Shards`.
+      opt_state: optimizer state of what this rank updates: the full tree at stage 0,
+        its shard's pieces at stages 1-3.
+      step: number of updates applied.
+      layout: how parameters are split over ranks (static).
+      stage: the ZeRO stage, 0-3 (static).
+    """
+
+    params: PyTree
+    opt_state: Any
+    step: int
+    layout: ShardLayout
+    stage: int
+
+
+optree.register_pytree_node(
+    ShardedState,
+    lambda s: (
+        (s.params, s.opt_state, s.step),
+        (s.layout, s.stage),
+        ("params", "opt_state", "step"),
+    ),
+    lambda meta, children: ShardedState(*children, *meta),
+    namespace=NAMESPACE,
+)
+
+
+def check_stage(stage: Any) -> int:
+    """Returns `stage` if it is a valid ZeRO stage, else raises ValueError."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3 (ZeRO stages), got {stage!r}")
+    return int(stage)
+
+
+def shard_state(
+    params: PyTree, optimizer: Optimizer, mesh: Mesh, *, stage: int, layout: str = "flat"
+) -> ShardedState:
+    """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
+
+    Like DDP's constructor, rank 0's parameter values win: they are broadcast, so ranks
+    that initialised their models with different seeds still train one model. Every rank
+    must pass parameters of the same structure, shapes and dtypes; this is checked
+    (one small all-gather of metadata) and a mismatch raises on every rank, naming the
+    first differing leaf, instead of hanging in a collective of mismatched size.
+
+    Args:
+      params: a pytree of floating-point tensors (e.g. `dict(model.named_parameters())`);
+        not modified, and not aliased by the returned state.
+      optimizer: an `fzero.optim.Optimizer`; its state is built for what this rank updates.
+      mesh: the data-parallel mesh (`ProcessGroupMesh` or a rank of `simulate`).
+      stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
+      layout: "flat" (default: flat buffers split evenly, any shapes) or "tensor" (whole
+        tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor).
+
+    Returns:
+      A ShardedState.
+    """
+    stage = check_stage(stage)
+    try:
+        lay = build_layout(params, mesh.size, layout)
+        problem = None
+    except (TypeError, ValueError) as exc:
+        lay, problem = None, f"{type(exc).__name__}: {exc}"
+    _agree(lay, problem, stage, mesh)
+    flats = tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params))
+    if stage == 3:
+        shards = tuple(
+            f[mesh.rank * b.shard_numel : (mesh.rank + 1) * b.shard_numel].clone()
+            for f, b in zip(flats, lay.buckets)
+        )
+        del flats
+        state_params: PyTree = Shards(shards, lay, mesh.rank)
+        opt_state = optimizer.init(state_params.pieces())
+    else:
+        state_params = lay.unflatten(flats)
+        if stage == 0:
+            opt_state = optimizer.init(state_params)
+        else:
+            opt_state = optimizer.init(
+                Shards(lay.shard(state_params, mesh.rank), lay, mesh.rank).pieces()
+            )
+    return ShardedState(state_params, opt_state, 0, lay, stage)
+
+
+def _agree(lay: ShardLayout | None, problem: str | None, stage: int, mesh: Mesh) -> None:
+    """Raises on every rank unless all ranks have valid params of one layout and one stage."""
+    mine = (problem, stage, None if lay is None else lay.fingerprint())
+    everyone = _comm.all_gather_object(mine, mesh)
+    for rank, (prob, _, _) in enumerate(everyone):
+        if prob is not None:
+            raise _type_of(prob)(f"shard_state: rank {rank}: {prob.split(': ', 1)[1]}")
+    ref_stage, ref = everyone[0][1], everyone[0][2]
+    for rank, (_, st, fp) in enumerate(everyone[1:], start=1):
+        if st != ref_stage:
+            raise ValueError(
+                f"shard_state: rank {rank} asked for stage {st}, rank 0 for {ref_stage}"
+            )
+        if fp != ref:
+            raise ValueError(
+                f"shard_state: rank {rank}'s params differ from rank 0's: {_first_diff(ref, fp)}"
+            )
+
+
+def _type_of(problem: str) -> type[Exception]:
+    return TypeError if problem.startswith("TypeError") else ValueError
+
+
+def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
+    kind, _, tdef, leaves = ref
+    okind, _, otdef, oleaves = other
+    if kind != okind:
+        return f"layout {okind!r} vs {kind!r}"
+    for (p, s, d), (op, os_, od) in zip(leaves, oleaves):
+        if p != op:
+            return f"leaf {op!r} where rank 0 has {p!r}"
+        if s != os_ or d != od:
+            return f"leaf {p!r} is {tuple(os_)} {od}, rank 0 has {tuple(s)} {d}"
+    if len(leaves) != len(oleaves):
+        extra = oleaves[len(leaves) :] or leaves[len(oleaves) :]
+        return f"{len(oleaves)} leaves vs rank 0's {len(leaves)} (first unmatched: {extra[0][0]!r})"
+    return f"tree structure {otdef} vs {tdef}"

@@ -1,0 +1,14 @@
+"""Functional optimizers (pure ``init``/``update`` over optree pytrees of tensors)."""
+
+from ._adam import AdamState as AdamState
+from ._adam import adam as adam
+from ._adam import adamw as adamw
+from ._base import Grads as Grads
+from ._base import Optimizer as Optimizer
+from ._base import OptState as OptState
+from ._base import Params as Params
+from ._base import ScalarOrSchedule as ScalarOrSchedule
+from ._base import Schedule as Schedule
+from ._sgd import SgdState as SgdState
+from ._sgd import sgd as sgd
+from ._torch import from_torch as from_torch

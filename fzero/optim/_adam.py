@@ -1,0 +1,166 @@
+"""Adam and AdamW, bitwise-equal to ``torch.optim.Adam``/``AdamW`` with ``foreach=False``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._base import (
+    Grads,
+    Optimizer,
+    Params,
+    ScalarOrSchedule,
+    flatten_as,
+    resolve_lr,
+    validate_beta,
+    validate_lr,
+    validate_non_negative,
+    zero_count,
+    zeros_like_tree,
+)
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam` and :func:`adamw`.
+
+    Attributes:
+      count: 0-d int64 tensor, number of updates applied so far.
+      mu: first-moment estimates (torch's ``exp_avg``), mirroring the params pytree.
+      nu: second-moment estimates (torch's ``exp_avg_sq``), mirroring the params.
+      nu_max: running maximum of ``nu`` (torch's ``max_exp_avg_sq``) when
+        ``amsgrad=True``, otherwise ``None``.
+    """
+
+    count: torch.Tensor
+    mu: Params
+    nu: Params
+    nu_max: Params | None
+
+
+def _adam(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+) -> Optimizer:
+    """Shared implementation; ``decoupled`` selects AdamW's weight decay."""
+    validate_lr(lr)
+    validate_non_negative("epsilon value", eps)
+    validate_beta(0, betas[0])
+    validate_beta(1, betas[1])
+    validate_non_negative("weight_decay value", weight_decay)
+    beta1, beta2 = float(betas[0]), float(betas[1])
+
+    def init(params: Params) -> AdamState:
+        nu_max = zeros_like_tree(params) if amsgrad else None
+        return AdamState(zero_count(), zeros_like_tree(params), zeros_like_tree(params), nu_max)
+
+    @torch.no_grad()
+    def update(grads: Grads, state: AdamState, params: Params) -> tuple[Params, AdamState]:
+        count = int(state.count)
+        step_lr = resolve_lr(lr, count)
+        # Same python-float arithmetic as torch's single-tensor path, which reads the
+        # (incremented) step back as a float before exponentiating.
+        step = float(count + 1)
+        step_size = step_lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+
+        trees = (grads, state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
+        leaves, spec, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
+        nu_max_l = rest[0] if amsgrad else [None] * len(leaves)
+
+        new_p, new_mu, new_nu, new_nu_max = [], [], [], []
+        for p, g, m, v, v_max in zip(leaves, g_l, mu_l, nu_l, nu_max_l, strict=True):
+            g = -g if maximize else g
+            if weight_decay != 0:
+                if decoupled:
+                    p = p.mul(1 - step_lr * weight_decay)
+                else:
+                    g = g.add(p, alpha=weight_decay)
+            is_complex = torch.is_complex(p)
+            if is_complex:
+                # torch updates complex tensors through real views, so that the second
+                # moment accumulates |g|^2 per component rather than the complex g*g.
+                p, g, m, v = (torch.view_as_real(t) for t in (p, g, m, v))
+                v_max = torch.view_as_real(v_max) if amsgrad else None
+            m = m.lerp(g, 1 - beta1)
+            v = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
+            if amsgrad:
+                v_max = torch.maximum(v_max, v)
+            denom = ((v_max if amsgrad else v).sqrt() / bias_correction2_sqrt).add_(eps)
+            p = p.addcdiv(m, denom, value=-step_size)
+            if is_complex:
+                p, m, v = (torch.view_as_complex(t) for t in (p, m, v))
+                v_max = torch.view_as_complex(v_max) if amsgrad else None
+            new_p.append(p)
+            new_mu.append(m)
+            new_nu.append(v)
+            new_nu_max.append(v_max)
+
+        nu_max = spec.unflatten(new_nu_max) if amsgrad else None
+        new_state = AdamState(
+            state.count + 1, spec.unflatten(new_mu), spec.unflatten(new_nu), nu_max
+        )
+        return spec.unflatten(new_p), new_state
+
+    return Optimizer(init, update)
+
+
+def adam(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> Optimizer:
+    """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
+
+    Args:
+      lr: learning rate, or a schedule ``lr(count) -> float`` called with the
+        0-based index of the update being computed (0 for the first update).
+      betas: decay rates of the first and second moment estimates, each in [0, 1).
+      eps: term added to the denominator for numerical stability.
+      weight_decay: L2 penalty coefficient, added to the gradient (``g + wd * p``).
+      amsgrad: use the AMSGrad variant (normalise by the running max of ``nu``).
+      maximize: maximize the objective instead of minimizing it.
+
+    Returns:
+      An :class:`Optimizer` whose state is an :class:`AdamState`.
+
+    Raises:
+      ValueError: for invalid hyper-parameters (same rules as torch).
+    """
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> Optimizer:
+    """AdamW (decoupled weight decay), as ``torch.optim.AdamW``.
+
+    Args:
+      lr: learning rate, or a schedule ``lr(count) -> float`` called with the
+        0-based index of the update being computed (0 for the first update).
+      betas: decay rates of the first and second moment estimates, each in [0, 1).
+      eps: term added to the denominator for numerical stability.
+      weight_decay: decoupled decay; params are first scaled by ``1 - lr * wd``.
+      amsgrad: use the AMSGrad variant (normalise by the running max of ``nu``).
+      maximize: maximize the objective instead of minimizing it.
+
+    Returns:
+      An :class:`Optimizer` whose state is an :class:`AdamState`.
+
+    Raises:
+      ValueError: for invalid hyper-parameters (same rules as torch).
+    """
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)

@@ -1,0 +1,135 @@
+"""The functional ``Optimizer`` interface and helpers shared by the optimizer aliases."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeAlias
+
+import optree
+import torch
+
+Params: TypeAlias = Any
+"""An optree pytree whose leaves are ``torch.Tensor`` parameters."""
+
+Grads: TypeAlias = Any
+"""A pytree of gradients with exactly the structure of the matching ``Params``."""
+
+OptState: TypeAlias = Any
+"""An optimizer state: a pytree of tensors and python scalars."""
+
+Schedule: TypeAlias = Callable[[int], float]
+"""Maps the 0-based index of the step being computed to a learning rate."""
+
+# Quoted: only type checkers read it, so no runtime `type | Callable` union (Python >= 3.10).
+ScalarOrSchedule: TypeAlias = "float | Schedule"
+
+
+class Optimizer(NamedTuple):
+    """A pure-function optimizer: a pair of ``init`` and ``update`` functions.
+
+    ``init(params)`` builds the initial state. ``update(grads, state, params)``
+    returns ``(new_params, new_state)`` and never mutates its inputs, so a step
+    can be retried, replayed or checkpointed without defensive copies.
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[[Grads, OptState, Params], tuple[Params, OptState]]
+
+
+def validate_lr(lr: ScalarOrSchedule) -> None:
+    """Rejects a constant learning rate that is negative or NaN.
+
+    Args:
+      lr: a constant learning rate or a schedule (schedules are checked when called).
+
+    Raises:
+      ValueError: if ``lr`` is a constant and not ``>= 0``.
+    """
+    if not callable(lr):
+        validate_non_negative("learning rate", lr)
+
+
+def validate_non_negative(name: str, value: float) -> None:
+    """Raises ``ValueError`` unless ``value >= 0`` (NaN is rejected too).
+
+    Args:
+      name: human readable hyper-parameter name used in the error message.
+      value: the value to check.
+    """
+    # `not value >= 0` rather than `value < 0` so that NaN is rejected as well.
+    if not float(value) >= 0.0:
+        raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
+
+
+def validate_beta(index: int, value: float) -> None:
+    """Raises ``ValueError`` unless ``0 <= value < 1``.
+
+    Args:
+      index: position of the beta in ``betas`` (for the error message).
+      value: the beta to check.
+    """
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"Invalid beta parameter at index {index}: {value} (must be in [0, 1))")
+
+
+def resolve_lr(lr: ScalarOrSchedule, count: int) -> float:
+    """Returns the learning rate to use for the step with 0-based index ``count``.
+
+    Args:
+      lr: a constant learning rate or a schedule ``lr(count) -> float``.
+      count: number of updates already applied (the index of this update).
+
+    Returns:
+      The learning rate as a python float, exactly as torch turns a (tensor) lr into a scalar.
+
+    Raises:
+      ValueError: if the (scheduled) learning rate is negative or NaN.
+    """
+    value = lr(count) if callable(lr) else lr
+    # torch converts a tensor lr with `.item()`; float() does the same for 0-d tensors.
+    value = float(value)
+    if math.isnan(value) or value < 0.0:
+        raise ValueError(f"Invalid learning rate at step {count}: {value} (must be >= 0)")
+    return value
+
+
+def flatten_as(
+    params: Params, *trees: Any
+) -> tuple[list[torch.Tensor], optree.PyTreeSpec, list[list[Any]]]:
+    """Flattens ``params`` and each of ``trees`` up to the structure of ``params``.
+
+    Args:
+      params: the parameter pytree that defines the structure.
+      *trees: pytrees whose prefix matches ``params`` (grads, per-leaf state ...).
+
+    Returns:
+      ``(param_leaves, treespec, [leaves_of_each_tree])``.
+
+    Raises:
+      ValueError: if one of ``trees`` does not have the structure of ``params``.
+    """
+    leaves, spec = optree.tree_flatten(params)
+    # flatten_up_to raises a descriptive error if a tree's structure does not match.
+    return leaves, spec, [spec.flatten_up_to(tree) for tree in trees]
+
+
+def zeros_like_tree(params: Params) -> Params:
+    """Returns a pytree of zero tensors shaped like ``params`` (same dtype/device/layout).
+
+    Args:
+      params: the parameter pytree.
+
+    Returns:
+      The zero pytree, with the structure of ``params``.
+    """
+    # preserve_format mirrors torch's own state initialisation, so strides match the params.
+    return optree.tree_map(
+        lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params
+    )
+
+
+def zero_count() -> torch.Tensor:
+    """Returns a fresh step counter: a 0-d int64 CPU tensor equal to 0."""
+    # A tensor (not a python int) so the count is checkpointed like every other state leaf.
+    return torch.zeros((), dtype=torch.int64)

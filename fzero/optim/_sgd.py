@@ -1,0 +1,101 @@
+"""Stochastic gradient descent, bitwise-equal to ``torch.optim.SGD(foreach=False)``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._base import (
+    Grads,
+    Optimizer,
+    Params,
+    ScalarOrSchedule,
+    flatten_as,
+    resolve_lr,
+    validate_lr,
+    validate_non_negative,
+    zero_count,
+    zeros_like_tree,
+)
+
+
+class SgdState(NamedTuple):
+    """State of :func:`sgd`.
+
+    Attributes:
+      count: 0-d int64 tensor, number of updates applied so far.
+      momentum: momentum buffers mirroring the params pytree, or ``None`` when
+        ``momentum == 0`` (torch keeps no buffer then either).
+    """
+
+    count: torch.Tensor
+    momentum: Params | None
+
+
+def sgd(
+    lr: ScalarOrSchedule = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+) -> Optimizer:
+    """SGD with optional (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
+
+    Args:
+      lr: learning rate, or a schedule ``lr(count) -> float`` called with the
+        0-based index of the update being computed (0 for the first update).
+      momentum: momentum factor.
+      dampening: dampening applied to the gradient when accumulating momentum
+        (not applied on the first update, where the buffer is the gradient itself).
+      weight_decay: L2 penalty added to the gradient.
+      nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+      maximize: maximize the objective instead of minimizing it.
+
+    Returns:
+      An :class:`Optimizer` whose state is an :class:`SgdState`.
+
+    Raises:
+      ValueError: for invalid hyper-parameters (same rules as torch).
+    """
+    validate_lr(lr)
+    validate_non_negative("momentum value", momentum)
+    validate_non_negative("weight_decay value", weight_decay)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def init(params: Params) -> SgdState:
+        # Buffers are allocated eagerly (torch allocates lazily) so the state has
+        # a fixed structure from the start; their zeros are never read, see update.
+        buffers = zeros_like_tree(params) if momentum != 0 else None
+        return SgdState(count=zero_count(), momentum=buffers)
+
+    @torch.no_grad()
+    def update(grads: Grads, state: SgdState, params: Params) -> tuple[Params, SgdState]:
+        count = int(state.count)
+        step_lr = resolve_lr(lr, count)
+        trees = (grads,) if momentum == 0 else (grads, state.momentum)
+        leaves, spec, (grad_leaves, *rest) = flatten_as(params, *trees)
+        buf_leaves = rest[0] if rest else [None] * len(leaves)
+
+        new_params, new_bufs = [], []
+        for p, g, buf in zip(leaves, grad_leaves, buf_leaves, strict=True):
+            d_p = -g if maximize else g
+            if weight_decay != 0:
+                d_p = d_p.add(p, alpha=weight_decay)
+            if momentum != 0:
+                if count == 0:
+                    # torch seeds the buffer with the raw step direction on the first
+                    # step, skipping the (1 - dampening) factor.
+                    buf = d_p.clone()
+                else:
+                    buf = buf.mul(momentum).add_(d_p, alpha=1 - dampening)
+                d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
+                new_bufs.append(buf)
+            new_params.append(p.add(d_p, alpha=-step_lr))
+
+        new_momentum = spec.unflatten(new_bufs) if momentum != 0 else None
+        return spec.unflatten(new_params), SgdState(state.count + 1, new_momentum)
+
+    return Optimizer(init, update)

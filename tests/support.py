@@ -1,0 +1,132 @@
+"""Test support: random MLP-like parameter trees, optimizers, the single-process reference."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+import fzero
+from fzero import optim
+
+# name -> (fzero optimizer factory, torch.optim class, kwargs shared by both)
+OPTIMIZERS: dict[str, tuple[Any, type, dict[str, Any]]] = {
+    "sgd": (optim.sgd, torch.optim.SGD, {"lr": 0.1}),
+    "momentum": (optim.sgd, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
+    "nesterov": (optim.sgd, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    "adam": (optim.adam, torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}),
+    "adamw": (optim.adamw, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "torch_rmsprop": (None, torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
+    "torch_adamw": (None, torch.optim.AdamW, {"lr": 0.01}),
+}
+
+
+def make_optimizer(name: str) -> optim.Optimizer:
+    factory, cls, kwargs = OPTIMIZERS[name]
+    return factory(**kwargs) if factory is not None else optim.from_torch(cls, **kwargs)
+
+
+def make_torch_optimizer(name: str, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    _, cls, kwargs = OPTIMIZERS[name]
+    return cls(tensors, foreach=False, **kwargs)
+
+
+def mlp_loss(params: dict[str, Any], batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """An MLP over a nested tree: tanh layers, then a 0-d scale and a 1-element shift."""
+    x, y = batch
+    h = x
+    for layer in params["layers"]:
+        h = torch.tanh(h @ layer["w"] + layer["b"])
+    out = h * params["scale"] + params["shift"]
+    return ((out - y) ** 2).mean()
+
+
+@dataclass
+class Case:
+    """One parity experiment: initial params, per-step global batches, optimizer, ranks."""
+
+    params: dict[str, Any]
+    xs: torch.Tensor  # (steps, world_size * micro, d_in)
+    ys: torch.Tensor  # (steps, world_size * micro, d_out)
+    world_size: int
+    optimizer: str = "adam"
+    stage: int = 0
+    layout: str = "flat"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def micro_batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        micro = self.xs.shape[1] // self.world_size
+        sl = slice(rank * micro, (rank + 1) * micro)
+        return self.xs[step, sl], self.ys[step, sl]
+
+
+def make_params(dims: list[int], dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, dtype=dtype) * 0.5
+
+    layers = [{"w": rnd(a, b), "b": rnd(b)} for a, b in itertools.pairwise(dims)]
+    return {"layers": layers, "scale": rnd(), "shift": rnd(1)}
+
+
+@st.composite
+def cases(
+    draw: Any,
+    *,
+    world_sizes: Any = st.integers(1, 8),
+    dtype: torch.dtype = torch.float64,
+    optimizers: Any = None,
+    stages: Any = st.sampled_from([0, 1, 2, 3]),
+    layouts: Any = st.sampled_from(["flat", "tensor"]),
+) -> Case:
+    """Random MLP-like trees (odd shapes, 0-d and 1-element leaves) with random data."""
+    n = draw(world_sizes)
+    dims = draw(st.lists(st.integers(1, 6), min_size=2, max_size=4))
+    steps = draw(st.integers(1, 3))
+    micro = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 2**16))
+    opt = draw(optimizers if optimizers is not None else st.sampled_from(sorted(OPTIMIZERS)))
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = torch.randn(steps, n * micro, dims[0], generator=g, dtype=dtype)
+    ys = torch.randn(steps, n * micro, dims[-1], generator=g, dtype=dtype)
+    return Case(make_params(dims, dtype, seed), xs, ys, n, opt, draw(stages), draw(layouts))
+
+
+def train_reference(case: Case) -> dict[str, Any]:
+    """Plain torch.optim on one process over the concatenated batch: the ground truth."""
+    leaves, treedef = fzero._tree.tree_flatten(case.params)
+    tensors = [x.detach().clone().requires_grad_() for x in leaves]
+    opt = make_torch_optimizer(case.optimizer, tensors)
+    for t in range(case.xs.shape[0]):
+        opt.zero_grad()
+        mlp_loss(fzero._tree.tree_unflatten(treedef, tensors), (case.xs[t], case.ys[t])).backward()
+        opt.step()
+    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+
+
+def train_fzero(mesh: fzero.Mesh, case: Case) -> tuple[Any, list[float]]:
+    """The same run under fzero on `mesh`; returns the gathered params and this rank's losses."""
+    opt = make_optimizer(case.optimizer)
+    state = fzero.shard_state(case.params, opt, mesh, stage=case.stage, layout=case.layout)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, stage=case.stage)
+    losses = []
+    for t in range(case.xs.shape[0]):
+        state, loss = step(state, case.micro_batch(t, mesh.rank))
+        losses.append(loss.item())
+    return fzero.gather_params(state.params, mesh), losses
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """float64: exactness up to reduction order; float32: round-off over a few steps."""
+    return (
+        {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    )
+
+
+def run(world_size: int, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
+    """fzero.simulate with short timeouts: a collective bug fails the test, never hangs it."""
+    return fzero.Simulation(world_size, collective_timeout=30, timeout=120).run(fn, *args, **kwargs)

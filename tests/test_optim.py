@@ -1,0 +1,401 @@
+"""Tests for fzero.optim: bitwise agreement with stateful torch.optim optimizers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fzero import optim
+
+SHAPES = [(), (1,), (0,), (3, 5), (2, 1, 4)]
+FLOATS = [torch.float32, torch.float64]
+STEPS = 4
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.complex64: torch.int64,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+# A shape skeleton: leaves are shapes (tuples of ints, kept whole via is_leaf).
+_shape = st.sampled_from(SHAPES)
+_flat = st.dictionaries(st.sampled_from(["w", "b", "emb", "out.w"]), _shape, min_size=1)
+skeletons = st.one_of(
+    _flat,
+    _shape,  # a bare tensor is a pytree too
+    st.tuples(_shape, _shape),
+    st.fixed_dictionaries({"enc": _flat, "dec": st.tuples(_shape), "head": _shape}),
+)
+seeds = st.integers(0, 2**31 - 1)
+dtypes = st.sampled_from(FLOATS)
+lrs = st.floats(1e-4, 1.0)
+decays = st.one_of(st.just(0.0), st.floats(1e-4, 0.5))
+betas = st.tuples(st.floats(0.0, 0.99), st.sampled_from([0.0, 0.9, 0.999]))
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def make_tree(skeleton: Any, gen: torch.Generator, dtype: torch.dtype) -> Any:
+    """Random tensors with the given skeleton, drawn from ``gen``."""
+    return optree.tree_map(
+        lambda s: torch.randn(s, generator=gen, dtype=dtype), skeleton, is_leaf=_is_shape
+    )
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    view = _INT_VIEW.get(a.dtype, a.dtype)  # integer tensors are compared directly
+    assert torch.equal(a.contiguous().view(view), b.contiguous().view(view)), (a, b)
+
+
+def snapshot(tree: Any) -> list[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in optree.tree_leaves(tree)]
+
+
+def assert_unchanged(tree: Any, snap: list[Any]) -> None:
+    leaves = optree.tree_leaves(tree)
+    assert len(leaves) == len(snap)
+    for now, before in zip(leaves, snap, strict=True):
+        if isinstance(now, torch.Tensor):
+            assert_bitwise(now, before)
+        else:
+            assert now == before
+
+
+def run_both(
+    opt: optim.Optimizer,
+    ref_cls: type[torch.optim.Optimizer],
+    ref_kwargs: dict[str, Any],
+    skeleton: Any,
+    seed: int,
+    dtype: torch.dtype,
+    steps: int = STEPS,
+    schedule: Callable[[int], float] | None = None,
+    ref_grad_filter: Callable[[torch.Tensor], bool] = lambda p: True,
+) -> tuple[Any, Any, list[torch.Tensor], torch.optim.Optimizer]:
+    """Steps ``opt`` functionally and ``ref_cls`` statefully on copies of the same data."""
+    gen = torch.Generator().manual_seed(seed)
+    params = make_tree(skeleton, gen, dtype)
+    ref_params = [p.clone() for p in optree.tree_leaves(params)]
+    ref = ref_cls(ref_params, **ref_kwargs)
+    state = opt.init(params)
+    for step in range(steps):
+        grads = make_tree(skeleton, gen, dtype)
+        for p, g in zip(ref_params, optree.tree_leaves(grads), strict=True):
+            p.grad = g.clone() if ref_grad_filter(p) else None
+        if schedule is not None:
+            ref.param_groups[0]["lr"] = schedule(step)
+        ref.step()
+        params, state = opt.update(grads, state, params)
+    for mine, theirs in zip(optree.tree_leaves(params), ref_params, strict=True):
+        assert_bitwise(mine, theirs)
+    return params, state, ref_params, ref
+
+
+# (momentum, dampening, nesterov): every momentum branch of torch.optim.SGD.
+SGD_BRANCHES = [(0.0, 0.0, False), (0.9, 0.0, False), (0.5, 0.3, False), (0.9, 0.0, True)]
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize(("momentum", "dampening", "nesterov"), SGD_BRANCHES)
+@given(skeleton=skeletons, seed=seeds, dtype=dtypes, lr=lrs, weight_decay=decays)
+def test_sgd_matches_torch(
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool,
+    skeleton: Any,
+    seed: int,
+    dtype: torch.dtype,
+    lr: float,
+    weight_decay: float,
+) -> None:
+    hp = {
+        "lr": lr,
+        "momentum": momentum,
+        "dampening": dampening,
+        "weight_decay": weight_decay,
+        "nesterov": nesterov,
+        "maximize": maximize,
+    }
+    _, state, ref_params, ref = run_both(
+        optim.sgd(**hp), torch.optim.SGD, dict(hp, foreach=False), skeleton, seed, dtype
+    )
+    assert int(state.count) == STEPS
+    if momentum == 0:
+        assert state.momentum is None
+    else:
+        for buf, p in zip(optree.tree_leaves(state.momentum), ref_params, strict=True):
+            assert_bitwise(buf, ref.state[p]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize(
+    ("make", "ref_cls"), [(optim.adam, torch.optim.Adam), (optim.adamw, torch.optim.AdamW)]
+)
+@given(
+    skeleton=skeletons,
+    seed=seeds,
+    dtype=dtypes,
+    lr=lrs,
+    betas=betas,
+    eps=st.sampled_from([1e-8, 1e-3, 0.0]),
+    weight_decay=decays,
+)
+def test_adam_matches_torch(
+    make: Callable[..., optim.Optimizer],
+    ref_cls: type[torch.optim.Optimizer],
+    amsgrad: bool,
+    maximize: bool,
+    skeleton: Any,
+    seed: int,
+    dtype: torch.dtype,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    hp = {
+        "lr": lr,
+        "betas": betas,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "amsgrad": amsgrad,
+        "maximize": maximize,
+    }
+    _, state, ref_params, ref = run_both(
+        make(**hp), ref_cls, dict(hp, foreach=False), skeleton, seed, dtype
+    )
+    assert int(state.count) == STEPS
+    assert (state.nu_max is None) != amsgrad
+    for i, p in enumerate(ref_params):
+        assert_bitwise(optree.tree_leaves(state.mu)[i], ref.state[p]["exp_avg"])
+        assert_bitwise(optree.tree_leaves(state.nu)[i], ref.state[p]["exp_avg_sq"])
+        if amsgrad:
+            assert_bitwise(optree.tree_leaves(state.nu_max)[i], ref.state[p]["max_exp_avg_sq"])
+
+
+@pytest.mark.parametrize(
+    ("make", "ref_cls", "extra"),
+    [
+        (optim.sgd, torch.optim.SGD, {"momentum": 0.9, "dampening": 0.1}),
+        (optim.adam, torch.optim.Adam, {"amsgrad": True, "weight_decay": 0.1}),
+        (optim.adamw, torch.optim.AdamW, {"weight_decay": 0.1}),
+    ],
+)
+@given(skeleton=skeletons, seed=seeds, dtype=dtypes)
+def test_lr_schedule_matches_torch(
+    make: Callable[..., optim.Optimizer],
+    ref_cls: type[torch.optim.Optimizer],
+    extra: dict[str, Any],
+    skeleton: Any,
+    seed: int,
+    dtype: torch.dtype,
+) -> None:
+    calls: list[int] = []
+
+    def schedule(count: int) -> float:
+        return 0.1 / (1 + count) + 0.01 * (count % 2)
+
+    def recording(count: int) -> float:
+        calls.append(count)
+        return schedule(count)
+
+    run_both(
+        make(lr=recording, **extra),
+        ref_cls,
+        dict(extra, foreach=False),
+        skeleton,
+        seed,
+        dtype,
+        schedule=schedule,
+    )
+    assert calls == list(range(STEPS))  # 0-based index of the update being computed
+
+
+FROM_TORCH = [
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.5}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    (torch.optim.Adamax, {"lr": 0.01}),
+    (torch.optim.NAdam, {"lr": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (torch.optim.RAdam, {"lr": 0.01}),
+    (torch.optim.Adadelta, {"lr": 0.5}),
+    (torch.optim.Rprop, {"lr": 0.01}),
+    (torch.optim.ASGD, {"lr": 0.01, "t0": 2}),
+    (torch.optim.Adafactor, {"lr": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "foreach": True, "maximize": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    FROM_TORCH,
+    ids=[c.__name__ + ("-foreach" if kw.get("foreach") else "") for c, kw in FROM_TORCH],
+)
+@given(skeleton=skeletons, seed=seeds, dtype=dtypes)
+def test_from_torch_matches_torch(
+    cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    skeleton: Any,
+    seed: int,
+    dtype: torch.dtype,
+) -> None:
+    # torch's Adafactor divides by numel(), so the reference must skip empty tensors
+    # (from_torch always does; for other optimizers an empty tensor is a no-op).
+    keep = (lambda p: p.numel() > 0) if cls is torch.optim.Adafactor else (lambda p: True)
+    _, state, ref_params, ref = run_both(
+        optim.from_torch(cls, **kwargs), cls, kwargs, skeleton, seed, dtype, ref_grad_filter=keep
+    )
+    for mine, p in zip(
+        optree.tree_structure(skeleton, is_leaf=_is_shape).flatten_up_to(state),
+        ref_params,
+        strict=True,
+    ):
+        assert isinstance(mine, dict)
+        if p.numel() == 0:
+            continue
+        assert mine.keys() == ref.state[p].keys()
+        for key, value in mine.items():
+            if isinstance(value, torch.Tensor):
+                assert_bitwise(value, ref.state[p][key])
+            else:
+                assert value == ref.state[p][key]
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optim.sgd(lr=0.1, momentum=0.9, weight_decay=0.1, nesterov=True),
+    "adam": lambda: optim.adam(lr=0.1, weight_decay=0.1, amsgrad=True, maximize=True),
+    "adamw": lambda: optim.adamw(lr=lambda c: 0.1 * (c + 1)),
+    "from_torch": lambda: optim.from_torch(torch.optim.Adam, lr=0.1, amsgrad=True),
+    "from_torch_adagrad": lambda: optim.from_torch(torch.optim.Adagrad, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@given(skeleton=skeletons, seed=seeds, dtype=dtypes)
+def test_update_does_not_mutate_inputs(
+    name: str, skeleton: Any, seed: int, dtype: torch.dtype
+) -> None:
+    opt = OPTIMIZERS[name]()
+    gen = torch.Generator().manual_seed(seed)
+    params = make_tree(skeleton, gen, dtype)
+    state = opt.init(params)
+    for _ in range(3):  # later steps read the (non-trivial) state
+        grads = make_tree(skeleton, gen, dtype)
+        before = [snapshot(params), snapshot(grads), snapshot(state)]
+        new_params, new_state = opt.update(grads, state, params)
+        for tree, snap in zip((params, grads, state), before, strict=True):
+            assert_unchanged(tree, snap)
+        assert optree.tree_structure(new_params) == optree.tree_structure(params)
+        for x in optree.tree_leaves(new_state):
+            assert isinstance(x, (torch.Tensor, int, float)), type(x)
+        params, state = new_params, new_state
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("params", [(), {}, {"a": ()}])
+def test_empty_pytree(name: str, params: Any) -> None:
+    # A rank that owns no tensors still steps: nothing in, nothing out.
+    opt = OPTIMIZERS[name]()
+    new_params, state = opt.update(params, opt.init(params), params)
+    assert new_params == params
+    assert optree.tree_structure(state) == optree.tree_structure(opt.init(params))
+
+
+@pytest.mark.parametrize("make", [optim.sgd, optim.adam, optim.adamw])
+def test_state_is_a_stable_pytree(make: Callable[..., optim.Optimizer]) -> None:
+    params = {"a": torch.ones(3), "b": (torch.zeros(()), torch.ones(2, 2))}
+    opt = make(lr=0.1, **({"momentum": 0.9} if make is optim.sgd else {"amsgrad": True}))
+    state = opt.init(params)
+    _, new_state = opt.update(optree.tree_map(torch.ones_like, params), state, params)
+    assert optree.tree_structure(new_state) == optree.tree_structure(state)
+    assert all(isinstance(x, torch.Tensor) for x in optree.tree_leaves(state))
+    moments = new_state.momentum if make is optim.sgd else new_state.mu
+    assert optree.tree_structure(moments) == optree.tree_structure(params)
+
+
+@pytest.mark.parametrize(
+    ("make", "ref_cls"), [(optim.adam, torch.optim.Adam), (optim.adamw, torch.optim.AdamW)]
+)
+def test_complex_adam_matches_torch(
+    make: Callable[..., optim.Optimizer], ref_cls: type[torch.optim.Optimizer]
+) -> None:
+    # torch steps complex params through real views; a naive complex g*g would differ.
+    hp = {"lr": 0.05, "weight_decay": 0.1, "amsgrad": True}
+    run_both(make(**hp), ref_cls, dict(hp, foreach=False), {"z": (3, 2)}, 0, torch.complex64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("make", "ref_cls", "hp"),
+    [
+        (optim.sgd, torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
+        (optim.adam, torch.optim.Adam, {"weight_decay": 0.1, "amsgrad": True}),
+        (optim.adamw, torch.optim.AdamW, {}),
+    ],
+)
+def test_low_precision(
+    make: Callable[..., optim.Optimizer],
+    ref_cls: type[torch.optim.Optimizer],
+    hp: dict[str, Any],
+    dtype: torch.dtype,
+) -> None:
+    hp = dict(hp, lr=0.01)
+    skeleton = {"a": (3, 5), "b": (), "c": (0,)}
+    run_both(make(**hp), ref_cls, dict(hp, foreach=False), skeleton, 0, dtype)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: optim.sgd(lr=-0.1),
+        lambda: optim.sgd(momentum=-0.5),
+        lambda: optim.sgd(weight_decay=-1.0),
+        lambda: optim.sgd(nesterov=True),
+        lambda: optim.sgd(momentum=0.9, dampening=0.1, nesterov=True),
+        lambda: optim.adam(lr=-1e-3),
+        lambda: optim.adam(lr=float("nan")),
+        lambda: optim.adam(betas=(1.0, 0.999)),
+        lambda: optim.adam(betas=(0.9, -0.1)),
+        lambda: optim.adamw(eps=-1e-8),
+        lambda: optim.adamw(weight_decay=-0.01),
+        lambda: optim.from_torch(torch.optim.Adam, lr=-1.0),
+        lambda: optim.from_torch(torch.optim.LBFGS),
+    ],
+)
+def test_invalid_hyperparameters_raise(build: Callable[[], optim.Optimizer]) -> None:
+    with pytest.raises(ValueError):
+        build()
+
+
+@pytest.mark.parametrize("make", [optim.sgd, optim.adam, optim.adamw])
+def test_negative_scheduled_lr_raises(make: Callable[..., optim.Optimizer]) -> None:
+    opt = make(lr=lambda count: 0.1 - count)  # valid at step 0, negative at step 1
+    params = (torch.ones(2),)
+    params, state = opt.update((torch.ones(2),), opt.init(params), params)
+    with pytest.raises(ValueError, match="learning rate"):
+        opt.update((torch.ones(2),), state, params)
+
+
+@pytest.mark.parametrize("bad", [dict, torch.nn.Linear, "Adam", torch.optim.Adam([torch.zeros(1)])])
+def test_from_torch_rejects_non_optimizers(bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        optim.from_torch(bad)
+
+
+def test_from_torch_rejects_lbfgs_clearly() -> None:
+    with pytest.raises(ValueError, match="closure"):
+        optim.from_torch(torch.optim.LBFGS, lr=1.0)
