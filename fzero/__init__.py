@@ -1,6 +1,7 @@
 """fzero: ZeRO data-parallel sharding for PyTorch as pure functions over parameter pytrees."""
 
 from . import optim as optim
+from . import units as units
 from ._autodiff import value_and_grad as value_and_grad
 from ._gather import gather_params as gather_params
 from ._grads import all_reduce_grads as all_reduce_grads
@@ -23,6 +24,7 @@ from ._state import shard_state as shard_state
 from ._step import sharded_step as sharded_step
 from ._tree import assert_trees_close as assert_trees_close
 from ._tree import tree_nbytes as tree_nbytes
+from ._unit import UnitLedger as UnitLedger
 from ._update import sharded_update as sharded_update
 
 __version__ = "0.1.0"

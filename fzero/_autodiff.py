@@ -18,6 +18,19 @@ from ._tree import PyTree, tree_flatten, tree_unflatten
 # is modified and the step stays a pure function of (state, batch).
 
 
+def check_loss(out: Any, what: str = "loss_fn", rank: int | None = None) -> torch.Tensor:
+    """Returns `out` if it is a real scalar tensor, else raises naming the problem."""
+    where = "" if rank is None else f" on rank {rank}"
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{what} must return a scalar tensor, got {type(out).__name__}{where}")
+    if out.dim() != 0 or not out.is_floating_point():
+        raise ValueError(
+            f"{what} must return a real scalar tensor (shape ()), got shape "
+            f"{tuple(out.shape)} dtype {out.dtype}{where}"
+        )
+    return out
+
+
 def value_and_grad(
     fn: Callable[..., torch.Tensor],
     tree: PyTree,

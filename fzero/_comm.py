@@ -46,6 +46,25 @@ def all_gather(shard: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         return out
 
 
+def all_gather_async(
+    shard: torch.Tensor, mesh: Mesh, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Any]:
+    """Starts an all-gather of the 1-D `shard` into `out` (new if None).
+
+    Returns `(out, work)`; `out` is valid after `work.wait()` (`work` is None when there was
+    nothing to wait for). Prefetching issues the next unit's gather with this while the
+    current unit computes.
+    """
+    with _plain_tensors():
+        shard = _unwrap(shard).detach().contiguous()
+        if out is None:
+            out = shard.new_empty(shard.numel() * mesh.size)
+        if mesh.size == 1 or shard.numel() == 0:
+            out.copy_(shard.repeat(mesh.size))
+            return out, None
+        return out, _all_gather_single(out, shard, group=mesh.group, async_op=True)
+
+
 def reduce_scatter_mean(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """This rank's slice of the mean over ranks of the 1-D `full` (a new tensor).
 

@@ -16,7 +16,7 @@ packings share that one mechanism, so gather and reduce-scatter never care which
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import optree
@@ -41,12 +41,13 @@ class Slot:
 
 @dataclass(frozen=True)
 class Bucket:
-    """One flat buffer: leaves of one dtype, split evenly over the ranks."""
+    """One flat buffer: the leaves of one unit and one dtype, split evenly over the ranks."""
 
     dtype: torch.dtype
     slots: tuple[Slot, ...]
     shard_numel: int
     world_size: int
+    unit: str = ""  # the unit's path prefix; "" is the root unit
 
     @property
     def full_numel(self) -> int:
@@ -69,6 +70,15 @@ class ShardLayout:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     buckets: tuple[Bucket, ...]
+    units: tuple[str, ...] = ("",)
+
+    def unit_buckets(self, unit: str) -> tuple[int, ...]:
+        """Indices of the buckets of `unit` (one per dtype it holds)."""
+        return tuple(i for i, b in enumerate(self.buckets) if b.unit == unit)
+
+    def unit_numel(self, unit: str) -> int:
+        """Full (padded) elements of `unit` over all its buckets."""
+        return sum(self.buckets[i].full_numel for i in self.unit_buckets(unit))
 
     @property
     def numel(self) -> int:
@@ -108,6 +118,14 @@ class ShardLayout:
             for s in bucket.slots:
                 leaves[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
         return tree_unflatten(self.treedef, leaves)
+
+    def unflatten_unit(self, unit: str, fulls: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Views of `unit`'s leaves, by path, into its full flat buckets `fulls`."""
+        out = {}
+        for i, full in zip(self.unit_buckets(unit), fulls, strict=True):
+            for s in self.buckets[i].slots:
+                out[s.path] = full[s.offset : s.offset + s.numel].view(s.shape)
+        return out
 
     def shard(self, tree: PyTree, rank: int) -> tuple[torch.Tensor, ...]:
         """Rank `rank`'s slice of every bucket of `tree` (a copy; no communication)."""
@@ -153,27 +171,38 @@ class ShardLayout:
         return tuple(out)
 
 
-def build_layout(params: PyTree, world_size: int, kind: str = "flat") -> ShardLayout:
+def build_layout(
+    params: PyTree, world_size: int, kind: str = "flat", units: Sequence[str] | None = None
+) -> ShardLayout:
     """Computes the layout of `params` over `world_size` ranks.
 
     Args:
       params: a pytree whose leaves are floating-point tensors, all on one device.
       world_size: number of ranks.
       kind: "flat" or "tensor" (see the module docstring).
+      units: parameter-path prefixes, each gathered and reduced as its own buffers. A
+        prefix covers the paths it matches on whole dotted components ("layers.1" covers
+        "layers.1.w", not "layers.10.w"); a leaf belongs to its longest matching prefix;
+        leaves matching none form the root unit "".
 
     Returns:
-      The ShardLayout; it depends only on the leaves' paths, shapes and dtypes.
+      The ShardLayout; it depends only on the leaves' paths, shapes and dtypes and `units`.
     """
     if kind not in KINDS:
         raise ValueError(f"layout must be one of {KINDS}, got {kind!r}")
     leaves, treedef = tree_flatten(params)
     paths = leaf_paths(params)
     _check_leaves(paths, leaves)
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    names = _check_units(units, paths)
+    groups: dict[tuple[str, torch.dtype], list[int]] = {}
     for i, leaf in enumerate(leaves):
-        by_dtype.setdefault(leaf.dtype, []).append(i)
+        groups.setdefault((unit_of(paths[i], names), leaf.dtype), []).append(i)
     place = _place_flat if kind == "flat" else _place_greedy
-    buckets = tuple(place(dtype, idx, paths, leaves, world_size) for dtype, idx in by_dtype.items())
+    order = {u: k for k, u in enumerate(("", *names))}  # root first, then units as given
+    buckets = tuple(
+        replace(place(dtype, idx, paths, leaves, world_size), unit=unit)
+        for (unit, dtype), idx in sorted(groups.items(), key=lambda kv: order[kv[0][0]])
+    )
     return ShardLayout(
         kind,
         world_size,
@@ -182,7 +211,33 @@ def build_layout(params: PyTree, world_size: int, kind: str = "flat") -> ShardLa
         tuple(tuple(x.shape) for x in leaves),
         tuple(x.dtype for x in leaves),
         buckets,
+        ("", *names),
     )
+
+
+def unit_of(path: str, units: Sequence[str]) -> str:
+    """The longest prefix in `units` covering `path` on whole components, or "" (root)."""
+    best = ""
+    for u in units:
+        if (path == u or path.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def _check_units(units: Sequence[str] | None, paths: list[str]) -> tuple[str, ...]:
+    if units is None:
+        return ()
+    if isinstance(units, str):
+        raise TypeError("units must be a sequence of path prefixes, not one string")
+    names = tuple(units)
+    for u in names:
+        if not isinstance(u, str) or not u:
+            raise ValueError(f"a unit must be a non-empty parameter-path prefix, got {u!r}")
+        if not any(p == u or p.startswith(u + ".") for p in paths):
+            raise ValueError(f"unit {u!r} matches no parameter path (paths look like {paths[0]!r})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"units has duplicates: {sorted(u for u in names if names.count(u) > 1)}")
+    return names
 
 
 def _check_leaves(paths: list[str], leaves: list[Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,13 @@ def check_stage(stage: Any) -> int:
 
 
 def shard_state(
-    params: PyTree, optimizer: Optimizer, mesh: Mesh, *, stage: int, layout: str = "flat"
+    params: PyTree,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    stage: int,
+    layout: str = "flat",
+    units: Sequence[str] | None = None,
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
@@ -76,13 +83,15 @@ def shard_state(
       stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
       layout: "flat" (default: flat buffers split evenly, any shapes) or "tensor" (whole
         tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor).
+      units: parameter-path prefixes gathered and reduced as separate flat buffers (see
+        `fzero.units.by_module` / `by_size`); parameters in no unit form the root unit.
 
     Returns:
       A ShardedState.
     """
     stage = check_stage(stage)
     try:
-        lay = build_layout(params, mesh.size, layout)
+        lay = build_layout(params, mesh.size, layout, units)
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"

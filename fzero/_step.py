@@ -2,27 +2,52 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._autodiff import value_and_grad
 from ._gather import gather_params
-from ._grads import all_reduce_grads, local_shard, reduce_scatter_grads
+from ._grads import all_reduce_grads, local_shard
+from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._shards import Shards
 from ._state import ShardedState, check_stage
-from ._tree import PyTree
+from ._tree import PyTree, tree_flatten, tree_map
+from ._unit import UnitLedger, value_and_shard_grad
 from ._update import sharded_update
 from .optim import Optimizer
 
 LossFn = Callable[[PyTree, Any], torch.Tensor]
 Step = Callable[[ShardedState, Any], tuple[ShardedState, torch.Tensor]]
+Out = tuple[PyTree, Any, torch.Tensor]
+
+
+@dataclass
+class _Options:
+    mesh: Mesh
+    module: nn.Module | None
+    reshard_after_forward: bool
+    prefetch: bool
+    ledger: UnitLedger | None
+    order: list[str] = field(default_factory=list)  # unit call order, for prefetching
 
 
 def sharded_step(
-    loss_fn: LossFn, optimizer: Optimizer, mesh: Mesh, *, stage: int, layout: str | None = None
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    stage: int,
+    layout: str | None = None,
+    units: Sequence[str] | None = None,
+    module: nn.Module | None = None,
+    reshard_after_forward: bool = True,
+    prefetch: bool = True,
+    ledger: UnitLedger | None = None,
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
 
@@ -30,85 +55,130 @@ def sharded_step(
     mean over ranks of the gradients (DDP semantics), so N ranks on micro-batches of size b
     train exactly like one process on their concatenation with a mean loss.
 
+    Stages 2 and 3 work unit by unit (`units=` of `shard_state`). With `module=` (the
+    module `loss_fn` calls through `torch.func.functional_call`, params keyed by
+    `named_parameters`), each unit that names a submodule is gathered (stage 3) just
+    before its forward and its gradient reduce-scattered as soon as its backward is
+    complete; the parameters of such a unit may only be used inside that submodule's
+    forward. Without `module=`, every unit is gathered before the forward and reduced when
+    the backward reaches it.
+
     Args:
       loss_fn: `(params, batch) -> scalar tensor`, params being the full tree.
       optimizer: the `fzero.optim.Optimizer` the state was built with.
       mesh: the mesh.
       stage: 0-3; must match the state's.
       layout: optional; if given, must match the state's layout kind.
+      units: optional; if given, must match the state's units.
+      module: the module whose unit submodules are hooked (stages 2 and 3).
+      reshard_after_forward: stage 3: free a unit's gathered parameters after its forward
+        and gather them again for its backward (less memory, one more all-gather).
+      prefetch: stage 3: start gathering the next unit (in last step's order) while the
+        current one computes, in forward and backward.
+      ledger: a UnitLedger recording live full-unit bytes (for tests and benchmarks).
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached. Pure: `state` is not modified.
     """
     stage = check_stage(stage)
     body = {0: _stage0, 1: _stage1, 2: _stage2, 3: _stage3}[stage]
+    opts = _Options(mesh, module, reshard_after_forward, prefetch, ledger)
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
-        _check_state(state, stage, layout, mesh)
-        params, opt_state, loss = body(loss_fn, optimizer, mesh, state, batch)
+        _check_state(state, stage, layout, units, mesh)
+        params, opt_state, loss = body(loss_fn, optimizer, opts, state, batch)
         return ShardedState(params, opt_state, state.step + 1, state.layout, stage), loss
 
     return step
 
 
-def _stage0(loss_fn, optimizer, mesh, state, batch):
+def _stage0(
+    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
+) -> Out:
     """DDP: all-reduce gradients; every rank applies the same full update."""
-    loss, grads = _grad(loss_fn, state.params, batch, mesh)
-    grads = all_reduce_grads(grads, mesh)
+    loss, grads = _grad(loss_fn, state.params, batch, o.mesh)
+    grads = all_reduce_grads(grads, o.mesh)
     params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state)
     return params, opt_state, loss
 
 
-def _stage1(loss_fn, optimizer, mesh, state, batch):
+def _stage1(
+    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
+) -> Out:
     """Optimizer state sharded: all-reduce, update own shard, all-gather parameters."""
-    loss, grads = _grad(loss_fn, state.params, batch, mesh)
-    grads = local_shard(all_reduce_grads(grads, mesh), state.layout, mesh)
-    shard = local_shard(state.params, state.layout, mesh)
+    loss, grads = _grad(loss_fn, state.params, batch, o.mesh)
+    grads = local_shard(all_reduce_grads(grads, o.mesh), state.layout, o.mesh)
+    shard = local_shard(state.params, state.layout, o.mesh)
     shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state)
-    return gather_params(shard, mesh), opt_state, loss
+    return gather_params(shard, o.mesh), opt_state, loss
 
 
-def _stage2(loss_fn, optimizer, mesh, state, batch):
-    """+ gradients sharded: reduce-scatter, update own shard, all-gather parameters."""
-    loss, grads = _grad(loss_fn, state.params, batch, mesh)
-    grads = reduce_scatter_grads(grads, state.layout, mesh)
-    shard = local_shard(state.params, state.layout, mesh)
+def _stage2(
+    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
+) -> Out:
+    """+ gradients sharded: params enter the loss through an identity whose VJP
+    reduce-scatters, unit by unit; update own shard; all-gather parameters."""
+    shard = local_shard(state.params, state.layout, o.mesh)
+    local = _full_buckets(state.params, state.layout)
+    loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local)
     shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state)
-    return gather_params(shard, mesh), opt_state, loss
+    return gather_params(shard, o.mesh), opt_state, loss
 
 
-def _stage3(loss_fn, optimizer, mesh, state, batch):
-    """+ parameters sharded: the loss sees gather_params(shards); its VJP reduce-scatters."""
-    loss, grads = value_and_grad(
-        lambda s, b: loss_fn(gather_params(s, mesh), b), state.params, batch, rank=mesh.rank
-    )
-    if grads is None:
-        # This rank's loss ignored every parameter, so gather_params's backward never ran;
-        # its peers' did, and wait for this rank's share of the reduce-scatter.
-        grads = reduce_scatter_grads(_zeros_like_full(state.params), state.layout, mesh)
+def _stage3(
+    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
+) -> Out:
+    """+ parameters sharded: params enter the loss through an all-gather, unit by unit,
+    whose VJP reduce-scatters; parameters stay sharded."""
+    loss, grads = _unit_grad(loss_fn, batch, o, state.layout, state.params.buffers, None)
     params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state)
     return params, opt_state, loss
+
+
+def _unit_grad(
+    loss_fn: LossFn,
+    batch: Any,
+    o: _Options,
+    layout: ShardLayout,
+    shards: tuple[torch.Tensor, ...],
+    local: tuple[torch.Tensor, ...] | None,
+) -> tuple[torch.Tensor, Shards]:
+    loss, grads = value_and_shard_grad(
+        loss_fn,
+        batch,
+        mesh=o.mesh,
+        layout=layout,
+        shards=shards,
+        local=local,
+        module=o.module,
+        reshard=o.reshard_after_forward,
+        prefetch=o.prefetch,
+        order=o.order,
+        ledger=o.ledger,
+    )
+    return loss, Shards(grads, layout, o.mesh.rank)
+
+
+def _full_buckets(params: PyTree, layout: ShardLayout) -> tuple[torch.Tensor, ...]:
+    """The flat buffers a replicated tree's leaves are views of (packed afresh if not)."""
+    leaves = tree_flatten(params)[0]
+    out = []
+    for bucket in layout.buckets:
+        base = leaves[bucket.slots[0].index]._base if bucket.slots else None
+        if base is None or base.numel() != bucket.full_numel or base.dtype != bucket.dtype:
+            return layout.flatten(params)
+        out.append(base)
+    return tuple(out)
 
 
 def _grad(loss_fn: LossFn, params: PyTree, batch: Any, mesh: Mesh) -> tuple[torch.Tensor, PyTree]:
     loss, grads = value_and_grad(loss_fn, params, batch, rank=mesh.rank)
-    if grads is None:
-        grads = _zeros_like_full(params)
-    return loss, grads
+    return loss, tree_map(torch.zeros_like, params) if grads is None else grads
 
 
-def _zeros_like_full(params: PyTree) -> PyTree:
-    if isinstance(params, Shards):
-        lay = params.layout
-        return lay.unflatten(
-            [b.new_zeros(bk.full_numel) for b, bk in zip(params.buffers, lay.buckets)]
-        )
-    from ._tree import tree_map
-
-    return tree_map(torch.zeros_like, params)
-
-
-def _check_state(state: ShardedState, stage: int, layout: str | None, mesh: Mesh) -> None:
+def _check_state(
+    state: ShardedState, stage: int, layout: str | None, units: Sequence[str] | None, mesh: Mesh
+) -> None:
     if not isinstance(state, ShardedState):
         raise TypeError(
             f"step expects the ShardedState from shard_state, got {type(state).__name__}"
@@ -119,6 +189,10 @@ def _check_state(state: ShardedState, stage: int, layout: str | None, mesh: Mesh
         )
     if layout is not None and layout != state.layout.kind:
         raise ValueError(f"this step is for layout {layout!r}, the state has {state.layout.kind!r}")
+    if units is not None and ("", *units) != state.layout.units:
+        raise ValueError(
+            f"this step is for units {list(units)}, the state has {list(state.layout.units[1:])}"
+        )
     if state.layout.world_size != mesh.size:
         raise ValueError(
             f"the state is for {state.layout.world_size} ranks, the mesh has {mesh.size}"

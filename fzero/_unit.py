@@ -1,0 +1,440 @@
+"""Per-unit gathering and reduction during one step: the memory-true half of stages 2 and 3.
+
+One autograd node per unit *call*, created just in time by a forward pre-hook on the
+unit's submodule, carries the unit's shards into the forward and the unit's gradient
+back out of it:
+
+- forward: stage 3 all-gathers the unit's shards (or waits for the prefetched gather);
+  stage 2 passes the rank's own replicated parameters through unchanged.
+- backward: reduce-scatters (mean) the unit's full gradient into the shard's gradient,
+  then frees the unit's full parameters. Autograd runs a node once all its consumers are
+  done, so this happens as soon as the unit's backward is complete; nodes created before
+  the forward would run only at the very end (autograd prefers the newest ready node),
+  keeping every unit's full parameters and gradients alive through the whole backward.
+
+With `reshard_after_forward` (stage 3) a forward post-hook frees the unit's gathered
+storage (`untyped_storage().resize_(0)`; the views autograd saved stay valid objects) and
+routes the unit's outputs through an identity node whose backward gathers the storage
+again just before the unit's own backward needs it. Storage is refilled in place through
+a fresh tensor on the same storage, so autograd's version counters are untouched.
+
+The gradient engine is `torch.autograd.grad`, not `torch.func.grad`: module hooks, the
+storage tricks above and saved-tensor hooks (activation checkpointing) are all outside
+what torch.func's transforms accept. The user's loss may still use torch.func.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _comm
+from ._layout import ShardLayout
+from ._mesh import Mesh
+
+
+@dataclass
+class UnitLedger:
+    """Live bytes of full (unsharded) unit parameters and gradients, with their peaks.
+
+    Pass one as `ledger=` to `sharded_step` to watch a step: what fzero itself holds
+    beyond the shards, not activations or allocator overhead.
+    """
+
+    live_params: int = 0
+    peak_params: int = 0
+    live_grads: int = 0
+    peak_grads: int = 0
+    events: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def _add(self, kind: str, unit: str, nbytes: int) -> None:
+        if kind == "params":
+            self.live_params += nbytes
+            self.peak_params = max(self.peak_params, self.live_params)
+        else:
+            self.live_grads += nbytes
+            self.peak_grads = max(self.peak_grads, self.live_grads)
+        self.events.append((kind, unit, nbytes))
+
+
+class _Call:
+    """One call of one unit: its gathered buffers and whether its backward has run."""
+
+    def __init__(self, unit: str) -> None:
+        self.unit = unit
+        self.storages: list[Any] = []
+        self.nbytes: list[int] = []
+        self.dtypes: list[torch.dtype] = []
+        self.resident = True
+        self.refill: list[tuple[torch.Tensor, Any]] | None = None  # prefetched re-gather
+        self.reduced = False
+        self.swapped: list[tuple[nn.Module, str, Any]] = []  # module slots the hook overrode
+
+    def attach(self, fulls: tuple[torch.Tensor, ...]) -> None:
+        self.storages = [f.untyped_storage() for f in fulls]
+        self.nbytes = [s.nbytes() for s in self.storages]
+        self.dtypes = [f.dtype for f in fulls]
+
+
+class UnitRun:
+    """The per-unit machinery of one step on one rank."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        layout: ShardLayout,
+        shards: tuple[torch.Tensor, ...],
+        local: tuple[torch.Tensor, ...] | None,
+        *,
+        reshard: bool,
+        prefetch: bool,
+        order: list[str],
+        ledger: UnitLedger | None,
+    ) -> None:
+        self.mesh, self.layout, self.shards = mesh, layout, shards
+        self.local = local  # stage 2: this rank's full replicated buckets; stage 3: None
+        self.reshard = reshard and local is None
+        self.prefetch = prefetch and local is None
+        self.order = order  # unit call order seen in the previous step (same on every rank)
+        self.ledger = ledger
+        self.calls: list[_Call] = []
+        self.pending: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # prefetched gathers
+        self.extra: dict[int, torch.Tensor] = {}  # bucket -> fallback shard gradient
+
+    # -- forward -------------------------------------------------------------------------
+    def materialize(self, unit: str) -> tuple[torch.Tensor, ...]:
+        """The unit's full buckets for a new call: local (stage 2) or all-gathered (stage 3)."""
+        idx = self.layout.unit_buckets(unit)
+        if self.local is not None:
+            return tuple(self.local[i].detach() for i in idx)
+        started = self.pending.pop(unit, None) or self._start_gather(unit)
+        for _, work in started:
+            if work is not None:
+                work.wait()
+        return tuple(out for out, _ in started)
+
+    def _start_gather(self, unit: str) -> list[tuple[torch.Tensor, Any]]:
+        out = []
+        for i in self.layout.unit_buckets(unit):
+            full, work = _comm.all_gather_async(self.shards[i].detach(), self.mesh)
+            self._log("params", unit, full.numel() * full.element_size())
+            out.append((full, work))
+        return out
+
+    def prefetch_next(self, unit: str) -> None:
+        """Starts gathering the unit that followed `unit` last step, if it is not resident."""
+        if not self.prefetch or unit not in self.order:
+            return
+        k = self.order.index(unit) + 1
+        if k < len(self.order):
+            nxt = self.order[k]
+            if nxt != unit and nxt not in self.pending:
+                self.pending[nxt] = self._start_gather(nxt)
+
+    def release(self, call: _Call) -> None:
+        """Frees a call's gathered storage (stage 3); views of it stay valid objects."""
+        if self.local is None and call.resident:
+            for storage, nbytes in zip(call.storages, call.nbytes):
+                storage.resize_(0)
+                self._log("params", call.unit, -nbytes)
+            call.resident = False
+
+    def refill(self, call: _Call, wait: bool = True) -> None:
+        """Gathers a freed call's storage again, in place; async when `wait` is False."""
+        if call.resident:
+            return
+        if call.refill is None:
+            call.refill = []
+            for i, storage, nbytes, dtype in zip(
+                self.layout.unit_buckets(call.unit), call.storages, call.nbytes, call.dtypes
+            ):
+                storage.resize_(nbytes)
+                into = torch.empty(0, dtype=dtype, device=self.shards[i].device)
+                into.set_(storage, 0, (nbytes // into.element_size(),))
+                call.refill.append(
+                    _comm.all_gather_async(self.shards[i].detach(), self.mesh, out=into)
+                )
+                self._log("params", call.unit, nbytes)
+        if wait:
+            for _, work in call.refill:
+                if work is not None:
+                    work.wait()
+            call.resident, call.refill = True, None
+
+    # -- backward ------------------------------------------------------------------------
+    def reduce(self, call: _Call, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The unit's shard gradients: the reduce-scatter (mean) of its full gradients."""
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        self._log("grads", call.unit, nbytes)
+        out = tuple(_comm.reduce_scatter_mean(g, self.mesh) for g in grads)
+        self._log("grads", call.unit, -nbytes)
+        call.reduced = True
+        self.release(call)
+        return out
+
+    def settle(self) -> None:
+        """Reduce-scatters zeros for calls whose backward never ran on this rank.
+
+        A peer whose loss did depend on those calls reduce-scattered them during its
+        backward; matching them here (newest call first, autograd's order for a chain of
+        units) keeps every rank's collectives in step instead of leaving a peer waiting.
+        """
+        for call in reversed(self.calls):
+            if call.refill is not None:  # a prefetched re-gather still in flight
+                self.refill(call)
+            if call.reduced:
+                continue
+            for i in self.layout.unit_buckets(call.unit):
+                b = self.layout.buckets[i]
+                zero = torch.zeros(b.full_numel, dtype=b.dtype, device=self.shards[i].device)
+                part = _comm.reduce_scatter_mean(zero, self.mesh)
+                self.extra[i] = self.extra[i] + part if i in self.extra else part
+            call.reduced = True
+            self.release(call)
+        for unit, started in self.pending.items():  # prefetched but never used
+            for full, work in started:
+                if work is not None:
+                    work.wait()
+                self._log("params", unit, -full.numel() * full.element_size())
+        self.pending.clear()
+
+    def _log(self, kind: str, unit: str, nbytes: int) -> None:
+        if self.ledger is not None:
+            self.ledger._add(kind, unit, nbytes)
+
+
+class _UnitGather(torch.autograd.Function):
+    """Shards in, full buckets out; backward reduce-scatters the full gradient."""
+
+    @staticmethod
+    def forward(run: UnitRun, call: _Call, *shards: torch.Tensor) -> Any:  # type: ignore[override]
+        fulls = run.materialize(call.unit)
+        call.attach(fulls)
+        run.calls.append(call)
+        return fulls
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.run, ctx.call = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return (None, None, *ctx.run.reduce(ctx.call, grads))
+
+
+class _RegatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward re-gathers the unit's freed parameters."""
+
+    @staticmethod
+    def forward(run: UnitRun, call: _Call, *outputs: torch.Tensor) -> Any:  # type: ignore[override]
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.run, ctx.call = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        run, call = ctx.run, ctx.call
+        run.refill(call)
+        if run.prefetch:  # start re-gathering the unit whose backward comes next
+            k = run.calls.index(call)
+            if k > 0 and not run.calls[k - 1].reduced:
+                run.refill(run.calls[k - 1], wait=False)
+        return (None, None, *grads)
+
+
+def gather_unit(run: UnitRun, unit: str) -> tuple[dict[str, torch.Tensor], _Call]:
+    """Creates the unit's node now; returns views of its full leaves by path, and the call."""
+    call = _Call(unit)
+    idx = run.layout.unit_buckets(unit)
+    fulls = _UnitGather.apply(run, call, *(run.shards[i] for i in idx))
+    return run.layout.unflatten_unit(unit, tuple(fulls)), call
+
+
+@dataclass
+class UnitHooks:
+    """Forward hooks on the unit submodules of `module` for the duration of one step."""
+
+    run: UnitRun
+    module: nn.Module
+    units: tuple[str, ...]
+    handles: list[Any] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)
+    open_calls: dict[str, list[_Call]] = field(default_factory=dict)
+
+    def __enter__(self) -> UnitHooks:
+        for unit in self.units:
+            sub = self.module.get_submodule(unit)
+            self.handles.append(sub.register_forward_pre_hook(self._pre(unit)))
+            self.handles.append(sub.register_forward_hook(self._post(unit)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, unit: str) -> Any:
+        def hook(sub: nn.Module, args: Any) -> None:
+            run = self.run
+            views, call = gather_unit(run, unit)
+            if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+                self.seen.append(unit)
+                run.prefetch_next(unit)
+            for path, view in views.items():
+                owner, name = _owner(self.module, path)
+                call.swapped.append((owner, name, owner._parameters[name]))
+                owner._parameters[name] = view
+            self.open_calls.setdefault(unit, []).append(call)
+
+        return hook
+
+    def _post(self, unit: str) -> Any:
+        def hook(sub: nn.Module, args: Any, output: Any) -> Any:
+            run = self.run
+            call = self.open_calls[unit].pop()
+            # Put back what was there (functional_call's placeholders): the gathered views
+            # must not outlive the unit's forward in the module or the caller's dict.
+            for owner, name, old in reversed(call.swapped):
+                owner._parameters[name] = old
+            # During a checkpoint's recompute (inside backward) the recomputed activations
+            # need these parameters until the unit's backward: keep them.
+            if not run.reshard or torch._C._current_graph_task_id() != -1:
+                return None
+            run.release(call)
+            return _wrap_outputs(run, call, output)
+
+        return hook
+
+
+def _wrap_outputs(run: UnitRun, call: _Call, output: Any) -> Any:
+    from ._tree import tree_flatten, tree_unflatten
+
+    leaves, treedef = tree_flatten(output)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return None
+    wrapped = _RegatherBeforeBackward.apply(run, call, *(leaves[i] for i in idx))
+    for i, w in zip(idx, wrapped):
+        leaves[i] = w
+    return tree_unflatten(treedef, leaves)
+
+
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, name = path.rpartition(".")
+    return (module.get_submodule(head) if head else module), name
+
+
+def hookable_units(layout: ShardLayout, module: nn.Module | None) -> tuple[str, ...]:
+    """The units gathered just in time: those naming a submodule of `module` that runs.
+
+    A container such as `nn.ModuleList` has no forward of its own, so no hook would ever
+    fire for it: such units are gathered before the forward, like units that name no
+    submodule.
+
+    Every leaf of such a unit must be a registered parameter of `module` under its path
+    (params from `dict(module.named_parameters())`), since the hook swaps it in by name.
+    Other units, and the root, are gathered before the forward.
+    """
+    if module is None:
+        return ()
+    names = dict(module.named_modules())
+    out = []
+    for unit in layout.units:
+        if not unit or unit not in names or not layout.unit_buckets(unit):
+            continue
+        if type(names[unit]).forward is nn.Module.forward:  # a container: never called
+            continue
+        for i in layout.unit_buckets(unit):
+            for s in layout.buckets[i].slots:
+                head, _, name = s.path.rpartition(".")
+                owner = names.get(head) if head else module
+                if owner is None or name not in owner._parameters:
+                    raise ValueError(
+                        f"unit {unit!r}: leaf {s.path!r} is not a parameter of the module "
+                        "passed as module= (use dict(module.named_parameters()) as params)"
+                    )
+        out.append(unit)
+    return tuple(out)
+
+
+def value_and_shard_grad(
+    loss_fn: Any,
+    batch: Any,
+    *,
+    mesh: Mesh,
+    layout: ShardLayout,
+    shards: tuple[torch.Tensor, ...],
+    local: tuple[torch.Tensor, ...] | None,
+    module: nn.Module | None,
+    reshard: bool,
+    prefetch: bool,
+    order: list[str],
+    ledger: UnitLedger | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """This rank's loss and its shard gradients (mean over ranks), unit by unit.
+
+    Args:
+      loss_fn: `(params, batch) -> scalar`.
+      batch: this rank's micro-batch.
+      mesh: the mesh.
+      layout: the state's layout.
+      shards: this rank's shard buffers (only their values are read).
+      local: stage 2: the full replicated buckets; stage 3: None (all-gather instead).
+      module: the module whose unit submodules get just-in-time hooks, or None.
+      reshard: stage 3: free each unit's parameters after its forward.
+      prefetch: stage 3: gather the next unit while the current one computes.
+      order: unit call order from the previous step; updated in place for the next.
+      ledger: optional UnitLedger.
+
+    Returns:
+      `(loss, shard_grads)`: the detached loss and one gradient buffer per bucket.
+    """
+    from ._autodiff import check_loss
+    from ._tree import tree_unflatten
+
+    inputs = tuple(s.detach().requires_grad_() for s in shards)
+    run = UnitRun(
+        mesh, layout, inputs, local, reshard=reshard, prefetch=prefetch, order=order, ledger=ledger
+    )
+    jit = hookable_units(layout, module)
+    leaves: list[Any] = [None] * len(layout.paths)
+    index = {p: i for i, p in enumerate(layout.paths)}
+    for unit in layout.units:
+        if not layout.unit_buckets(unit):
+            continue
+        if unit in jit:
+            # Meta placeholders: the unit's hook swaps the real views in for its forward, and
+            # any use outside that forward fails loudly instead of training on stale values.
+            for i in layout.unit_buckets(unit):
+                for s in layout.buckets[i].slots:
+                    leaves[s.index] = torch.empty(
+                        s.shape, dtype=layout.buckets[i].dtype, device="meta"
+                    )
+        else:
+            views, _ = gather_unit(run, unit)
+            for path, view in views.items():
+                leaves[index[path]] = view
+    params = tree_unflatten(layout.treedef, leaves)
+    hooks = UnitHooks(run, module, jit) if jit else None
+    try:
+        if hooks is not None:
+            hooks.__enter__()
+        loss = check_loss(loss_fn(params, batch), rank=mesh.rank)
+        grads: tuple[Any, ...] = (None,) * len(inputs)
+        if loss.requires_grad:
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    finally:
+        if hooks is not None:
+            hooks.__exit__()
+    run.settle()
+    if hooks is not None:
+        order[:] = hooks.seen
+    out = []
+    for i, (x, g) in enumerate(zip(inputs, grads)):
+        g = torch.zeros_like(x) if g is None else g
+        out.append(g + run.extra[i] if i in run.extra else g)
+    return loss.detach(), tuple(out)

@@ -1,0 +1,209 @@
+"""Units: per-unit gather, free and reduce-scatter, against one process on the whole batch."""
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support import run
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+import fzero
+from fzero._layout import build_layout
+
+
+class Net(nn.Module):
+    """Linear layers; optionally one layer applied twice, a checkpointed layer, an unused one."""
+
+    def __init__(self, dims: list[int], twice: int = -1, remat: int = -1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
+        self.unused = nn.Linear(2, 2)  # a unit no step ever calls
+        self.twice, self.remat = twice, remat
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = checkpoint(layer, x, use_reentrant=False) if i == self.remat else layer(x)
+            if i == self.twice and layer.in_features == layer.out_features:
+                x = layer(torch.tanh(x))  # shared weights: the same unit called again
+            x = torch.tanh(x)
+        return x * self.scale
+
+
+def make_case(dims: list[int], n: int, seed: int, twice: int = -1, remat: int = -1) -> dict:
+    torch.manual_seed(seed)
+    model = Net(dims, twice, remat).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = torch.randn(3, 2 * n, dims[0], generator=g, dtype=torch.float64)
+    ys = torch.randn(3, 2 * n, dims[-1], generator=g, dtype=torch.float64)
+    return {"model": model, "xs": xs, "ys": ys, "n": n}
+
+
+def reference(case: dict) -> dict[str, torch.Tensor]:
+    """torch.optim.Adam on a plain copy of the module, one process, concatenated batch.
+
+    Not through functional_call: a checkpointed layer recomputes during backward, after
+    functional_call has put the module's own parameters back, so its recompute would use
+    the module's initial weights. A parameter no rank uses gets a zero gradient (fzero's
+    flat buffers, like FSDP's, hold a gradient for every element), so the reference sets
+    one where autograd left None.
+    """
+    model = copy.deepcopy(case["model"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+    for t in range(case["xs"].shape[0]):
+        opt.zero_grad()
+        ((model(case["xs"][t]) - case["ys"][t]) ** 2).mean().backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def train(mesh: fzero.Mesh, case: dict, units: list[str], stage: int, **options: Any) -> Any:
+    model = case["model"]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    opt = fzero.optim.adam(lr=0.05)
+    ledger = fzero.UnitLedger()
+    layout = options.pop("layout", "flat")
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, layout=layout)
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, ledger=ledger, **options)
+    n = case["n"]
+    for t in range(case["xs"].shape[0]):
+        sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+        state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
+        assert n == mesh.size
+    return fzero.gather_params(state.params, mesh), ledger, state.layout
+
+
+@st.composite
+def unit_splits(draw: Any, n_layers: int) -> list[str]:
+    """Any subset of layers (and maybe the unused layer), or the whole stack as one unit."""
+    names = [f"layers.{i}" for i in range(n_layers)] + ["unused"]
+    chosen = draw(st.lists(st.sampled_from(names), unique=True))
+    return ["layers", *chosen] if draw(st.booleans()) and not chosen else chosen
+
+
+@settings(max_examples=16)
+@given(
+    st.lists(st.integers(1, 5), min_size=2, max_size=5).flatmap(
+        lambda dims: st.tuples(st.just(dims), unit_splits(len(dims) - 1))
+    ),
+    st.integers(1, 4),
+    st.sampled_from([2, 3]),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from(["flat", "tensor"]),
+)
+def test_units_match_single_process(
+    dims_units: tuple, n: int, stage: int, reshard: bool, prefetch: bool, hooked: bool, layout: str
+) -> None:
+    dims, units = dims_units
+    case = make_case(dims, n, seed=len(dims) + n)
+    expected = reference(case)
+    options = {
+        "module": case["model"] if hooked else None,
+        "reshard_after_forward": reshard,
+        "prefetch": prefetch,
+        "layout": layout,
+    }
+    for params, _, _ in run(n, train, case, units, stage, **options):
+        fzero.assert_trees_close(
+            params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage} units {units} {options}"
+        )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_shared_and_checkpointed_units(stage: int, reshard: bool) -> None:
+    # Layer 1 is square and called twice; layer 2 runs under non-reentrant checkpointing,
+    # so its forward runs again inside the backward and must gather its parameters again.
+    case = make_case([3, 4, 4, 4, 2], 2, seed=7, twice=1, remat=2)
+    units = [f"layers.{i}" for i in range(4)] + ["unused"]
+    expected = reference(case)
+    options = {"module": case["model"], "reshard_after_forward": reshard}
+    for params, _, _ in run(2, train, case, units, stage, **options):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_stage3_holds_at_most_two_units_and_one_unit_of_gradients(prefetch: bool) -> None:
+    case = make_case([6, 8, 8, 8, 8, 3], 2, seed=3)
+    units = [f"layers.{i}" for i in range(5)]
+    (_params, ledger, layout), _ = run(
+        2, train, case, units, 3, module=case["model"], prefetch=prefetch
+    )
+    unit_bytes = {u: layout.unit_numel(u) * 8 for u in layout.units}
+    largest = max(unit_bytes[u] for u in units)
+    root = unit_bytes[""]  # gathered before the forward, kept until its reduce-scatter
+    assert ledger.peak_params <= root + (2 if prefetch else 1) * largest
+    assert ledger.peak_grads <= largest
+    assert ledger.live_params == 0 and ledger.live_grads == 0  # all freed after the step
+    if not prefetch:  # and it really is per unit: the whole model is never resident at once
+        assert ledger.peak_params < sum(unit_bytes.values())
+
+
+def test_stage2_reduces_one_unit_of_gradients_at_a_time() -> None:
+    case = make_case([6, 8, 8, 8, 3], 2, seed=4)
+    units = [f"layers.{i}" for i in range(4)]
+    (_params, ledger, layout), _ = run(2, train, case, units, 2, module=case["model"])
+    assert ledger.peak_params == 0  # nothing gathered: stage 2 keeps full parameters anyway
+    assert ledger.peak_grads == max(layout.unit_numel(u) * 8 for u in layout.units)
+
+
+def test_unit_prefixes_match_whole_path_components() -> None:
+    params = {f"layers.{i}.w": torch.zeros(2) for i in (1, 10, 11)} | {"head": torch.zeros(1)}
+    layout = build_layout(params, 2, units=["layers.1", "layers"])
+    owner = {s.path: b.unit for b in layout.buckets for s in b.slots}
+    assert owner == {
+        "layers.1.w": "layers.1",
+        "layers.10.w": "layers",
+        "layers.11.w": "layers",
+        "head": "",
+    }
+    with pytest.raises(ValueError, match="matches no parameter"):
+        build_layout(params, 2, units=["layer"])
+    with pytest.raises(ValueError, match="duplicates"):
+        build_layout(params, 2, units=["head", "head"])
+
+
+def test_unit_policies() -> None:
+    model = Net([4, 8, 8, 2])
+    assert fzero.units.by_module(model, nn.Linear) == ["layers.0", "layers.1", "layers.2", "unused"]
+    params = dict(model.named_parameters())
+    # 40 and 72 parameters per big layer; the rest (18 + 6 + 1) stays in the root.
+    assert fzero.units.by_size(params, 30) == ["layers.0", "layers.1"]
+    assert fzero.units.by_size(params, 100) == ["layers"]
+    with pytest.raises(ValueError, match="no submodule"):
+        fzero.units.by_module(model, nn.Conv1d)
+
+
+def test_unit_param_used_outside_its_module_fails_loudly() -> None:
+    case = make_case([3, 3, 2], 1, seed=1)
+    model = case["model"]
+
+    def fn(mesh: fzero.Mesh) -> None:
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+        def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, p, (x,)).sum() + p["layers.0.weight"].sum()
+
+        opt = fzero.optim.sgd(lr=0.1)
+        state = fzero.shard_state(params, opt, mesh, stage=3, units=["layers.0"])
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=model)
+        step(state, case["xs"][0])
+
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        run(1, fn)
