@@ -36,6 +36,18 @@ class _AllGather(torch.autograd.Function):
         return (None, *(_comm.reduce_scatter_mean(g, ctx.mesh) for g in grads))
 
 
+def gather_params_into(shards: Shards, mesh: Mesh, out: tuple[torch.Tensor, ...]) -> None:
+    """All-gathers `shards` into the existing full flat buffers `out`, in place (no autograd).
+
+    The donating stages 1-2 refill the replicated parameters where they live instead of
+    allocating a second full copy next to the old one.
+    """
+    works = [_comm.all_gather_async(s, mesh, out=o)[1] for s, o in zip(shards.buffers, out)]
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
 def gather_params(params: PyTree, mesh: Mesh) -> PyTree:
     """The full parameter tree, on every rank.
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._autodiff import value_and_grad
-from ._gather import gather_params
+from ._gather import gather_params, gather_params_into
 from ._grads import all_reduce_grads, local_shard
 from ._layout import ShardLayout
 from ._mesh import Mesh
@@ -33,6 +33,7 @@ class _Options:
     reshard_after_forward: bool
     prefetch: bool
     ledger: UnitLedger | None
+    donate: bool
     order: list[str] = field(default_factory=list)  # unit call order, for prefetching
 
 
@@ -48,6 +49,7 @@ def sharded_step(
     reshard_after_forward: bool = True,
     prefetch: bool = True,
     ledger: UnitLedger | None = None,
+    donate: bool = True,
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
 
@@ -76,13 +78,16 @@ def sharded_step(
       prefetch: stage 3: start gathering the next unit (in last step's order) while the
         current one computes, in forward and backward.
       ledger: a UnitLedger recording live full-unit bytes (for tests and benchmarks).
+      donate: consume the state (like JAX's `donate_argnums`): parameters, shards and
+        optimizer state are updated in place, so a step never holds a second copy of them;
+        the state passed in must not be used again. False makes the step pure.
 
     Returns:
-      `step(state, batch) -> (new_state, loss)`, loss detached. Pure: `state` is not modified.
+      `step(state, batch) -> (new_state, loss)`, loss detached.
     """
     stage = check_stage(stage)
     body = {0: _stage0, 1: _stage1, 2: _stage2, 3: _stage3}[stage]
-    opts = _Options(mesh, module, reshard_after_forward, prefetch, ledger)
+    opts = _Options(mesh, module, reshard_after_forward, prefetch, ledger, donate)
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         _check_state(state, stage, layout, units, mesh)
@@ -98,7 +103,8 @@ def _stage0(
     """DDP: all-reduce gradients; every rank applies the same full update."""
     loss, grads = _grad(loss_fn, state.params, batch, o.mesh)
     grads = all_reduce_grads(grads, o.mesh)
-    params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state)
+    params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state,
+                                       donate=o.donate)
     return params, opt_state, loss
 
 
@@ -109,8 +115,8 @@ def _stage1(
     loss, grads = _grad(loss_fn, state.params, batch, o.mesh)
     grads = local_shard(all_reduce_grads(grads, o.mesh), state.layout, o.mesh)
     shard = local_shard(state.params, state.layout, o.mesh)
-    shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state)
-    return gather_params(shard, o.mesh), opt_state, loss
+    shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state, donate=o.donate)
+    return _regather(shard, state, o), opt_state, loss
 
 
 def _stage2(
@@ -121,8 +127,8 @@ def _stage2(
     shard = local_shard(state.params, state.layout, o.mesh)
     local = _full_buckets(state.params, state.layout)
     loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local)
-    shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state)
-    return gather_params(shard, o.mesh), opt_state, loss
+    shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state, donate=o.donate)
+    return _regather(shard, state, o), opt_state, loss
 
 
 def _stage3(
@@ -131,8 +137,21 @@ def _stage3(
     """+ parameters sharded: params enter the loss through an all-gather, unit by unit,
     whose VJP reduce-scatters; parameters stay sharded."""
     loss, grads = _unit_grad(loss_fn, batch, o, state.layout, state.params.buffers, None)
-    params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state)
+    params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state,
+                                       donate=o.donate)
     return params, opt_state, loss
+
+
+def _regather(shard: Shards, state: ShardedState, o: _Options) -> PyTree:
+    """Stages 1-2: every rank's updated shard, all-gathered into the full parameters.
+
+    Donating, into the buffers the old parameters live in (no second full copy).
+    """
+    if not o.donate:
+        return gather_params(shard, o.mesh)
+    full = _full_buckets(state.params, state.layout)
+    gather_params_into(shard, o.mesh, full)
+    return state.layout.unflatten(full)
 
 
 def _unit_grad(

@@ -10,30 +10,39 @@ from .optim import Optimizer
 
 
 def sharded_update(
-    optimizer: Optimizer, params: PyTree, grads: PyTree, opt_state: Any
+    optimizer: Optimizer, params: PyTree, grads: PyTree, opt_state: Any, *, donate: bool = False
 ) -> tuple[PyTree, Any]:
     """Applies `optimizer` to this rank's parameter shard with its gradient shard.
 
     With Shards the optimizer sees `Shards.pieces()`: whole flat buffers ("flat" layout;
     right for pointwise optimizers) or whole owned tensors in their shapes ("tensor"
     layout; right for any optimizer). With replicated full trees (stage 0) it is simply
-    `optimizer.update`. Out of place: nothing passed in is modified.
+    `optimizer.update`. Out of place by default: nothing passed in is modified.
+
+    With `donate=True` (and an optimizer that has `update_`) the new values are written
+    into `params` and `opt_state`, which are returned: no second copy of the shard and its
+    optimizer state ever exists. The caller must not use the donated values afterwards.
 
     Args:
       optimizer: an `fzero.optim.Optimizer`.
       params: this rank's parameter Shards (or a full tree).
       grads: the matching gradient Shards (or a full tree), already averaged over ranks.
       opt_state: the optimizer state of this rank's pieces, from `shard_state`.
+      donate: update `params` and `opt_state` in place (consuming them).
 
     Returns:
       `(new_params, new_opt_state)`, params of the same kind as given.
     """
+    inplace = donate and optimizer.update_ is not None
+    update = optimizer.update_ if inplace else optimizer.update
     if not isinstance(params, Shards):
-        return optimizer.update(grads, opt_state, params)
+        return update(grads, opt_state, params)
     if not isinstance(grads, Shards) or grads.layout != params.layout or grads.rank != params.rank:
         raise ValueError(
             "sharded_update: grads must be Shards with the parameters' layout and "
             "rank (use reduce_scatter_grads or local_shard)"
         )
-    new_pieces, new_state = optimizer.update(grads.pieces(), opt_state, params.pieces())
+    new_pieces, new_state = update(grads.pieces(), opt_state, params.pieces())
+    if inplace:  # the pieces are views into params.buffers, updated where they are
+        return params, new_state
     return params.replace_pieces(tuple(new_pieces)), new_state

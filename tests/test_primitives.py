@@ -2,10 +2,11 @@
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from support import make_params, run
+from support import make_optimizer, make_params, mlp_loss, run
 
 import fzero
 from fzero._tree import tree_flatten, tree_map
@@ -79,7 +80,6 @@ def test_gather_backward_is_reduce_scatter(n: int, layout: str, engine: str) -> 
 def test_sharded_update_by_hand_equals_the_stage_2_step() -> None:
     params = make_params([4, 3], torch.float64, seed=5)
     batch = (torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64))
-    from support import mlp_loss
 
     def fn(mesh: fzero.Mesh) -> Any:
         opt = fzero.optim.adam(lr=0.1)
@@ -96,10 +96,9 @@ def test_sharded_update_by_hand_equals_the_stage_2_step() -> None:
         fzero.assert_trees_close(by_hand, stepped, rtol=0, atol=0)
 
 
-def test_step_does_not_modify_its_input_state() -> None:
+def test_step_with_donate_false_does_not_modify_its_input_state() -> None:
     params = make_params([4, 3], torch.float64, seed=6)
     batch = (torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64))
-    from support import mlp_loss
 
     def fn(mesh: fzero.Mesh) -> bool:
         ok = True
@@ -107,7 +106,7 @@ def test_step_does_not_modify_its_input_state() -> None:
             opt = fzero.optim.adamw(lr=0.1)
             state = fzero.shard_state(params, opt, mesh, stage=stage)
             before = tree_map(torch.clone, (state.params, state.opt_state))
-            fzero.sharded_step(mlp_loss, opt, mesh, stage=stage)(state, batch)
+            fzero.sharded_step(mlp_loss, opt, mesh, stage=stage, donate=False)(state, batch)
             after = (state.params, state.opt_state)
             ok &= all(
                 torch.equal(a, b) for a, b in zip(tree_flatten(before)[0], tree_flatten(after)[0])
@@ -115,3 +114,50 @@ def test_step_does_not_modify_its_input_state() -> None:
         return ok
 
     assert all(run(2, fn))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "momentum", "torch_rmsprop"])
+@pytest.mark.parametrize("layout", ["flat", "tensor"])
+def test_donating_step_updates_in_place_and_equals_the_pure_step(
+    optimizer: str, layout: str
+) -> None:
+    params = make_params([4, 5, 3], torch.float64, seed=7)
+    batches = [
+        (torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64))
+        for _ in range(3)
+    ]
+
+    def storages(tree: Any) -> set[int]:
+        return {
+            x.untyped_storage().data_ptr()
+            for x in tree_flatten(tree)[0]
+            if isinstance(x, torch.Tensor) and x.numel()
+        }
+
+    def fn(mesh: fzero.Mesh) -> bool:
+        ok = True
+        for stage in range(4):
+            opt = make_optimizer(optimizer)
+            pure = fzero.shard_state(params, opt, mesh, stage=stage, layout=layout)
+            kept = fzero.shard_state(params, opt, mesh, stage=stage, layout=layout)
+            before = storages((kept.params, kept.opt_state))
+            pure_step = fzero.sharded_step(mlp_loss, opt, mesh, stage=stage, donate=False)
+            donating = fzero.sharded_step(mlp_loss, opt, mesh, stage=stage)
+            for batch in batches:
+                pure, _ = pure_step(pure, batch)
+                kept, _ = donating(kept, batch)
+            # The donated state lives in the very storages it started in (the optimizer
+            # may add lazily created state, e.g. torch's "step" counters, but not copies).
+            ok &= before <= storages((kept.params, kept.opt_state))
+            same = [
+                torch.equal(a, b)
+                for a, b in zip(
+                    tree_flatten((pure.params, pure.opt_state))[0],
+                    tree_flatten((kept.params, kept.opt_state))[0],
+                )
+                if isinstance(a, torch.Tensor)
+            ]
+            ok &= all(same)
+        return ok
+
+    assert all(run(3, fn))

@@ -12,6 +12,7 @@ from ._base import (
     Params,
     ScalarOrSchedule,
     flatten_as,
+    from_inplace,
     resolve_lr,
     validate_beta,
     validate_lr,
@@ -60,7 +61,7 @@ def _adam(
         return AdamState(zero_count(), zeros_like_tree(params), zeros_like_tree(params), nu_max)
 
     @torch.no_grad()
-    def update(grads: Grads, state: AdamState, params: Params) -> tuple[Params, AdamState]:
+    def update_(grads: Grads, state: AdamState, params: Params) -> tuple[Params, AdamState]:
         count = int(state.count)
         step_lr = resolve_lr(lr, count)
         # Same python-float arithmetic as torch's single-tensor path, which reads the
@@ -70,44 +71,32 @@ def _adam(
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
 
         trees = (grads, state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
-        leaves, spec, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
+        leaves, _, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
         nu_max_l = rest[0] if amsgrad else [None] * len(leaves)
 
-        new_p, new_mu, new_nu, new_nu_max = [], [], [], []
+        # The very in-place ops of torch's single-tensor Adam, on the given tensors.
         for p, g, m, v, v_max in zip(leaves, g_l, mu_l, nu_l, nu_max_l, strict=True):
             g = -g if maximize else g
             if weight_decay != 0:
                 if decoupled:
-                    p = p.mul(1 - step_lr * weight_decay)
+                    p.mul_(1 - step_lr * weight_decay)
                 else:
                     g = g.add(p, alpha=weight_decay)
-            is_complex = torch.is_complex(p)
-            if is_complex:
+            if torch.is_complex(p):
                 # torch updates complex tensors through real views, so that the second
                 # moment accumulates |g|^2 per component rather than the complex g*g.
                 p, g, m, v = (torch.view_as_real(t) for t in (p, g, m, v))
                 v_max = torch.view_as_real(v_max) if amsgrad else None
-            m = m.lerp(g, 1 - beta1)
-            v = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             if amsgrad:
-                v_max = torch.maximum(v_max, v)
+                torch.maximum(v_max, v, out=v_max)
             denom = ((v_max if amsgrad else v).sqrt() / bias_correction2_sqrt).add_(eps)
-            p = p.addcdiv(m, denom, value=-step_size)
-            if is_complex:
-                p, m, v = (torch.view_as_complex(t) for t in (p, m, v))
-                v_max = torch.view_as_complex(v_max) if amsgrad else None
-            new_p.append(p)
-            new_mu.append(m)
-            new_nu.append(v)
-            new_nu_max.append(v_max)
+            p.addcdiv_(m, denom, value=-step_size)
+        state.count.add_(1)
+        return params, state
 
-        nu_max = spec.unflatten(new_nu_max) if amsgrad else None
-        new_state = AdamState(
-            state.count + 1, spec.unflatten(new_mu), spec.unflatten(new_nu), nu_max
-        )
-        return spec.unflatten(new_p), new_state
-
-    return Optimizer(init, update)
+    return Optimizer(init, from_inplace(update_), update_)
 
 
 def adam(

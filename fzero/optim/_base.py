@@ -26,15 +26,39 @@ ScalarOrSchedule: TypeAlias = "float | Schedule"
 
 
 class Optimizer(NamedTuple):
-    """A pure-function optimizer: a pair of ``init`` and ``update`` functions.
+    """A pure-function optimizer: ``init`` and ``update``, plus an in-place ``update_``.
 
     ``init(params)`` builds the initial state. ``update(grads, state, params)``
     returns ``(new_params, new_state)`` and never mutates its inputs, so a step
     can be retried, replayed or checkpointed without defensive copies.
+    ``update_(grads, state, params)`` computes the same values (bitwise) but writes
+    them into ``params`` and ``state`` and returns those: the donating form, used by
+    ``fzero.sharded_step`` so a step never holds two copies of the optimizer state.
+    It is None for optimizers that cannot update in place.
     """
 
     init: Callable[[Params], OptState]
     update: Callable[[Grads, OptState, Params], tuple[Params, OptState]]
+    update_: Callable[[Grads, OptState, Params], tuple[Params, OptState]] | None = None
+
+
+def from_inplace(
+    update_: Callable[[Grads, OptState, Params], tuple[Params, OptState]],
+) -> Callable[[Grads, OptState, Params], tuple[Params, OptState]]:
+    """The out-of-place ``update`` of an in-place ``update_``: it works on copies.
+
+    Args:
+      update_: an update that mutates its ``params`` and ``state`` arguments.
+
+    Returns:
+      An update that clones ``params`` and every tensor of ``state`` first.
+    """
+
+    def update(grads: Grads, state: OptState, params: Params) -> tuple[Params, OptState]:
+        clone = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return update_(grads, optree.tree_map(clone, state), optree.tree_map(clone, params))
+
+    return update
 
 
 def validate_lr(lr: ScalarOrSchedule) -> None:

@@ -12,6 +12,7 @@ from ._base import (
     Params,
     ScalarOrSchedule,
     flatten_as,
+    from_inplace,
     resolve_lr,
     validate_lr,
     validate_non_negative,
@@ -72,14 +73,13 @@ def sgd(
         return SgdState(count=zero_count(), momentum=buffers)
 
     @torch.no_grad()
-    def update(grads: Grads, state: SgdState, params: Params) -> tuple[Params, SgdState]:
+    def update_(grads: Grads, state: SgdState, params: Params) -> tuple[Params, SgdState]:
         count = int(state.count)
         step_lr = resolve_lr(lr, count)
         trees = (grads,) if momentum == 0 else (grads, state.momentum)
-        leaves, spec, (grad_leaves, *rest) = flatten_as(params, *trees)
+        leaves, _, (grad_leaves, *rest) = flatten_as(params, *trees)
         buf_leaves = rest[0] if rest else [None] * len(leaves)
 
-        new_params, new_bufs = [], []
         for p, g, buf in zip(leaves, grad_leaves, buf_leaves, strict=True):
             d_p = -g if maximize else g
             if weight_decay != 0:
@@ -88,14 +88,12 @@ def sgd(
                 if count == 0:
                     # torch seeds the buffer with the raw step direction on the first
                     # step, skipping the (1 - dampening) factor.
-                    buf = d_p.clone()
+                    buf.copy_(d_p)
                 else:
-                    buf = buf.mul(momentum).add_(d_p, alpha=1 - dampening)
+                    buf.mul_(momentum).add_(d_p, alpha=1 - dampening)
                 d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
-                new_bufs.append(buf)
-            new_params.append(p.add(d_p, alpha=-step_lr))
+            p.add_(d_p, alpha=-step_lr)
+        state.count.add_(1)
+        return params, state
 
-        new_momentum = spec.unflatten(new_bufs) if momentum != 0 else None
-        return spec.unflatten(new_params), SgdState(state.count + 1, new_momentum)
-
-    return Optimizer(init, update)
+    return Optimizer(init, from_inplace(update_), update_)

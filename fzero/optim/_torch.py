@@ -8,12 +8,7 @@ from typing import Any
 import optree
 import torch
 
-from ._base import Grads, Optimizer, OptState, Params, flatten_as
-
-
-def _clone_state(leaf_state: dict[str, Any]) -> dict[str, Any]:
-    """Copies one parameter's torch state so the optimizer cannot mutate the input."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in leaf_state.items()}
+from ._base import Grads, Optimizer, OptState, Params, flatten_as, from_inplace
 
 
 def _check_optimizer_cls(optimizer_cls: type[torch.optim.Optimizer]) -> None:
@@ -35,11 +30,12 @@ def _check_optimizer_cls(optimizer_cls: type[torch.optim.Optimizer]) -> None:
 def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Optimizer:
     """Wraps a stateful ``torch.optim.Optimizer`` class into a functional :class:`Optimizer`.
 
-    Each ``update`` clones the params into fresh leaf tensors, attaches cloned
-    grads, builds ``optimizer_cls(clones, **kwargs)``, loads a clone of the given
-    state into it, calls ``step()`` and reads the params and state back. Results
-    are bitwise identical to stepping one long-lived optimizer on the same tensors
-    (with the same ``kwargs``, hence the same foreach/single-tensor code path).
+    Each ``update_`` attaches cloned grads to the given tensors, builds
+    ``optimizer_cls(tensors, **kwargs)``, loads the given state into it, calls
+    ``step()`` (which updates tensors and state in place) and reads the state back;
+    ``update`` does the same on copies. Results are bitwise identical to stepping one
+    long-lived optimizer on the same tensors (with the same ``kwargs``, hence the same
+    foreach/single-tensor code path).
 
     The state mirrors the params pytree with one ``dict`` per leaf, holding that
     tensor's entries of ``optimizer.state`` (e.g. ``{"step", "exp_avg",
@@ -72,35 +68,36 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
     def init(params: Params) -> OptState:
         return optree.tree_map(lambda _: {}, params)
 
-    def update(grads: Grads, state: OptState, params: Params) -> tuple[Params, OptState]:
+    def update_(grads: Grads, state: OptState, params: Params) -> tuple[Params, OptState]:
         leaves, spec, (grad_leaves, state_leaves) = flatten_as(params, grads, state)
         if not leaves:
             # A rank may own no tensors at all; torch refuses an empty param list.
             return spec.unflatten([]), spec.unflatten([])
         with torch.no_grad():
-            # Fresh leaf tensors: the optimizer updates them in place, never the inputs.
-            new_params = [p.detach().clone() for p in leaves]
-            for p, g in zip(new_params, grad_leaves, strict=True):
+            # torch.optim wants leaf tensors; a donated shard is one, but a view of a
+            # tensor that requires grad is not, so step on detached aliases.
+            tensors = [p.detach() for p in leaves]
+            for p, g in zip(tensors, grad_leaves, strict=True):
                 # 0-element leaves (e.g. an empty shard) get no grad, so torch skips
                 # them: there is nothing to update, and Adafactor divides by numel().
                 if p.numel() > 0:
                     # Cloned because some optimizers (e.g. foreach + maximize) edit
                     # grads in place.
                     p.grad = g.detach().clone()
-            optimizer = optimizer_cls(new_params, **kwargs)
-            for p, leaf_state in zip(new_params, state_leaves, strict=True):
+            optimizer = optimizer_cls(tensors, **kwargs)
+            for p, leaf_state in zip(tensors, state_leaves, strict=True):
                 # An empty dict keeps whatever the constructor set up (Adagrad
                 # initialises its state eagerly) so torch's own fresh-state path runs.
                 if leaf_state:
-                    optimizer.state[p] = _clone_state(leaf_state)
+                    optimizer.state[p] = leaf_state
             optimizer.step()
-            # A skipped leaf keeps its input state (cloned: outputs never alias inputs).
             new_state = [
-                dict(optimizer.state[p]) if p in optimizer.state else _clone_state(s)
-                for p, s in zip(new_params, state_leaves, strict=True)
+                optimizer.state.get(p, s)
+                for p, s in zip(tensors, state_leaves, strict=True)
             ]
-            for p in new_params:
+            for p in tensors:
                 p.grad = None
-        return spec.unflatten(new_params), spec.unflatten(new_state)
+        # The tensors were updated in place: `params` now holds the new values.
+        return params, spec.unflatten([dict(s) for s in new_state])
 
-    return Optimizer(init, update)
+    return Optimizer(init, from_inplace(update_), update_)
