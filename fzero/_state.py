@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import optree
+import torch
 
 from . import _comm
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
 from ._shards import Shards
-from ._tree import NAMESPACE, PyTree
+from ._tree import NAMESPACE, PyTree, tree_flatten
 from .optim import Optimizer
 
 STAGES = (0, 1, 2, 3)
@@ -66,6 +67,7 @@ def shard_state(
     stage: int,
     layout: str = "flat",
     units: Sequence[str] | None = None,
+    bucket_bytes: int | None = None,
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
@@ -85,11 +87,16 @@ def shard_state(
         tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor).
       units: parameter-path prefixes gathered and reduced as separate flat buffers (see
         `fzero.units.by_module` / `by_size`); parameters in no unit form the root unit.
+      bucket_bytes: instead of `units`, group parameters into units of about this many
+        bytes along the path hierarchy (`fzero.units.by_size`; FairScale ShardedDDP's
+        `reduce_buffer_size`): the granularity of stage 2's reduce-scatters.
 
     Returns:
       A ShardedState.
     """
     stage = check_stage(stage)
+    if bucket_bytes is not None:
+        units = _units_of_bytes(params, units, bucket_bytes)
     try:
         lay = build_layout(params, mesh.size, layout, units)
         problem = None
@@ -114,6 +121,18 @@ def shard_state(
                 Shards(lay.shard(state_params, mesh.rank), lay, mesh.rank).pieces()
             )
     return ShardedState(state_params, opt_state, 0, lay, stage)
+
+
+def _units_of_bytes(params: PyTree, units: Sequence[str] | None, bucket_bytes: int) -> list[str]:
+    from .units import by_size
+
+    if units is not None:
+        raise ValueError("pass either units= or bucket_bytes=, not both")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    leaves = tree_flatten(params)[0]
+    itemsize = max(x.element_size() for x in leaves if isinstance(x, torch.Tensor))
+    return by_size(params, max(1, bucket_bytes // itemsize))
 
 
 def _agree(lay: ShardLayout | None, problem: str | None, stage: int, mesh: Mesh) -> None:

@@ -12,12 +12,13 @@ from torch import nn
 from ._autodiff import value_and_grad
 from ._gather import gather_params, gather_params_into
 from ._grads import all_reduce_grads, local_shard
+from ._hooks import value_and_shard_grad
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._shards import Shards
 from ._state import ShardedState, check_stage
 from ._tree import PyTree, tree_flatten, tree_map
-from ._unit import UnitLedger, value_and_shard_grad
+from ._unit import UnitLedger
 from ._update import sharded_update
 from .optim import Optimizer
 
@@ -103,8 +104,9 @@ def _stage0(
     """DDP: all-reduce gradients; every rank applies the same full update."""
     loss, grads = _grad(loss_fn, state.params, batch, o.mesh)
     grads = all_reduce_grads(grads, o.mesh)
-    params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state,
-                                       donate=o.donate)
+    params, opt_state = sharded_update(
+        optimizer, state.params, grads, state.opt_state, donate=o.donate
+    )
     return params, opt_state, loss
 
 
@@ -137,8 +139,9 @@ def _stage3(
     """+ parameters sharded: params enter the loss through an all-gather, unit by unit,
     whose VJP reduce-scatters; parameters stay sharded."""
     loss, grads = _unit_grad(loss_fn, batch, o, state.layout, state.params.buffers, None)
-    params, opt_state = sharded_update(optimizer, state.params, grads, state.opt_state,
-                                       donate=o.donate)
+    params, opt_state = sharded_update(
+        optimizer, state.params, grads, state.opt_state, donate=o.donate
+    )
     return params, opt_state, loss
 
 

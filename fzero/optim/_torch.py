@@ -92,8 +92,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
                     optimizer.state[p] = leaf_state
             optimizer.step()
             new_state = [
-                optimizer.state.get(p, s)
-                for p, s in zip(tensors, state_leaves, strict=True)
+                optimizer.state.get(p, s) for p, s in zip(tensors, state_leaves, strict=True)
             ]
             for p in tensors:
                 p.grad = None

@@ -1,0 +1,195 @@
+"""Module hooks that run a step's units just in time, and the per-unit value-and-grad."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._autodiff import check_loss
+from ._layout import ShardLayout
+from ._mesh import Mesh
+from ._tree import tree_flatten, tree_unflatten
+from ._unit import UnitLedger, UnitRun, _Call, _RegatherBeforeBackward, gather_unit
+
+
+@dataclass
+class UnitHooks:
+    """Forward hooks on the unit submodules of `module` for the duration of one step."""
+
+    run: UnitRun
+    module: nn.Module
+    units: tuple[str, ...]
+    handles: list[Any] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)
+    open_calls: dict[str, list[_Call]] = field(default_factory=dict)
+
+    def __enter__(self) -> UnitHooks:
+        for unit in self.units:
+            sub = self.module.get_submodule(unit)
+            self.handles.append(sub.register_forward_pre_hook(self._pre(unit)))
+            self.handles.append(sub.register_forward_hook(self._post(unit)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, unit: str) -> Any:
+        def hook(sub: nn.Module, args: Any) -> None:
+            run = self.run
+            views, call = gather_unit(run, unit)
+            if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+                self.seen.append(unit)
+                run.prefetch_next(unit)
+            for path, view in views.items():
+                owner, name = _owner(self.module, path)
+                call.swapped.append((owner, name, owner._parameters[name]))
+                owner._parameters[name] = view
+            self.open_calls.setdefault(unit, []).append(call)
+
+        return hook
+
+    def _post(self, unit: str) -> Any:
+        def hook(sub: nn.Module, args: Any, output: Any) -> Any:
+            run = self.run
+            call = self.open_calls[unit].pop()
+            # Put back what was there (functional_call's placeholders): the gathered views
+            # must not outlive the unit's forward in the module or the caller's dict.
+            for owner, name, old in reversed(call.swapped):
+                owner._parameters[name] = old
+            # During a checkpoint's recompute (inside backward) the recomputed activations
+            # need these parameters until the unit's backward: keep them.
+            if not run.reshard or torch._C._current_graph_task_id() != -1:
+                return None
+            run.release(call)
+            return _wrap_outputs(run, call, output)
+
+        return hook
+
+
+def _wrap_outputs(run: UnitRun, call: _Call, output: Any) -> Any:
+    leaves, treedef = tree_flatten(output)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return None
+    wrapped = _RegatherBeforeBackward.apply(run, call, *(leaves[i] for i in idx))
+    for i, w in zip(idx, wrapped):
+        leaves[i] = w
+    return tree_unflatten(treedef, leaves)
+
+
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, name = path.rpartition(".")
+    return (module.get_submodule(head) if head else module), name
+
+
+def hookable_units(layout: ShardLayout, module: nn.Module | None) -> tuple[str, ...]:
+    """The units gathered just in time: those naming a submodule of `module` that runs.
+
+    A container such as `nn.ModuleList` has no forward of its own, so no hook would ever
+    fire for it: such units are gathered before the forward, like units that name no
+    submodule.
+
+    Every leaf of such a unit must be a registered parameter of `module` under its path
+    (params from `dict(module.named_parameters())`), since the hook swaps it in by name.
+    Other units, and the root, are gathered before the forward.
+    """
+    if module is None:
+        return ()
+    names = dict(module.named_modules())
+    out = []
+    for unit in layout.units:
+        if not unit or unit not in names or not layout.unit_buckets(unit):
+            continue
+        if type(names[unit]).forward is nn.Module.forward:  # a container: never called
+            continue
+        for i in layout.unit_buckets(unit):
+            for s in layout.buckets[i].slots:
+                head, _, name = s.path.rpartition(".")
+                owner = names.get(head) if head else module
+                if owner is None or name not in owner._parameters:
+                    raise ValueError(
+                        f"unit {unit!r}: leaf {s.path!r} is not a parameter of the module "
+                        "passed as module= (use dict(module.named_parameters()) as params)"
+                    )
+        out.append(unit)
+    return tuple(out)
+
+
+def value_and_shard_grad(
+    loss_fn: Any,
+    batch: Any,
+    *,
+    mesh: Mesh,
+    layout: ShardLayout,
+    shards: tuple[torch.Tensor, ...],
+    local: tuple[torch.Tensor, ...] | None,
+    module: nn.Module | None,
+    reshard: bool,
+    prefetch: bool,
+    order: list[str],
+    ledger: UnitLedger | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """This rank's loss and its shard gradients (mean over ranks), unit by unit.
+
+    Args:
+      loss_fn: `(params, batch) -> scalar`.
+      batch: this rank's micro-batch.
+      mesh: the mesh.
+      layout: the state's layout.
+      shards: this rank's shard buffers (only their values are read).
+      local: stage 2: the full replicated buckets; stage 3: None (all-gather instead).
+      module: the module whose unit submodules get just-in-time hooks, or None.
+      reshard: stage 3: free each unit's parameters after its forward.
+      prefetch: stage 3: gather the next unit while the current one computes.
+      order: unit call order from the previous step; updated in place for the next.
+      ledger: optional UnitLedger.
+
+    Returns:
+      `(loss, shard_grads)`: the detached loss and one gradient buffer per bucket.
+    """
+    inputs = tuple(s.detach().requires_grad_() for s in shards)
+    run = UnitRun(
+        mesh, layout, inputs, local, reshard=reshard, prefetch=prefetch, order=order, ledger=ledger
+    )
+    jit = hookable_units(layout, module)
+    leaves: list[Any] = [None] * len(layout.paths)
+    index = {p: i for i, p in enumerate(layout.paths)}
+    for unit in layout.units:
+        if not layout.unit_buckets(unit):
+            continue
+        if unit in jit:
+            # Meta placeholders: the unit's hook swaps the real views in for its forward, and
+            # any use outside that forward fails loudly instead of training on stale values.
+            for i in layout.unit_buckets(unit):
+                for s in layout.buckets[i].slots:
+                    leaves[s.index] = torch.empty(
+                        s.shape, dtype=layout.buckets[i].dtype, device="meta"
+                    )
+        else:
+            views, _ = gather_unit(run, unit)
+            for path, view in views.items():
+                leaves[index[path]] = view
+    params = tree_unflatten(layout.treedef, leaves)
+    hooks = UnitHooks(run, module, jit) if jit else None
+    try:
+        if hooks is not None:
+            hooks.__enter__()
+        loss = check_loss(loss_fn(params, batch), rank=mesh.rank)
+        grads: tuple[Any, ...] = (None,) * len(inputs)
+        if loss.requires_grad:
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    finally:
+        if hooks is not None:
+            hooks.__exit__()
+    run.settle()
+    if hooks is not None:
+        order[:] = hooks.seen
+    out = []
+    for i, (x, g) in enumerate(zip(inputs, grads)):
+        g = torch.zeros_like(x) if g is None else g
+        out.append(g + run.extra[i] if i in run.extra else g)
+    return loss.detach(), tuple(out)
