@@ -24,7 +24,7 @@ def reduce_scatter_grads(grads: PyTree, layout: ShardLayout, mesh: Mesh) -> Shar
       Shards holding this rank's slice of every bucket of the mean gradient.
     """
     _check_mesh(layout, mesh)
-    flats = layout.flatten(grads)
+    flats = layout.flatten(grads, what="grads")
     return Shards(tuple(_comm.reduce_scatter_mean(f, mesh) for f in flats), layout, mesh.rank)
 
 

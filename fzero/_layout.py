@@ -106,9 +106,9 @@ class ShardLayout:
             raise ValueError(f"{what} has structure {treedef}, the layout expects {self.treedef}")
         return leaves
 
-    def flatten(self, tree: PyTree) -> tuple[torch.Tensor, ...]:
+    def flatten(self, tree: PyTree, what: str = "tree") -> tuple[torch.Tensor, ...]:
         """Packs `tree` into fresh full padded flat buffers, one per bucket."""
-        leaves = self.leaves(tree)
+        leaves = self.leaves(tree, what)
         return tuple(_pack(b, leaves, 0, b.full_numel) for b in self.buckets)
 
     def unflatten(self, flats: Sequence[torch.Tensor]) -> PyTree:

@@ -55,7 +55,11 @@ class Simulation:
         An exception on any rank is re-raised here (with a note naming the rank and the
         remote traceback) after every other rank has been killed.
         """
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if (
+            isinstance(self.world_size, bool)
+            or not isinstance(self.world_size, int)
+            or (self.world_size < 1)
+        ):
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if sys.platform == "win32":
             raise RuntimeError("fzero.simulate forks its ranks, which Windows cannot do")
@@ -91,41 +95,62 @@ class Simulation:
             shutil.rmtree(store_dir, ignore_errors=True)
 
     def _collect(self, conns: list[Any], procs: list[Any]) -> list[Any]:
+        n = self.world_size
         results: dict[int, Any] = {}
+        errors: list[BaseException] = []  # in order of arrival
+        died: list[tuple[int, str]] = []
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        pending = {rank: (conns[rank], procs[rank]) for rank in range(self.world_size)}
+        grace = None  # after a failure: a moment for the other ranks to report theirs
+        pending, closed = set(range(n)), set()
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            waitables = [c for c, _ in pending.values()] + [p.sentinel for _, p in pending.values()]
-            ready = mpc.wait(waitables, timeout=remaining)
+            limits = [t for t in (deadline, grace) if t is not None]
+            remaining = max(0.0, min(limits) - time.monotonic()) if limits else None
+            waitables = [conns[r] for r in pending - closed] + [procs[r].sentinel for r in pending]
+            ready = set(mpc.wait(waitables, timeout=remaining))
             if not ready:
+                if errors or died:
+                    break
                 raise TimeoutError(
-                    f"fzero.simulate: ranks {sorted(pending)} of {self.world_size} did not finish "
-                    f"within {self.timeout} s"
+                    f"fzero.simulate: ranks {sorted(pending)} of {n} did not finish within "
+                    f"{self.timeout} s"
                 )
-            for rank, (conn, proc) in list(pending.items()):
-                if conn in ready or (proc.sentinel in ready and conn.poll()):
-                    try:
-                        kind, payload = _load(conn.recv_bytes())
-                    except EOFError:
-                        kind, payload = "died", None
-                    if kind == "ok":
-                        results[rank] = payload
-                        del pending[rank]
+            for r in sorted(pending):
+                conn, proc = conns[r], procs[r]
+                if conn in ready and r not in closed:
+                    msg = _receive(conn)
+                    if msg is None:
+                        closed.add(r)  # end of file: the process is exiting without a word
+                    elif msg[0] == "ok":
+                        results[r] = msg[1]
+                        pending.discard(r)
                         continue
-                    if kind == "err":
-                        _raise_remote(rank, self.world_size, *payload)
-                if proc.sentinel in ready and rank in pending and not conn.poll():
-                    proc.join()
-                    code = proc.exitcode
-                    how = (
-                        f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                    )
-                    raise RankFailure(
-                        f"fzero.simulate: rank {rank} of {self.world_size} died ({how}) before "
-                        "returning a result"
-                    )
-        return [results[r] for r in range(self.world_size)]
+                    else:
+                        errors.append(_remote_error(r, n, *msg[1]))
+                        pending.discard(r)
+                        continue
+                if proc.sentinel in ready:
+                    msg = _receive(conn) if r not in closed else None
+                    if msg is not None and msg[0] == "ok":
+                        results[r] = msg[1]
+                    elif msg is not None:
+                        errors.append(_remote_error(r, n, *msg[1]))
+                    else:
+                        proc.join()
+                        died.append((r, _exit_reason(proc.exitcode)))
+                    pending.discard(r)
+            if (errors or died) and grace is None:
+                # A rank that dies makes its peers' collectives fail with "connection
+                # closed": wait briefly so the death, the cause, is what gets reported.
+                grace = time.monotonic() + 2.0
+        if died:
+            rank, how = died[0]
+            failure = RankFailure(
+                f"fzero.simulate: rank {rank} of {n} died ({how}) before returning a result"
+            )
+            raise failure from (errors[0] if errors else None)
+        if errors:
+            raise errors[0]
+        return [results[r] for r in range(n)]
 
 
 def simulate(world_size: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
@@ -193,12 +218,12 @@ def _rank_main(
         data = _dump("ok", result)
     except BaseException as exc:
         tb = traceback.format_exc()
-        try:
-            pickle.dumps(exc)
-            err = exc
+        try:  # only send an exception the parent can rebuild; its text always goes along
+            exc_bytes: bytes | None = pickle.dumps(exc)
+            pickle.loads(exc_bytes)
         except Exception:
-            err = RuntimeError(f"{type(exc).__name__}: {exc}")
-        conn.send_bytes(_dump("err", (err, tb)))
+            exc_bytes = None
+        conn.send_bytes(_dump("err", (exc_bytes, f"{type(exc).__name__}: {exc}", tb)))
         # Stay alive with sockets open until the parent kills us: peers blocked in a
         # collective then keep waiting instead of racing to report "connection closed",
         # so the error the caller sees is this one, the cause.
@@ -211,6 +236,31 @@ def _rank_main(
     os._exit(0)
 
 
-def _raise_remote(rank: int, world_size: int, exc: BaseException, tb: str) -> None:
+def _receive(conn: Any) -> tuple[str, Any] | None:
+    """The rank's message, or None at end of file (it closed its pipe without one)."""
+    if not conn.poll():
+        return None
+    try:
+        return _load(conn.recv_bytes())
+    except EOFError:
+        return None
+
+
+def _exit_reason(code: int | None) -> str:
+    return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+
+def _remote_error(
+    rank: int, world_size: int, exc_bytes: bytes | None, summary: str, tb: str
+) -> BaseException:
+    """The rank's exception, rebuilt (or a RuntimeError with its text), noting the rank."""
+    exc: BaseException | None = None
+    if exc_bytes is not None:
+        try:
+            exc = pickle.loads(exc_bytes)
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = RuntimeError(summary)
     exc.add_note(f"raised on simulated rank {rank} of {world_size}; remote traceback:\n{tb}")
-    raise exc
+    return exc

@@ -54,7 +54,7 @@ optree.register_pytree_node(
 
 def check_stage(stage: Any) -> int:
     """Returns `stage` if it is a valid ZeRO stage, else raises ValueError."""
-    if isinstance(stage, bool) or stage not in STAGES:
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (ZeRO stages), got {stage!r}")
     return int(stage)
 

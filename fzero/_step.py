@@ -219,3 +219,8 @@ def _check_state(
         raise ValueError(
             f"the state is for {state.layout.world_size} ranks, the mesh has {mesh.size}"
         )
+    if isinstance(state.params, Shards) and state.params.rank != mesh.rank:
+        raise ValueError(
+            f"the state's shards belong to rank {state.params.rank} of {mesh.size}, this is "
+            f"rank {mesh.rank} of {mesh.size}"
+        )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ._shards import Shards
-from ._tree import PyTree
+from ._tree import PyTree, leaf_paths, tree_flatten
 from .optim import Optimizer
 
 
@@ -36,6 +38,7 @@ def sharded_update(
     inplace = donate and optimizer.update_ is not None
     update = optimizer.update_ if inplace else optimizer.update
     if not isinstance(params, Shards):
+        _check_like(grads, params)
         return update(grads, opt_state, params)
     if not isinstance(grads, Shards) or grads.layout != params.layout or grads.rank != params.rank:
         raise ValueError(
@@ -46,3 +49,22 @@ def sharded_update(
     if inplace:  # the pieces are views into params.buffers, updated where they are
         return params, new_state
     return params.replace_pieces(tuple(new_pieces)), new_state
+
+
+def _check_like(grads: PyTree, params: PyTree) -> None:
+    """Raises ValueError naming the first leaf where `grads` does not match `params`."""
+    g_leaves, g_def = tree_flatten(grads)
+    p_leaves, p_def = tree_flatten(params)
+    if g_def != p_def:
+        extra = sorted(set(leaf_paths(grads)) ^ set(leaf_paths(params)))
+        raise ValueError(
+            f"sharded_update: grads and params differ in structure (leaves only "
+            f"in one of them: {extra[:5]})"
+        )
+    for path, g, p in zip(leaf_paths(params), g_leaves, p_leaves):
+        if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
+            got = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+            raise ValueError(
+                f"sharded_update: grads leaf {path!r} is {got}, params have "
+                f"{tuple(p.shape)} {p.dtype}"
+            )
