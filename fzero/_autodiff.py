@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ def value_and_grad(
     *args: Any,
     what: str = "loss_fn",
     rank: int | None = None,
+    frozen: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor, PyTree | None]:
     """`fn(tree, *args)` and its gradient with respect to every leaf of `tree`.
 
@@ -46,24 +47,22 @@ def value_and_grad(
       *args: further arguments of `fn`, not differentiated.
       what: the function's name, for error messages.
       rank: this rank, for error messages.
+      frozen: per leaf, whether it is frozen: not differentiated, None in `grads`.
 
     Returns:
       `(value, grads)`: the detached value, and a tree like `tree` with zeros for leaves
       `fn` does not use; `grads` is None when the value does not depend on `tree` at all.
     """
     leaves, treedef = tree_flatten(tree)
-    inputs = [x.detach().requires_grad_() for x in leaves]
-    out = fn(tree_unflatten(treedef, inputs), *args)
-    where = "" if rank is None else f" on rank {rank}"
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{what} must return a scalar tensor, got {type(out).__name__}{where}")
-    if out.dim() != 0 or not out.is_floating_point():
-        raise ValueError(
-            f"{what} must return a real scalar tensor (shape ()), got shape "
-            f"{tuple(out.shape)} dtype {out.dtype}{where}"
-        )
+    frozen = [False] * len(leaves) if frozen is None else list(frozen)
+    inputs = [x.detach() if f else x.detach().requires_grad_() for x, f in zip(leaves, frozen)]
+    out = check_loss(fn(tree_unflatten(treedef, inputs), *args), what, rank)
     if not out.requires_grad:
         return out.detach(), None
-    grads = torch.autograd.grad(out, inputs, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+    live = [x for x, f in zip(inputs, frozen) if not f]
+    found = iter(torch.autograd.grad(out, live, allow_unused=True))
+    grads = []
+    for x, f in zip(inputs, frozen):
+        g = None if f else next(found)
+        grads.append(None if f else torch.zeros_like(x) if g is None else g)
     return out.detach(), tree_unflatten(treedef, grads)

@@ -151,7 +151,12 @@ def value_and_shard_grad(
     Returns:
       `(loss, shard_grads)`: the detached loss and one gradient buffer per bucket.
     """
-    inputs = tuple(s.detach().requires_grad_() for s in shards)
+    # Frozen buckets' shards enter without requires_grad: no gradient, no reduce-scatter.
+    inputs = tuple(
+        s.detach() if b.frozen else s.detach().requires_grad_()
+        for s, b in zip(shards, layout.buckets)
+    )
+    trainable = [i for i, b in enumerate(layout.buckets) if not b.frozen]
     run = UnitRun(
         mesh, layout, inputs, local, reshard=reshard, prefetch=prefetch, order=order, ledger=ledger
     )
@@ -181,7 +186,8 @@ def value_and_shard_grad(
         loss = check_loss(loss_fn(params, batch), rank=mesh.rank)
         grads: tuple[Any, ...] = (None,) * len(inputs)
         if loss.requires_grad:
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+            found = torch.autograd.grad(loss, [inputs[i] for i in trainable], allow_unused=True)
+            grads = tuple(dict(zip(trainable, found)).get(i) for i in range(len(inputs)))
     finally:
         if hooks is not None:
             hooks.__exit__()
@@ -190,6 +196,9 @@ def value_and_shard_grad(
         order[:] = hooks.seen
     out = []
     for i, (x, g) in enumerate(zip(inputs, grads)):
+        if layout.buckets[i].frozen:
+            out.append(x.new_empty(0))  # a placeholder: frozen buckets have no gradient
+            continue
         g = torch.zeros_like(x) if g is None else g
         out.append(g + run.extra[i] if i in run.extra else g)
     return loss.detach(), tuple(out)

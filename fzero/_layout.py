@@ -48,6 +48,7 @@ class Bucket:
     shard_numel: int
     world_size: int
     unit: str = ""  # the unit's path prefix; "" is the root unit
+    frozen: bool = False  # frozen leaves: gathered for compute, never reduced or updated
 
     @property
     def full_numel(self) -> int:
@@ -90,6 +91,28 @@ class ShardLayout:
         """Elements one rank owns, padding included."""
         return sum(b.shard_numel for b in self.buckets)
 
+    @property
+    def frozen(self) -> tuple[bool, ...]:
+        """Per leaf, in flatten order: is it frozen?"""
+        out = [False] * len(self.paths)
+        for b in self.buckets:
+            for s in b.slots:
+                out[s.index] = b.frozen
+        return tuple(out)
+
+    def trainable(self, tree: PyTree) -> PyTree:
+        """`tree` with None in place of frozen leaves: what optimizers and gradients see."""
+        leaves = self.leaves(tree)
+        return tree_unflatten(self.treedef, [None if f else x for x, f in zip(leaves, self.frozen)])
+
+    def merge(self, tree: PyTree, trainable: PyTree) -> PyTree:
+        """The leaves of `trainable` where trainable, those of `tree` where frozen."""
+        new = self.leaves(trainable)
+        return tree_unflatten(
+            self.treedef,
+            [old if f else n for old, n, f in zip(self.leaves(tree), new, self.frozen)],
+        )
+
     def fingerprint(self) -> tuple[Any, ...]:
         """Everything ranks must agree on, as plain picklable values."""
         return (
@@ -100,11 +123,21 @@ class ShardLayout:
         )
 
     def leaves(self, tree: PyTree, what: str = "tree") -> list[Any]:
-        """The leaves of `tree`, after checking it has this layout's structure."""
+        """The leaves of `tree` in layout order, after checking its structure.
+
+        `tree` has the parameters' structure, or their trainable structure (None where a
+        leaf is frozen, as gradients are); frozen positions then come back as None.
+        """
         leaves, treedef = tree_flatten(tree)
-        if treedef != self.treedef:
-            raise ValueError(f"{what} has structure {treedef}, the layout expects {self.treedef}")
-        return leaves
+        if treedef == self.treedef:
+            return leaves
+        frozen = self.frozen
+        if any(frozen) and len(leaves) == frozen.count(False):
+            it = iter(leaves)
+            full = [None if f else next(it) for f in frozen]
+            if tree_flatten(tree_unflatten(self.treedef, full))[1] == treedef:
+                return full
+        raise ValueError(f"{what} has structure {treedef}, the layout expects {self.treedef}")
 
     def flatten(self, tree: PyTree, what: str = "tree") -> tuple[torch.Tensor, ...]:
         """Packs `tree` into fresh full padded flat buffers, one per bucket."""
@@ -140,9 +173,11 @@ class ShardLayout:
         "flat": the shard buffers themselves. "tensor": the owned leaves, in their shapes.
         """
         if self.kind == "flat":
-            return tuple(shards)
+            return tuple(x for x, b in zip(shards, self.buckets) if not b.frozen)
         out = []
         for bucket, shard in zip(self.buckets, shards):
+            if bucket.frozen:
+                continue
             base = rank * bucket.shard_numel
             out += [
                 shard[s.offset - base : s.offset - base + s.numel].view(s.shape)
@@ -154,16 +189,31 @@ class ShardLayout:
     def piece_paths(self, rank: int) -> tuple[str, ...]:
         """A name for each of `pieces(..., rank)`: a bucket name or the leaf's path."""
         if self.kind == "flat":
-            return tuple(f"<bucket {i}: {b.dtype}>" for i, b in enumerate(self.buckets))
-        return tuple(s.path for b in self.buckets for s in b.slots if s.owner == rank)
+            return tuple(
+                f"<bucket {i}: {b.unit or 'root'} {b.dtype}>"
+                for i, b in enumerate(self.buckets)
+                if not b.frozen
+            )
+        return tuple(
+            s.path for b in self.buckets if not b.frozen for s in b.slots if s.owner == rank
+        )
 
-    def from_pieces(self, pieces: Sequence[torch.Tensor], rank: int) -> tuple[torch.Tensor, ...]:
-        """Inverse of `pieces`: shard buffers holding the (possibly new) pieces."""
-        if self.kind == "flat":
-            return tuple(pieces)
+    def from_pieces(
+        self, pieces: Sequence[torch.Tensor], rank: int, old: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """Inverse of `pieces`: shard buffers holding the (possibly new) pieces.
+
+        Frozen buckets, which have no pieces, are taken from `old`.
+        """
         out, it = [], iter(pieces)
         device = pieces[0].device if len(pieces) else None
-        for bucket in self.buckets:
+        for bucket, prev in zip(self.buckets, old, strict=True):
+            if bucket.frozen:
+                out.append(prev)
+                continue
+            if self.kind == "flat":
+                out.append(next(it))
+                continue
             owned = [next(it).reshape(-1) for s in bucket.slots if s.owner == rank]
             used = sum(p.numel() for p in owned)
             pad = torch.zeros(bucket.shard_numel - used, dtype=bucket.dtype, device=device)
@@ -172,7 +222,11 @@ class ShardLayout:
 
 
 def build_layout(
-    params: PyTree, world_size: int, kind: str = "flat", units: Sequence[str] | None = None
+    params: PyTree,
+    world_size: int,
+    kind: str = "flat",
+    units: Sequence[str] | None = None,
+    frozen: Sequence[bool] | None = None,
 ) -> ShardLayout:
     """Computes the layout of `params` over `world_size` ranks.
 
@@ -184,6 +238,8 @@ def build_layout(
         prefix covers the paths it matches on whole dotted components ("layers.1" covers
         "layers.1.w", not "layers.10.w"); a leaf belongs to its longest matching prefix;
         leaves matching none form the root unit "".
+      frozen: per leaf (flatten order), whether it is frozen: frozen leaves get buckets of
+        their own, which are gathered but never reduced, updated or given optimizer state.
 
     Returns:
       The ShardLayout; it depends only on the leaves' paths, shapes and dtypes and `units`.
@@ -194,14 +250,19 @@ def build_layout(
     paths = leaf_paths(params)
     _check_leaves(paths, leaves)
     names = _check_units(units, paths)
-    groups: dict[tuple[str, torch.dtype], list[int]] = {}
+    frozen = [False] * len(leaves) if frozen is None else list(frozen)
+    if len(frozen) != len(leaves):
+        raise ValueError(f"frozen has {len(frozen)} entries for {len(leaves)} leaves")
+    groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault((unit_of(paths[i], names), leaf.dtype), []).append(i)
+        groups.setdefault((unit_of(paths[i], names), bool(frozen[i]), leaf.dtype), []).append(i)
     place = _place_flat if kind == "flat" else _place_greedy
     order = {u: k for k, u in enumerate(("", *names))}  # root first, then units as given
     buckets = tuple(
-        replace(place(dtype, idx, paths, leaves, world_size), unit=unit)
-        for (unit, dtype), idx in sorted(groups.items(), key=lambda kv: order[kv[0][0]])
+        replace(place(dtype, idx, paths, leaves, world_size), unit=unit, frozen=fz)
+        for (unit, fz, dtype), idx in sorted(
+            groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])
+        )
     )
     return ShardLayout(
         kind,
@@ -291,8 +352,14 @@ def _place_greedy(
     return Bucket(dtype, tuple(slots), shard, n)
 
 
+@torch.no_grad()  # packing copies values; autograd history (params that require grad) stays out
 def _pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
-    """Elements [lo, hi) of `bucket`'s padded flat buffer built from `leaves` (a new tensor)."""
+    """Elements [lo, hi) of `bucket`'s padded flat buffer built from `leaves` (a new tensor).
+
+    A frozen bucket whose leaves are None (a gradient tree) packs to an empty tensor.
+    """
+    if bucket.frozen and bucket.slots and leaves[bucket.slots[0].index] is None:
+        return torch.empty(0, dtype=bucket.dtype)
     parts, cursor = [], lo
     device = leaves[bucket.slots[0].index].device if bucket.slots else None
     for s in sorted(bucket.slots, key=lambda s: s.offset):

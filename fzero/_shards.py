@@ -30,7 +30,8 @@ class Shards:
 
     def replace_pieces(self, pieces: tuple[torch.Tensor, ...]) -> Shards:
         """Shards holding `pieces` in place of the current ones."""
-        return Shards(self.layout.from_pieces(pieces, self.rank), self.layout, self.rank)
+        buffers = self.layout.from_pieces(pieces, self.rank, self.buffers)
+        return Shards(buffers, self.layout, self.rank)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.numel()}x{b.dtype}" for b in self.buffers)

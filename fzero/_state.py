@@ -68,6 +68,7 @@ def shard_state(
     layout: str = "flat",
     units: Sequence[str] | None = None,
     bucket_bytes: int | None = None,
+    frozen: Any = None,
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
@@ -90,6 +91,12 @@ def shard_state(
       bucket_bytes: instead of `units`, group parameters into units of about this many
         bytes along the path hierarchy (`fzero.units.by_size`; FairScale ShardedDDP's
         `reduce_buffer_size`): the granularity of stage 2's reduce-scatters.
+      frozen: which parameters are not trained: a pytree of bools like `params` (True =
+        frozen), or a list of path prefixes. By default, if some leaves of `params`
+        require grad (e.g. `dict(model.named_parameters())` after freezing some), the
+        others are frozen; otherwise nothing is. Frozen parameters get no gradient, no
+        communication beyond stage 3's all-gather, no optimizer state, and keep their
+        values bitwise.
 
     Returns:
       A ShardedState.
@@ -98,7 +105,7 @@ def shard_state(
     if bucket_bytes is not None:
         units = _units_of_bytes(params, units, bucket_bytes)
     try:
-        lay = build_layout(params, mesh.size, layout, units)
+        lay = build_layout(params, mesh.size, layout, units, _frozen_leaves(params, frozen))
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
@@ -114,13 +121,37 @@ def shard_state(
         opt_state = optimizer.init(state_params.pieces())
     else:
         state_params = lay.unflatten(flats)
+        trainable = lay.trainable(state_params)
         if stage == 0:
-            opt_state = optimizer.init(state_params)
+            opt_state = optimizer.init(trainable)
         else:
             opt_state = optimizer.init(
-                Shards(lay.shard(state_params, mesh.rank), lay, mesh.rank).pieces()
+                Shards(lay.shard(trainable, mesh.rank), lay, mesh.rank).pieces()
             )
     return ShardedState(state_params, opt_state, 0, lay, stage)
+
+
+def _frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:
+    """Per leaf: frozen? From a bool tree, path prefixes, or the leaves' requires_grad."""
+    from ._layout import unit_of
+    from ._tree import leaf_paths
+
+    leaves = tree_flatten(params)[0]
+    if frozen is None:
+        flags = [bool(getattr(x, "requires_grad", False)) for x in leaves]
+        return [not f for f in flags] if any(flags) else [False] * len(leaves)
+    if isinstance(frozen, (list, tuple)) and all(isinstance(p, str) for p in frozen):
+        paths = leaf_paths(params)
+        for prefix in frozen:
+            if not any(p == prefix or p.startswith(prefix + ".") for p in paths):
+                raise ValueError(f"frozen prefix {prefix!r} matches no parameter path")
+        return [unit_of(p, frozen) != "" for p in paths]
+    mask, mdef = tree_flatten(frozen)
+    if mdef != tree_flatten(params)[1] or not all(isinstance(m, bool) for m in mask):
+        raise ValueError(
+            "frozen must be a pytree of bools shaped like params, or a list of path prefixes"
+        )
+    return list(mask)
 
 
 def _units_of_bytes(params: PyTree, units: Sequence[str] | None, bucket_bytes: int) -> list[str]:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ._autodiff import value_and_grad
-from ._gather import gather_params, gather_params_into
+from ._comm import all_gather
+from ._gather import gather_params_into
 from ._grads import all_reduce_grads, local_shard
 from ._hooks import value_and_shard_grad
 from ._layout import ShardLayout
@@ -102,21 +103,22 @@ def _stage0(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
     """DDP: all-reduce gradients; every rank applies the same full update."""
-    loss, grads = _grad(loss_fn, state.params, batch, o.mesh)
+    lay = state.layout
+    loss, grads = _grad(loss_fn, state.params, batch, o.mesh, lay)
     grads = all_reduce_grads(grads, o.mesh)
-    params, opt_state = sharded_update(
-        optimizer, state.params, grads, state.opt_state, donate=o.donate
+    new, opt_state = sharded_update(
+        optimizer, lay.trainable(state.params), grads, state.opt_state, donate=o.donate
     )
-    return params, opt_state, loss
+    return lay.merge(state.params, new), opt_state, loss
 
 
 def _stage1(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
     """Optimizer state sharded: all-reduce, update own shard, all-gather parameters."""
-    loss, grads = _grad(loss_fn, state.params, batch, o.mesh)
+    loss, grads = _grad(loss_fn, state.params, batch, o.mesh, state.layout)
     grads = local_shard(all_reduce_grads(grads, o.mesh), state.layout, o.mesh)
-    shard = local_shard(state.params, state.layout, o.mesh)
+    shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
     shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state, donate=o.donate)
     return _regather(shard, state, o), opt_state, loss
 
@@ -126,7 +128,7 @@ def _stage2(
 ) -> Out:
     """+ gradients sharded: params enter the loss through an identity whose VJP
     reduce-scatters, unit by unit; update own shard; all-gather parameters."""
-    shard = local_shard(state.params, state.layout, o.mesh)
+    shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
     local = _full_buckets(state.params, state.layout)
     loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local)
     shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state, donate=o.donate)
@@ -148,13 +150,23 @@ def _stage3(
 def _regather(shard: Shards, state: ShardedState, o: _Options) -> PyTree:
     """Stages 1-2: every rank's updated shard, all-gathered into the full parameters.
 
-    Donating, into the buffers the old parameters live in (no second full copy).
+    Frozen buckets are not gathered: every rank already holds them, unchanged. Donating,
+    the trainable buckets are gathered into the buffers the old parameters live in (no
+    second full copy); otherwise into new ones.
     """
-    if not o.donate:
-        return gather_params(shard, o.mesh)
-    full = _full_buckets(state.params, state.layout)
-    gather_params_into(shard, o.mesh, full)
-    return state.layout.unflatten(full)
+    lay = state.layout
+    full = list(_full_buckets(state.params, lay))
+    live = [i for i, b in enumerate(lay.buckets) if not b.frozen]
+    if o.donate:
+        gather_params_into(
+            Shards(tuple(shard.buffers[i] for i in live), lay, o.mesh.rank),
+            o.mesh,
+            tuple(full[i] for i in live),
+        )
+    else:
+        for i in live:
+            full[i] = all_gather(shard.buffers[i], o.mesh)
+    return lay.unflatten(full)
 
 
 def _unit_grad(
@@ -193,9 +205,14 @@ def _full_buckets(params: PyTree, layout: ShardLayout) -> tuple[torch.Tensor, ..
     return tuple(out)
 
 
-def _grad(loss_fn: LossFn, params: PyTree, batch: Any, mesh: Mesh) -> tuple[torch.Tensor, PyTree]:
-    loss, grads = value_and_grad(loss_fn, params, batch, rank=mesh.rank)
-    return loss, tree_map(torch.zeros_like, params) if grads is None else grads
+def _grad(
+    loss_fn: LossFn, params: PyTree, batch: Any, mesh: Mesh, layout: ShardLayout
+) -> tuple[torch.Tensor, PyTree]:
+    """Loss and full gradients (None at frozen leaves; zeros if the loss ignores params)."""
+    loss, grads = value_and_grad(loss_fn, params, batch, rank=mesh.rank, frozen=layout.frozen)
+    if grads is None:
+        grads = tree_map(torch.zeros_like, layout.trainable(params))
+    return loss, grads
 
 
 def _check_state(

@@ -165,11 +165,17 @@ class UnitRun:
             call.resident, call.refill = True, None
 
     # -- backward ------------------------------------------------------------------------
-    def reduce(self, call: _Call, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The unit's shard gradients: the reduce-scatter (mean) of its full gradients."""
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
+    def reduce(self, call: _Call, grads: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+        """The unit's shard gradients: the reduce-scatter (mean) of its full gradients.
+
+        Frozen buckets have no gradient and cost no communication (None).
+        """
+        frozen = [self.layout.buckets[i].frozen for i in self.layout.unit_buckets(call.unit)]
+        nbytes = sum(g.numel() * g.element_size() for g, f in zip(grads, frozen) if not f)
         self._log("grads", call.unit, nbytes)
-        out = tuple(_comm.reduce_scatter_mean(g, self.mesh) for g in grads)
+        out = tuple(
+            None if f else _comm.reduce_scatter_mean(g, self.mesh) for g, f in zip(grads, frozen)
+        )
         self._log("grads", call.unit, -nbytes)
         call.reduced = True
         self.release(call)
@@ -189,6 +195,8 @@ class UnitRun:
                 continue
             for i in self.layout.unit_buckets(call.unit):
                 b = self.layout.buckets[i]
+                if b.frozen:
+                    continue
                 zero = torch.zeros(b.full_numel, dtype=b.dtype, device=self.shards[i].device)
                 part = _comm.reduce_scatter_mean(zero, self.mesh)
                 self.extra[i] = self.extra[i] + part if i in self.extra else part
@@ -218,7 +226,10 @@ class _UnitGather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.run, ctx.call = inputs[0], inputs[1]
+        run, call = ctx.run, ctx.call = inputs[0], inputs[1]
+        # Frozen buckets' full parameters take part in the forward but never need a gradient.
+        frozen = [run.layout.buckets[i].frozen for i in run.layout.unit_buckets(call.unit)]
+        ctx.mark_non_differentiable(*(o for o, f in zip(output, frozen) if f))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]

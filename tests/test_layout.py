@@ -60,7 +60,7 @@ def test_tensor_layout_gives_each_rank_whole_tensors(tree: dict, n: int) -> None
             assert torch.equal(piece, tree[path])
         owned += paths
         # pieces -> buffers round trip, padding zero
-        assert all(torch.equal(a, b) for a, b in zip(layout.from_pieces(pieces, r), shard))
+        assert all(torch.equal(a, b) for a, b in zip(layout.from_pieces(pieces, r, shard), shard))
     assert sorted(owned) == sorted(tree)  # every leaf owned by exactly one rank
     # Greedy largest-first balance: no rank exceeds the mean load by more than one leaf.
     for bucket in layout.buckets:
