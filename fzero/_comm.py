@@ -93,6 +93,14 @@ def all_reduce_mean(flat: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         return out
 
 
+def all_reduce_sum(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Sum over ranks of `tensor` (a new tensor)."""
+    out = tensor.detach().clone()
+    if mesh.size > 1 and out.numel():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group)
+    return out
+
+
 def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
     """Overwrites `tensor` in place with rank `src`'s values and returns it."""
     if mesh.size > 1:

@@ -198,6 +198,25 @@ class ShardLayout:
             s.path for b in self.buckets if not b.frozen for s in b.slots if s.owner == rank
         )
 
+    def piece_segments(self, rank: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+        """Per piece of `rank`: (leaf path, first element, end) of each parameter it holds."""
+        out = []
+        for bucket in self.buckets:
+            if bucket.frozen:
+                continue
+            lo, hi = rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel
+            if self.kind == "tensor":
+                out += [((s.path, 0, s.numel),) for s in bucket.slots if s.owner == rank]
+                continue
+            out.append(
+                tuple(
+                    (s.path, max(s.offset, lo) - lo, min(s.offset + s.numel, hi) - lo)
+                    for s in bucket.slots
+                    if max(s.offset, lo) < min(s.offset + s.numel, hi)
+                )
+            )
+        return tuple(out)
+
     def from_pieces(
         self, pieces: Sequence[torch.Tensor], rank: int, old: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:

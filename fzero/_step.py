@@ -107,7 +107,7 @@ def _stage0(
     loss, grads = _grad(loss_fn, state.params, batch, o.mesh, lay)
     grads = all_reduce_grads(grads, o.mesh)
     new, opt_state = sharded_update(
-        optimizer, lay.trainable(state.params), grads, state.opt_state, donate=o.donate
+        optimizer, lay.trainable(state.params), grads, state.opt_state, donate=o.donate, mesh=o.mesh
     )
     return lay.merge(state.params, new), opt_state, loss
 
@@ -119,7 +119,9 @@ def _stage1(
     loss, grads = _grad(loss_fn, state.params, batch, o.mesh, state.layout)
     grads = local_shard(all_reduce_grads(grads, o.mesh), state.layout, o.mesh)
     shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
-    shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state, donate=o.donate)
+    shard, opt_state = sharded_update(
+        optimizer, shard, grads, state.opt_state, donate=o.donate, mesh=o.mesh
+    )
     return _regather(shard, state, o), opt_state, loss
 
 
@@ -131,7 +133,9 @@ def _stage2(
     shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
     local = _full_buckets(state.params, state.layout)
     loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local)
-    shard, opt_state = sharded_update(optimizer, shard, grads, state.opt_state, donate=o.donate)
+    shard, opt_state = sharded_update(
+        optimizer, shard, grads, state.opt_state, donate=o.donate, mesh=o.mesh
+    )
     return _regather(shard, state, o), opt_state, loss
 
 
@@ -142,7 +146,7 @@ def _stage3(
     whose VJP reduce-scatters; parameters stay sharded."""
     loss, grads = _unit_grad(loss_fn, batch, o, state.layout, state.params.buffers, None)
     params, opt_state = sharded_update(
-        optimizer, state.params, grads, state.opt_state, donate=o.donate
+        optimizer, state.params, grads, state.opt_state, donate=o.donate, mesh=o.mesh
     )
     return params, opt_state, loss
 

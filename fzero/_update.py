@@ -6,13 +6,21 @@ from typing import Any
 
 import torch
 
+from ._mesh import Mesh
 from ._shards import Shards
 from ._tree import PyTree, leaf_paths, tree_flatten
 from .optim import Optimizer
+from .optim._context import ShardContext, shard_context
 
 
 def sharded_update(
-    optimizer: Optimizer, params: PyTree, grads: PyTree, opt_state: Any, *, donate: bool = False
+    optimizer: Optimizer,
+    params: PyTree,
+    grads: PyTree,
+    opt_state: Any,
+    *,
+    donate: bool = False,
+    mesh: Mesh | None = None,
 ) -> tuple[PyTree, Any]:
     """Applies `optimizer` to this rank's parameter shard with its gradient shard.
 
@@ -31,6 +39,8 @@ def sharded_update(
       grads: the matching gradient Shards (or a full tree), already averaged over ranks.
       opt_state: the optimizer state of this rank's pieces, from `shard_state`.
       donate: update `params` and `opt_state` in place (consuming them).
+      mesh: the mesh; needed by transformations that look across ranks, such as
+        `fzero.optim.clip_by_global_norm` on shards (the norm of the whole model).
 
     Returns:
       `(new_params, new_opt_state)`, params of the same kind as given.
@@ -39,13 +49,18 @@ def sharded_update(
     update = optimizer.update_ if inplace else optimizer.update
     if not isinstance(params, Shards):
         _check_like(grads, params)
-        return update(grads, opt_state, params)
+        with shard_context(ShardContext(mesh, sharded=False, segments=None)):
+            return update(grads, opt_state, params)
     if not isinstance(grads, Shards) or grads.layout != params.layout or grads.rank != params.rank:
         raise ValueError(
             "sharded_update: grads must be Shards with the parameters' layout and "
             "rank (use reduce_scatter_grads or local_shard)"
         )
-    new_pieces, new_state = update(grads.pieces(), opt_state, params.pieces())
+    ctx = ShardContext(mesh, sharded=True, segments=params.layout.piece_segments(params.rank))
+    if mesh is None and params.layout.world_size > 1:
+        ctx = ShardContext(_NoMesh(), sharded=True, segments=ctx.segments)
+    with shard_context(ctx):
+        new_pieces, new_state = update(grads.pieces(), opt_state, params.pieces())
     if inplace:  # the pieces are views into params.buffers, updated where they are
         return params, new_state
     return params.replace_pieces(tuple(new_pieces)), new_state
@@ -68,3 +83,15 @@ def _check_like(grads: PyTree, params: PyTree) -> None:
                 f"sharded_update: grads leaf {path!r} is {got}, params have "
                 f"{tuple(p.shape)} {p.dtype}"
             )
+
+
+class _NoMesh:
+    """Stands in for a missing `mesh=`: fails clearly if a transformation needs the mesh."""
+
+    size = 2
+
+    def __getattr__(self, name: str) -> Any:
+        raise ValueError(
+            "this optimizer needs the other ranks (e.g. clip_by_global_norm): "
+            "pass mesh= to sharded_update"
+        )

@@ -12,3 +12,7 @@ from ._base import Schedule as Schedule
 from ._sgd import SgdState as SgdState
 from ._sgd import sgd as sgd
 from ._torch import from_torch as from_torch
+from ._transforms import ClipState as ClipState
+from ._transforms import GradientTransformation as GradientTransformation
+from ._transforms import chain as chain
+from ._transforms import clip_by_global_norm as clip_by_global_norm

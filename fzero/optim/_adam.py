@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -11,8 +11,10 @@ from ._base import (
     Optimizer,
     Params,
     ScalarOrSchedule,
+    decay_flags,
     flatten_as,
     from_inplace,
+    masked_factor,
     resolve_lr,
     validate_beta,
     validate_lr,
@@ -47,6 +49,7 @@ def _adam(
     amsgrad: bool,
     maximize: bool,
     decoupled: bool,
+    mask: Any = None,
 ) -> Optimizer:
     """Shared implementation; ``decoupled`` selects AdamW's weight decay."""
     validate_lr(lr)
@@ -73,15 +76,16 @@ def _adam(
         trees = (grads, state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
         leaves, _, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
         nu_max_l = rest[0] if amsgrad else [None] * len(leaves)
+        decay = decay_flags(mask, params, len(leaves), weight_decay)
 
         # The very in-place ops of torch's single-tensor Adam, on the given tensors.
-        for p, g, m, v, v_max in zip(leaves, g_l, mu_l, nu_l, nu_max_l, strict=True):
+        for p, g, m, v, v_max, d in zip(leaves, g_l, mu_l, nu_l, nu_max_l, decay, strict=True):
             g = -g if maximize else g
-            if weight_decay != 0:
+            if d is not False:
                 if decoupled:
-                    p.mul_(1 - step_lr * weight_decay)
+                    p.mul_(masked_factor(1 - step_lr * weight_decay, d, p))
                 else:
-                    g = g.add(p, alpha=weight_decay)
+                    g = g.add(p if d is True else p * d, alpha=weight_decay)
             if torch.is_complex(p):
                 # torch updates complex tensors through real views, so that the second
                 # moment accumulates |g|^2 per component rather than the complex g*g.
@@ -106,6 +110,7 @@ def adam(
     weight_decay: float = 0.0,
     amsgrad: bool = False,
     maximize: bool = False,
+    mask: Any = None,
 ) -> Optimizer:
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
 
@@ -117,6 +122,9 @@ def adam(
       weight_decay: L2 penalty coefficient, added to the gradient (``g + wd * p``).
       amsgrad: use the AMSGrad variant (normalise by the running max of ``nu``).
       maximize: maximize the objective instead of minimizing it.
+      mask: where weight decay applies: a predicate on parameter paths or a pytree of
+        bools like the parameters (True = decay); None decays everything. Resolved per
+        element under sharding, so it works on flat shards too.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`AdamState`.
@@ -124,7 +132,7 @@ def adam(
     Raises:
       ValueError: for invalid hyper-parameters (same rules as torch).
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False, mask=mask)
 
 
 def adamw(
@@ -134,6 +142,7 @@ def adamw(
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
     maximize: bool = False,
+    mask: Any = None,
 ) -> Optimizer:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW``.
 
@@ -145,6 +154,9 @@ def adamw(
       weight_decay: decoupled decay; params are first scaled by ``1 - lr * wd``.
       amsgrad: use the AMSGrad variant (normalise by the running max of ``nu``).
       maximize: maximize the objective instead of minimizing it.
+      mask: where weight decay applies: a predicate on parameter paths or a pytree of
+        bools like the parameters (True = decay); None decays everything. Resolved per
+        element under sharding, so it works on flat shards too.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`AdamState`.
@@ -152,4 +164,4 @@ def adamw(
     Raises:
       ValueError: for invalid hyper-parameters (same rules as torch).
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True, mask=mask)

@@ -157,3 +157,29 @@ def zero_count() -> torch.Tensor:
     """Returns a fresh step counter: a 0-d int64 CPU tensor equal to 0."""
     # A tensor (not a python int) so the count is checkpointed like every other state leaf.
     return torch.zeros((), dtype=torch.int64)
+
+
+def decay_flags(mask: Any, params: Params, n: int, weight_decay: float) -> list[Any]:
+    """Per leaf: False (no decay), True, or a 0/1 tensor (a shard mixing parameters)."""
+    if weight_decay == 0:
+        return [False] * n
+    if mask is None:
+        return [True] * n
+    from ._context import resolve_mask
+
+    return [
+        m if isinstance(m, bool) else m.to(dtype)
+        for m, dtype in zip(
+            resolve_mask(mask, params), (p.dtype for p in optree.tree_leaves(params))
+        )
+    ]
+
+
+def masked_factor(factor: float, flag: Any, p: torch.Tensor) -> Any:
+    """`factor` where `flag` (a bool or a 0/1 tensor) is set, 1 elsewhere, for `p.mul_`."""
+    if flag is True:
+        return factor
+    # torch.where in p's dtype rounds `factor` exactly as p.mul_(factor) would.
+    return torch.where(
+        flag.bool(), torch.tensor(factor, dtype=p.dtype), torch.tensor(1.0, dtype=p.dtype)
+    )

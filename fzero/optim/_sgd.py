@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -11,6 +11,7 @@ from ._base import (
     Optimizer,
     Params,
     ScalarOrSchedule,
+    decay_flags,
     flatten_as,
     from_inplace,
     resolve_lr,
@@ -41,6 +42,7 @@ def sgd(
     weight_decay: float = 0.0,
     nesterov: bool = False,
     maximize: bool = False,
+    mask: Any = None,
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
 
@@ -53,6 +55,8 @@ def sgd(
       weight_decay: L2 penalty added to the gradient.
       nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
       maximize: maximize the objective instead of minimizing it.
+      mask: where weight decay applies (a predicate on parameter paths or a pytree of
+        bools like the parameters); None decays everything.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`SgdState`.
@@ -79,11 +83,12 @@ def sgd(
         trees = (grads,) if momentum == 0 else (grads, state.momentum)
         leaves, _, (grad_leaves, *rest) = flatten_as(params, *trees)
         buf_leaves = rest[0] if rest else [None] * len(leaves)
+        decay = decay_flags(mask, params, len(leaves), weight_decay)
 
-        for p, g, buf in zip(leaves, grad_leaves, buf_leaves, strict=True):
+        for p, g, buf, d in zip(leaves, grad_leaves, buf_leaves, decay, strict=True):
             d_p = -g if maximize else g
-            if weight_decay != 0:
-                d_p = d_p.add(p, alpha=weight_decay)
+            if d is not False:
+                d_p = d_p.add(p if d is True else p * d, alpha=weight_decay)
             if momentum != 0:
                 if count == 0:
                     # torch seeds the buffer with the raw step direction on the first

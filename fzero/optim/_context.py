@@ -1,0 +1,110 @@
+"""The sharding context of an update: what a transform needs to act on a shard, not a tree.
+
+`fzero.sharded_update` runs the optimizer on a rank's *pieces* (flat slices of buckets, or
+owned tensors), not on the parameter tree. Two things need to know more than the pieces:
+global-norm clipping needs the other ranks' share of the norm (a collective on the mesh),
+and weight-decay masks, written against parameter paths, need to know which parameter
+each element of a piece belongs to. sharded_update sets this context for the duration of
+the update; without it (an optimizer called on a plain tree) both act on the tree itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+Segments = tuple[tuple[str, int, int], ...]  # (leaf path, first element, end) within a piece
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """Where the pieces being updated come from.
+
+    Attributes:
+      mesh: the mesh, for collectives over all ranks' pieces (None: no communication).
+      sharded: whether each rank holds a different part of the parameters (stages 1-3);
+        replicated trees (stage 0) already hold everything.
+      segments: per piece, the parameter elements it holds; None when the update runs on
+        the parameter tree itself (stage 0).
+    """
+
+    mesh: Any
+    sharded: bool
+    segments: tuple[Segments, ...] | None
+
+
+_CONTEXT: ContextVar[ShardContext | None] = ContextVar("fzero_shard_context", default=None)
+
+
+@contextlib.contextmanager
+def shard_context(ctx: ShardContext) -> Iterator[None]:
+    """Makes `ctx` the current sharding context within the block."""
+    token = _CONTEXT.set(ctx)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def global_sum(local: torch.Tensor) -> torch.Tensor:
+    """`local` summed over every rank's shard, if the update runs on a shard; else itself."""
+    ctx = _CONTEXT.get()
+    if ctx is None or not ctx.sharded or ctx.mesh is None or ctx.mesh.size == 1:
+        return local
+    from .._comm import all_reduce_sum
+
+    return all_reduce_sum(local, ctx.mesh)
+
+
+def resolve_mask(mask: Any, params: Any) -> list[bool | torch.Tensor]:
+    """Per leaf of `params`: True/False, or a 0/1 tensor for a piece mixing parameters.
+
+    Args:
+      mask: a predicate on parameter paths, or a pytree of bools shaped like the full
+        parameter tree (True = apply).
+      params: what the optimizer updates: the parameter tree, or a rank's pieces.
+
+    Returns:
+      One entry per leaf of `params`, in flatten order.
+    """
+    predicate = _predicate(mask)
+    ctx = _CONTEXT.get()
+    leaves = optree.tree_leaves(params)
+    if ctx is None or ctx.segments is None:
+        from .._tree import leaf_paths
+
+        return [bool(predicate(p)) for p in leaf_paths(params)]
+    out: list[bool | torch.Tensor] = []
+    for piece, segments in zip(leaves, ctx.segments, strict=True):
+        flags = {bool(predicate(path)) for path, _, _ in segments}
+        if len(flags) <= 1:
+            out.append(flags.pop() if flags else False)
+            continue
+        m = torch.zeros(piece.numel(), dtype=torch.bool, device=piece.device)
+        for path, lo, hi in segments:
+            m[lo:hi] = bool(predicate(path))
+        out.append(m.view(piece.shape))
+    return out
+
+
+def _predicate(mask: Any) -> Callable[[str], bool]:
+    if callable(mask):
+        return mask
+    from .._tree import leaf_paths
+
+    flags = dict(zip(leaf_paths(mask), optree.tree_leaves(mask)))
+    if not all(isinstance(f, bool) for f in flags.values()):
+        raise ValueError("a mask is a predicate on parameter paths or a pytree of bools")
+
+    def lookup(path: str) -> bool:
+        if path not in flags:
+            raise ValueError(f"the mask has no entry for parameter {path!r}")
+        return flags[path]
+
+    return lookup
