@@ -132,6 +132,8 @@ def value_and_shard_grad(
     prefetch: bool,
     order: list[str],
     ledger: UnitLedger | None,
+    acc: dict[int, torch.Tensor] | None = None,
+    final: bool = True,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """This rank's loss and its shard gradients (mean over ranks), unit by unit.
 
@@ -147,6 +149,9 @@ def value_and_shard_grad(
       prefetch: stage 3: gather the next unit while the current one computes.
       order: unit call order from the previous step; updated in place for the next.
       ledger: optional UnitLedger.
+      acc: local accumulation: full gradients of earlier micro-batches, per bucket
+        (updated in place); None reduce-scatters every micro-batch.
+      final: with `acc`, whether this is the last micro-batch (reduce now).
 
     Returns:
       `(loss, shard_grads)`: the detached loss and one gradient buffer per bucket.
@@ -160,6 +165,7 @@ def value_and_shard_grad(
     run = UnitRun(
         mesh, layout, inputs, local, reshard=reshard, prefetch=prefetch, order=order, ledger=ledger
     )
+    run.acc, run.final = acc, final
     jit = hookable_units(layout, module)
     leaves: list[Any] = [None] * len(layout.paths)
     index = {p: i for i, p in enumerate(layout.paths)}

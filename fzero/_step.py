@@ -36,6 +36,7 @@ class _Options:
     prefetch: bool
     ledger: UnitLedger | None
     donate: bool
+    accumulate: str | None
     order: list[str] = field(default_factory=list)  # unit call order, for prefetching
 
 
@@ -52,6 +53,7 @@ def sharded_step(
     prefetch: bool = True,
     ledger: UnitLedger | None = None,
     donate: bool = True,
+    accumulate: str | None = None,
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
 
@@ -83,13 +85,21 @@ def sharded_step(
       donate: consume the state (like JAX's `donate_argnums`): parameters, shards and
         optimizer state are updated in place, so a step never holds a second copy of them;
         the state passed in must not be used again. False makes the step pure.
+      accumulate: gradient accumulation: `batch` is then a sequence of micro-batches and
+        the update uses the mean gradient over all of them (and all ranks). "local" (DDP's
+        `no_sync`) sums full gradients on each rank and reduces once, after the last
+        micro-batch (no gradient communication before it; full gradient memory);
+        "sharded" (DeepSpeed's way) reduces every micro-batch into the rank's shard (less
+        memory, more communication). The loss returned is the mean over micro-batches.
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached.
     """
     stage = check_stage(stage)
+    if accumulate not in (None, "local", "sharded"):
+        raise ValueError(f"accumulate must be None, 'local' or 'sharded', got {accumulate!r}")
     body = {0: _stage0, 1: _stage1, 2: _stage2, 3: _stage3}[stage]
-    opts = _Options(mesh, module, reshard_after_forward, prefetch, ledger, donate)
+    opts = _Options(mesh, module, reshard_after_forward, prefetch, ledger, donate, accumulate)
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         _check_state(state, stage, layout, units, mesh)
@@ -104,8 +114,7 @@ def _stage0(
 ) -> Out:
     """DDP: all-reduce gradients; every rank applies the same full update."""
     lay = state.layout
-    loss, grads = _grad(loss_fn, state.params, batch, o.mesh, lay)
-    grads = all_reduce_grads(grads, o.mesh)
+    loss, grads = _replicated_grad(loss_fn, state.params, batch, o, lay)
     new, opt_state = sharded_update(
         optimizer, lay.trainable(state.params), grads, state.opt_state, donate=o.donate, mesh=o.mesh
     )
@@ -116,8 +125,8 @@ def _stage1(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
     """Optimizer state sharded: all-reduce, update own shard, all-gather parameters."""
-    loss, grads = _grad(loss_fn, state.params, batch, o.mesh, state.layout)
-    grads = local_shard(all_reduce_grads(grads, o.mesh), state.layout, o.mesh)
+    loss, grads = _replicated_grad(loss_fn, state.params, batch, o, state.layout)
+    grads = local_shard(grads, state.layout, o.mesh)
     shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
     shard, opt_state = sharded_update(
         optimizer, shard, grads, state.opt_state, donate=o.donate, mesh=o.mesh
@@ -181,20 +190,62 @@ def _unit_grad(
     shards: tuple[torch.Tensor, ...],
     local: tuple[torch.Tensor, ...] | None,
 ) -> tuple[torch.Tensor, Shards]:
-    loss, grads = value_and_shard_grad(
-        loss_fn,
-        batch,
-        mesh=o.mesh,
-        layout=layout,
-        shards=shards,
-        local=local,
-        module=o.module,
-        reshard=o.reshard_after_forward,
-        prefetch=o.prefetch,
-        order=o.order,
-        ledger=o.ledger,
-    )
-    return loss, Shards(grads, layout, o.mesh.rank)
+    """Loss and shard gradients, unit by unit; over every micro-batch when accumulating."""
+    micro = _micro_batches(batch, o)
+    acc: dict[int, torch.Tensor] | None = {} if o.accumulate == "local" else None
+    losses, total = [], None
+    for j, mb in enumerate(micro):
+        loss, grads = value_and_shard_grad(
+            loss_fn,
+            mb,
+            mesh=o.mesh,
+            layout=layout,
+            shards=shards,
+            local=local,
+            module=o.module,
+            reshard=o.reshard_after_forward,
+            prefetch=o.prefetch,
+            order=o.order,
+            ledger=o.ledger,
+            acc=acc,
+            final=j == len(micro) - 1,
+        )
+        losses.append(loss)
+        total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
+    assert total is not None
+    if len(micro) > 1:
+        total = tuple(t / len(micro) for t in total)
+    return torch.stack(losses).mean(), Shards(total, layout, o.mesh.rank)
+
+
+def _replicated_grad(
+    loss_fn: LossFn, params: PyTree, batch: Any, o: _Options, layout: ShardLayout
+) -> tuple[torch.Tensor, PyTree]:
+    """Loss and all-reduced (mean) full gradients; over every micro-batch when accumulating."""
+    micro = _micro_batches(batch, o)
+    losses, total = [], None
+    for mb in micro:
+        loss, grads = _grad(loss_fn, params, mb, o.mesh, layout)
+        if o.accumulate != "local":  # "local" communicates once, after the last micro-batch
+            grads = all_reduce_grads(grads, o.mesh)
+        losses.append(loss)
+        total = grads if total is None else tree_map(torch.add, total, grads)
+    if o.accumulate == "local":
+        total = all_reduce_grads(total, o.mesh)
+    if len(micro) > 1:
+        total = tree_map(lambda g: g / len(micro), total)
+    return torch.stack(losses).mean(), total
+
+
+def _micro_batches(batch: Any, o: _Options) -> list[Any]:
+    if o.accumulate is None:
+        return [batch]
+    if not isinstance(batch, (list, tuple)) or not batch:
+        raise TypeError(
+            f"with accumulate={o.accumulate!r} a step takes a non-empty list of micro-batches, "
+            f"got {type(batch).__name__}"
+        )
+    return list(batch)
 
 
 def _full_buckets(params: PyTree, layout: ShardLayout) -> tuple[torch.Tensor, ...]:

@@ -103,6 +103,10 @@ class UnitRun:
         self.calls: list[_Call] = []
         self.pending: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # prefetched gathers
         self.extra: dict[int, torch.Tensor] = {}  # bucket -> fallback shard gradient
+        # Local gradient accumulation (DDP's no_sync): full gradients summed here, per
+        # bucket, across micro-batches; reduce-scattered only on the final micro-batch.
+        self.acc: dict[int, torch.Tensor] | None = None
+        self.final = True
 
     # -- forward -------------------------------------------------------------------------
     def materialize(self, unit: str) -> tuple[torch.Tensor, ...]:
@@ -170,16 +174,25 @@ class UnitRun:
 
         Frozen buckets have no gradient and cost no communication (None).
         """
-        frozen = [self.layout.buckets[i].frozen for i in self.layout.unit_buckets(call.unit)]
+        idx = self.layout.unit_buckets(call.unit)
+        frozen = [self.layout.buckets[i].frozen for i in idx]
         nbytes = sum(g.numel() * g.element_size() for g, f in zip(grads, frozen) if not f)
         self._log("grads", call.unit, nbytes)
-        out = tuple(
-            None if f else _comm.reduce_scatter_mean(g, self.mesh) for g, f in zip(grads, frozen)
-        )
+        out: list[Any] = []
+        for i, g, f in zip(idx, grads, frozen):
+            if f:
+                out.append(None)
+            elif self.acc is not None and not self.final:  # hold it: no communication yet
+                self.acc[i] = self.acc[i] + g if i in self.acc else g.clone()
+                out.append(None)
+            else:
+                if self.acc is not None and i in self.acc:
+                    g = g + self.acc.pop(i)  # earlier micro-batches, reduced together now
+                out.append(_comm.reduce_scatter_mean(g, self.mesh))
         self._log("grads", call.unit, -nbytes)
         call.reduced = True
         self.release(call)
-        return out
+        return tuple(out)
 
     def settle(self) -> None:
         """Reduce-scatters zeros for calls whose backward never ran on this rank.
@@ -202,6 +215,12 @@ class UnitRun:
                 self.extra[i] = self.extra[i] + part if i in self.extra else part
             call.reduced = True
             self.release(call)
+        if self.acc is not None and self.final:
+            # Buckets accumulated earlier but unused in the final micro-batch: every rank
+            # holds the same set, so reducing them in bucket order keeps ranks in step.
+            for i in sorted(self.acc):
+                part = _comm.reduce_scatter_mean(self.acc.pop(i), self.mesh)
+                self.extra[i] = self.extra[i] + part if i in self.extra else part
         for unit, started in self.pending.items():  # prefetched but never used
             for full, work in started:
                 if work is not None:
