@@ -120,6 +120,8 @@ class ShardLayout:
             self.world_size,
             str(self.treedef),
             tuple(zip(self.paths, self.shapes, map(str, self.dtypes))),
+            self.units,
+            self.frozen,
         )
 
     def leaves(self, tree: PyTree, what: str = "tree") -> list[Any]:

@@ -190,8 +190,8 @@ def _type_of(problem: str) -> type[Exception]:
 
 
 def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
-    kind, _, tdef, leaves = ref
-    okind, _, otdef, oleaves = other
+    kind, _, tdef, leaves, units, frozen = ref
+    okind, _, otdef, oleaves, ounits, ofrozen = other
     if kind != okind:
         return f"layout {okind!r} vs {kind!r}"
     for (p, s, d), (op, os_, od) in zip(leaves, oleaves):
@@ -202,4 +202,9 @@ def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
     if len(leaves) != len(oleaves):
         extra = oleaves[len(leaves) :] or leaves[len(oleaves) :]
         return f"{len(oleaves)} leaves vs rank 0's {len(leaves)} (first unmatched: {extra[0][0]!r})"
+    if units != ounits:
+        return f"units {list(ounits[1:])} vs rank 0's {list(units[1:])}"
+    for (p, _, _), f, of in zip(leaves, frozen, ofrozen):
+        if f != of:
+            return f"leaf {p!r} is {'frozen' if of else 'trainable'}, rank 0's is not"
     return f"tree structure {otdef} vs {tdef}"
