@@ -31,6 +31,9 @@ class ShardedState:
       step: number of updates applied.
       layout: how parameters are split over ranks (static).
       stage: the ZeRO stage, 0-3 (static).
+      buffers: module buffers (BatchNorm running statistics, counters), replicated on
+        every rank, or None. With buffers, `loss_fn(params, buffers, batch)` returns
+        `(loss, new_buffers)`; see `sharded_step(buffer_sync=...)`.
     """
 
     params: PyTree
@@ -38,16 +41,17 @@ class ShardedState:
     step: int
     layout: ShardLayout
     stage: int
+    buffers: PyTree = None
 
 
 optree.register_pytree_node(
     ShardedState,
     lambda s: (
-        (s.params, s.opt_state, s.step),
+        (s.params, s.opt_state, s.step, s.buffers),
         (s.layout, s.stage),
-        ("params", "opt_state", "step"),
+        ("params", "opt_state", "step", "buffers"),
     ),
-    lambda meta, children: ShardedState(*children, *meta),
+    lambda meta, children: ShardedState(*children[:3], *meta, children[3]),
     namespace=NAMESPACE,
 )
 
@@ -69,6 +73,7 @@ def shard_state(
     units: Sequence[str] | None = None,
     bucket_bytes: int | None = None,
     frozen: Any = None,
+    buffers: PyTree = None,
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
@@ -97,6 +102,9 @@ def shard_state(
         others are frozen; otherwise nothing is. Frozen parameters get no gradient, no
         communication beyond stage 3's all-gather, no optimizer state, and keep their
         values bitwise.
+      buffers: module buffers to carry through steps (e.g. `dict(model.named_buffers())`):
+        replicated, rank 0's values broadcast here like DDP's constructor. The step then
+        calls `loss_fn(params, buffers, batch)`, which returns `(loss, new_buffers)`.
 
     Returns:
       A ShardedState.
@@ -110,6 +118,7 @@ def shard_state(
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
     _agree(lay, problem, stage, mesh)
+    state_buffers = _replicate_buffers(buffers, mesh)
     flats = tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params))
     if stage == 3:
         shards = tuple(
@@ -128,7 +137,25 @@ def shard_state(
             opt_state = optimizer.init(
                 Shards(lay.shard(trainable, mesh.rank), lay, mesh.rank).pieces()
             )
-    return ShardedState(state_params, opt_state, 0, lay, stage)
+    return ShardedState(state_params, opt_state, 0, lay, stage, state_buffers)
+
+
+def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:
+    """Copies of `buffers` holding rank 0's values, after checking every rank has the same."""
+    if buffers is None:
+        return None
+    from ._tree import leaf_paths, tree_map
+
+    leaves = tree_flatten(buffers)[0]
+    for path, x in zip(leaf_paths(buffers), leaves):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"buffers leaf {path!r} is a {type(x).__name__}, expected a tensor")
+    spec = [(p, tuple(x.shape), str(x.dtype)) for p, x in zip(leaf_paths(buffers), leaves)]
+    everyone = _comm.all_gather_object(spec, mesh)
+    for rank, other in enumerate(everyone):
+        if other != everyone[0]:
+            raise ValueError(f"shard_state: rank {rank}'s buffers differ from rank 0's")
+    return tree_map(lambda x: _comm.broadcast_(x.detach().clone(), mesh), buffers)
 
 
 def _frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:

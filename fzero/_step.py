@@ -37,6 +37,7 @@ class _Options:
     ledger: UnitLedger | None
     donate: bool
     accumulate: str | None
+    buffer_sync: str
     order: list[str] = field(default_factory=list)  # unit call order, for prefetching
 
 
@@ -54,6 +55,7 @@ def sharded_step(
     ledger: UnitLedger | None = None,
     donate: bool = True,
     accumulate: str | None = None,
+    buffer_sync: str = "broadcast",
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
 
@@ -91,6 +93,10 @@ def sharded_step(
         micro-batch (no gradient communication before it; full gradient memory);
         "sharded" (DeepSpeed's way) reduces every micro-batch into the rank's shard (less
         memory, more communication). The loss returned is the mean over micro-batches.
+      buffer_sync: for a state with buffers, how ranks agree on the buffers `loss_fn`
+        returns: "broadcast" (rank 0's, as DDP's `broadcast_buffers`), "mean" (floating
+        buffers averaged over ranks, e.g. BatchNorm running means; others rank 0's), or
+        "local" (each rank keeps its own).
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached.
@@ -98,13 +104,24 @@ def sharded_step(
     stage = check_stage(stage)
     if accumulate not in (None, "local", "sharded"):
         raise ValueError(f"accumulate must be None, 'local' or 'sharded', got {accumulate!r}")
+    if buffer_sync not in ("broadcast", "mean", "local"):
+        raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
     body = {0: _stage0, 1: _stage1, 2: _stage2, 3: _stage3}[stage]
-    opts = _Options(mesh, module, reshard_after_forward, prefetch, ledger, donate, accumulate)
+    opts = _Options(
+        mesh, module, reshard_after_forward, prefetch, ledger, donate, accumulate, buffer_sync
+    )
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         _check_state(state, stage, layout, units, mesh)
-        params, opt_state, loss = body(loss_fn, optimizer, opts, state, batch)
-        return ShardedState(params, opt_state, state.step + 1, state.layout, stage), loss
+        if state.buffers is None:
+            params, opt_state, loss = body(loss_fn, optimizer, opts, state, batch)
+            buffers = None
+        else:
+            threaded = _BufferThread(loss_fn, state.buffers)
+            params, opt_state, loss = body(threaded, optimizer, opts, state, batch)
+            buffers = _sync_buffers(threaded.buffers, opts)
+        new = ShardedState(params, opt_state, state.step + 1, state.layout, stage, buffers)
+        return new, loss
 
     return step
 
@@ -296,3 +313,40 @@ def _check_state(
             f"the state's shards belong to rank {state.params.rank} of {mesh.size}, this is "
             f"rank {mesh.rank} of {mesh.size}"
         )
+
+
+class _BufferThread:
+    """`loss_fn(params, buffers, batch) -> (loss, new_buffers)` as a loss of (params, batch).
+
+    Buffers thread through the micro-batches of a step in order; the state's own buffers
+    are copied first, since functional_call writes in-place buffer updates into the dict.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], buffers: PyTree) -> None:
+        self.loss_fn = loss_fn
+        self.buffers = tree_map(lambda b: b.detach().clone(), buffers)
+
+    def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
+        out = self.loss_fn(params, self.buffers, batch)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "with buffers in the state, loss_fn(params, buffers, batch) must return "
+                f"(loss, new_buffers), got {type(out).__name__}"
+            )
+        loss, new = out
+        self.buffers = tree_map(lambda b: b.detach(), new)
+        return loss
+
+
+def _sync_buffers(buffers: PyTree, o: _Options) -> PyTree:
+    from ._comm import all_reduce_mean, broadcast_
+
+    if o.buffer_sync == "local":
+        return buffers
+
+    def sync(b: torch.Tensor) -> torch.Tensor:
+        if o.buffer_sync == "mean" and b.is_floating_point():
+            return all_reduce_mean(b, o.mesh)
+        return broadcast_(b.clone(), o.mesh)
+
+    return tree_map(sync, buffers)
