@@ -15,6 +15,7 @@ from ._memory import estimate_memory as estimate_memory
 from ._memory import memory_report as memory_report
 from ._mesh import Mesh as Mesh
 from ._mesh import ProcessGroupMesh as ProcessGroupMesh
+from ._remat import remat as remat
 from ._shards import Shards as Shards
 from ._simulate import RankFailure as RankFailure
 from ._simulate import Simulation as Simulation

@@ -1,0 +1,64 @@
+"""remat: activation checkpointing that recomputes with the parameters the forward used."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def remat(module: nn.Module) -> Callable[..., Any]:
+    """`module` as a callable whose activations are recomputed in backward, not stored.
+
+    Call it inside a forward: `x = fzero.remat(self.mlp)(x)`. Non-reentrant
+    `torch.utils.checkpoint` alone is unsafe under `torch.func.functional_call`: the
+    recompute runs during backward, after functional_call has put the module's own
+    parameters back, and silently recomputes with those (stale) values. remat records
+    the tensors bound to the module's parameters and buffers when the forward runs and
+    binds them again for the recompute.
+
+    Inside a unit (`fzero.units`), remat of the unit's body is FSDP(checkpoint(m)), the
+    order fzero recommends: the unit is gathered once for its backward and the recompute
+    uses that. remat of the unit module itself is checkpoint(FSDP(m)): the recompute
+    re-enters the unit's hook and all-gathers the unit once more.
+
+    Args:
+      module: the submodule to checkpoint.
+
+    Returns:
+      A callable with the module's call signature.
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = _bindings(module)
+
+        def run(*a: Any, **kw: Any) -> Any:
+            with _bind(module, bound):
+                return module(*a, **kw)
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    return call
+
+
+def _bindings(module: nn.Module) -> list[tuple[nn.Module, str, str, Any]]:
+    out = []
+    for sub in module.modules():
+        out += [(sub, "_parameters", k, v) for k, v in sub._parameters.items()]
+        out += [(sub, "_buffers", k, v) for k, v in sub._buffers.items()]
+    return out
+
+
+@contextlib.contextmanager
+def _bind(module: nn.Module, bound: list[tuple[nn.Module, str, str, Any]]) -> Iterator[None]:
+    old = [(sub, slot, k, getattr(sub, slot)[k]) for sub, slot, k, _ in bound]
+    try:
+        for sub, slot, k, v in bound:
+            getattr(sub, slot)[k] = v
+        yield
+    finally:
+        for sub, slot, k, v in old:
+            getattr(sub, slot)[k] = v
