@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,3 +132,25 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 def run(world_size: int, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
     """fzero.simulate with short timeouts: a collective bug fails the test, never hangs it."""
     return fzero.Simulation(world_size, collective_timeout=30, timeout=120).run(fn, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def counting(names: tuple[str, ...]) -> Iterator[list[int]]:
+    """Counts the elements passed to fzero._comm's `names` within the block (then restores)."""
+    seen: list[int] = []
+    originals = {name: getattr(fzero._comm, name) for name in names}
+
+    def wrap(f: Any) -> Any:
+        def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            seen.append(t.numel())
+            return f(t, *args, **kwargs)
+
+        return counted
+
+    for name, f in originals.items():
+        setattr(fzero._comm, name, wrap(f))
+    try:
+        yield seen
+    finally:
+        for name, f in originals.items():
+            setattr(fzero._comm, name, f)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import Case, cases, make_optimizer, mlp_loss, run, train_reference
+from support import Case, cases, counting, make_optimizer, mlp_loss, run, train_reference
 
 import fzero
 
@@ -22,20 +22,13 @@ def micro_batches(case: Case, t: int, rank: int) -> list[tuple[torch.Tensor, tor
 
 
 def train(mesh: fzero.Mesh, case: Case, mode: str) -> tuple[Any, list[int]]:
-    reductions: list[int] = []  # gradient elements reduced, per collective
-    for name in ("reduce_scatter_mean", "all_reduce_mean"):
-        original = getattr(fzero._comm, name)
-
-        def counting(t: torch.Tensor, m: Any, _f: Any = original) -> torch.Tensor:
-            reductions.append(t.numel())
-            return _f(t, m)
-
-        setattr(fzero._comm, name, counting)
     opt = make_optimizer(case.optimizer)
     state = fzero.shard_state(case.params, opt, mesh, stage=case.stage, layout=case.layout)
     step = fzero.sharded_step(mlp_loss, opt, mesh, stage=case.stage, accumulate=mode)
-    for t in range(case.xs.shape[0]):
-        state, _ = step(state, micro_batches(case, t, mesh.rank))
+    # gradient elements reduced, per collective
+    with counting(("reduce_scatter_mean", "all_reduce_mean")) as reductions:
+        for t in range(case.xs.shape[0]):
+            state, _ = step(state, micro_batches(case, t, mesh.rank))
     return fzero.gather_params(state.params, mesh), reductions
 
 

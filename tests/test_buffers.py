@@ -10,7 +10,7 @@ from torch.func import functional_call
 
 import fzero
 
-N, B, STEPS = 3, 4, 3
+N, B, STEPS = 3, 4, 3  # simulated ranks; the gloo tests pass their own world size
 
 
 def make_model() -> nn.Module:
@@ -21,11 +21,11 @@ def make_model() -> nn.Module:
     ).double()
 
 
-def data() -> tuple[torch.Tensor, torch.Tensor]:
+def data(n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return (
-        torch.randn(STEPS, N * B, 3, generator=g, dtype=torch.float64),
-        torch.randn(STEPS, N * B, 2, generator=g, dtype=torch.float64),
+        torch.randn(STEPS, n * B, 3, generator=g, dtype=torch.float64),
+        torch.randn(STEPS, n * B, 2, generator=g, dtype=torch.float64),
     )
 
 
@@ -36,33 +36,33 @@ def loss_and_buffers(model: nn.Module, params: dict, buffers: dict, batch: tuple
     return ((out - y) ** 2).mean(), {k: state[k] for k in buffers}
 
 
-def reference(policy: str) -> tuple[dict, list[dict]]:
+def reference(policy: str, n: int = N) -> tuple[dict, list[dict]]:
     """One process: each rank's micro-batch with its own batch statistics (DDP semantics),
     the mean of their gradients, torch.optim.Adam, and the buffer policy applied by hand."""
     model = make_model()
-    xs, ys = data()
+    xs, ys = data(n)
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     start = {k: v.detach().clone() for k, v in model.named_buffers()}
-    per_rank = [dict(start) for _ in range(N)]
+    per_rank = [dict(start) for _ in range(n)]
     opt = torch.optim.Adam(params.values(), lr=0.05, foreach=False)
     for t in range(STEPS):
         opt.zero_grad()
         losses, new = [], []
-        for r in range(N):
+        for r in range(n):
             sl = slice(r * B, (r + 1) * B)
             # BatchNorm updates the statistics it is given in place: give each rank its own.
             mine = {k: v.clone() for k, v in per_rank[r].items()}
             loss, bufs = loss_and_buffers(model, params, mine, (xs[t, sl], ys[t, sl]))
             losses.append(loss)
             new.append(bufs)
-        (sum(losses) / N).backward()
+        (sum(losses) / n).backward()
         opt.step()
-        for r in range(N):
+        for r in range(n):
             if policy == "broadcast":
                 per_rank[r] = dict(new[0])
             elif policy == "mean":
                 per_rank[r] = {
-                    k: (sum(b[k] for b in new) / N if v.is_floating_point() else new[0][k])
+                    k: (sum(b[k] for b in new) / n if v.is_floating_point() else new[0][k])
                     for k, v in new[0].items()
                 }
             else:
@@ -72,7 +72,7 @@ def reference(policy: str) -> tuple[dict, list[dict]]:
 
 def train(mesh: fzero.Mesh, stage: int, policy: str) -> tuple[Any, dict]:
     model = make_model()
-    xs, ys = data()
+    xs, ys = data(mesh.size)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adam(lr=0.05)
     state = fzero.shard_state(

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import run
+from support import counting, run
 from test_units import make_case
 from torch.func import functional_call
 
@@ -46,16 +46,6 @@ def train(mesh: fzero.Mesh, case: dict, stage: int, how: str, hooked: bool) -> A
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
         frozen = FROZEN if how == "prefixes" else {k: k in FROZEN for k in params}
 
-    reduced: list[int] = []  # elements this rank reduce-scatters or all-reduces
-    for name in ("reduce_scatter_mean", "all_reduce_mean"):
-        original = getattr(fzero._comm, name)
-
-        def counting(t: torch.Tensor, mesh: Any, _f: Any = original) -> torch.Tensor:
-            reduced.append(t.numel())
-            return _f(t, mesh)
-
-        setattr(fzero._comm, name, counting)
-
     def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
         x, y = batch
         return ((functional_call(model, p, (x,)) - y) ** 2).mean()
@@ -64,9 +54,11 @@ def train(mesh: fzero.Mesh, case: dict, stage: int, how: str, hooked: bool) -> A
     units = [f"layers.{i}" for i in range(len(model.layers))]
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, frozen=frozen)
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model if hooked else None)
-    for t in range(case["xs"].shape[0]):
-        sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
-        state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
+    # elements this rank reduce-scatters or all-reduces
+    with counting(("reduce_scatter_mean", "all_reduce_mean")) as reduced:
+        for t in range(case["xs"].shape[0]):
+            sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+            state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
     opt_elems = sum(
         x.numel()
         for x in tree_flatten(state.opt_state)[0]

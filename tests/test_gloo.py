@@ -10,6 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import test_accumulate
+import test_buffers
+import test_clip
+import test_frozen
 import test_units
 import torch
 import torch.distributed as dist
@@ -209,6 +213,43 @@ def test_units_with_module_hooks_match_single_process(
     options = {"module": case["model"], "reshard_after_forward": reshard}
     for params, _, _ in pool.run(test_units.train, case, units, stage, **options):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_training_loop_features_on_real_gloo(pool: GlooPool, stage: int) -> None:
+    # Issue-5 features whose collectives go beyond a plain step: the global clipping norm
+    # (a scalar all-reduce), local accumulation, frozen leaves, and mean-synced buffers.
+    n = pool.world_size
+    g = torch.Generator().manual_seed(stage)
+    case = Case(
+        make_params([3, 4, 2], torch.float64, stage),
+        torch.randn(2, 3 * n, 3, generator=g, dtype=torch.float64),
+        torch.randn(2, 3 * n, 2, generator=g, dtype=torch.float64),
+        world_size=n,
+        optimizer="adamw",
+        stage=stage,
+        layout="flat",
+    )
+    expected, norms = test_clip.reference(case, "adamw")
+    for params, got in pool.run(test_clip.train, case, "adamw", "predicate"):
+        assert got == pytest.approx(norms, rel=1e-12)
+        fzero.assert_trees_close(params, expected, **tolerance(torch.float64))
+
+    case.xs = torch.randn(2, n * test_accumulate.K, 3, generator=g, dtype=torch.float64)
+    case.ys = torch.randn(2, n * test_accumulate.K, 2, generator=g, dtype=torch.float64)
+    expected = train_reference(case)
+    for params, _ in pool.run(test_accumulate.train, case, "local"):
+        fzero.assert_trees_close(params, expected, **tolerance(torch.float64))
+
+    frozen_case = test_units.make_case([3, 4, 4, 2], n, seed=9)
+    expected = test_frozen.reference(frozen_case)
+    for params, *_ in pool.run(test_frozen.train, frozen_case, stage, "prefixes", stage >= 2):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+
+    expected, buffers = test_buffers.reference("mean", n)
+    for rank, (params, got) in enumerate(pool.run(test_buffers.train, stage, "mean")):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+        fzero.assert_trees_close(got, buffers[rank], rtol=1e-12, atol=1e-14)
 
 
 @FEW_EXAMPLES
