@@ -83,6 +83,25 @@ def reduce_scatter_mean(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         return out.div_(mesh.size)
 
 
+def reduce_scatter_async(full: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, Any]:
+    """Starts a reduce-scatter (SUM) of the 1-D `full`; returns `(out, work)`.
+
+    `out` holds this rank's slice of the sum after `work.wait()` (`work` is None when there
+    was nothing to wait for); divide by `mesh.size` for the mean. Overlaps a unit's
+    gradient reduction with the backward of the units before it.
+    """
+    with _plain_tensors():
+        full = _unwrap(full).detach().contiguous()
+        if full.numel() % mesh.size:
+            raise ValueError(f"reduce-scatter of {full.numel()} elements over {mesh.size} ranks")
+        if mesh.size == 1 or full.numel() == 0:
+            return full.clone(), None
+        out = full.new_empty(full.numel() // mesh.size)
+        work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=mesh.group,
+                                      async_op=True)
+        return out, work
+
+
 def all_reduce_mean(flat: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Mean over ranks of `flat` (a new tensor)."""
     with _plain_tensors():

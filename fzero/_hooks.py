@@ -134,6 +134,7 @@ def value_and_shard_grad(
     ledger: UnitLedger | None,
     acc: dict[int, torch.Tensor] | None = None,
     final: bool = True,
+    overlap: bool = True,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """This rank's loss and its shard gradients (mean over ranks), unit by unit.
 
@@ -152,6 +153,8 @@ def value_and_shard_grad(
       acc: local accumulation: full gradients of earlier micro-batches, per bucket
         (updated in place); None reduce-scatters every micro-batch.
       final: with `acc`, whether this is the last micro-batch (reduce now).
+      overlap: let one unit's reduce-scatter run while the next unit differentiates
+        (one more unit of full gradients alive); False reduces synchronously.
 
     Returns:
       `(loss, shard_grads)`: the detached loss and one gradient buffer per bucket.
@@ -166,6 +169,7 @@ def value_and_shard_grad(
         mesh, layout, inputs, local, reshard=reshard, prefetch=prefetch, order=order, ledger=ledger
     )
     run.acc, run.final = acc, final
+    run.max_inflight = 1 if overlap else 0
     jit = hookable_units(layout, module)
     leaves: list[Any] = [None] * len(layout.paths)
     index = {p: i for i, p in enumerate(layout.paths)}
@@ -197,6 +201,7 @@ def value_and_shard_grad(
     finally:
         if hooks is not None:
             hooks.__exit__()
+    run.finish()
     run.settle()
     if hooks is not None:
         order[:] = hooks.seen
@@ -205,6 +210,8 @@ def value_and_shard_grad(
         if layout.buckets[i].frozen:
             out.append(x.new_empty(0))  # a placeholder: frozen buckets have no gradient
             continue
-        g = torch.zeros_like(x) if g is None else g
-        out.append(g + run.extra[i] if i in run.extra else g)
+        for part in (run.reduced.get(i), run.extra.get(i)):
+            if part is not None:
+                g = part if g is None else g + part
+        out.append(torch.zeros_like(x) if g is None else g)
     return loss.detach(), tuple(out)

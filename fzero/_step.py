@@ -38,6 +38,7 @@ class _Options:
     donate: bool
     accumulate: str | None
     buffer_sync: str
+    overlap_reduce: bool
     order: list[str] = field(default_factory=list)  # unit call order, for prefetching
 
 
@@ -56,6 +57,7 @@ def sharded_step(
     donate: bool = True,
     accumulate: str | None = None,
     buffer_sync: str = "broadcast",
+    overlap_reduce: bool = True,
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
 
@@ -97,6 +99,9 @@ def sharded_step(
         returns: "broadcast" (rank 0's, as DDP's `broadcast_buffers`), "mean" (floating
         buffers averaged over ranks, e.g. BatchNorm running means; others rank 0's), or
         "local" (each rank keeps its own).
+      overlap_reduce: stages 2-3: a unit's gradient reduce-scatter runs asynchronously
+        while the units before it differentiate (at most one in flight, so one more
+        unit of full gradients is alive); False reduces each unit synchronously.
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached.
@@ -108,7 +113,15 @@ def sharded_step(
         raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
     body = {0: _stage0, 1: _stage1, 2: _stage2, 3: _stage3}[stage]
     opts = _Options(
-        mesh, module, reshard_after_forward, prefetch, ledger, donate, accumulate, buffer_sync
+        mesh,
+        module,
+        reshard_after_forward,
+        prefetch,
+        ledger,
+        donate,
+        accumulate,
+        buffer_sync,
+        overlap_reduce,
     )
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
@@ -226,6 +239,7 @@ def _unit_grad(
             ledger=o.ledger,
             acc=acc,
             final=j == len(micro) - 1,
+            overlap=o.overlap_reduce,
         )
         losses.append(loss)
         total = grads if total is None else tuple(t + g for t, g in zip(total, grads))

@@ -107,6 +107,12 @@ class UnitRun:
         # bucket, across micro-batches; reduce-scattered only on the final micro-batch.
         self.acc: dict[int, torch.Tensor] | None = None
         self.final = True
+        # Reduce-scatters in flight: (bucket, out, work, full gradient, unit). At most
+        # `max_inflight` stay unfinished, so a unit's reduction overlaps the backward of
+        # the units before it while full gradients stay bounded (0: synchronous).
+        self.max_inflight = 1
+        self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str]] = []
+        self.reduced: dict[int, torch.Tensor] = {}  # bucket -> finished shard gradient (sum)
 
     # -- forward -------------------------------------------------------------------------
     def materialize(self, unit: str) -> tuple[torch.Tensor, ...]:
@@ -184,15 +190,32 @@ class UnitRun:
                 out.append(None)
             elif self.acc is not None and not self.final:  # hold it: no communication yet
                 self.acc[i] = self.acc[i] + g if i in self.acc else g.clone()
+                self._log("grads", call.unit, -g.numel() * g.element_size())
                 out.append(None)
             else:
                 if self.acc is not None and i in self.acc:
                     g = g + self.acc.pop(i)  # earlier micro-batches, reduced together now
-                out.append(_comm.reduce_scatter_mean(g, self.mesh))
-        self._log("grads", call.unit, -nbytes)
+                shard, work = _comm.reduce_scatter_async(g, self.mesh)
+                self.inflight.append((i, shard, work, g, call.unit))
+                out.append(None)  # collected by `finish`, after the backward
         call.reduced = True
         self.release(call)
+        while len(self.inflight) > self.max_inflight:
+            self._finish_oldest()
         return tuple(out)
+
+    def _finish_oldest(self) -> None:
+        i, shard, work, g, unit = self.inflight.pop(0)
+        if work is not None:
+            work.wait()
+        shard.div_(self.mesh.size)
+        self.reduced[i] = self.reduced[i] + shard if i in self.reduced else shard
+        self._log("grads", unit, -g.numel() * g.element_size())
+
+    def finish(self) -> None:
+        """Waits for every reduce-scatter still in flight."""
+        while self.inflight:
+            self._finish_oldest()
 
     def settle(self) -> None:
         """Reduce-scatters zeros for calls whose backward never ran on this rank.
