@@ -12,7 +12,7 @@ from torch import nn
 from ._autodiff import value_and_grad
 from ._comm import all_gather
 from ._gather import gather_params_into
-from ._grads import all_reduce_grads, local_shard
+from ._grads import all_reduce_grads, local_shard, reduce_scatter_grads
 from ._hooks import value_and_shard_grad
 from ._layout import ShardLayout
 from ._mesh import Mesh
@@ -154,9 +154,12 @@ def _stage0(
 def _stage1(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
-    """Optimizer state sharded: all-reduce, update own shard, all-gather parameters."""
-    loss, grads = _replicated_grad(loss_fn, state.params, batch, o, state.layout)
-    grads = local_shard(grads, state.layout, o.mesh)
+    """Optimizer state sharded: full gradients reduce-scattered after the backward, own
+    shard updated, parameters all-gathered (2Ψ per step, like stages 0 and 2)."""
+    lay = state.layout
+    loss, grads = _replicated_grad(
+        loss_fn, state.params, batch, o, lay, lambda g: reduce_scatter_grads(g, lay, o.mesh)
+    )
     shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
     shard, opt_state = sharded_update(
         optimizer, shard, grads, state.opt_state, donate=o.donate, mesh=o.mesh
@@ -250,19 +253,29 @@ def _unit_grad(
 
 
 def _replicated_grad(
-    loss_fn: LossFn, params: PyTree, batch: Any, o: _Options, layout: ShardLayout
+    loss_fn: LossFn,
+    params: PyTree,
+    batch: Any,
+    o: _Options,
+    layout: ShardLayout,
+    reduce: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[torch.Tensor, PyTree]:
-    """Loss and all-reduced (mean) full gradients; over every micro-batch when accumulating."""
+    """Loss and reduced full gradients; over every micro-batch when accumulating.
+
+    `reduce` is how gradients reach their ranks: the all-reduce (mean) by default, or a
+    reduce-scatter into Shards (stage 1).
+    """
+    reduce = reduce or (lambda g: all_reduce_grads(g, o.mesh))
     micro = _micro_batches(batch, o)
     losses, total = [], None
     for mb in micro:
         loss, grads = _grad(loss_fn, params, mb, o.mesh, layout)
         if o.accumulate != "local":  # "local" communicates once, after the last micro-batch
-            grads = all_reduce_grads(grads, o.mesh)
+            grads = reduce(grads)
         losses.append(loss)
         total = grads if total is None else tree_map(torch.add, total, grads)
     if o.accumulate == "local":
-        total = all_reduce_grads(total, o.mesh)
+        total = reduce(total)
     if len(micro) > 1:
         total = tree_map(lambda g: g / len(micro), total)
     return torch.stack(losses).mean(), total
