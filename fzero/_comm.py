@@ -102,6 +102,16 @@ def reduce_scatter_async(full: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, 
         return out, work
 
 
+def all_reduce_async(flat: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, Any]:
+    """Starts an all-reduce (SUM) of a copy of `flat`; returns `(out, work)` like
+    `reduce_scatter_async` (divide by `mesh.size` for the mean)."""
+    with _plain_tensors():
+        out = _unwrap(flat).detach().clone()
+        if mesh.size == 1 or out.numel() == 0:
+            return out, None
+        return out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
+
+
 def all_reduce_mean(flat: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Mean over ranks of `flat` (a new tensor)."""
     with _plain_tensors():

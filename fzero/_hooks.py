@@ -135,6 +135,7 @@ def value_and_shard_grad(
     acc: dict[int, torch.Tensor] | None = None,
     final: bool = True,
     overlap: bool = True,
+    replicate: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """This rank's loss and its shard gradients (mean over ranks), unit by unit.
 
@@ -155,6 +156,8 @@ def value_and_shard_grad(
       final: with `acc`, whether this is the last micro-batch (reduce now).
       overlap: let one unit's reduce-scatter run while the next unit differentiates
         (one more unit of full gradients alive); False reduces synchronously.
+      replicate: stage 0: all-reduce each unit's gradient (full-size results, one per
+        bucket) instead of reduce-scattering it.
 
     Returns:
       `(loss, shard_grads)`: the detached loss and one gradient buffer per bucket.
@@ -170,6 +173,7 @@ def value_and_shard_grad(
     )
     run.acc, run.final = acc, final
     run.max_inflight = 1 if overlap else 0
+    run.replicate = replicate
     jit = hookable_units(layout, module)
     leaves: list[Any] = [None] * len(layout.paths)
     index = {p: i for i, p in enumerate(layout.paths)}

@@ -142,9 +142,13 @@ def sharded_step(
 def _stage0(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
-    """DDP: all-reduce gradients; every rank applies the same full update."""
+    """DDP: params enter the loss through an identity whose VJP all-reduces, unit by unit;
+    every rank applies the same full update."""
     lay = state.layout
-    loss, grads = _replicated_grad(loss_fn, state.params, batch, o, lay)
+    full = _full_buckets(state.params, lay)
+    loss, reduced = _unit_grad(loss_fn, batch, o, lay, full, full, replicate=True)
+    flats = [f if b.frozen else g for f, g, b in zip(full, reduced.buffers, lay.buckets)]
+    grads = lay.trainable(lay.unflatten(flats))
     new, opt_state = sharded_update(
         optimizer, lay.trainable(state.params), grads, state.opt_state, donate=o.donate, mesh=o.mesh
     )
@@ -222,8 +226,12 @@ def _unit_grad(
     layout: ShardLayout,
     shards: tuple[torch.Tensor, ...],
     local: tuple[torch.Tensor, ...] | None,
+    replicate: bool = False,
 ) -> tuple[torch.Tensor, Shards]:
-    """Loss and shard gradients, unit by unit; over every micro-batch when accumulating."""
+    """Loss and shard gradients, unit by unit; over every micro-batch when accumulating.
+
+    With `replicate` (stage 0) the "shards" are the full buckets, all-reduced.
+    """
     micro = _micro_batches(batch, o)
     acc: dict[int, torch.Tensor] | None = {} if o.accumulate == "local" else None
     losses, total = [], None
@@ -243,6 +251,7 @@ def _unit_grad(
             acc=acc,
             final=j == len(micro) - 1,
             overlap=o.overlap_reduce,
+            replicate=replicate,
         )
         losses.append(loss)
         total = grads if total is None else tuple(t + g for t, g in zip(total, grads))

@@ -111,6 +111,7 @@ class UnitRun:
         # `max_inflight` stay unfinished, so a unit's reduction overlaps the backward of
         # the units before it while full gradients stay bounded (0: synchronous).
         self.max_inflight = 1
+        self.replicate = False  # stage 0: all-reduce whole gradients instead
         self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> finished shard gradient (sum)
 
@@ -195,7 +196,7 @@ class UnitRun:
             else:
                 if self.acc is not None and i in self.acc:
                     g = g + self.acc.pop(i)  # earlier micro-batches, reduced together now
-                shard, work = _comm.reduce_scatter_async(g, self.mesh)
+                shard, work = self._start_reduce(g)
                 self.inflight.append((i, shard, work, g, call.unit))
                 out.append(None)  # collected by `finish`, after the backward
         call.reduced = True
@@ -203,6 +204,18 @@ class UnitRun:
         while len(self.inflight) > self.max_inflight:
             self._finish_oldest()
         return tuple(out)
+
+    def _start_reduce(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        # Stage 0 keeps every gradient (all-reduce); stages 1-3 keep their slice.
+        if self.replicate:
+            return _comm.all_reduce_async(g, self.mesh)
+        return _comm.reduce_scatter_async(g, self.mesh)
+
+    def _reduce_now(self, g: torch.Tensor) -> torch.Tensor:
+        out, work = self._start_reduce(g)
+        if work is not None:
+            work.wait()
+        return out.div_(self.mesh.size)
 
     def _finish_oldest(self) -> None:
         i, shard, work, g, unit = self.inflight.pop(0)
@@ -234,7 +247,7 @@ class UnitRun:
                 if b.frozen:
                     continue
                 zero = torch.zeros(b.full_numel, dtype=b.dtype, device=self.shards[i].device)
-                part = _comm.reduce_scatter_mean(zero, self.mesh)
+                part = self._reduce_now(zero)
                 self.extra[i] = self.extra[i] + part if i in self.extra else part
             call.reduced = True
             self.release(call)
@@ -242,7 +255,7 @@ class UnitRun:
             # Buckets accumulated earlier but unused in the final micro-batch: every rank
             # holds the same set, so reducing them in bucket order keeps ranks in step.
             for i in sorted(self.acc):
-                part = _comm.reduce_scatter_mean(self.acc.pop(i), self.mesh)
+                part = self._reduce_now(self.acc.pop(i))
                 self.extra[i] = self.extra[i] + part if i in self.extra else part
         for unit, started in self.pending.items():  # prefetched but never used
             for full, work in started:

@@ -26,7 +26,9 @@ def train(mesh: fzero.Mesh, case: Case, mode: str) -> tuple[Any, list[int]]:
     state = fzero.shard_state(case.params, opt, mesh, stage=case.stage, layout=case.layout)
     step = fzero.sharded_step(mlp_loss, opt, mesh, stage=case.stage, accumulate=mode)
     # gradient elements reduced, per collective
-    with counting(("reduce_scatter_mean", "reduce_scatter_async", "all_reduce_mean")) as reductions:
+    with counting(
+        ("reduce_scatter_mean", "reduce_scatter_async", "all_reduce_mean", "all_reduce_async")
+    ) as reductions:
         for t in range(case.xs.shape[0]):
             state, _ = step(state, micro_batches(case, t, mesh.rank))
     return fzero.gather_params(state.params, mesh), reductions

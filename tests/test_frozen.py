@@ -55,7 +55,9 @@ def train(mesh: fzero.Mesh, case: dict, stage: int, how: str, hooked: bool) -> A
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, frozen=frozen)
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model if hooked else None)
     # elements this rank reduce-scatters or all-reduces
-    with counting(("reduce_scatter_mean", "reduce_scatter_async", "all_reduce_mean")) as reduced:
+    with counting(
+        ("reduce_scatter_mean", "reduce_scatter_async", "all_reduce_mean", "all_reduce_async")
+    ) as reduced:
         for t in range(case["xs"].shape[0]):
             sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
             state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
