@@ -1,5 +1,6 @@
 """fzero: ZeRO data-parallel sharding for PyTorch as pure functions over parameter pytrees."""
 
+from . import checkpoint as checkpoint
 from . import optim as optim
 from . import units as units
 from ._autodiff import value_and_grad as value_and_grad

@@ -119,7 +119,7 @@ def pieces_of(layout: ShardLayout, stage: int, rank: int) -> list[Piece]:
 
 def covered(bucket: Bucket, lo: int, hi: int) -> list[int]:
     """Indices of the non-empty leaves of `bucket` overlapping [lo, hi)."""
-    return [s.index for s in bucket.slots if s.offset < hi and s.offset + s.numel > lo]
+    return [s.index for s in bucket.slots if s.numel and s.offset < hi and s.offset + s.numel > lo]
 
 
 def piece_spec(layout: ShardLayout, stage: int, npieces: int) -> optree.PyTreeSpec:
@@ -128,7 +128,9 @@ def piece_spec(layout: ShardLayout, stage: int, npieces: int) -> optree.PyTreeSp
         marks = [None if f else 0 for f in layout.frozen]
         spec = optree.tree_structure(tree_unflatten(layout.treedef, marks))
         if spec.num_nodes == 1:
-            raise CheckpointError("checkpoints need params in a container (dict, list), not a bare tensor")
+            raise CheckpointError(
+                "checkpoints need params in a container (dict, list), not a bare tensor"
+            )
         return spec
     return optree.tree_structure(tuple(range(npieces)))
 
@@ -187,7 +189,9 @@ def piece_items(state: Any, where: str) -> list[tuple[str, torch.Tensor]]:
                 )
             items.append((str(key), value))
         return items
-    raise CheckpointError(f"optimizer state {where} is a {type(state).__name__}, not a tensor or dict")
+    raise CheckpointError(
+        f"optimizer state {where} is a {type(state).__name__}, not a tensor or dict"
+    )
 
 
 @dataclass
@@ -273,7 +277,9 @@ def merge(reports: Sequence[dict[str, Any]]) -> Schema:
     return Schema(first["kind"], tuple(first["nodes"]), dict(first["globals"]), tuple(entries))
 
 
-def elem_slice(local: Local, key: Key, entry: Entry, bucket: Bucket, k: int, lo: int, hi: int) -> torch.Tensor:
+def elem_slice(
+    local: Local, key: Key, entry: Entry, bucket: Bucket, k: int, lo: int, hi: int
+) -> torch.Tensor:
     """Elements [lo, hi) of bucket k's flat buffer of elementwise entry `key` (zeros where
     this rank has no value: padding, or leaves it does not own)."""
     dtype = bucket.dtype if entry.dtype == "param" else dtype_of(entry.dtype)

@@ -1,0 +1,205 @@
+"""Building a ShardedState for any world size, stage and layout from a source of saved values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ._ckpt_state import (
+    CheckpointError,
+    Entry,
+    Piece,
+    Schema,
+    covered,
+    dtype_of,
+    piece_spec,
+    pieces_of,
+    walk,
+)
+from ._layout import Bucket, ShardLayout
+from ._shards import Shards
+from ._state import ShardedState
+from .optim import Optimizer
+
+
+class Source(Protocol):
+    """Saved values, addressed by leaf and element range (never by the saving layout)."""
+
+    schema: Schema
+
+    def param(self, leaf: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of parameter `leaf`, flattened."""
+        ...
+
+    def elem(self, entry: int, leaf: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of elementwise entry `entry` of parameter `leaf`."""
+        ...
+
+    def piece(self, entry: int, leaf: int) -> torch.Tensor | None:
+        """The per-piece value of `entry` stored for leaf `leaf` as a whole, if any."""
+        ...
+
+    def uniform(self, entry: int) -> torch.Tensor:
+        """The value every piece holds, for a uniform per-piece entry."""
+        ...
+
+    def global_(self, path: str) -> torch.Tensor:
+        """The global tensor at `path` of the optimizer state (a step count)."""
+        ...
+
+
+def assemble(
+    read: Callable[[int, int, int], torch.Tensor],
+    bucket: Bucket,
+    lo: int,
+    hi: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Elements [lo, hi) of `bucket`'s padded flat buffer, read leaf by leaf (zero padding)."""
+    out = torch.zeros(hi - lo, dtype=dtype)
+    for s in bucket.slots:
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            out[a - lo : b - lo] = read(s.index, a - s.offset, b - s.offset)
+    return out
+
+
+def build_state(
+    src: Source, layout: ShardLayout, optimizer: Optimizer, stage: int, rank: int, step: int
+) -> ShardedState:
+    """This rank's ShardedState under `layout` and `stage`, filled from `src`.
+
+    Stage 3 reads only this rank's slice of every bucket; stages 0-2 hold full parameters
+    anyway. Optimizer state is built by `optimizer.init` for this rank's pieces, then every
+    tensor is replaced by the saved value, cut to the new piece.
+    """
+    if stage == 3:
+        buffers = tuple(
+            assemble(src.param, b, rank * b.shard_numel, (rank + 1) * b.shard_numel, b.dtype)
+            for b in layout.buckets
+        )
+        params: Any = Shards(buffers, layout, rank)
+        pieces_in: Any = params.pieces()
+    else:
+        flats = tuple(assemble(src.param, b, 0, b.full_numel, b.dtype) for b in layout.buckets)
+        params = layout.unflatten(flats)
+        trainable = layout.trainable(params)
+        if stage == 0:
+            pieces_in = trainable
+        else:
+            pieces_in = Shards(layout.shard(trainable, rank), layout, rank).pieces()
+    target = optimizer.init(pieces_in)
+    pieces = pieces_of(layout, stage, rank)
+    opt_state = _Filler(src, layout, pieces).fill(target, piece_spec(layout, stage, len(pieces)))
+    return ShardedState(params, opt_state, step, layout, stage)
+
+
+class _Filler:
+    """Replaces every tensor of a freshly initialised optimizer state with saved values."""
+
+    def __init__(self, src: Source, layout: ShardLayout, pieces: list[Piece]) -> None:
+        self.src, self.layout, self.pieces = src, layout, pieces
+        self.schema = src.schema
+
+    def fill(self, target: Any, spec: Any) -> Any:
+        nodes: list[str] = []
+        globals_: list[str] = []
+        walk(target, spec, lambda p, t: nodes.append(p), lambda p, t: globals_.append(p))
+        self._check_fits(target, nodes, globals_)
+
+        def on_node(path: str, tree: Any) -> Any:
+            states = spec.flatten_up_to(tree)
+            new = [self._piece_state(path, t, p) for t, p in zip(states, self.pieces, strict=True)]
+            return spec.unflatten(new)
+
+        return walk(target, spec, on_node, self._global)
+
+    def _check_fits(self, target: Any, nodes: list[str], globals_: list[str]) -> None:
+        s = self.schema
+        if sorted(nodes) != sorted(s.nodes) or sorted(globals_) != sorted(s.globals):
+            raise CheckpointError(
+                f"the saved optimizer state ({s.kind}: per-parameter {sorted(s.nodes)}, "
+                f"global {sorted(s.globals)}) does not fit this optimizer's "
+                f"({type(target).__name__}: per-parameter {sorted(nodes)}, global "
+                f"{sorted(globals_)}): was it saved with another optimizer or options?"
+            )
+
+    def _global(self, path: str, like: torch.Tensor) -> torch.Tensor:
+        value = self.src.global_(path)
+        if value.shape != like.shape or value.dtype != like.dtype:
+            raise CheckpointError(
+                f"optimizer state {path!r} is saved as {tuple(value.shape)} {value.dtype}, "
+                f"this optimizer keeps {tuple(like.shape)} {like.dtype}"
+            )
+        return value.clone()
+
+    def _piece_state(self, node: str, like: Any, piece: Piece) -> Any:
+        if isinstance(like, torch.Tensor):
+            j = self.schema.index((node, ""))
+            if j < 0:
+                raise CheckpointError(f"the checkpoint has no optimizer state {node!r}")
+            value = self._value(j, piece, required=True)
+            if value.shape != like.shape or value.dtype != like.dtype:
+                raise CheckpointError(
+                    f"optimizer state {node!r} of {self._name(piece)} is saved as "
+                    f"{tuple(value.shape)} {value.dtype}, expected {tuple(like.shape)} {like.dtype}"
+                )
+            return value
+        if isinstance(like, dict):
+            out = dict(like)
+            for j, e in enumerate(self.schema.entries):
+                if e.node == node and self._present(e, piece):
+                    out[e.sub] = self._value(j, piece, required=False)
+            return out
+        raise CheckpointError(f"cannot fill optimizer state of type {type(like).__name__}")
+
+    def _present(self, e: Entry, piece: Piece) -> bool:
+        """Whether the piece's state has entry `e` (torch creates state lazily, per tensor)."""
+        if piece.hi == piece.lo:
+            return False  # torch skips empty tensors: they never get state
+        bucket = self.layout.buckets[piece.bucket]
+        # A slice that is all padding holds what the other slices of its bucket hold.
+        leaves = covered(bucket, piece.lo, piece.hi) or covered(bucket, 0, bucket.full_numel)
+        flags = {i in e.present for i in leaves}
+        if len(flags) > 1:
+            raise CheckpointError(
+                f"optimizer state {e.name!r} exists for some parameters of "
+                f"{self._name(piece)} and not for others; it cannot share a flat shard "
+                "(load with layout='tensor')"
+            )
+        return flags == {True}
+
+    def _value(self, j: int, piece: Piece, required: bool) -> torch.Tensor:
+        e = self.schema.entries[j]
+        leaf = piece.leaf
+        if e.kind == "elem":
+            bucket = self.layout.buckets[piece.bucket]
+            missing = [i for i in covered(bucket, piece.lo, piece.hi) if i not in e.present]
+            if missing and required:
+                raise CheckpointError(
+                    f"parameter {self.layout.paths[missing[0]]!r} has no saved optimizer state "
+                    f"{e.name!r} (was it frozen when the checkpoint was written?)"
+                )
+            dtype = piece.dtype if e.dtype == "param" else dtype_of(e.dtype)
+            if leaf >= 0:
+                return self.src.elem(j, leaf, 0, piece.hi - piece.lo).to(dtype).reshape(piece.shape)
+            read = lambda i, a, b: self.src.elem(j, i, a, b)  # noqa: E731
+            return assemble(read, bucket, piece.lo, piece.hi, dtype)
+        value = self.src.piece(j, leaf) if leaf >= 0 else None
+        if value is not None:
+            return value.clone()
+        if e.uniform:
+            return self.src.uniform(j).clone()
+        raise CheckpointError(
+            f"optimizer state {e.name!r} is kept per tensor (not per element, and not the same "
+            f"for every tensor), so it cannot be cut into {self._name(piece)}; it moves only "
+            "between whole tensors (load with layout='tensor')"
+        )
+
+    def _name(self, piece: Piece) -> str:
+        if piece.leaf >= 0:
+            return f"parameter {self.layout.paths[piece.leaf]!r}"
+        b = self.layout.buckets[piece.bucket]
+        return f"flat bucket {piece.bucket} ({b.unit or 'root'} unit, {b.dtype})"

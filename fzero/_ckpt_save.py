@@ -1,0 +1,177 @@
+"""Sharded save and resharding load: the collective protocol around the on-disk format."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from . import _ckpt_disk as disk
+from ._ckpt_build import build_state
+from ._ckpt_state import (
+    CheckpointError,
+    Local,
+    Schema,
+    agree,
+    elem_slice,
+    local_view,
+    merge,
+    report,
+)
+from ._layout import ShardLayout, build_layout
+from ._mesh import Mesh
+from ._shards import Shards
+from ._state import ShardedState, _frozen_leaves, check_stage
+from ._tree import PyTree, leaf_paths, tree_flatten
+from .optim import Optimizer
+
+
+def check_state(state: Any, mesh: Mesh, what: str) -> None:
+    if not isinstance(state, ShardedState):
+        raise TypeError(f"{what} expects a ShardedState, got {type(state).__name__}")
+    if state.layout.world_size != mesh.size:
+        raise ValueError(
+            f"{what}: the state is for {state.layout.world_size} ranks, the mesh has {mesh.size}"
+        )
+    if isinstance(state.params, Shards) and state.params.rank != mesh.rank:
+        raise ValueError(f"{what}: the state's shards belong to rank {state.params.rank}")
+
+
+def save(state: ShardedState, path: str, mesh: Mesh) -> str:
+    """See `fzero.checkpoint.save`."""
+    path = os.fspath(path)
+    check_state(state, mesh, "checkpoint.save")
+    lay, stage, rank = state.layout, state.stage, mesh.rank
+    what = f"checkpoint.save({path!r})"
+    # 1. rank 0 makes the temporary directory; every rank describes its optimizer state.
+    error, tmp, rep, local = None, None, None, None
+    try:
+        if rank == 0:
+            tmp = disk.start(path)
+        local = local_view(state.opt_state, lay, stage, rank)
+        # At stage 0 every rank holds the same full state: rank 0 speaks for all.
+        rep = report(local, lay, share=stage > 0 or rank == 0)
+    except Exception as exc:
+        error = exc
+    everyone = agree(error, (tmp, rep), mesh, what)
+    tmp, schema = everyone[0][0], merge([r for _, r in everyone])
+    # 2. every rank writes (and fsyncs) its own file.
+    error, info = None, None
+    try:
+        assert local is not None
+        tensors = _rank_tensors(state, local, schema, rank)
+        info = disk.write_tensors(os.path.join(path, tmp), disk.rank_file(rank, mesh.size), tensors)
+        del tensors
+    except Exception as exc:
+        error = exc
+    files = agree(error, info, mesh, what)
+    # 3. rank 0 commits; the others wait, so no rank returns before the switch.
+    error, name = None, None
+    if rank == 0:
+        try:
+            body = {
+                "format": disk.FORMAT,
+                "version": disk.VERSION,
+                "world_size": mesh.size,
+                "stage": stage,
+                "step": int(state.step),
+                "torch": torch.__version__,
+                "layout": disk.layout_json(lay),
+                "optimizer": disk.schema_json(schema),
+                "files": files,
+            }
+            name = disk.commit(path, tmp, body)
+        except Exception as exc:
+            error = exc
+    return os.path.join(path, agree(error, name, mesh, what)[0])
+
+
+def _rank_tensors(
+    state: ShardedState, local: Local, schema: Schema, rank: int
+) -> dict[str, torch.Tensor]:
+    """This rank's file: its slice of every bucket (parameters, elementwise optimizer state),
+    its per-piece optimizer state; rank 0 adds the global state."""
+    lay = state.layout
+    slices = state.params.buffers if state.stage == 3 else lay.shard(state.params, rank)
+    out = {f"p{k}": t for k, t in enumerate(slices)}
+    for j, e in enumerate(schema.entries):
+        key = (e.node, e.sub)
+        if e.kind == "elem":
+            for k, b in enumerate(lay.buckets):
+                if not b.frozen:
+                    lo = rank * b.shard_numel
+                    out[f"e{j}.{k}"] = elem_slice(local, key, e, b, k, lo, lo + b.shard_numel)
+        elif state.stage > 0 or rank == 0:
+            for pi, value in local.occ.get(key, ()):
+                out[f"v{j}.{local.pieces[pi].owner}"] = value
+    if rank == 0:
+        out.update({f"g{j}": local.globals[g] for j, g in enumerate(schema.globals)})
+    return out
+
+
+def load(
+    path: str,
+    mesh: Mesh,
+    optimizer: Optimizer,
+    params_like: PyTree,
+    *,
+    stage: int,
+    layout: str | None = None,
+    units: Any = None,
+    frozen: Any = None,
+) -> ShardedState:
+    """See `fzero.checkpoint.load`."""
+    path = os.fspath(path)
+    stage = check_stage(stage)
+    error, state = None, None
+    try:
+        directory = disk.resolve(path)
+        body = disk.read_metadata(directory)
+        lay = _target_layout(directory, body, params_like, mesh.size, layout, units, frozen)
+        src = disk.FileSource(directory, body)
+        try:
+            state = build_state(src, lay, optimizer, stage, mesh.rank, body["step"])
+        finally:
+            src.close()
+    except Exception as exc:
+        error = exc
+    # Ranks read different files: one rank's bad file must fail all of them, not hang them.
+    agree(error, None, mesh, f"checkpoint.load({path!r})")
+    assert state is not None
+    return state
+
+
+def _target_layout(
+    directory: str,
+    body: dict[str, Any],
+    params_like: PyTree,
+    world_size: int,
+    kind: str | None,
+    units: Any,
+    frozen: Any,
+) -> ShardLayout:
+    """The new layout, after checking that `params_like` is the model that was saved."""
+    saved = body["layout"]["leaves"]
+    leaves = tree_flatten(params_like)[0]
+    paths = leaf_paths(params_like)
+    for i in range(max(len(saved), len(leaves))):
+        if i >= len(saved) or i >= len(leaves) or saved[i]["path"] != paths[i]:
+            ours = paths[i] if i < len(paths) else None
+            theirs = saved[i]["path"] if i < len(saved) else None
+            what = f"params_like has leaf {ours!r} where the checkpoint has {theirs!r}"
+            raise CheckpointError(f"{directory} holds a different model: {what}")
+        shape, dtype = tuple(getattr(leaves[i], "shape", ())), getattr(leaves[i], "dtype", None)
+        if list(shape) != saved[i]["shape"] or str(dtype) != saved[i]["dtype"]:
+            raise CheckpointError(
+                f"{directory} holds a different model: leaf {paths[i]!r} is saved as "
+                f"{tuple(saved[i]['shape'])} {saved[i]['dtype']}, params_like has {shape} {dtype}"
+            )
+    flags = [x["frozen"] for x in saved] if frozen is None else _frozen_leaves(params_like, frozen)
+    return build_layout(
+        params_like,
+        world_size,
+        body["layout"]["kind"] if kind is None else kind,
+        body["layout"]["units"] if units is None else units,
+        flags,
+    )
