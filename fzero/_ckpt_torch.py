@@ -66,9 +66,13 @@ def _scalar_dtype() -> torch.dtype:
 
 
 def export_torch(
-    state: ShardedState, path: str | None, mesh: Mesh, hyperparams: dict[str, Any] | None
+    state: ShardedState,
+    path: str | None,
+    mesh: Mesh,
+    hyperparams: dict[str, Any] | None,
+    aliases: dict[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """See `fzero.checkpoint.export_torch`."""
+    """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path."""
     lay, stage, rank = state.layout, state.stage, mesh.rank
     error, rep, local = None, None, None
     try:
@@ -84,6 +88,13 @@ def export_torch(
     if rank == 0:
         try:
             out = _to_torch(lay, schema, local, params, elems, pieces, hyperparams)
+            model_sd = out[0]
+            if state.buffers is not None:  # a plain state_dict holds buffers too
+                for name, buf in zip(leaf_paths(state.buffers), tree_flatten(state.buffers)[0]):
+                    model_sd[name] = buf.detach().clone()
+            for name, canonical in (aliases or {}).items():  # tied weights: every name
+                if name not in model_sd and canonical in model_sd:
+                    model_sd[name] = model_sd[canonical]
             if path is not None:
                 _write_atomically(out, os.fspath(path))
         except Exception as exc:
@@ -259,7 +270,9 @@ def import_torch(
         like = model_state_dict if params_like is None else params_like
         paths = leaf_paths(like)
         missing = [p for p in paths if p not in model_state_dict]
-        extra = sorted(set(model_state_dict) - set(paths))
+        # With params_like, further keys are allowed: a plain state_dict also holds buffers
+        # and every name of a tied weight, which the parameter tree holds once.
+        extra = [] if params_like is not None else sorted(set(model_state_dict) - set(paths))
         if missing or extra:
             raise CheckpointError(
                 f"model_state_dict does not match the parameters: missing {missing[:5]}, "

@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._ckpt_save import check_state as _check_state
 from ._ckpt_save import load as _load
@@ -123,6 +124,7 @@ def export_torch(
     mesh: Mesh,
     *,
     hyperparams: dict[str, Any] | None = None,
+    module: nn.Module | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """Consolidates `state` into a plain model and torch.optim state dict on rank 0.
 
@@ -148,12 +150,22 @@ def export_torch(
         do not expose theirs, and torch's `Optimizer.load_state_dict` replaces a group's
         hyper-parameters by the saved ones, so pass the full set, e.g.
         `torch.optim.AdamW([torch.zeros(1)], lr=1e-2, weight_decay=0.1).defaults`.
+      module: the model, if it ties weights: every name of a tied parameter (e.g. both
+        "tok.weight" and "head.weight") then appears in the model dict, as in
+        `module.state_dict()`, so `load_state_dict(strict=True)` accepts it. The state's
+        buffers, if any, are always included.
 
     Returns:
       `(model_state_dict, optim_state_dict)` on rank 0, None on the other ranks.
     """
     _check_state(state, mesh, "checkpoint.export_torch")
-    return _export_torch(state, path, mesh, hyperparams)
+    aliases = None
+    if module is not None:
+        canonical = {id(p): name for name, p in module.named_parameters()}
+        aliases = {
+            name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
+        }
+    return _export_torch(state, path, mesh, hyperparams, aliases)
 
 
 def import_torch(

@@ -124,3 +124,20 @@ def test_a_loss_without_new_buffers_is_a_clear_error() -> None:
 
     with pytest.raises(TypeError, match=r"must return \(loss, new_buffers\)"):
         run(1, fn)
+
+
+def export_with_buffers(mesh: fzero.Mesh) -> Any:
+    params, buffers = train(mesh, 2, "mean")
+    model = make_model()
+    opt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(params, opt, mesh, stage=2, buffers=buffers)
+    out = fzero.checkpoint.export_torch(state, None, mesh)
+    return None if out is None else (out[0], buffers, list(dict(model.named_buffers())))
+
+
+def test_export_includes_buffers_so_a_plain_module_loads_it_strictly() -> None:
+    model_sd, buffers, names = run(2, export_with_buffers)[0]
+    plain = make_model()
+    plain.load_state_dict(model_sd, strict=True)
+    for name in names:
+        assert torch.equal(dict(plain.named_buffers())[name], buffers[name])
