@@ -150,16 +150,16 @@ class ShardLayout:
         """The parameter tree whose leaves are views into the full flat buffers `flats`."""
         leaves: list[Any] = [None] * len(self.paths)
         for bucket, flat in zip(self.buckets, flats):
-            for s in bucket.slots:
-                leaves[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
+            for slot, view in _cut(bucket, flat):
+                leaves[slot.index] = view
         return tree_unflatten(self.treedef, leaves)
 
     def unflatten_unit(self, unit: str, fulls: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Views of `unit`'s leaves, by path, into its full flat buckets `fulls`."""
         out = {}
         for i, full in zip(self.unit_buckets(unit), fulls, strict=True):
-            for s in self.buckets[i].slots:
-                out[s.path] = full[s.offset : s.offset + s.numel].view(s.shape)
+            for slot, view in _cut(self.buckets[i], full):
+                out[slot.path] = view
         return out
 
     def shard(self, tree: PyTree, rank: int) -> tuple[torch.Tensor, ...]:
@@ -371,6 +371,31 @@ def _place_greedy(
         slots.append(Slot(i, paths[i], tuple(leaves[i].shape), cursor[r], numel, r))
         cursor[r] += numel
     return Bucket(dtype, tuple(slots), shard, n)
+
+
+def _cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
+    """Each slot's leaf as a view into the full flat buffer, cut with one split.
+
+    One split, not a slice per leaf: the backward of a slice builds a zero-filled gradient
+    the size of the whole buffer, so a unit of P leaves would cost P buffer-sized fills;
+    split's backward assembles one gradient for all of them.
+    """
+    slots = sorted(bucket.slots, key=lambda s: s.offset)
+    sizes: list[int] = []
+    kept: list[Slot | None] = []
+    cursor = 0
+    for s in slots:
+        if s.offset > cursor:  # padding between ranks' segments ("tensor" layout)
+            sizes.append(s.offset - cursor)
+            kept.append(None)
+        sizes.append(s.numel)
+        kept.append(s)
+        cursor = s.offset + s.numel
+    if flat.numel() > cursor:
+        sizes.append(flat.numel() - cursor)
+        kept.append(None)
+    parts = torch.split(flat, sizes) if sizes else ()
+    return [(s, p.view(s.shape)) for s, p in zip(kept, parts) if s is not None]
 
 
 @torch.no_grad()  # packing copies values; autograd history (params that require grad) stays out

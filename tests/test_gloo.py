@@ -14,6 +14,8 @@ import test_accumulate
 import test_buffers
 import test_clip
 import test_frozen
+import test_remat
+import test_tied
 import test_units
 import torch
 import torch.distributed as dist
@@ -217,8 +219,8 @@ def test_units_with_module_hooks_match_single_process(
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_training_loop_features_on_real_gloo(pool: GlooPool, stage: int) -> None:
-    # Issue-5 features whose collectives go beyond a plain step: the global clipping norm
-    # (a scalar all-reduce), local accumulation, frozen leaves, and mean-synced buffers.
+    # Issue-5 features on real ranks: the global clipping norm (a scalar all-reduce) with a
+    # decay mask, local accumulation, frozen leaves, tied weights, remat, synced buffers.
     n = pool.world_size
     g = torch.Generator().manual_seed(stage)
     case = Case(
@@ -244,6 +246,14 @@ def test_training_loop_features_on_real_gloo(pool: GlooPool, stage: int) -> None
     frozen_case = test_units.make_case([3, 4, 4, 2], n, seed=9)
     expected = test_frozen.reference(frozen_case)
     for params, *_ in pool.run(test_frozen.train, frozen_case, stage, "prefixes", stage >= 2):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+
+    expected = test_tied.reference(n)
+    for params in pool.run(test_tied.train, stage, stage >= 2):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+
+    expected = test_remat.reference(n)
+    for params, _ in pool.run(test_remat.train, "inside", stage):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
 
     expected, buffers = test_buffers.reference("mean", n)

@@ -42,18 +42,18 @@ class Net(nn.Module):
         return self.out(x)
 
 
-def make(how: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def make(how: str, n: int = 2) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     return (
         Net(how).double(),
-        torch.randn(4, 2 * 2, 4, generator=g, dtype=torch.float64),
-        torch.randn(4, 2 * 2, 2, generator=g, dtype=torch.float64),
+        torch.randn(4, n * 2, 4, generator=g, dtype=torch.float64),
+        torch.randn(4, n * 2, 2, generator=g, dtype=torch.float64),
     )
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model, xs, ys = make("none")
+def reference(n: int = 2) -> dict[str, torch.Tensor]:
+    model, xs, ys = make("none", n)
     model = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
     for t in range(xs.shape[0]):
@@ -64,7 +64,7 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int]:
-    model, xs, ys = make(how)
+    model, xs, ys = make(how, mesh.size)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adam(lr=0.05)
     units = fzero.units.by_module(model, Block)

@@ -29,10 +29,10 @@ class TiedLM(nn.Module):
         return self.head(x)
 
 
-def make() -> tuple[nn.Module, torch.Tensor]:
+def make(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = TiedLM().double()
-    tokens = torch.randint(7, (3, 3 * 2, 4), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(7, (3, n * 2, 4), generator=torch.Generator().manual_seed(1))
     return model, tokens
 
 
@@ -41,8 +41,8 @@ def loss(model: nn.Module, params: dict, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, 7), tokens[:, 1:].reshape(-1))
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model, tokens = make()
+def reference(n: int = 3) -> dict[str, torch.Tensor]:
+    model, tokens = make(n)
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
     for t in range(tokens.shape[0]):
@@ -54,7 +54,7 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def train(mesh: fzero.Mesh, stage: int, hooked: bool) -> Any:
-    model, tokens = make()
+    model, tokens = make(mesh.size)
     # named_parameters lists the shared weight once, as "tok.weight"
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adamw(lr=0.05)
