@@ -1,0 +1,269 @@
+"""The configurations compared: torch DDP, ZeroRedundancyOptimizer, FSDP2, FairScale, fzero."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from models import Batch, Spec
+from torch import nn
+from torch.func import functional_call
+
+import fzero
+from fzero import _comm
+
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row of the results: a name, a label, and the ZeRO stage it corresponds to."""
+
+    name: str
+    label: str
+    stage: int  # for the formula column: what the configuration shards
+    reshard: bool | None = None
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config("ddp", "torch DDP + Adam", 0),
+    Config("zero", "DDP + ZeroRedundancyOptimizer", 1),
+    Config("fsdp2", "FSDP2 fully_shard, reshard", 3, True),
+    Config("fsdp2-keep", "FSDP2 fully_shard, keep", 3, False),
+    Config("fairscale", "FairScale OSS + ShardedDDP", 2),
+    Config("fairscale-fsdp", "FairScale FSDP", 3, True),
+    Config("fzero0", "fzero stage 0", 0),
+    Config("fzero1", "fzero stage 1", 1),
+    Config("fzero2", "fzero stage 2", 2),
+    Config("fzero3", "fzero stage 3, reshard", 3, True),
+    Config("fzero3-keep", "fzero stage 3, keep", 3, False),
+)
+BY_NAME = {c.name: c for c in CONFIGS}
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the storages behind `tensors`, each storage counted once (DTensors: local)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
+def _state_tensors(state: dict[Any, dict[str, Any]]) -> list[torch.Tensor]:
+    return [v for per in state.values() for v in per.values() if isinstance(v, torch.Tensor)]
+
+
+@dataclass
+class Runner:
+    """What the worker needs from a configuration, whatever it wraps."""
+
+    step: Callable[[Batch], float]
+    state_bytes: Callable[[], dict[str, int]]  # params, grads, optimizer state held now
+    full_params: Callable[[], dict[str, torch.Tensor]]  # collective on sharded configs
+    extras: Callable[[], dict[str, Any]] = field(default=lambda: {})
+
+
+def build(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
+    """Wraps `model` (already initialised, identical on every rank) as configuration `cfg`."""
+    if cfg.name.startswith("fzero"):
+        return _fzero(cfg, spec, model)
+    return {"ddp": _ddp, "zero": _ddp, "fsdp2": _fsdp2, "fsdp2-keep": _fsdp2,
+            "fairscale": _fairscale, "fairscale-fsdp": _fairscale_fsdp}[cfg.name](cfg, spec, model)
+
+
+def eager_step(spec: Spec, model: nn.Module, opt: Any, set_to_none: bool = True
+                ) -> Callable[[Batch], float]:
+    def step(batch: Batch) -> float:
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = spec.loss(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def _torch_bytes(net: nn.Module, opt_state: Callable[[], dict[Any, Any]]
+                 ) -> Callable[[], dict[str, int]]:
+    def count() -> dict[str, int]:
+        ps = list(net.parameters())
+        return {"params": storage_bytes(ps), "grads": storage_bytes(p.grad for p in ps),
+                "opt": storage_bytes(_state_tensors(opt_state()))}
+
+    return count
+
+
+def _plain_params(net: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+    return lambda: {k: v.detach() for k, v in net.named_parameters()}
+
+
+def _ddp(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(net)
+    if cfg.name == "zero":
+        opt: Any = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam,
+                                           lr=LR)
+        state = lambda: opt.optim.state  # noqa: E731 - the local shard's optimizer
+    else:
+        opt = torch.optim.Adam(net.parameters(), lr=LR)
+        state = lambda: opt.state  # noqa: E731
+    return Runner(eager_step(spec, ddp, opt), _torch_bytes(net, state), _plain_params(net))
+
+
+def _fsdp2(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for sub in net.modules():
+        if isinstance(sub, spec.block):
+            fully_shard(sub, mesh=mesh, reshard_after_forward=cfg.reshard)
+    fully_shard(net, mesh=mesh, reshard_after_forward=cfg.reshard)
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+
+    def full() -> dict[str, torch.Tensor]:
+        return {k: v.full_tensor().detach() for k, v in net.named_parameters()}
+
+    return Runner(eager_step(spec, net, opt), _torch_bytes(net, lambda: opt.state), full)
+
+
+def _fairscale(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
+    from fairscale.nn.data_parallel import ShardedDataParallel
+    from fairscale.optim.oss import OSS
+
+    opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=LR)
+    sdp = ShardedDataParallel(net, opt)
+    # set_to_none=False: with None, ShardedDDP's reduce buckets detach from param.grad and
+    # training goes silently wrong (shared DESIGN.md).
+    step = eager_step(spec, sdp, opt, set_to_none=False)
+    return Runner(step, _torch_bytes(net, lambda: opt.optim.state), _plain_params(net))
+
+
+def _fairscale_fsdp(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    for name, sub in list(net.named_modules()):
+        if isinstance(sub, spec.block) and name:
+            head, _, leaf = name.rpartition(".")
+            setattr(net.get_submodule(head) if head else net, leaf,
+                    FSDP(sub, reshard_after_forward=bool(cfg.reshard)))
+    model = FSDP(net, reshard_after_forward=bool(cfg.reshard))
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def full() -> dict[str, torch.Tensor]:
+        with model.summon_full_params():
+            return {k: v.detach().clone() for k, v in net.named_parameters()}
+
+    return Runner(eager_step(spec, model, opt), _torch_bytes(model, lambda: opt.state), full)
+
+
+# -- fzero -------------------------------------------------------------------------------
+
+_PREFIXES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # tensor collectives
+
+
+class CommLedger:
+    """Counts fzero's collectives (op, dtype, logical bytes) by wrapping `fzero._comm`.
+
+    Logical bytes follow the ZeRO paper: an all-gather or reduce-scatter moves its full
+    buffer once, an all-reduce twice (reduce-scatter + all-gather).
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self.bytes: dict[str, int] = {}
+        self.grad_in = 0  # bytes of full gradients handed to the reductions in the last step
+        self.grad_out = 0  # bytes of the reduced gradients they returned
+
+    def install(self) -> None:
+        # Every tensor collective fzero._comm defines (found by name, so new ones count too);
+        # fzero's modules call them as `_comm.name(...)`, so the wrappers are what runs.
+        for name in dir(_comm):
+            if name.startswith(_PREFIXES) and name != "all_gather_object":
+                setattr(_comm, name, self._wrap(name, getattr(_comm, name)))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def counted(tensor: torch.Tensor, mesh: Any, *args: Any, **kwargs: Any) -> Any:
+            out = fn(tensor, mesh, *args, **kwargs)
+            if self.on:
+                size = tensor.numel() * tensor.element_size()
+                op = next(p for p in _PREFIXES if name.startswith(p))
+                nbytes = {"all_gather": size * mesh.size, "all_reduce": 2 * size}.get(op, size)
+                if op in ("reduce_scatter", "all_reduce") and name != "all_reduce_sum":
+                    # a gradient reduction (all_reduce_sum carries norms and flags)
+                    res = out[0] if isinstance(out, tuple) else out  # async: (out, work)
+                    self.grad_in += size
+                    self.grad_out += res.numel() * res.element_size()
+                key = f"{op}:{str(tensor.dtype).removeprefix('torch.')}"
+                self.bytes[key] = self.bytes.get(key, 0) + nbytes
+            return out
+
+        return counted
+
+
+def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
+    stage = int(cfg.name[5])
+    mesh = fzero.ProcessGroupMesh()
+    comm = CommLedger()
+    comm.install()
+    units = [*fzero.units.by_module(model, spec.block), *spec.extra_units]
+    params = {k: v.detach() for k, v in model.named_parameters()}  # shard_state copies
+    opt = fzero.optim.adam(lr=LR)
+    box = [fzero.shard_state(params, opt, mesh, stage=stage, units=units)]
+    del params
+    # The state now holds the parameters; the module is only the program functional_call
+    # runs, so its own copy goes (a user would build it on the meta device).
+    model.to("meta")
+    ledger = fzero.UnitLedger()
+
+    def loss_fn(p: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
+        return spec.loss(functional_call(model, p, (batch[0],)), batch[1])
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, module=model,
+                              reshard_after_forward=bool(cfg.reshard), prefetch=True,
+                              ledger=ledger if stage >= 2 else None)
+    steps = [0]
+
+    def run(batch: Batch) -> float:
+        comm.on, comm.grad_in, comm.grad_out = True, 0, 0
+        box[0], loss = step(box[0], batch)
+        comm.on = False
+        steps[0] += 1
+        return loss.item()
+
+    def state_bytes() -> dict[str, int]:
+        rep = fzero.memory_report(box[0])
+        # Gradients live only inside a step. Stages 0-1 hold the full gradient (what the
+        # reductions were handed); stages 2-3 only this rank's shard (what they returned).
+        grads = comm.grad_in if stage <= 1 else comm.grad_out
+        return {"params": rep.params, "grads": grads, "opt": rep.opt_state}
+
+    def full() -> dict[str, torch.Tensor]:
+        return dict(fzero.gather_params(box[0].params, mesh))
+
+    def extras() -> dict[str, Any]:
+        lay = box[0].layout
+        unit_bytes = {u: sum(lay.buckets[i].full_numel * lay.buckets[i].dtype.itemsize
+                             for i in lay.unit_buckets(u)) for u in lay.units}
+        return {
+            "psi": lay.numel,
+            "comm_per_step": {k: v / max(steps[0], 1) for k, v in comm.bytes.items()},
+            "ledger_peak_params": ledger.peak_params,
+            "ledger_peak_grads": ledger.peak_grads,
+            "largest_unit_bytes": max(unit_bytes.values()),
+            "root_unit_bytes": unit_bytes.get("", 0),
+            "units": len([u for u in lay.units if lay.unit_buckets(u)]),
+        }
+
+    return Runner(run, state_bytes, full, extras)

@@ -1,0 +1,104 @@
+"""The two benchmark models, their data and losses: a GPT-like decoder and a Linear stack."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fzero._demo import Block, TinyGPT
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class LinearStack(nn.Module):
+    """PyTorch's ZeroRedundancyOptimizer recipe model: square Linear layers with ReLU."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, layer in enumerate(self.layers):
+            x = layer(x)
+            if k < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One benchmark model: how to build it, its units, its data and its loss."""
+
+    name: str
+    title: str
+    build: Callable[[], nn.Module]
+    block: type[nn.Module]  # the per-unit class (fully_shard target, fzero.units.by_module)
+    extra_units: tuple[str, ...]  # further submodules that fzero gathers as units
+    make_batch: Callable[[int, int], Batch]  # (step, global batch size) -> (inputs, targets)
+    micro_batch: int
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets)
+
+
+def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _token_batches(vocab: int, seq: int) -> Callable[[int, int], Batch]:
+    def make(step: int, batch: int) -> Batch:
+        # Seeded by step, so every configuration and the reference see the same tokens.
+        g = torch.Generator().manual_seed(1000 + step)
+        tokens = torch.randint(vocab, (batch, seq + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    return make
+
+
+def _dense_batches(width: int) -> Callable[[int, int], Batch]:
+    def make(step: int, batch: int) -> Batch:
+        g = torch.Generator().manual_seed(1000 + step)
+        return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+    return make
+
+
+def spec(name: str, quick: bool) -> Spec:
+    """The model called `name` ("gpt" or "linear"), tiny when `quick`."""
+    if name == "gpt":
+        # Full: 8 blocks of width 224, vocab 1024 -> 5.33M parameters (issue 3's size).
+        d, layers, heads, vocab, seq, micro = (32, 8, 2, 64, 16, 2) if quick else (
+            224, 8, 4, 1024, 64, 4)
+
+        def build() -> nn.Module:
+            return TinyGPT(vocab=vocab, block=seq, d=d, layers=layers, heads=heads)
+
+        return Spec("gpt", f"GPT decoder ({layers} blocks, d={d}, vocab {vocab}, "
+                    f"seq {seq}, micro-batch {micro})", build, Block, ("tok", "pos", "head"),
+                    _token_batches(vocab, seq), micro, _gpt_loss)
+    if name == "linear":
+        # Full: 20 x Linear(1000, 1000) -> 20.02M parameters (the recipe's 2000 scaled down).
+        width, depth, micro = (64, 4, 4) if quick else (1000, 20, 20)
+
+        def build_stack() -> nn.Module:
+            return LinearStack(width, depth)
+
+        return Spec("linear", f"Linear stack ({depth} x Linear({width}, {width}) + ReLU, "
+                    f"micro-batch {micro})", build_stack, nn.Linear, (),
+                    _dense_batches(width), micro, F.mse_loss)
+    raise ValueError(f"unknown model {name!r}: choose gpt or linear")
+
+
+def build_model(s: Spec) -> nn.Module:
+    """The model with the benchmark's fixed initialisation (same on every rank and config)."""
+    torch.manual_seed(0)
+    return s.build()
+
+
+def rank_batch(s: Spec, step: int, rank: int, world_size: int) -> Batch:
+    """Rank `rank`'s micro-batch of step `step`: its slice of the global batch."""
+    x, y = s.make_batch(step, s.micro_batch * world_size)
+    sl = slice(rank * s.micro_batch, (rank + 1) * s.micro_batch)
+    return x[sl], y[sl]
