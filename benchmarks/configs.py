@@ -27,6 +27,8 @@ class Config:
     label: str
     stage: int  # for the formula column: what the configuration shards
     reshard: bool | None = None
+    prefetch: bool = True  # fzero only
+    overlap: bool = True  # fzero only: overlap_reduce
 
 
 CONFIGS: tuple[Config, ...] = (
@@ -42,7 +44,14 @@ CONFIGS: tuple[Config, ...] = (
     Config("fzero3", "fzero stage 3, reshard", 3, True),
     Config("fzero3-keep", "fzero stage 3, keep", 3, False),
 )
-BY_NAME = {c.name: c for c in CONFIGS}
+# Not in the default run: fzero stage 3 without prefetch, and without reduce overlap, to
+# measure what each is worth (`--configs fzero3,fzero3-noprefetch,fzero3-sync`).
+EXTRA_CONFIGS: tuple[Config, ...] = (
+    Config("fzero3-noprefetch", "fzero stage 3, reshard, no prefetch", 3, True, prefetch=False),
+    Config("fzero3-sync", "fzero stage 3, reshard, no prefetch, sync reduce", 3, True,
+           prefetch=False, overlap=False),
+)
+BY_NAME = {c.name: c for c in CONFIGS + EXTRA_CONFIGS}
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -231,7 +240,8 @@ def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
         return spec.loss(functional_call(model, p, (batch[0],)), batch[1])
 
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, module=model,
-                              reshard_after_forward=bool(cfg.reshard), prefetch=True,
+                              reshard_after_forward=bool(cfg.reshard), prefetch=cfg.prefetch,
+                              overlap_reduce=cfg.overlap,
                               ledger=ledger if stage >= 2 else None)
     steps = [0]
 
