@@ -136,6 +136,7 @@ def value_and_shard_grad(
     final: bool = True,
     overlap: bool = True,
     replicate: bool = False,
+    jit: tuple[str, ...] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """This rank's loss and its shard gradients (mean over ranks), unit by unit.
 
@@ -156,6 +157,8 @@ def value_and_shard_grad(
       final: with `acc`, whether this is the last micro-batch (reduce now).
       overlap: let one unit's reduce-scatter run while the next unit differentiates
         (one more unit of full gradients alive); False reduces synchronously.
+      jit: `hookable_units(layout, module)`, if the caller already has it (it walks the
+        module, so a step computes it once, not every step).
       replicate: stage 0: all-reduce each unit's gradient (full-size results, one per
         bucket) instead of reduce-scattering it.
 
@@ -174,7 +177,7 @@ def value_and_shard_grad(
     run.acc, run.final = acc, final
     run.max_inflight = 1 if overlap else 0
     run.replicate = replicate
-    jit = hookable_units(layout, module)
+    jit = hookable_units(layout, module) if jit is None else jit
     leaves: list[Any] = [None] * len(layout.paths)
     index = {p: i for i, p in enumerate(layout.paths)}
     for unit in layout.units:
@@ -202,6 +205,16 @@ def value_and_shard_grad(
         if loss.requires_grad:
             found = torch.autograd.grad(loss, [inputs[i] for i in trainable], allow_unused=True)
             grads = tuple(dict(zip(trainable, found)).get(i) for i in range(len(inputs)))
+    except (RuntimeError, NotImplementedError) as exc:
+        # torch's own words ("Tensor on device meta ...", "Cannot copy out of meta tensor")
+        # differ by op and arrive in forward or backward; say what actually went wrong.
+        if jit and "meta" in str(exc):
+            raise ValueError(
+                f"rank {mesh.rank}: a parameter of a just-in-time unit ({', '.join(jit)}) was "
+                "used outside its submodule's forward, where it is only a meta placeholder; "
+                "use it inside the submodule, or leave it out of units= (e.g. in the root)"
+            ) from exc
+        raise
     finally:
         if hooks is not None:
             hooks.__exit__()

@@ -12,8 +12,8 @@ from torch import nn
 from ._autodiff import value_and_grad
 from ._comm import all_gather
 from ._gather import gather_params_into
-from ._grads import all_reduce_grads, local_shard, reduce_scatter_grads
-from ._hooks import value_and_shard_grad
+from ._grads import local_shard, reduce_scatter_grads
+from ._hooks import hookable_units, value_and_shard_grad
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._shards import Shards
@@ -40,6 +40,7 @@ class _Options:
     buffer_sync: str
     overlap_reduce: bool
     order: list[str] = field(default_factory=list)  # unit call order, for prefetching
+    jit: tuple[Any, tuple[str, ...]] = (None, ())  # (layout, its hooked units), computed once
 
 
 def sharded_step(
@@ -233,6 +234,8 @@ def _unit_grad(
     With `replicate` (stage 0) the "shards" are the full buckets, all-reduced.
     """
     micro = _micro_batches(batch, o)
+    if o.jit[0] is not layout:  # walks the module: once per state layout, not every step
+        o.jit = (layout, hookable_units(layout, o.module))
     acc: dict[int, torch.Tensor] | None = {} if o.accumulate == "local" else None
     losses, total = [], None
     for j, mb in enumerate(micro):
@@ -252,6 +255,7 @@ def _unit_grad(
             final=j == len(micro) - 1,
             overlap=o.overlap_reduce,
             replicate=replicate,
+            jit=o.jit[1],
         )
         losses.append(loss)
         total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
@@ -267,14 +271,12 @@ def _replicated_grad(
     batch: Any,
     o: _Options,
     layout: ShardLayout,
-    reduce: Callable[[PyTree], PyTree] | None = None,
+    reduce: Callable[[PyTree], PyTree],
 ) -> tuple[torch.Tensor, PyTree]:
-    """Loss and reduced full gradients; over every micro-batch when accumulating.
+    """Loss and reduced full gradients (stage 1); over every micro-batch when accumulating.
 
-    `reduce` is how gradients reach their ranks: the all-reduce (mean) by default, or a
-    reduce-scatter into Shards (stage 1).
+    `reduce` is how the full gradients reach their ranks (a reduce-scatter into Shards).
     """
-    reduce = reduce or (lambda g: all_reduce_grads(g, o.mesh))
     micro = _micro_batches(batch, o)
     losses, total = [], None
     for mb in micro:

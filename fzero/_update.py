@@ -56,9 +56,8 @@ def sharded_update(
             "sharded_update: grads must be Shards with the parameters' layout and "
             "rank (use reduce_scatter_grads or local_shard)"
         )
-    ctx = ShardContext(mesh, sharded=True, segments=params.layout.piece_segments(params.rank))
-    if mesh is None and params.layout.world_size > 1:
-        ctx = ShardContext(_NoMesh(), sharded=True, segments=ctx.segments)
+    lay = params.layout
+    ctx = ShardContext(mesh, True, lay.piece_segments(params.rank), lay.world_size)
     with shard_context(ctx):
         new_pieces, new_state = update(grads.pieces(), opt_state, params.pieces())
     if inplace:  # the pieces are views into params.buffers, updated where they are
@@ -84,14 +83,3 @@ def _check_like(grads: PyTree, params: PyTree) -> None:
                 f"{tuple(p.shape)} {p.dtype}"
             )
 
-
-class _NoMesh:
-    """Stands in for a missing `mesh=`: fails clearly if a transformation needs the mesh."""
-
-    size = 2
-
-    def __getattr__(self, name: str) -> Any:
-        raise ValueError(
-            "this optimizer needs the other ranks (e.g. clip_by_global_norm): "
-            "pass mesh= to sharded_update"
-        )

@@ -108,3 +108,17 @@ def test_chain_must_end_in_an_optimizer() -> None:
         optim.chain(optim.clip_by_global_norm(1.0))
     with pytest.raises(ValueError, match="positive"):
         optim.clip_by_global_norm(0.0)
+
+
+def test_clipping_shards_without_the_mesh_is_a_clear_error() -> None:
+    # Without mesh= the norm would silently be this rank's share: refuse instead.
+    params = {"w": torch.ones(4, dtype=torch.float64)}
+
+    def fn(mesh: fzero.Mesh) -> None:
+        opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(lr=0.1))
+        state = fzero.shard_state(params, opt, mesh, stage=3)
+        grads = fzero.Shards(state.params.buffers, state.layout, mesh.rank)
+        fzero.sharded_update(opt, state.params, grads, state.opt_state)
+
+    with pytest.raises(ValueError, match="pass mesh= to sharded_update"):
+        run(2, fn)

@@ -32,11 +32,13 @@ class ShardContext:
         replicated trees (stage 0) already hold everything.
       segments: per piece, the parameter elements it holds; None when the update runs on
         the parameter tree itself (stage 0).
+      world_size: how many ranks share the pieces.
     """
 
     mesh: Any
     sharded: bool
     segments: tuple[Segments, ...] | None
+    world_size: int = 1
 
 
 _CONTEXT: ContextVar[ShardContext | None] = ContextVar("fzero_shard_context", default=None)
@@ -55,8 +57,13 @@ def shard_context(ctx: ShardContext) -> Iterator[None]:
 def global_sum(local: torch.Tensor) -> torch.Tensor:
     """`local` summed over every rank's shard, if the update runs on a shard; else itself."""
     ctx = _CONTEXT.get()
-    if ctx is None or not ctx.sharded or ctx.mesh is None or ctx.mesh.size == 1:
+    if ctx is None or not ctx.sharded or ctx.world_size == 1:
         return local
+    if ctx.mesh is None:
+        raise ValueError(
+            "this optimizer needs the other ranks' shards (e.g. clip_by_global_norm): "
+            "pass mesh= to sharded_update"
+        )
     from .._comm import all_reduce_sum
 
     return all_reduce_sum(local, ctx.mesh)
