@@ -2,6 +2,7 @@
 
 from . import checkpoint as checkpoint
 from . import optim as optim
+from . import testing as testing
 from . import units as units
 from ._autodiff import value_and_grad as value_and_grad
 from ._gather import gather_params as gather_params

@@ -1,0 +1,429 @@
+"""Test your own model under fzero: hypothesis strategies and a stage-equivalence check."""
+
+# hypothesis is a test dependency, not a runtime one: it is imported inside the strategy
+# functions, so `import fzero` (which imports this module) never needs it, and
+# `assert_stages_equivalent` works without it.
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import optim
+from ._gather import gather_params
+from ._mesh import Mesh
+from ._simulate import Simulation
+from ._state import shard_state
+from ._step import sharded_step
+from ._tree import PyTree, assert_trees_close, leaf_paths, tree_flatten, tree_map, tree_unflatten
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+__all__ = [
+    "assert_stages_equivalent",
+    "param_trees",
+    "split_batch",
+    "stages",
+    "unit_splits",
+    "world_sizes",
+]
+
+# Default (rtol, atol) by the least precise dtype among the parameters. fzero and the
+# reference differ only in the order of floating-point reductions (a mean over ranks
+# against autograd over a summed loss), which a few optimizer steps amplify a little.
+_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def _strategies() -> Any:
+    try:
+        from hypothesis import strategies as st
+    except ImportError as exc:  # pragma: no cover - hypothesis is in fzero's test extra
+        raise ImportError(
+            "fzero.testing's strategies need hypothesis: pip install 'fzero[test]'"
+        ) from exc
+    return st
+
+
+def world_sizes(min_value: int = 1, max_value: int = 4) -> SearchStrategy[int]:
+    """World sizes for `fzero.simulate`, shrinking towards `min_value`.
+
+    Args:
+      min_value: the smallest world size.
+      max_value: the largest; every simulated rank is a process, so keep it small on
+        machines with few cores.
+
+    Returns:
+      A strategy of ints in `[min_value, max_value]`.
+    """
+    if not 1 <= min_value <= max_value:
+        raise ValueError(f"need 1 <= min_value <= max_value, got {min_value}, {max_value}")
+    return _strategies().integers(min_value, max_value)
+
+
+def stages(values: Sequence[int] = (0, 1, 2, 3)) -> SearchStrategy[int]:
+    """ZeRO stages, shrinking towards the first of `values` (stage 0 by default).
+
+    Args:
+      values: the stages to draw from.
+
+    Returns:
+      A strategy of ints.
+    """
+    if not values or any(s not in (0, 1, 2, 3) for s in values):
+        raise ValueError(f"stages must be a non-empty subset of 0-3, got {values!r}")
+    return _strategies().sampled_from(tuple(values))
+
+
+def param_trees(
+    *,
+    dtypes: Sequence[torch.dtype] = (torch.float64,),
+    max_leaves: int = 6,
+    max_depth: int = 3,
+    max_dim: int = 7,
+    allow_empty: bool = False,
+    scale: float = 0.5,
+) -> SearchStrategy[dict[str, Any]]:
+    """Parameter pytrees with awkward shapes: nested dicts and lists of tensors.
+
+    The root is a dict (like `dict(model.named_parameters())`); below it, dicts and lists
+    nest up to `max_depth` levels. Leaves are 0-d tensors, 1-element tensors and tensors
+    of up to three dimensions whose sizes (1 to `max_dim`) mostly divide no world size, so
+    flat buffers need padding and shards split tensors. Values are normal with standard
+    deviation `scale`. Dict keys are short identifiers without dots, so dotted leaf
+    paths ("blocks.0.w") and `units=` prefixes stay unambiguous.
+
+    Args:
+      dtypes: floating dtypes the leaves are drawn from (float64 only by default: tight
+        comparisons; add torch.float32 for mixed-dtype trees, which fzero packs into one
+        flat buffer per dtype).
+      max_leaves: the most leaves in a tree (at least one).
+      max_depth: the deepest nesting of containers below the root dict.
+      max_dim: the largest size of a dimension.
+      allow_empty: also draw tensors with a zero-size dimension.
+      scale: the values' standard deviation.
+
+    Returns:
+      A strategy of dicts of nested dicts, lists and tensors.
+    """
+    st = _strategies()
+    if max_leaves < 1 or max_depth < 0 or max_dim < 1:
+        raise ValueError("need max_leaves >= 1, max_depth >= 0 and max_dim >= 1")
+    if not dtypes or any(not d.is_floating_point for d in dtypes):
+        raise ValueError(f"dtypes must be non-empty floating dtypes, got {dtypes!r}")
+    names = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=4)
+    sizes = st.integers(0 if allow_empty else 1, max_dim)
+    shapes = st.one_of(
+        st.just(()), st.just((1,)), st.lists(sizes, min_size=1, max_size=3).map(tuple)
+    )
+
+    @st.composite
+    def trees(draw: Any) -> dict[str, Any]:
+        budget = [draw(st.integers(1, max_leaves))]  # leaves still to place
+
+        def node(depth: int) -> Any:
+            kinds = ["leaf"] if depth > max_depth or budget[0] == 1 else ["leaf", "dict", "list"]
+            kind = draw(st.sampled_from(kinds))
+            if kind == "leaf":
+                budget[0] -= 1
+                return draw(shapes), draw(st.sampled_from(tuple(dtypes)))
+            return container(kind, depth + 1)
+
+        def container(kind: str, depth: int) -> Any:
+            # Every container holds at least one leaf: fzero rejects trees without leaves.
+            n = draw(st.integers(1, min(3, budget[0])))
+            children = []
+            for _ in range(n):
+                if budget[0] == 0:
+                    break
+                children.append(node(depth))
+            if kind == "list":
+                return children
+            keys = draw(
+                st.lists(names, min_size=len(children), max_size=len(children), unique=True)
+            )
+            return dict(zip(keys, children))
+
+        spec = container("dict", 1)
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+
+        def fill(leaf: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
+            shape, dtype = leaf
+            return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+        return _map_specs(fill, spec)
+
+    return trees()
+
+
+def _map_specs(fn: Callable[[Any], Any], spec: Any) -> Any:
+    # The spec tree's leaves are (shape, dtype) tuples, which a pytree map would descend into.
+    if isinstance(spec, dict):
+        return {k: _map_specs(fn, v) for k, v in spec.items()}
+    if isinstance(spec, list):
+        return [_map_specs(fn, v) for v in spec]
+    return fn(spec)
+
+
+def unit_splits(params: PyTree, *, max_size: int | None = None) -> SearchStrategy[list[str]]:
+    """Valid `units=` arguments for `params`: lists of distinct dotted path prefixes.
+
+    A candidate is any prefix of a leaf's dotted path on whole components ("blocks",
+    "blocks.0", "blocks.0.w"), so draws include nested units (the longest prefix wins),
+    single leaves as units, and the empty list (everything in the root unit). Use it with
+    `flatmap` to pair a drawn tree with its splits:
+    `param_trees().flatmap(lambda p: st.tuples(st.just(p), unit_splits(p)))`.
+
+    Args:
+      params: the parameter tree the units are for.
+      max_size: the most units in a split (default: no limit).
+
+    Returns:
+      A strategy of lists of prefixes, each matching at least one leaf.
+    """
+    st = _strategies()
+    candidates: list[str] = []
+    for path in leaf_paths(params):
+        parts = path.split(".")
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if prefix not in candidates:
+                candidates.append(prefix)
+    return st.lists(st.sampled_from(candidates), unique=True, max_size=max_size)
+
+
+def split_batch(batch: PyTree, world_size: int) -> list[PyTree]:
+    """Splits a global batch into `world_size` equal micro-batches along dimension 0.
+
+    Args:
+      batch: a tensor or a pytree of tensors (e.g. `(x, y)`) sharing dimension 0.
+      world_size: the number of ranks; must divide dimension 0, since equal micro-batch
+        sizes are what make the mean of per-rank mean losses the global mean loss.
+
+    Returns:
+      The micro-batches, in rank order; each has `batch`'s structure.
+    """
+    leaves, treedef = tree_flatten(batch)
+    sizes = {leaf.shape[0] for leaf in leaves}
+    if len(sizes) != 1 or next(iter(sizes)) % world_size:
+        raise ValueError(
+            f"every leaf of the batch needs one dimension-0 size divisible by {world_size}, "
+            f"got sizes {sorted(sizes)}"
+        )
+    per_leaf = [leaf.chunk(world_size) for leaf in leaves]
+    return [tree_unflatten(treedef, [c[r] for c in per_leaf]) for r in range(world_size)]
+
+
+def assert_stages_equivalent(
+    loss_fn: Callable[[PyTree, Any], torch.Tensor],
+    params: PyTree,
+    batches: Sequence[Sequence[Any]],
+    optimizer: Any,
+    *,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    fzero_optimizer: optim.Optimizer | None = None,
+    layout: str = "flat",
+    units: Sequence[str] | None = None,
+    module: nn.Module | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    timeout: float | None = 600.0,
+) -> None:
+    """Asserts every ZeRO stage trains `params` exactly like one process with `torch.optim`.
+
+    The reference runs in this process: plain autograd and `cls(params, **kwargs)` from
+    `optimizer`. At step t its loss is the mean of `loss_fn` over the step's micro-batches,
+    `mean_r loss_fn(params, batches[t][r])`; for a loss that is a mean over examples and
+    micro-batches of equal size, that is exactly the loss on the concatenated batch. A
+    trainable parameter the loss does not use gets a zero gradient in the reference, as
+    it does in fzero's flat buffers. Each stage then runs on `fzero.simulate` with
+    `world_size = len(batches[t])` ranks, rank r calling `loss_fn(params, batches[t][r])`
+    at step t; the test passes when the parameters every rank gathers after the last
+    step, and the per-step losses averaged over ranks, match the reference.
+
+    Args:
+      loss_fn: `(params, batch) -> scalar tensor`, as for `fzero.sharded_step` (e.g. a
+        `torch.func.functional_call` of your module followed by a mean loss).
+      params: the initial parameter tree (e.g. `dict(model.named_parameters())`); not
+        modified. If some leaves require grad and others do not, the others are frozen
+        in the reference and in fzero (`shard_state`'s default).
+      batches: one entry per step, each a sequence of one micro-batch per rank, in rank
+        order (`split_batch` cuts a global batch); every step has the same length, the
+        world size.
+      optimizer: a `torch.optim.Optimizer` class, or `(cls, kwargs)` such as
+        `(torch.optim.AdamW, {"lr": 1e-3})`: the reference steps `cls(tensors, **kwargs)`
+        and the ranks run `fzero.optim.from_torch(cls, **kwargs)`.
+      stages: the ZeRO stages to check.
+      fzero_optimizer: what the ranks run instead of `from_torch(cls, **kwargs)`, to
+        check an `fzero.optim` optimizer (e.g. `fzero.optim.adamw(lr=1e-3)`) against
+        its torch counterpart.
+      layout: `shard_state`'s layout, "flat" or "tensor".
+      units: `shard_state`'s units (parameter-path prefixes).
+      module: `sharded_step`'s module (the module `loss_fn` calls through
+        `functional_call`), to check units gathered just in time by forward hooks.
+      rtol: relative tolerance; default by the least precise parameter dtype (1e-7 for
+        float64, 1e-4 for float32, 1e-2 for half precision).
+      atol: absolute tolerance; default 1e-9 for float64, 1e-5 for float32, 1e-2 for half.
+      timeout: seconds all stages together may take on the simulated ranks (None: no
+        limit); a rank stuck in a collective fails after 60 s regardless.
+
+    Raises:
+      AssertionError: naming each failing stage with its first differing leaf (dotted
+        path), the largest |Δ| and the tolerance, or the first step whose loss differs.
+      ValueError: if `batches` is empty or its steps have different lengths.
+    """
+    cls, kwargs = _optimizer_spec(optimizer)
+    world_size = _world_size(batches)
+    leaves, _ = tree_flatten(params)
+    default_rtol, default_atol = _default_tolerance(leaves)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    expected, expected_losses = _train_reference(loss_fn, params, batches, cls, kwargs)
+    fz_opt = fzero_optimizer if fzero_optimizer is not None else optim.from_torch(cls, **kwargs)
+    sim = Simulation(world_size, collective_timeout=60.0, timeout=timeout)
+    per_rank = sim.run(
+        _train_stages, loss_fn, params, batches, fz_opt, tuple(stages), layout, units, module
+    )
+    failures = []
+    for i, stage in enumerate(stages):
+        problem = _compare_stage(
+            stage, [r[i] for r in per_rank], expected, expected_losses, rtol, atol
+        )
+        if problem is not None:
+            failures.append(problem)
+    if failures:
+        raise AssertionError(
+            f"{len(failures)} of {len(stages)} ZeRO stages on {world_size} ranks do not train "
+            f"like one process running torch.optim.{cls.__name__}({_kwargs_text(kwargs)}) on "
+            "the concatenated batches:\n" + "\n".join(f"  {p}" for p in failures)
+        )
+
+
+def _optimizer_spec(optimizer: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    if isinstance(optimizer, tuple) and len(optimizer) == 2:
+        cls, kwargs = optimizer
+    else:
+        cls, kwargs = optimizer, {}
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer class or (class, kwargs), got {optimizer!r}"
+        )
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"optimizer kwargs must be a mapping, got {kwargs!r}")
+    return cls, dict(kwargs)
+
+
+def _kwargs_text(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _world_size(batches: Sequence[Sequence[Any]]) -> int:
+    lengths = {len(step) for step in batches}
+    if not lengths:
+        raise ValueError("batches is empty: give at least one step of per-rank micro-batches")
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(
+            f"every step needs one micro-batch per rank, the same number each step; "
+            f"got step lengths {sorted(lengths)}"
+        )
+    return lengths.pop()
+
+
+def _default_tolerance(leaves: list[Any]) -> tuple[float, float]:
+    dtypes = {leaf.dtype for leaf in leaves if isinstance(leaf, torch.Tensor)}
+    worst = (0.0, 0.0)
+    for dtype in dtypes:
+        tol = _TOLERANCES.get(dtype, _TOLERANCES[torch.bfloat16])
+        worst = max(worst, tol)
+    return worst
+
+
+def _train_reference(
+    loss_fn: Callable[[PyTree, Any], torch.Tensor],
+    params: PyTree,
+    batches: Sequence[Sequence[Any]],
+    cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+) -> tuple[PyTree, list[float]]:
+    """Plain torch.optim on one process, the mean of the micro-batch losses per step."""
+    leaves, treedef = tree_flatten(params)
+    some_frozen = any(x.requires_grad for x in leaves) and not all(x.requires_grad for x in leaves)
+    trainable = [x.requires_grad or not some_frozen for x in leaves]
+    tensors = [x.detach().clone().requires_grad_(t) for x, t in zip(leaves, trainable)]
+    trained = [x for x, t in zip(tensors, trainable) if t]
+    opt = cls(trained, **kwargs)
+    losses = []
+    for micro_batches in batches:
+        opt.zero_grad()
+        tree = tree_unflatten(treedef, tensors)
+        loss = torch.stack([loss_fn(tree, b) for b in micro_batches]).mean()
+        loss.backward()
+        for x in trained:
+            if x.grad is None:
+                x.grad = torch.zeros_like(x)
+        opt.step()
+        losses.append(loss.item())
+    return tree_unflatten(treedef, [x.detach() for x in tensors]), losses
+
+
+def _train_stages(
+    mesh: Mesh,
+    loss_fn: Callable[[PyTree, Any], torch.Tensor],
+    params: PyTree,
+    batches: Sequence[Sequence[Any]],
+    opt: optim.Optimizer,
+    stage_list: tuple[int, ...],
+    layout: str,
+    units: Sequence[str] | None,
+    module: nn.Module | None,
+) -> list[tuple[PyTree, list[float]]]:
+    """One rank's run of every stage in turn: (gathered params, losses) per stage."""
+    out = []
+    for stage in stage_list:
+        try:
+            state = shard_state(params, opt, mesh, stage=stage, layout=layout, units=units)
+            step = sharded_step(loss_fn, opt, mesh, stage=stage, module=module)
+            losses = []
+            for micro_batches in batches:
+                state, loss = step(state, micro_batches[mesh.rank])
+                losses.append(loss.item())
+            full = tree_map(lambda x: x.detach().clone(), gather_params(state.params, mesh))
+        except Exception as exc:
+            exc.add_note(f"while training ZeRO stage {stage} under fzero.testing")
+            raise
+        out.append((full, losses))
+    return out
+
+
+def _compare_stage(
+    stage: int,
+    results: list[tuple[PyTree, list[float]]],
+    expected: PyTree,
+    expected_losses: list[float],
+    rtol: float,
+    atol: float,
+) -> str | None:
+    """The first discrepancy of `stage` against the reference, or None."""
+    for rank, (got, _) in enumerate(results):
+        try:
+            assert_trees_close(
+                got, expected, rtol=rtol, atol=atol, what=f"stage {stage}, rank {rank}"
+            )
+        except AssertionError as exc:
+            return str(exc)
+    for t, want in enumerate(expected_losses):
+        got_loss = sum(losses[t] for _, losses in results) / len(results)
+        if abs(got_loss - want) > atol + rtol * abs(want):
+            return (
+                f"stage {stage}: step {t} loss (mean over ranks) {got_loss!r} != reference "
+                f"{want!r} (rtol={rtol}, atol={atol})"
+            )
+    return None
