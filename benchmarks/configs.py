@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,6 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from fzero import _comm
 
 LR = 1e-3
 
@@ -178,54 +176,30 @@ def _fairscale_fsdp(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
 
 # -- fzero -------------------------------------------------------------------------------
 
-_PREFIXES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # tensor collectives
+class CommCounter:
+    """Accumulates `fzero.comm_ledger()` over the timed steps, and the gradient bytes the
+    last step handed to (stages 0-1) or got back from (stages 2-3) its reductions."""
 
-
-class CommLedger:
-    """Counts fzero's collectives (op, dtype, logical bytes) by wrapping `fzero._comm`.
-
-    Logical bytes follow the ZeRO paper: an all-gather or reduce-scatter moves its full
-    buffer once, an all-reduce twice (reduce-scatter + all-gather).
-    """
-
-    def __init__(self) -> None:
-        self.on = False
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
         self.bytes: dict[str, int] = {}
-        self.grad_in = 0  # bytes of full gradients handed to the reductions in the last step
-        self.grad_out = 0  # bytes of the reduced gradients they returned
+        self.grads_full = 0  # full gradient bytes reduced in the last step
+        self.grads_shard = 0  # this rank's share of them
 
-    def install(self) -> None:
-        # Every tensor collective fzero._comm defines (found by name, so new ones count too);
-        # fzero's modules call them as `_comm.name(...)`, so the wrappers are what runs.
-        for name in dir(_comm):
-            if name.startswith(_PREFIXES) and name != "all_gather_object":
-                setattr(_comm, name, self._wrap(name, getattr(_comm, name)))
-
-    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def counted(tensor: torch.Tensor, mesh: Any, *args: Any, **kwargs: Any) -> Any:
-            out = fn(tensor, mesh, *args, **kwargs)
-            if self.on:
-                size = tensor.numel() * tensor.element_size()
-                op = next(p for p in _PREFIXES if name.startswith(p))
-                nbytes = {"all_gather": size * mesh.size, "all_reduce": 2 * size}.get(op, size)
-                if op in ("reduce_scatter", "all_reduce") and name != "all_reduce_sum":
-                    # a gradient reduction (all_reduce_sum carries norms and flags)
-                    res = out[0] if isinstance(out, tuple) else out  # async: (out, work)
-                    self.grad_in += size
-                    self.grad_out += res.numel() * res.element_size()
-                key = f"{op}:{str(tensor.dtype).removeprefix('torch.')}"
-                self.bytes[key] = self.bytes.get(key, 0) + nbytes
-            return out
-
-        return counted
+    def add(self, ledger: fzero.CommLedger) -> None:
+        for k, v in ledger.by_op().items():
+            self.bytes[k] = self.bytes.get(k, 0) + v
+        # A reduce-scatter's volume is its full input; an all-reduce's is counted twice.
+        # Gradient reductions are the big ones (flags and norms are one element).
+        full = sum(r.nbytes // (2 if r.op == "all_reduce" else 1) for r in ledger.records
+                   if r.op in ("reduce_scatter", "all_reduce") and r.elements > 2)
+        self.grads_full, self.grads_shard = full, full // self.world_size
 
 
 def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
     stage = int(cfg.name[5])
     mesh = fzero.ProcessGroupMesh()
-    comm = CommLedger()
-    comm.install()
+    comm = CommCounter(mesh.size)
     units = [*fzero.units.by_module(model, spec.block), *spec.extra_units]
     params = {k: v.detach() for k, v in model.named_parameters()}  # shard_state copies
     opt = fzero.optim.adam(lr=LR)
@@ -246,9 +220,9 @@ def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
     steps = [0]
 
     def run(batch: Batch) -> float:
-        comm.on, comm.grad_in, comm.grad_out = True, 0, 0
-        box[0], loss = step(box[0], batch)
-        comm.on = False
+        with fzero.comm_ledger() as ledger:
+            box[0], loss = step(box[0], batch)
+        comm.add(ledger)
         steps[0] += 1
         return loss.item()
 
@@ -256,7 +230,7 @@ def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
         rep = fzero.memory_report(box[0])
         # Gradients live only inside a step. Stages 0-1 hold the full gradient (what the
         # reductions were handed); stages 2-3 only this rank's shard (what they returned).
-        grads = comm.grad_in if stage <= 1 else comm.grad_out
+        grads = comm.grads_full if stage <= 1 else comm.grads_shard
         return {"params": rep.params, "grads": grads, "opt": rep.opt_state}
 
     def full() -> dict[str, torch.Tensor]:

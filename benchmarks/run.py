@@ -219,8 +219,8 @@ _NOTES = [
     "below). The **formula** is ZeRO's "
     "per-rank model state for fp32 Adam (4 + 4 + 8 bytes per parameter) at the stage the "
     "configuration corresponds to (DDP 0, ZeroRedundancyOptimizer 1, FairScale 2, FSDP2 3).",
-    "- **comm/step** is counted at fzero's own collective layer (`fzero._comm` wrapped in "
-    "the rank process): logical bytes, all-gather and reduce-scatter once per full buffer, "
+    "- **comm/step** is fzero's communication ledger (`fzero.comm_ledger()` around each "
+    "step in the rank process): logical bytes, all-gather and reduce-scatter once per full buffer, "
     "all-reduce twice; Ψ = 4 × parameters bytes. Gloo runs a reduce-scatter as an "
     "all-reduce underneath, so it really sends about twice the logical reduce-scatter "
     "bytes. Torch configurations are not instrumented (n/a).",

@@ -11,6 +11,9 @@ from ._grads import local_shard as local_shard
 from ._grads import reduce_scatter_grads as reduce_scatter_grads
 from ._layout import ShardLayout as ShardLayout
 from ._layout import build_layout as build_layout
+from ._ledger import CommLedger as CommLedger
+from ._ledger import CommRecord as CommRecord
+from ._ledger import comm_ledger as comm_ledger
 from ._memory import MemoryEstimate as MemoryEstimate
 from ._memory import MemoryReport as MemoryReport
 from ._memory import estimate_memory as estimate_memory

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._ledger import record
 from ._mesh import Mesh
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
@@ -42,6 +43,7 @@ def all_gather(shard: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         if mesh.size == 1 or shard.numel() == 0:  # identical on every rank: no peer waits
             return shard.repeat(mesh.size) if mesh.size > 1 else shard.clone()
         out = shard.new_empty(shard.numel() * mesh.size)
+        record("all_gather", out.dtype, out.numel())
         _all_gather_single(out, shard, group=mesh.group)
         return out
 
@@ -62,6 +64,7 @@ def all_gather_async(
         if mesh.size == 1 or shard.numel() == 0:
             out.copy_(shard.repeat(mesh.size))
             return out, None
+        record("all_gather", out.dtype, out.numel())
         return out, _all_gather_single(out, shard, group=mesh.group, async_op=True)
 
 
@@ -79,6 +82,7 @@ def reduce_scatter_mean(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         if mesh.size == 1 or full.numel() == 0:
             return full.clone()
         out = full.new_empty(full.numel() // mesh.size)
+        record("reduce_scatter", full.dtype, full.numel())
         _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=mesh.group)
         return out.div_(mesh.size)
 
@@ -97,8 +101,10 @@ def reduce_scatter_async(full: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, 
         if mesh.size == 1 or full.numel() == 0:
             return full.clone(), None
         out = full.new_empty(full.numel() // mesh.size)
-        work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=mesh.group,
-                                      async_op=True)
+        record("reduce_scatter", full.dtype, full.numel())
+        work = _reduce_scatter_single(
+            out, full, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True
+        )
         return out, work
 
 
@@ -109,6 +115,7 @@ def all_reduce_async(flat: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, Any]
         out = _unwrap(flat).detach().clone()
         if mesh.size == 1 or out.numel() == 0:
             return out, None
+        record("all_reduce", out.dtype, 2 * out.numel())
         return out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
 
 
@@ -117,6 +124,7 @@ def all_reduce_mean(flat: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     with _plain_tensors():
         out = _unwrap(flat).detach().clone()
         if mesh.size > 1 and out.numel():
+            record("all_reduce", out.dtype, 2 * out.numel())
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group)
             out.div_(mesh.size)
         return out
@@ -126,6 +134,7 @@ def all_reduce_sum(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Sum over ranks of `tensor` (a new tensor)."""
     out = tensor.detach().clone()
     if mesh.size > 1 and out.numel():
+        record("all_reduce", out.dtype, 2 * out.numel())
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group)
     return out
 
@@ -133,6 +142,7 @@ def all_reduce_sum(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
     """Overwrites `tensor` in place with rank `src`'s values and returns it."""
     if mesh.size > 1:
+        record("broadcast", tensor.dtype, tensor.numel())
         dist.broadcast(
             tensor,
             src=dist.get_global_rank(mesh.group, src) if mesh.group else src,

@@ -1,0 +1,115 @@
+"""The communication ledger: every stage moves the ZeRO paper's volume per step."""
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+import fzero
+
+
+class Net(nn.Module):
+    """Two unit layers and a root parameter (the root unit is gathered once per step)."""
+
+    def __init__(self, d_in: int, d_hidden: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(d_in, d_hidden), nn.Tanh(), nn.Linear(d_hidden, 3))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x) * self.scale
+
+
+UNITS = ["layers.0", "layers.2"]
+
+
+def volumes(
+    mesh: fzero.Mesh, dims: tuple[int, int], stage: int, hooks: bool = False, **options: Any
+) -> Any:
+    """Per-step logical elements by op, for steps 2 and 3 (step 1 learns the call order)."""
+    torch.manual_seed(0)
+    model = Net(*dims).double()
+    if hooks:
+        options["module"] = model
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
+
+    def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=UNITS, **options)
+    per_step = []
+    for _ in range(3):
+        with fzero.comm_ledger() as ledger:
+            state, _ = step(state, torch.randn(2, dims[0], dtype=torch.float64))
+        ops: dict[str, int] = {}
+        for r in ledger.records:
+            assert r.dtype == torch.float64
+            ops[r.op] = ops.get(r.op, 0) + r.elements
+        per_step.append(ops)
+    lay = state.layout
+    padded = {b.unit: b.full_numel for b in lay.buckets}  # Ψ per unit, with padding
+    return per_step[1:], padded, lay.numel
+
+
+@settings(max_examples=6)
+@given(
+    n=st.integers(2, 4),
+    dims=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+    stage=st.integers(0, 3),
+    reshard=st.booleans(),
+)
+def test_each_stage_moves_the_zero_volume(n: int, dims: tuple, stage: int, reshard: bool) -> None:
+    """Stages 0-2 move 2Ψ per step, stage 3 3Ψ when it reshards after the forward (less
+    the root unit, which is gathered once and kept, as in FSDP) and 2Ψ when it keeps."""
+    opts = {"hooks": True, "reshard_after_forward": reshard} if stage == 3 else {}
+    steps, padded, numel = fzero.simulate(n, volumes, dims, stage, **opts)[0]
+    psi = sum(padded.values())
+    assert numel <= psi < numel + n * len(padded)  # padding: < n elements per buffer
+    expected = {
+        0: {"all_reduce": 2 * psi},
+        1: {"reduce_scatter": psi, "all_gather": psi},
+        2: {"reduce_scatter": psi, "all_gather": psi},
+        3: {"reduce_scatter": psi, "all_gather": 2 * psi - padded[""] if reshard else psi},
+    }[stage]
+    assert steps == [expected, expected]
+
+
+def test_stage3_without_module_hooks_gathers_once() -> None:
+    """Without `module=` every unit is gathered before the forward and kept: 2Ψ."""
+    steps, padded, _ = fzero.simulate(2, volumes, (4, 5), 3)[0]
+    psi = sum(padded.values())
+    assert steps == [{"reduce_scatter": psi, "all_gather": psi}] * 2
+
+
+def primitives(mesh: fzero.Mesh) -> Any:
+    params = {"w": torch.randn(5, 3), "b": torch.randn(())}
+    state = fzero.shard_state(params, fzero.optim.sgd(lr=0.1), mesh, stage=3)
+    with fzero.comm_ledger() as outer:
+        full = fzero.gather_params(state.params, mesh)
+        with fzero.comm_ledger() as inner:
+            fzero.reduce_scatter_grads(full, state.layout, mesh)
+    return outer.records, inner.records, outer.by_op(), inner.nbytes
+
+
+def test_primitives_record_and_ledgers_nest() -> None:
+    outer, inner, by_op, nbytes = fzero.simulate(2, primitives)[0]
+    padded = 16  # 16 elements: 15 + 1 padded to a multiple of 2
+    assert [(r.op, r.elements) for r in outer] == [
+        ("all_gather", padded),
+        ("reduce_scatter", padded),
+    ]
+    assert [(r.op, r.elements) for r in inner] == [("reduce_scatter", padded)]
+    assert by_op == {"all_gather:float32": 4 * padded, "reduce_scatter:float32": 4 * padded}
+    assert nbytes == 4 * padded
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_sends_nothing(stage: int) -> None:
+    steps, _, _ = fzero.simulate(1, volumes, (3, 4), stage)[0]
+    assert steps == [{}, {}]
