@@ -238,8 +238,9 @@ def test_fails_on_a_loss_that_differs_on_rank_1() -> None:
 
 
 def test_flat_layout_fails_for_adafactor_in_the_sharded_stages_only() -> None:
-    # Adafactor factors a matrix's second moment by rows and columns: exact on whole
-    # tensors (stage 0, or layout="tensor"), not on slices of a flattened matrix.
+    # Adafactor is per tensor (its step scales with the tensor's RMS; a matrix's second
+    # moment is factored by rows and columns): exact on whole tensors (stage 0, or
+    # layout="tensor"), not on a rank's slice of the flat buffer.
     params = make_params([4, 6, 3], torch.float64, seed=3)
     batches = _mlp_batches([4, 6, 3], 3, steps=2)
     adafactor = (torch.optim.Adafactor, {"lr": 0.01})
