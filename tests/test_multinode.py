@@ -39,8 +39,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(stage: int, out: Path, logs: Path) -> list[str]:
-    """Runs the two torchrun invocations concurrently; returns their outputs."""
+def _launch(stage: int, out: Path, logs: Path, forked: bool) -> list[str]:
+    """Runs the two torchrun invocations concurrently; returns their outputs.
+
+    `forked`: workers are forked from torchrun's agent (`--run-path --start-method fork`)
+    instead of started as fresh interpreters, so they need not import torch again: about
+    7 s a launch instead of 16 on two cores. Same script, rendezvous and process group.
+    """
     port = _free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs, files = [], []
@@ -54,6 +59,7 @@ def _launch(stage: int, out: Path, logs: Path) -> list[str]:
                 "--master-addr=127.0.0.1",
                 f"--master-port={port}",
                 "--max-restarts=0",
+                *(["--run-path", "--start-method=fork"] if forked else []),
                 str(SCRIPT),
                 f"--stage={stage}",
                 f"--steps={STEPS}",
@@ -103,7 +109,8 @@ def _reference(example) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_two_machines_train_like_one_process(stage: int, tmp_path: Path) -> None:
     out = tmp_path / "params.pt"
-    node0, _ = _launch(stage, out, tmp_path)
+    # Stage 3 runs the exact command of the README; the others start their workers faster.
+    node0, _ = _launch(stage, out, tmp_path, forked=stage != 3)
     assert f"stage {stage}, {NODES * PER_NODE} ranks (gloo)" in node0
     got = torch.load(out, weights_only=True)
     want = _reference(_load_example())
