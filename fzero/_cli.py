@@ -192,8 +192,8 @@ def _estimate(args: argparse.Namespace) -> int:
     per = f"{b(args.param_bytes)} + {b(args.grad_bytes)} + {b(args.optim_bytes)}"
     adam = (args.param_bytes, args.grad_bytes, args.optim_bytes) == (2, 2, 12)
     print(
-        f"Model-state memory per rank: {format_count(args.params)} parameters x {per} bytes "
-        f"(params + grads + optimizer state{', mixed-precision Adam' if adam else ''})\n"
+        f"Model-state memory per rank: {format_count(args.params)} parameters x ({per}) bytes\n"
+        f"(params + grads + optimizer state{': mixed-precision Adam' if adam else ''})\n"
     )
     print("\n".join(lines))
     print(
