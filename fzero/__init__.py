@@ -6,6 +6,7 @@ from . import testing as testing
 from . import units as units
 from ._autodiff import value_and_grad as value_and_grad
 from ._gather import gather_params as gather_params
+from ._gather import master_params as master_params
 from ._grads import all_reduce_grads as all_reduce_grads
 from ._grads import local_shard as local_shard
 from ._grads import reduce_scatter_grads as reduce_scatter_grads
@@ -20,7 +21,10 @@ from ._memory import estimate_memory as estimate_memory
 from ._memory import memory_report as memory_report
 from ._mesh import Mesh as Mesh
 from ._mesh import ProcessGroupMesh as ProcessGroupMesh
+from ._precision import Precision as Precision
 from ._remat import remat as remat
+from ._scale import DynamicLossScale as DynamicLossScale
+from ._scale import LossScaleState as LossScaleState
 from ._shards import Shards as Shards
 from ._simulate import RankFailure as RankFailure
 from ._simulate import Simulation as Simulation

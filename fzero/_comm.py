@@ -36,8 +36,29 @@ def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_gather(shard: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Concatenation of every rank's 1-D `shard`, in rank order (a new tensor)."""
+class _CastOnWait:
+    """A pending collective whose result, in the communication dtype, is cast into `out`."""
+
+    def __init__(self, work: Any, tmp: torch.Tensor, out: torch.Tensor) -> None:
+        self.work, self.tmp, self.out = work, tmp, out
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.out.copy_(self.tmp)
+
+
+def all_gather(shard: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Concatenation of every rank's 1-D `shard`, in rank order (a new tensor).
+
+    With `dtype`, the shards travel in that dtype (e.g. bfloat16, halving the bytes) and the
+    result comes back in `shard`'s dtype, rounded through `dtype` even on one rank.
+    """
+    if dtype is not None and dtype != shard.dtype:
+        out, work = all_gather_async(shard, mesh, dtype=dtype)
+        if work is not None:
+            work.wait()
+        return out
     with _plain_tensors():
         shard = _unwrap(shard).detach().contiguous()
         if mesh.size == 1 or shard.numel() == 0:  # identical on every rank: no peer waits
@@ -49,18 +70,25 @@ def all_gather(shard: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 
 def all_gather_async(
-    shard: torch.Tensor, mesh: Mesh, out: torch.Tensor | None = None
+    shard: torch.Tensor,
+    mesh: Mesh,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, Any]:
-    """Starts an all-gather of the 1-D `shard` into `out` (new if None).
+    """Starts an all-gather of the 1-D `shard` into `out` (new if None, `shard`'s dtype).
 
     Returns `(out, work)`; `out` is valid after `work.wait()` (`work` is None when there was
     nothing to wait for). Prefetching issues the next unit's gather with this while the
-    current unit computes.
+    current unit computes. With `dtype` the shards travel in that dtype and `wait()` casts
+    the result into `out`.
     """
     with _plain_tensors():
         shard = _unwrap(shard).detach().contiguous()
         if out is None:
             out = shard.new_empty(shard.numel() * mesh.size)
+        if dtype is not None and dtype != out.dtype:
+            tmp, work = all_gather_async(shard.to(dtype), mesh)
+            return out, _CastOnWait(work, tmp, out)
         if mesh.size == 1 or shard.numel() == 0:
             out.copy_(shard.repeat(mesh.size))
             return out, None
@@ -68,15 +96,18 @@ def all_gather_async(
         return out, _all_gather_single(out, shard, group=mesh.group, async_op=True)
 
 
-def reduce_scatter_mean(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def reduce_scatter_mean(
+    full: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """This rank's slice of the mean over ranks of the 1-D `full` (a new tensor).
 
     SUM then divide, rather than ReduceOp.AVG: older gloo rejects AVG, and NCCL's AVG is
     not available for every dtype. On gloo a reduce-scatter runs as an all-reduce
-    underneath (twice the traffic); fzero counts the logical bytes.
+    underneath (twice the traffic); fzero counts the logical bytes. With `dtype` the
+    reduction (and the result) is in that dtype.
     """
     with _plain_tensors():
-        full = _unwrap(full).detach().contiguous()
+        full = _unwrap(full).detach().to(dtype or full.dtype).contiguous()
         if full.numel() % mesh.size:
             raise ValueError(f"reduce-scatter of {full.numel()} elements over {mesh.size} ranks")
         if mesh.size == 1 or full.numel() == 0:
@@ -87,15 +118,18 @@ def reduce_scatter_mean(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         return out.div_(mesh.size)
 
 
-def reduce_scatter_async(full: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, Any]:
+def reduce_scatter_async(
+    full: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, Any]:
     """Starts a reduce-scatter (SUM) of the 1-D `full`; returns `(out, work)`.
 
     `out` holds this rank's slice of the sum after `work.wait()` (`work` is None when there
     was nothing to wait for); divide by `mesh.size` for the mean. Overlaps a unit's
-    gradient reduction with the backward of the units before it.
+    gradient reduction with the backward of the units before it. With `dtype` the
+    reduction (and `out`) is in that dtype.
     """
     with _plain_tensors():
-        full = _unwrap(full).detach().contiguous()
+        full = _unwrap(full).detach().to(dtype or full.dtype).contiguous()
         if full.numel() % mesh.size:
             raise ValueError(f"reduce-scatter of {full.numel()} elements over {mesh.size} ranks")
         if mesh.size == 1 or full.numel() == 0:
@@ -108,21 +142,27 @@ def reduce_scatter_async(full: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, 
         return out, work
 
 
-def all_reduce_async(flat: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, Any]:
-    """Starts an all-reduce (SUM) of a copy of `flat`; returns `(out, work)` like
-    `reduce_scatter_async` (divide by `mesh.size` for the mean)."""
+def all_reduce_async(
+    flat: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, Any]:
+    """Starts an all-reduce (SUM) of a copy of `flat`, in `dtype` if given; returns
+    `(out, work)` like `reduce_scatter_async` (divide by `mesh.size` for the mean)."""
     with _plain_tensors():
-        out = _unwrap(flat).detach().clone()
+        flat = _unwrap(flat).detach()
+        out = flat.to(dtype) if dtype is not None and dtype != flat.dtype else flat.clone()
         if mesh.size == 1 or out.numel() == 0:
             return out, None
         record("all_reduce", out.dtype, 2 * out.numel())
         return out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
 
 
-def all_reduce_mean(flat: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Mean over ranks of `flat` (a new tensor)."""
+def all_reduce_mean(
+    flat: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Mean over ranks of `flat` (a new tensor), reduced in `dtype` if given."""
     with _plain_tensors():
-        out = _unwrap(flat).detach().clone()
+        flat = _unwrap(flat).detach()
+        out = flat.to(dtype) if dtype is not None and dtype != flat.dtype else flat.clone()
         if mesh.size > 1 and out.numel():
             record("all_reduce", out.dtype, 2 * out.numel())
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group)

@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from . import _comm
+from ._layout import _cut
 from ._mesh import Mesh
 from ._shards import Shards
-from ._tree import PyTree
+from ._tree import PyTree, tree_unflatten
 
 
 class _AllGather(torch.autograd.Function):
@@ -36,13 +37,23 @@ class _AllGather(torch.autograd.Function):
         return (None, *(_comm.reduce_scatter_mean(g, ctx.mesh) for g in grads))
 
 
-def gather_params_into(shards: Shards, mesh: Mesh, out: tuple[torch.Tensor, ...]) -> None:
+def gather_params_into(
+    shards: Shards,
+    mesh: Mesh,
+    out: tuple[torch.Tensor, ...],
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> None:
     """All-gathers `shards` into the existing full flat buffers `out`, in place (no autograd).
 
     The donating stages 1-2 refill the replicated parameters where they live instead of
-    allocating a second full copy next to the old one.
+    allocating a second full copy next to the old one. `dtypes`: what each buffer travels
+    in (mixed precision: master shards cast down to the gather dtype); default `out`'s.
     """
-    works = [_comm.all_gather_async(s, mesh, out=o)[1] for s, o in zip(shards.buffers, out)]
+    dtypes = dtypes or tuple(o.dtype for o in out)
+    works = [
+        _comm.all_gather_async(s.to(d), mesh, out=o, dtype=d)[1]
+        for s, o, d in zip(shards.buffers, out, dtypes)
+    ]
     for work in works:
         if work is not None:
             work.wait()
@@ -74,3 +85,35 @@ def gather_params(params: PyTree, mesh: Mesh) -> PyTree:
             f"rank {mesh.rank} of {mesh.size}"
         )
     return layout.unflatten(_AllGather.apply(mesh, *params.buffers))
+
+
+def master_params(state: Any, mesh: Mesh) -> PyTree:
+    """The full tree of what the optimizer trains, on every rank: the master copies under
+    mixed precision (frozen leaves: the parameters as held), else the parameters.
+
+    Use it to export or evaluate at full precision; `gather_params(state.params, mesh)`
+    gives the compute-dtype parameters the loss sees.
+
+    Args:
+      state: a ShardedState.
+      mesh: the mesh.
+
+    Returns:
+      A tree with the parameters' structure and shapes; trainable leaves in the master dtype.
+    """
+    params = gather_params(state.params, mesh)
+    if state.master is None:
+        return params
+    lay = state.layout
+    if isinstance(state.master, Shards):
+        mlay = state.master.layout
+        live = [i for i, b in enumerate(mlay.buckets) if not b.frozen]
+        flats = [_comm.all_gather(state.master.buffers[i], mesh) for i in live]
+        trainable: dict[int, Any] = {}
+        for i, flat in zip(live, flats):
+            for slot, view in _cut(mlay.buckets[i], flat):
+                trainable[slot.index] = view
+        leaves = lay.leaves(params)
+        merged = [trainable.get(j, leaf) for j, leaf in enumerate(leaves)]
+        return tree_unflatten(lay.treedef, merged)
+    return lay.merge(params, state.master)

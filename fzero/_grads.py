@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from . import _comm
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
@@ -9,7 +11,9 @@ from ._shards import Shards
 from ._tree import PyTree
 
 
-def reduce_scatter_grads(grads: PyTree, layout: ShardLayout, mesh: Mesh) -> Shards:
+def reduce_scatter_grads(
+    grads: PyTree, layout: ShardLayout, mesh: Mesh, *, dtype: torch.dtype | None = None
+) -> Shards:
     """This rank's shard of the mean over ranks of `grads`.
 
     The transpose of `gather_params`: packs the full gradient tree into the layout's flat
@@ -19,13 +23,17 @@ def reduce_scatter_grads(grads: PyTree, layout: ShardLayout, mesh: Mesh) -> Shar
       grads: a full gradient tree with the structure, shapes and dtypes of the parameters.
       layout: `state.layout`.
       mesh: the mesh.
+      dtype: the dtype to reduce in (e.g. torch.float32 for bfloat16 gradients, or
+        bfloat16 to halve the bytes); None: the gradients' own. The shards come back in it.
 
     Returns:
       Shards holding this rank's slice of every bucket of the mean gradient.
     """
     _check_mesh(layout, mesh)
     flats = layout.flatten(grads, what="grads")
-    return Shards(tuple(_comm.reduce_scatter_mean(f, mesh) for f in flats), layout, mesh.rank)
+    return Shards(
+        tuple(_comm.reduce_scatter_mean(f, mesh, dtype) for f in flats), layout, mesh.rank
+    )
 
 
 def all_reduce_grads(grads: PyTree, mesh: Mesh) -> PyTree:

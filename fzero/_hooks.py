@@ -137,6 +137,7 @@ def value_and_shard_grad(
     overlap: bool = True,
     replicate: bool = False,
     jit: tuple[str, ...] | None = None,
+    comm_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """This rank's loss and its shard gradients (mean over ranks), unit by unit.
 
@@ -161,6 +162,8 @@ def value_and_shard_grad(
         module, so a step computes it once, not every step).
       replicate: stage 0: all-reduce each unit's gradient (full-size results, one per
         bucket) instead of reduce-scattering it.
+      comm_dtypes: `(gather_dtype, reduce_dtype)` the parameters and gradients travel in
+        (None: the buckets' own); reduced gradients come back in the reduce dtype.
 
     Returns:
       `(loss, shard_grads)`: the detached loss and one gradient buffer per bucket.
@@ -177,6 +180,7 @@ def value_and_shard_grad(
     run.acc, run.final = acc, final
     run.max_inflight = 1 if overlap else 0
     run.replicate = replicate
+    run.gather_dtype, run.reduce_dtype = comm_dtypes
     jit = hookable_units(layout, module) if jit is None else jit
     leaves: list[Any] = [None] * len(layout.paths)
     index = {p: i for i, p in enumerate(layout.paths)}

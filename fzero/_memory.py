@@ -73,7 +73,8 @@ class MemoryReport(NamedTuple):
 def memory_report(state: ShardedState) -> MemoryReport:
     """Measures the bytes of the parameters and optimizer state this rank holds.
 
-    Gradients are not part of a state between steps (fzero's steps hold them only inside
+    Under mixed precision `opt_state` includes the master copies, as in ZeRO's
+    arithmetic. Gradients are not part of a state between steps (fzero's steps hold them only inside
     the step); measure them on what `reduce_scatter_grads` / `all_reduce_grads` return.
 
     Args:
@@ -82,4 +83,7 @@ def memory_report(state: ShardedState) -> MemoryReport:
     Returns:
       A MemoryReport.
     """
-    return MemoryReport(params=tree_nbytes(state.params), opt_state=tree_nbytes(state.opt_state))
+    # Master copies are optimizer state in ZeRO's accounting (12 bytes per parameter for
+    # mixed-precision Adam: fp32 master, momentum and variance).
+    opt = tree_nbytes((state.opt_state, state.master))
+    return MemoryReport(params=tree_nbytes(state.params), opt_state=opt)

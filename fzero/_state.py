@@ -12,6 +12,8 @@ import torch
 from . import _comm
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
+from ._precision import Precision, cast_params, check_castable, master_layout, needs_master
+from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._tree import NAMESPACE, PyTree, tree_flatten
 from .optim import Optimizer
@@ -34,6 +36,12 @@ class ShardedState:
       buffers: module buffers (BatchNorm running statistics, counters), replicated on
         every rank, or None. With buffers, `loss_fn(params, buffers, batch)` returns
         `(loss, new_buffers)`; see `sharded_step(buffer_sync=...)`.
+      master: under mixed precision, the master copies the optimizer updates, in the
+        master dtype: the full trainable tree at stage 0, this rank's `Shards` (frozen
+        buckets empty) at stages 1-3; `params` are these cast to the compute dtype.
+        None without masters.
+      scaler: the dynamic loss scaler's state, or None.
+      precision: the `Precision` (static), or None.
     """
 
     params: PyTree
@@ -42,16 +50,19 @@ class ShardedState:
     layout: ShardLayout
     stage: int
     buffers: PyTree = None
+    master: PyTree = None
+    scaler: LossScaleState | None = None
+    precision: Precision | None = None
 
 
 optree.register_pytree_node(
     ShardedState,
     lambda s: (
-        (s.params, s.opt_state, s.step, s.buffers),
-        (s.layout, s.stage),
-        ("params", "opt_state", "step", "buffers"),
+        (s.params, s.opt_state, s.step, s.buffers, s.master, s.scaler),
+        (s.layout, s.stage, s.precision),
+        ("params", "opt_state", "step", "buffers", "master", "scaler"),
     ),
-    lambda meta, children: ShardedState(*children[:3], *meta, children[3]),
+    lambda meta, c: ShardedState(*c[:3], *meta[:2], *c[3:], meta[2]),
     namespace=NAMESPACE,
 )
 
@@ -74,6 +85,8 @@ def shard_state(
     bucket_bytes: int | None = None,
     frozen: Any = None,
     buffers: PyTree = None,
+    precision: Precision | None = None,
+    loss_scale: DynamicLossScale | None = None,
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
@@ -105,20 +118,68 @@ def shard_state(
       buffers: module buffers to carry through steps (e.g. `dict(model.named_buffers())`):
         replicated, rank 0's values broadcast here like DDP's constructor. The step then
         calls `loss_fn(params, buffers, batch)`, which returns `(loss, new_buffers)`.
+      precision: a `fzero.Precision`: compute, gather and reduce dtypes, with master
+        copies of this rank's shard in the master dtype (see `Precision`). Parameters are
+        checked to fit the low-precision dtypes (a float16 overflow is an error).
+      loss_scale: a `fzero.DynamicLossScale`: the step scales the loss, unscales the
+        reduced gradients, and skips the update on every rank if any rank saw an inf or
+        NaN. Its state lives in the returned state (`state.scaler`).
 
     Returns:
       A ShardedState.
     """
     stage = check_stage(stage)
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(f"precision must be a fzero.Precision, got {type(precision).__name__}")
+    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a fzero.DynamicLossScale, got {type(loss_scale).__name__}"
+        )
     if bucket_bytes is not None:
         units = _units_of_bytes(params, units, bucket_bytes)
+    original = params
     try:
-        lay = build_layout(params, mesh.size, layout, units, _frozen_leaves(params, frozen))
+        frozen_leaves = _frozen_leaves(params, frozen)
+        lay = build_layout(params, mesh.size, layout, units, frozen_leaves)  # validates
+        if precision is not None:
+            check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
+            check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
+            params = cast_params(params, precision.param_dtype)
+            lay = build_layout(params, mesh.size, layout, units, frozen_leaves)
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
     _agree(lay, problem, stage, mesh)
     state_buffers = _replicate_buffers(buffers, mesh)
+    if state_buffers is not None and precision is not None:
+        state_buffers = cast_params(state_buffers, precision.buffer_dtype)
+    scaler = None if loss_scale is None else loss_scale.init()
+    master = None
+    if needs_master(precision, lay, stage):
+        assert precision is not None
+        mlay, cast = master_layout(lay, original, precision.master_dtype)
+        mflats = tuple(_comm.broadcast_(f, mesh) for f in mlay.flatten(cast))
+        del cast
+        master_full = mlay.trainable(mlay.unflatten(mflats))
+        if stage == 0:
+            master = master_full
+        else:
+            master = Shards(mlay.shard(master_full, mesh.rank), mlay, mesh.rank)
+        del mflats, master_full
+        state = _shard_params(params, optimizer, mesh, stage, lay, master)
+    else:
+        state = _shard_params(params, optimizer, mesh, stage, lay, None)
+    params_, opt_state = state
+    return ShardedState(params_, opt_state, 0, lay, stage, state_buffers, master, scaler, precision)
+
+
+def _shard_params(
+    params: PyTree, optimizer: Optimizer, mesh: Mesh, stage: int, lay: ShardLayout, master: Any
+) -> tuple[PyTree, Any]:
+    """This rank's parameters (rank 0's values) and the optimizer state of what it updates.
+
+    With masters, the optimizer state is built for (and updates) the masters.
+    """
     flats = tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params))
     if stage == 3:
         shards = tuple(
@@ -127,17 +188,19 @@ def shard_state(
         )
         del flats
         state_params: PyTree = Shards(shards, lay, mesh.rank)
-        opt_state = optimizer.init(state_params.pieces())
+        opt_state = optimizer.init(state_params.pieces() if master is None else master.pieces())
     else:
         state_params = lay.unflatten(flats)
         trainable = lay.trainable(state_params)
-        if stage == 0:
+        if master is not None:
+            opt_state = optimizer.init(master if stage == 0 else master.pieces())
+        elif stage == 0:
             opt_state = optimizer.init(trainable)
         else:
             opt_state = optimizer.init(
                 Shards(lay.shard(trainable, mesh.rank), lay, mesh.rank).pieces()
             )
-    return ShardedState(state_params, opt_state, 0, lay, stage, state_buffers)
+    return state_params, opt_state
 
 
 def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:

@@ -15,7 +15,9 @@ from ._gather import gather_params_into
 from ._grads import local_shard, reduce_scatter_grads
 from ._hooks import hookable_units, value_and_shard_grad
 from ._layout import ShardLayout
+from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._mesh import Mesh
+from ._scale import unscale_
 from ._shards import Shards
 from ._state import ShardedState, check_stage
 from ._tree import PyTree, tree_flatten, tree_map
@@ -25,7 +27,8 @@ from .optim import Optimizer
 
 LossFn = Callable[[PyTree, Any], torch.Tensor]
 Step = Callable[[ShardedState, Any], tuple[ShardedState, torch.Tensor]]
-Out = tuple[PyTree, Any, torch.Tensor]
+# (params, opt_state, master, loss, applied): applied is False when the loss scaler skipped
+Out = tuple[PyTree, Any, Any, torch.Tensor, bool]
 
 
 @dataclass
@@ -40,6 +43,7 @@ class _Options:
     buffer_sync: str
     overlap_reduce: bool
     order: list[str] = field(default_factory=list)  # unit call order, for prefetching
+    comm: tuple[Any, Any] = (None, None)  # (gather, reduce) dtypes of the current state
     jit: tuple[Any, tuple[str, ...]] = (None, ())  # (layout, its hooked units), computed once
 
 
@@ -127,14 +131,30 @@ def sharded_step(
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         _check_state(state, stage, layout, units, mesh)
-        if state.buffers is None:
-            params, opt_state, loss = body(loss_fn, optimizer, opts, state, batch)
-            buffers = None
-        else:
-            threaded = _BufferThread(loss_fn, state.buffers)
-            params, opt_state, loss = body(threaded, optimizer, opts, state, batch)
-            buffers = _sync_buffers(threaded.buffers, opts)
-        new = ShardedState(params, opt_state, state.step + 1, state.layout, stage, buffers)
+        prec = state.precision
+        opts.comm = (prec.gather_dtype, prec.reduce_dtype) if prec is not None else (None, None)
+        fn: LossFn = loss_fn
+        threaded = scaled = None
+        if state.buffers is not None:
+            fn = threaded = BufferThread(loss_fn, state.buffers)
+        if state.scaler is not None:
+            fn = scaled = ScaledLoss(fn, state.scaler.scale, mesh.rank)
+        params, opt_state, master, loss, applied = body(fn, optimizer, opts, state, batch)
+        if scaled is not None:
+            loss = torch.stack(scaled.losses).mean()  # the loss itself, not the scaled one
+        buffers = None if threaded is None else sync_buffers(threaded.buffers, buffer_sync, mesh)
+        scaler = None if state.scaler is None else state.scaler.next(found_inf=not applied)
+        new = ShardedState(
+            params,
+            opt_state,
+            state.step + int(applied),
+            state.layout,
+            stage,
+            buffers,
+            master,
+            scaler,
+            prec,
+        )
         return new, loss
 
     return step
@@ -150,10 +170,13 @@ def _stage0(
     loss, reduced = _unit_grad(loss_fn, batch, o, lay, full, full, replicate=True)
     flats = [f if b.frozen else g for f, g, b in zip(full, reduced.buffers, lay.buckets)]
     grads = lay.trainable(lay.unflatten(flats))
-    new, opt_state = sharded_update(
-        optimizer, lay.trainable(state.params), grads, state.opt_state, donate=o.donate, mesh=o.mesh
-    )
-    return lay.merge(state.params, new), opt_state, loss
+    if state.master is None:
+        new, opt_state, applied = _update(optimizer, o, state, lay.trainable(state.params), grads)
+        return lay.merge(state.params, new), opt_state, None, loss, applied
+    master, opt_state, applied = _update(optimizer, o, state, state.master, grads)
+    if not applied:
+        return state.params, opt_state, master, loss, False
+    return _cast_tree(master, state, o), opt_state, master, loss, True
 
 
 def _stage1(
@@ -163,13 +186,18 @@ def _stage1(
     shard updated, parameters all-gathered (2Ψ per step, like stages 0 and 2)."""
     lay = state.layout
     loss, grads = _replicated_grad(
-        loss_fn, state.params, batch, o, lay, lambda g: reduce_scatter_grads(g, lay, o.mesh)
+        loss_fn,
+        state.params,
+        batch,
+        o,
+        lay,
+        lambda g: reduce_scatter_grads(g, lay, o.mesh, dtype=o.comm[1]),
     )
-    shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
-    shard, opt_state = sharded_update(
-        optimizer, shard, grads, state.opt_state, donate=o.donate, mesh=o.mesh
-    )
-    return _regather(shard, state, o), opt_state, loss
+    if state.master is None:
+        target = local_shard(lay.trainable(state.params), lay, o.mesh)
+    else:
+        target = state.master
+    return _update_and_regather(optimizer, o, state, target, grads, loss)
 
 
 def _stage2(
@@ -180,10 +208,8 @@ def _stage2(
     shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
     local = _full_buckets(state.params, state.layout)
     loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local)
-    shard, opt_state = sharded_update(
-        optimizer, shard, grads, state.opt_state, donate=o.donate, mesh=o.mesh
-    )
-    return _regather(shard, state, o), opt_state, loss
+    target = shard if state.master is None else state.master
+    return _update_and_regather(optimizer, o, state, target, grads, loss)
 
 
 def _stage3(
@@ -191,11 +217,77 @@ def _stage3(
 ) -> Out:
     """+ parameters sharded: params enter the loss through an all-gather, unit by unit,
     whose VJP reduce-scatters; parameters stay sharded."""
-    loss, grads = _unit_grad(loss_fn, batch, o, state.layout, state.params.buffers, None)
-    params, opt_state = sharded_update(
-        optimizer, state.params, grads, state.opt_state, donate=o.donate, mesh=o.mesh
+    lay = state.layout
+    loss, grads = _unit_grad(loss_fn, batch, o, lay, state.params.buffers, None)
+    if state.master is None:
+        params, opt_state, applied = _update(optimizer, o, state, state.params, grads)
+        return params, opt_state, None, loss, applied
+    master, opt_state, applied = _update(optimizer, o, state, state.master, grads)
+    if not applied:
+        return state.params, opt_state, master, loss, False
+    old = state.params
+    if o.donate:
+        with torch.no_grad():
+            for p, m, b in zip(old.buffers, master.buffers, lay.buckets):
+                if not b.frozen:
+                    p.copy_(m)
+        return old, opt_state, master, loss, True
+    bufs = tuple(
+        p if b.frozen else m.to(p.dtype)
+        for p, m, b in zip(old.buffers, master.buffers, lay.buckets)
     )
-    return params, opt_state, loss
+    return Shards(bufs, lay, old.rank), opt_state, master, loss, True
+
+
+def _update(
+    optimizer: Optimizer, o: _Options, state: ShardedState, target: Any, grads: Any
+) -> tuple[Any, Any, bool]:
+    """The optimizer step on `target` (parameters or masters; a tree or Shards).
+
+    Gradients arrive in the reduce dtype and are cast to the target's. With a loss scaler
+    they are unscaled, and if any rank found an inf or NaN, nothing is updated on any rank
+    (the third value is then False).
+    """
+    if isinstance(target, Shards):
+        bufs = tuple(g.to(t.dtype) for g, t in zip(grads.buffers, target.buffers))
+        grads, leaves = Shards(bufs, target.layout, target.rank), list(bufs)
+    else:
+        grads = tree_map(lambda g, t: g.to(t.dtype), grads, target)
+        leaves = tree_flatten(grads)[0]
+    if state.scaler is not None and unscale_(leaves, state.scaler.scale, o.mesh):
+        return target, state.opt_state, False
+    new, opt_state = sharded_update(
+        optimizer, target, grads, state.opt_state, donate=o.donate, mesh=o.mesh
+    )
+    return new, opt_state, True
+
+
+def _update_and_regather(
+    optimizer: Optimizer,
+    o: _Options,
+    state: ShardedState,
+    target: Shards,
+    grads: Shards,
+    loss: torch.Tensor,
+) -> Out:
+    """Stages 1-2 after the gradient: update own shard (or master), all-gather the rest."""
+    new, opt_state, applied = _update(optimizer, o, state, target, grads)
+    master = None if state.master is None else new
+    if not applied:  # nothing changed anywhere: no gather either
+        return state.params, opt_state, master, loss, False
+    return _regather(new, state, o), opt_state, master, loss, True
+
+
+def _cast_tree(master: PyTree, state: ShardedState, o: _Options) -> PyTree:
+    """Stage 0 under mixed precision: the parameters as the masters cast down."""
+    lay = state.layout
+    trainable = lay.trainable(state.params)
+    with torch.no_grad():
+        if o.donate:  # into the flat buffers the parameters are views of
+            tree_map(lambda p, m: p.copy_(m), trainable, master)
+            return state.params
+        cast = tree_map(lambda p, m: m.to(p.dtype), trainable, master)
+        return lay.unflatten(lay.flatten(lay.merge(state.params, cast)))
 
 
 def _regather(shard: Shards, state: ShardedState, o: _Options) -> PyTree:
@@ -203,20 +295,23 @@ def _regather(shard: Shards, state: ShardedState, o: _Options) -> PyTree:
 
     Frozen buckets are not gathered: every rank already holds them, unchanged. Donating,
     the trainable buckets are gathered into the buffers the old parameters live in (no
-    second full copy); otherwise into new ones.
+    second full copy); otherwise into new ones. Under mixed precision `shard` is the
+    master shard, which travels cast to the gather dtype.
     """
     lay = state.layout
     full = list(_full_buckets(state.params, lay))
     live = [i for i, b in enumerate(lay.buckets) if not b.frozen]
+    comm = tuple(o.comm[0] or lay.buckets[i].dtype for i in live)
     if o.donate:
         gather_params_into(
             Shards(tuple(shard.buffers[i] for i in live), lay, o.mesh.rank),
             o.mesh,
             tuple(full[i] for i in live),
+            comm,
         )
     else:
-        for i in live:
-            full[i] = all_gather(shard.buffers[i], o.mesh)
+        for i, c in zip(live, comm):
+            full[i] = all_gather(shard.buffers[i].to(c), o.mesh).to(lay.buckets[i].dtype)
     return lay.unflatten(full)
 
 
@@ -256,6 +351,7 @@ def _unit_grad(
             overlap=o.overlap_reduce,
             replicate=replicate,
             jit=o.jit[1],
+            comm_dtypes=o.comm,
         )
         losses.append(loss)
         total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
@@ -351,40 +447,3 @@ def _check_state(
             f"the state's shards belong to rank {state.params.rank} of {mesh.size}, this is "
             f"rank {mesh.rank} of {mesh.size}"
         )
-
-
-class _BufferThread:
-    """`loss_fn(params, buffers, batch) -> (loss, new_buffers)` as a loss of (params, batch).
-
-    Buffers thread through the micro-batches of a step in order; the state's own buffers
-    are copied first, since functional_call writes in-place buffer updates into the dict.
-    """
-
-    def __init__(self, loss_fn: Callable[..., Any], buffers: PyTree) -> None:
-        self.loss_fn = loss_fn
-        self.buffers = tree_map(lambda b: b.detach().clone(), buffers)
-
-    def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
-        out = self.loss_fn(params, self.buffers, batch)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                "with buffers in the state, loss_fn(params, buffers, batch) must return "
-                f"(loss, new_buffers), got {type(out).__name__}"
-            )
-        loss, new = out
-        self.buffers = tree_map(lambda b: b.detach(), new)
-        return loss
-
-
-def _sync_buffers(buffers: PyTree, o: _Options) -> PyTree:
-    from ._comm import all_reduce_mean, broadcast_
-
-    if o.buffer_sync == "local":
-        return buffers
-
-    def sync(b: torch.Tensor) -> torch.Tensor:
-        if o.buffer_sync == "mean" and b.is_floating_point():
-            return all_reduce_mean(b, o.mesh)
-        return broadcast_(b.clone(), o.mesh)
-
-    return tree_map(sync, buffers)

@@ -114,6 +114,9 @@ class UnitRun:
         self.replicate = False  # stage 0: all-reduce whole gradients instead
         self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> finished shard gradient (sum)
+        # Communication dtypes (mixed precision); None: the buckets' own dtype.
+        self.gather_dtype: torch.dtype | None = None
+        self.reduce_dtype: torch.dtype | None = None
 
     # -- forward -------------------------------------------------------------------------
     def materialize(self, unit: str) -> tuple[torch.Tensor, ...]:
@@ -130,7 +133,9 @@ class UnitRun:
     def _start_gather(self, unit: str) -> list[tuple[torch.Tensor, Any]]:
         out = []
         for i in self.layout.unit_buckets(unit):
-            full, work = _comm.all_gather_async(self.shards[i].detach(), self.mesh)
+            full, work = _comm.all_gather_async(
+                self.shards[i].detach(), self.mesh, dtype=self.gather_dtype
+            )
             self._log("params", unit, full.numel() * full.element_size())
             out.append((full, work))
         return out
@@ -166,7 +171,9 @@ class UnitRun:
                 into = torch.empty(0, dtype=dtype, device=self.shards[i].device)
                 into.set_(storage, 0, (nbytes // into.element_size(),))
                 call.refill.append(
-                    _comm.all_gather_async(self.shards[i].detach(), self.mesh, out=into)
+                    _comm.all_gather_async(
+                        self.shards[i].detach(), self.mesh, out=into, dtype=self.gather_dtype
+                    )
                 )
                 self._log("params", call.unit, nbytes)
         if wait:
@@ -208,8 +215,8 @@ class UnitRun:
     def _start_reduce(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
         # Stage 0 keeps every gradient (all-reduce); stages 1-3 keep their slice.
         if self.replicate:
-            return _comm.all_reduce_async(g, self.mesh)
-        return _comm.reduce_scatter_async(g, self.mesh)
+            return _comm.all_reduce_async(g, self.mesh, dtype=self.reduce_dtype)
+        return _comm.reduce_scatter_async(g, self.mesh, dtype=self.reduce_dtype)
 
     def _reduce_now(self, g: torch.Tensor) -> torch.Tensor:
         out, work = self._start_reduce(g)

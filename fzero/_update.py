@@ -82,4 +82,3 @@ def _check_like(grads: PyTree, params: PyTree) -> None:
                 f"sharded_update: grads leaf {path!r} is {got}, params have "
                 f"{tuple(p.shape)} {p.dtype}"
             )
-

@@ -1,0 +1,65 @@
+"""Loss wrappers a step composes: buffers threaded through, and loss scaling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._autodiff import check_loss
+from ._comm import all_reduce_mean, broadcast_
+from ._mesh import Mesh
+from ._tree import PyTree, tree_map
+
+LossFn = Callable[[PyTree, Any], torch.Tensor]
+
+
+class BufferThread:
+    """`loss_fn(params, buffers, batch) -> (loss, new_buffers)` as a loss of (params, batch).
+
+    Buffers thread through the micro-batches of a step in order; the state's own buffers
+    are copied first, since functional_call writes in-place buffer updates into the dict.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], buffers: PyTree) -> None:
+        self.loss_fn = loss_fn
+        self.buffers = tree_map(lambda b: b.detach().clone(), buffers)
+
+    def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
+        out = self.loss_fn(params, self.buffers, batch)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "with buffers in the state, loss_fn(params, buffers, batch) must return "
+                f"(loss, new_buffers), got {type(out).__name__}"
+            )
+        loss, new = out
+        self.buffers = tree_map(lambda b: b.detach(), new)
+        return loss
+
+
+def sync_buffers(buffers: PyTree, how: str, mesh: Mesh) -> PyTree:
+    """Buffers agreed over ranks: "broadcast" (rank 0's), "mean" (floating ones) or "local"."""
+    if how == "local":
+        return buffers
+
+    def sync(b: torch.Tensor) -> torch.Tensor:
+        if how == "mean" and b.is_floating_point():
+            return all_reduce_mean(b, mesh)
+        return broadcast_(b.clone(), mesh)
+
+    return tree_map(sync, buffers)
+
+
+class ScaledLoss:
+    """The loss times the loss scale, for differentiation; keeps the unscaled losses."""
+
+    def __init__(self, loss_fn: LossFn, scale: torch.Tensor, rank: int) -> None:
+        self.loss_fn, self.scale, self.rank = loss_fn, scale, rank
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
+        loss = check_loss(self.loss_fn(params, batch), rank=self.rank)
+        self.losses.append(loss.detach())
+        # A float32 0-d scale promotes a 16-bit loss to float32, as GradScaler.scale does.
+        return loss * self.scale

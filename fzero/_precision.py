@@ -1,0 +1,117 @@
+"""Precision: the dtypes parameters are computed, gathered and reduced in, over fp32 masters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ._layout import ShardLayout
+from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision (FSDP2's MixedPrecisionPolicy, FairScale's mixed_precision).
+
+    Attributes:
+      param_dtype: dtype the parameters are held in for compute and given to `loss_fn`
+        (stages 0-2: the replicated parameters; stage 3: the shards and the gathered
+        units). None keeps the parameters' own dtype. When it is lower than that dtype,
+        the optimizer updates master copies of this rank's shard (`master_dtype`) and the
+        parameters are the masters cast down, as in DeepSpeed and ZeRO's 16Ψ arithmetic.
+      reduce_dtype: dtype gradients are reduced (summed over ranks) in; the optimizer then
+        sees them in the master dtype. None: the parameters' compute dtype.
+      gather_dtype: dtype parameters travel in when they are all-gathered (after the
+        update at stages 1-2, per unit at stage 3; FairScale's `broadcast_fp16`). None:
+        the compute dtype. Lower than the compute dtype at stages 1-2, it also makes
+        master copies necessary, since the gathered values are rounded.
+      buffer_dtype: dtype module buffers (BatchNorm statistics) are kept in. None keeps
+        theirs, which is usually what you want: statistics stay in fp32.
+      master_dtype: dtype of the master copies. None: the promotion of the original
+        parameter dtypes of each buffer (fp32 for fp32 models).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    gather_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "gather_dtype", "buffer_dtype", "master_dtype"):
+            dtype = getattr(self, name)
+            if dtype is None:
+                continue
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(
+                    f"Precision.{name} must be a floating-point torch.dtype (e.g. "
+                    f"torch.bfloat16), got {dtype!r}"
+                )
+            if dtype.itemsize < 2:
+                raise TypeError(f"Precision.{name}: {dtype} is not supported (8-bit floats)")
+
+
+def check_castable(params: PyTree, dtype: torch.dtype | None, rank: int, what: str) -> None:
+    """Raises ValueError naming the first leaf whose values overflow when cast to `dtype`."""
+    if dtype is None:
+        return
+    top = torch.finfo(dtype).max
+    for path, leaf in zip(leaf_paths(params), tree_flatten(params)[0]):
+        if leaf.dtype == dtype or leaf.numel() == 0 or leaf.dtype.itemsize < dtype.itemsize:
+            continue
+        finite = leaf.detach()[torch.isfinite(leaf.detach())]
+        big = finite.abs().max().item() if finite.numel() else 0.0
+        if big > top:
+            raise ValueError(
+                f"rank {rank}: params leaf {path!r} holds |x| = {big:.4g}, which overflows "
+                f"{what} {dtype} (largest finite value {top:.4g}); rescale it, keep it out "
+                f"of the low-precision dtype, or use torch.bfloat16"
+            )
+
+
+def cast_params(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
+    """`tree` with every floating-point leaf in `dtype` (None: unchanged), detached;
+    integer leaves (BatchNorm's batch counter) stay as they are."""
+    leaves, treedef = tree_flatten(tree)
+    if dtype is None:
+        return tree
+    return tree_unflatten(
+        treedef, [x.detach().to(dtype) if x.is_floating_point() else x for x in leaves]
+    )
+
+
+def master_layout(
+    layout: ShardLayout, original: PyTree, master_dtype: torch.dtype | None
+) -> tuple[ShardLayout, PyTree]:
+    """The layout of the master copies and the original leaves in their dtypes.
+
+    Same buckets, slots and padding as `layout` (built on the compute dtype), with each
+    bucket's dtype the master dtype, so a master shard and a parameter shard line up
+    element for element.
+    """
+    leaves = tree_flatten(original)[0]
+    per_leaf: list[Any] = list(layout.dtypes)
+    buckets = []
+    for b in layout.buckets:
+        dtype = master_dtype
+        if dtype is None:
+            dtype = b.dtype
+            for s in b.slots:
+                dtype = torch.promote_types(dtype, leaves[s.index].dtype)
+        for s in b.slots:
+            per_leaf[s.index] = dtype
+        buckets.append(replace(b, dtype=dtype))
+    lay = replace(layout, buckets=tuple(buckets), dtypes=tuple(per_leaf))
+    cast = tree_unflatten(layout.treedef, [x.detach().to(d) for x, d in zip(leaves, per_leaf)])
+    return lay, cast
+
+
+def needs_master(precision: Precision | None, layout: ShardLayout, stage: int) -> bool:
+    """Whether the parameters the loss sees are rounded copies of what the optimizer keeps."""
+    if precision is None:
+        return False
+    return precision.param_dtype is not None or (
+        precision.gather_dtype is not None and stage in (1, 2)
+    )

@@ -1,0 +1,398 @@
+"""Mixed precision and dynamic loss scaling, against one process doing the same casts."""
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support import run
+from torch import nn
+from torch.func import functional_call
+
+import fzero
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 6, h: int = 10) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh())
+        self.head = nn.Linear(h, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+UNITS = ["layers.0", "layers.2", "head"]
+
+
+def data(n: int, steps: int, seed: int = 0, inf_at: tuple[int, int] | None = None) -> Any:
+    """Per step, per rank micro-batches (x, y) in float32; optionally an inf in one."""
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(steps, n, 3, 6, generator=g)
+    ys = torch.randn(steps, n, 3, 2, generator=g)
+    if inf_at is not None:
+        xs[inf_at[0], inf_at[1], 0, 0] = float("inf")
+    return xs, ys
+
+
+def make_loss(model: nn.Module, dtype: torch.dtype) -> Any:
+    def loss_fn(params: dict, batch: Any) -> torch.Tensor:
+        x, y = batch
+        out = functional_call(model, params, (x.to(dtype),))
+        return ((out - y.to(dtype)) ** 2).mean()
+
+    return loss_fn
+
+
+def reference(
+    xs: torch.Tensor, ys: torch.Tensor, pdt: torch.dtype, rdt: torch.dtype, scale: bool
+) -> dict[str, Any]:
+    """torch.optim.Adam on float32 masters, one process, (torch.amp.GradScaler).
+
+    Each step: parameters cast to `pdt` (once: autograd sums the micro-batches' `pdt`
+    gradients in `pdt`, like a reduction in `pdt`; or once per micro-batch when reducing
+    in float32, each cast's gradient arriving in float32), a loss per micro-batch (what
+    each rank computes), their gradients summed, then divided by the number of
+    micro-batches: the mean over ranks.
+    """
+    torch.manual_seed(0)
+    model = Net()
+    loss_fn = make_loss(model, pdt)
+    masters = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    opt = torch.optim.Adam(list(masters.values()), lr=0.01, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3) if scale else None
+    n, skipped = xs.shape[1], []
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        shared = {k: m.to(pdt) for k, m in masters.items()}
+        total = 0
+        for r in range(n):
+            p = shared if rdt == pdt else {k: m.to(pdt) for k, m in masters.items()}
+            loss = loss_fn(p, (xs[t, r], ys[t, r]))
+            total = total + (scaler.scale(loss) if scaler else loss)
+        total.backward()
+        for m in masters.values():
+            m.grad /= n
+        if scaler:
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
+        else:
+            opt.step()
+    out = {k: m.detach() for k, m in masters.items()}
+    return {"masters": out, "skipped": skipped, "scale": scaler.get_scale() if scaler else None}
+
+
+def train(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int, **kw: Any) -> Any:
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    prec = fzero.Precision(param_dtype=kw["pdt"], reduce_dtype=kw["rdt"])
+    scale = fzero.DynamicLossScale(init_scale=2.0**8, growth_interval=3) if kw["scale"] else None
+    opt = fzero.optim.adam(lr=0.01)
+    state = fzero.shard_state(
+        params, opt, mesh, stage=stage, units=UNITS, precision=prec, loss_scale=scale
+    )
+    step = fzero.sharded_step(
+        make_loss(model, kw["pdt"]),
+        opt,
+        mesh,
+        stage=stage,
+        units=UNITS,
+        module=model if kw.get("hooks") else None,
+    )
+    scales = []
+    for t in range(xs.shape[0]):
+        state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+        scales.append(None if state.scaler is None else float(state.scaler.scale))
+    params = fzero.gather_params(state.params, mesh)
+    return {
+        "masters": fzero.master_params(state, mesh),
+        "params": params,
+        "scales": scales,
+        "step": state.step,
+    }
+
+
+@pytest.mark.parametrize("pdt", [BF16, FP16])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_matches_reference_doing_the_same_casts(pdt: torch.dtype, stage: int) -> None:
+    xs, ys = data(2, 4)
+    for rdt in (FP32, pdt):
+        ref = reference(xs, ys, pdt, rdt, scale=pdt == FP16)
+        out = fzero.simulate(
+            2, train, xs, ys, stage, pdt=pdt, rdt=rdt, scale=pdt == FP16, hooks=stage == 3
+        )[0]
+        for k, m in ref["masters"].items():
+            assert out["masters"][k].dtype == FP32 and out["params"][k].dtype == pdt
+            torch.testing.assert_close(out["masters"][k], m, rtol=0, atol=0, msg=k)
+            assert torch.equal(out["params"][k], m.to(pdt))
+
+
+def close(got: dict, want: dict, rtol: float, atol: float) -> None:
+    for k, m in want.items():
+        torch.testing.assert_close(got[k], m, rtol=rtol, atol=atol, msg=lambda s, k=k: f"{k}: {s}")
+
+
+@settings(max_examples=8)
+@given(
+    n=st.integers(1, 4),
+    stage=st.integers(0, 3),
+    pdt=st.sampled_from([BF16, FP16]),
+    reduce_in_param_dtype=st.booleans(),
+    hooks=st.booleans(),
+)
+def test_property_any_world_size(
+    n: int, stage: int, pdt: torch.dtype, reduce_in_param_dtype: bool, hooks: bool
+) -> None:
+    """Any world size, stage and dtype: within float32 round-off of the reference.
+
+    Tolerance: 1 and 2 ranks are bitwise (one addition commutes; dividing by 2 is exact).
+    Over 3 or 4 ranks the reduction sums in the ring's order, not micro-batch order, and
+    dividing by 3 is inexact: reducing in float32, that is float32 round-off, 1e-5 after
+    4 Adam steps. Reducing in a 16-bit dtype over 3 or 4 ranks is not compared: one
+    16-bit rounding of a near-zero gradient can flip an Adam step (|Δ| up to ~lr), so no
+    tolerance would be both honest and able to fail; the reference cannot reproduce the
+    ring's summation order.
+    """
+    xs, ys = data(n, 4, seed=n)
+    rdt = pdt if reduce_in_param_dtype and n <= 2 else FP32
+    ref = reference(xs, ys, pdt, rdt, scale=pdt == FP16)
+    out = run(n, train, xs, ys, stage, pdt=pdt, rdt=rdt, scale=pdt == FP16, hooks=hooks)
+    atol = 0.0 if n <= 2 else 1e-5
+    for r in out:
+        close(r["masters"], ref["masters"], rtol=0, atol=atol)
+
+
+def probe(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int) -> Any:
+    """Steps with donate=False, keeping every state, so a skipped step can be compared."""
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01)
+    state = fzero.shard_state(
+        params,
+        opt,
+        mesh,
+        stage=stage,
+        units=UNITS,
+        precision=fzero.Precision(param_dtype=FP16, reduce_dtype=FP32),
+        loss_scale=fzero.DynamicLossScale(init_scale=2.0**8, growth_interval=3),
+    )
+    step = fzero.sharded_step(
+        make_loss(model, FP16), opt, mesh, stage=stage, units=UNITS, donate=False
+    )
+    states = [state]
+    for t in range(xs.shape[0]):
+        state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+        states.append(state)
+    return [
+        {
+            "params": fzero.gather_params(s.params, mesh),
+            "masters": fzero.master_params(s, mesh),
+            "opt": s.opt_state,
+            "scale": float(s.scaler.scale),
+            "step": s.step,
+            "tracker": int(s.scaler.growth_tracker),
+        }
+        for s in states
+    ]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [2, 3])
+def test_inf_on_one_rank_skips_the_step_everywhere(stage: int, n: int) -> None:
+    """An inf in ONE rank's micro-batch at step 1: every rank skips that update, the scale
+    halves on every rank, nothing else changes, and training then matches GradScaler."""
+    xs, ys = data(n, 5, inf_at=(1, n - 1))
+    ranks = run(n, probe, xs, ys, stage)
+    ref = reference(xs, ys, FP16, FP32, scale=True)
+    assert ref["skipped"] == [False, True, False, False, False]
+    for states in ranks:
+        assert [s["scale"] for s in states] == [256.0, 256.0, 128.0, 128.0, 128.0, 256.0]
+        assert [s["step"] for s in states] == [0, 1, 1, 2, 3, 4]
+        before, after = states[1], states[2]
+        for key in ("params", "masters"):
+            assert all(torch.equal(before[key][k], after[key][k]) for k in before[key])
+        flat_before = [x for x in torch.utils._pytree.tree_leaves(before["opt"])]
+        flat_after = [x for x in torch.utils._pytree.tree_leaves(after["opt"])]
+        assert all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(flat_before, flat_after)
+        )
+        close(states[-1]["masters"], ref["masters"], rtol=0, atol=1e-5 if n > 2 else 0)
+        assert states[-1]["scale"] == ref["scale"]
+
+
+def comm_bytes(mesh: fzero.Mesh, stage: int, prec: Any) -> Any:
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS, precision=prec)
+    step = fzero.sharded_step(
+        make_loss(model, prec.param_dtype or FP32),
+        opt,
+        mesh,
+        stage=stage,
+        units=UNITS,
+        module=model,
+    )
+    xs, ys = data(mesh.size, 2)
+    state, _ = step(state, (xs[0, mesh.rank], ys[0, mesh.rank]))
+    with fzero.comm_ledger() as ledger:
+        state, _ = step(state, (xs[1, mesh.rank], ys[1, mesh.rank]))
+    return ledger.by_op(), fzero.master_params(state, mesh)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_16_bit_communication_halves_the_bytes(stage: int) -> None:
+    """float32 parameters and compute; gathers and reductions in bfloat16: half the bytes
+    of the same step communicating in float32, and training stays close."""
+    full = run(2, comm_bytes, stage, fzero.Precision())[0]
+    half = run(2, comm_bytes, stage, fzero.Precision(gather_dtype=BF16, reduce_dtype=BF16))[0]
+    ops32 = {k.split(":")[0]: v for k, v in full[0].items()}
+    ops16 = {k.split(":")[0]: v for k, v in half[0].items()}
+    assert all(k.endswith("bfloat16") for k in half[0]), half[0]
+    assert ops16.keys() == ops32.keys() and ops32
+    for op, nbytes in ops32.items():
+        assert 2 * ops16[op] == nbytes, (op, ops16[op], nbytes)
+    # bfloat16 keeps 8 bits: two Adam steps of lr 0.01 from the same start stay close.
+    close(half[1], full[1], rtol=0, atol=2e-3)
+
+
+def memory(mesh: fzero.Mesh, stage: int) -> Any:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = fzero.shard_state(
+        params,
+        fzero.optim.adam(lr=0.01),
+        mesh,
+        stage=stage,
+        precision=fzero.Precision(param_dtype=BF16),
+    )
+    return fzero.memory_report(state), sum(p.numel() for p in params.values())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_matches_the_zero_formula(stage: int) -> None:
+    """2-byte parameters and 12 bytes of Adam state (fp32 master, moments) per parameter,
+    per rank, measured on the state's tensors; within the padding and Adam's step count."""
+    n = 4
+    rep, psi = run(n, memory, stage)[0]
+    est = fzero.estimate_memory(psi, n, stage)  # defaults: 2 / 2 / 12 bytes
+    assert est.params <= rep.params <= est.params + 2 * n
+    assert est.opt_state <= rep.opt_state <= est.opt_state + 12 * n + 8
+
+
+def bad(mesh: fzero.Mesh, params: dict, prec: Any) -> None:
+    fzero.shard_state(params, fzero.optim.sgd(lr=0.1), mesh, stage=2, precision=prec)
+
+
+def test_bad_precision_input_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="param_dtype must be a floating-point"):
+        fzero.Precision(param_dtype=torch.int32)
+    with pytest.raises(TypeError, match="reduce_dtype"):
+        fzero.Precision(reduce_dtype="bfloat16")  # type: ignore[arg-type]
+    params = {"ok": torch.ones(3), "big": torch.tensor([1.0, 7e4])}
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0: params leaf 'big' holds \|x\| = 7e\+04.*"
+        r"overflows param_dtype torch.float16",
+    ):
+        run(2, bad, params, fzero.Precision(param_dtype=FP16))
+    run(2, bad, params, fzero.Precision(param_dtype=BF16))  # bfloat16 has float32's range
+    with pytest.raises(TypeError, match=r"loss_scale must be a fzero\.DynamicLossScale"):
+        fzero.simulate(
+            1,
+            lambda m: fzero.shard_state(
+                params, fzero.optim.sgd(lr=0.1), m, stage=0, loss_scale=2.0**16
+            ),
+        )
+    with pytest.raises(ValueError, match="backoff_factor"):
+        fzero.DynamicLossScale(backoff_factor=2.0).init()
+
+
+def test_mixed_precision_states_refuse_checkpoints(tmp_path: Any) -> None:
+    def save(mesh: fzero.Mesh) -> None:
+        state = fzero.shard_state(
+            {"w": torch.ones(4)},
+            fzero.optim.sgd(lr=0.1),
+            mesh,
+            stage=1,
+            precision=fzero.Precision(param_dtype=BF16),
+        )
+        fzero.checkpoint.save(state, str(tmp_path), mesh)
+
+    with pytest.raises(NotImplementedError, match="masters"):
+        fzero.simulate(2, save)
+
+
+def autocast_loss(model: nn.Module) -> Any:
+    def loss_fn(params: dict, batch: Any) -> torch.Tensor:
+        x, y = batch
+        with torch.autocast("cpu", dtype=BF16):
+            out = functional_call(model, params, (x,))
+        return ((out.float() - y) ** 2).mean()
+
+    return loss_fn
+
+
+def train_autocast(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int) -> Any:
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01)
+    scale = fzero.DynamicLossScale(init_scale=2.0**8, growth_interval=3)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS, loss_scale=scale)
+    step = fzero.sharded_step(
+        autocast_loss(model), opt, mesh, stage=stage, units=UNITS, module=model
+    )
+    for t in range(xs.shape[0]):
+        state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+    return fzero.gather_params(state.params, mesh), float(state.scaler.scale)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_loss_scaling_composes_with_autocast(stage: int) -> None:
+    """float32 parameters, torch.autocast(bfloat16) inside loss_fn, a loss scaler and an
+    inf on one rank at step 2: bitwise what torch.amp.GradScaler does on one process."""
+    xs, ys = data(2, 4, inf_at=(2, 0))
+    torch.manual_seed(0)
+    model = Net()
+    loss_fn = autocast_loss(model)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    opt = torch.optim.Adam(list(params.values()), lr=0.01, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        sum(scaler.scale(loss_fn(params, (xs[t, r], ys[t, r]))) for r in range(2)).backward()
+        for p in params.values():
+            p.grad /= 2
+        scaler.step(opt)
+        scaler.update()
+    got, scale = fzero.simulate(2, train_autocast, xs, ys, stage)[0]
+    assert scale == scaler.get_scale() == 128.0  # backed off once, at the inf
+    close(got, {k: p.detach() for k, p in params.items()}, rtol=0, atol=0)
+
+
+def with_buffers(mesh: fzero.Mesh, buffer_dtype: Any) -> Any:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    prec = fzero.Precision(param_dtype=BF16, buffer_dtype=buffer_dtype)
+    state = fzero.shard_state(
+        params, fzero.optim.sgd(lr=0.1), mesh, stage=2, buffers=buffers, precision=prec
+    )
+    return {k: v.dtype for k, v in state.buffers.items()}
+
+
+def test_buffers_stay_float32_unless_asked() -> None:
+    kept = fzero.simulate(1, with_buffers, None)[0]
+    assert kept["1.running_mean"] == FP32 and kept["1.num_batches_tracked"] == torch.int64
+    cast = fzero.simulate(1, with_buffers, BF16)[0]
+    assert cast["1.running_mean"] == BF16 and cast["1.num_batches_tracked"] == torch.int64
