@@ -14,6 +14,7 @@ import test_accumulate
 import test_buffers
 import test_clip
 import test_frozen
+import test_precision
 import test_remat
 import test_tied
 import test_units
@@ -260,6 +261,28 @@ def test_training_loop_features_on_real_gloo(pool: GlooPool, stage: int) -> None
     for rank, (params, got) in enumerate(pool.run(test_buffers.train, stage, "mean")):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
         fzero.assert_trees_close(got, buffers[rank], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_mixed_precision_and_loss_scaling_on_real_gloo(pool: GlooPool, stage: int) -> None:
+    """bfloat16 and float16 (with a loss scaler) over float32 masters, reduced in float32,
+    then an inf in the last rank's batch: every rank skips that step, and training still
+    matches one process doing the same casts with torch.amp.GradScaler. Tolerance: bitwise
+    on 2 ranks; float32 summation order on 4 (see test_precision)."""
+    n = pool.world_size
+    atol = 0.0 if n <= 2 else 1e-5
+    xs, ys = test_precision.data(n, 3)
+    for pdt in (torch.bfloat16, torch.float16):
+        scale = pdt == torch.float16
+        ref = test_precision.reference(xs, ys, pdt, torch.float32, scale=scale)
+        kw = {"pdt": pdt, "rdt": torch.float32, "scale": scale, "hooks": stage == 3}
+        for got in pool.run(test_precision.train, xs, ys, stage, **kw):
+            test_precision.close(got["masters"], ref["masters"], rtol=0, atol=atol)
+    xs, ys = test_precision.data(n, 5, inf_at=(1, n - 1))
+    ref = test_precision.reference(xs, ys, torch.float16, torch.float32, scale=True)
+    for states in pool.run(test_precision.probe, xs, ys, stage):
+        assert [s["step"] for s in states] == [0, 1, 1, 2, 3, 4]
+        test_precision.close(states[-1]["masters"], ref["masters"], rtol=0, atol=atol)
 
 
 @FEW_EXAMPLES
