@@ -119,21 +119,22 @@ def reduce_scatter_mean(
 
 
 def reduce_scatter_async(
-    full: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None
+    full: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None, owned: bool = False
 ) -> tuple[torch.Tensor, Any]:
     """Starts a reduce-scatter (SUM) of the 1-D `full`; returns `(out, work)`.
 
     `out` holds this rank's slice of the sum after `work.wait()` (`work` is None when there
     was nothing to wait for); divide by `mesh.size` for the mean. Overlaps a unit's
     gradient reduction with the backward of the units before it. With `dtype` the
-    reduction (and `out`) is in that dtype.
+    reduction (and `out`) is in that dtype. `owned`: the caller gives `full` away (a
+    fresh gradient), so on one rank it is returned as it is instead of copied.
     """
     with _plain_tensors():
         full = _unwrap(full).detach().to(dtype or full.dtype).contiguous()
         if full.numel() % mesh.size:
             raise ValueError(f"reduce-scatter of {full.numel()} elements over {mesh.size} ranks")
         if mesh.size == 1 or full.numel() == 0:
-            return full.clone(), None
+            return (full if owned else full.clone()), None
         out = full.new_empty(full.numel() // mesh.size)
         record("reduce_scatter", full.dtype, full.numel())
         work = _reduce_scatter_single(
@@ -143,13 +144,20 @@ def reduce_scatter_async(
 
 
 def all_reduce_async(
-    flat: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None
+    flat: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None, owned: bool = False
 ) -> tuple[torch.Tensor, Any]:
     """Starts an all-reduce (SUM) of a copy of `flat`, in `dtype` if given; returns
-    `(out, work)` like `reduce_scatter_async` (divide by `mesh.size` for the mean)."""
+    `(out, work)` like `reduce_scatter_async` (divide by `mesh.size` for the mean).
+
+    `owned`: the caller gives `flat` away (a fresh gradient), so it is reduced in place
+    instead of copied first: one gradient-sized copy less per step, as DDP's buckets.
+    """
     with _plain_tensors():
         flat = _unwrap(flat).detach()
-        out = flat.to(dtype) if dtype is not None and dtype != flat.dtype else flat.clone()
+        if dtype is not None and dtype != flat.dtype:
+            out = flat.to(dtype)
+        else:
+            out = flat.contiguous() if owned else flat.clone()
         if mesh.size == 1 or out.numel() == 0:
             return out, None
         record("all_reduce", out.dtype, 2 * out.numel())

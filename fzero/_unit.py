@@ -214,21 +214,23 @@ class UnitRun:
 
     def _start_reduce(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
         # Stage 0 keeps every gradient (all-reduce); stages 1-3 keep their slice.
+        # `g` is this step's own gradient buffer (from autograd or a fresh sum): owned.
         if self.replicate:
-            return _comm.all_reduce_async(g, self.mesh, dtype=self.reduce_dtype)
-        return _comm.reduce_scatter_async(g, self.mesh, dtype=self.reduce_dtype)
+            return _comm.all_reduce_async(g, self.mesh, dtype=self.reduce_dtype, owned=True)
+        return _comm.reduce_scatter_async(g, self.mesh, dtype=self.reduce_dtype, owned=True)
 
     def _reduce_now(self, g: torch.Tensor) -> torch.Tensor:
         out, work = self._start_reduce(g)
         if work is not None:
             work.wait()
-        return out.div_(self.mesh.size)
+        return out.div_(self.mesh.size) if self.mesh.size > 1 else out
 
     def _finish_oldest(self) -> None:
         i, shard, work, g, unit = self.inflight.pop(0)
         if work is not None:
             work.wait()
-        shard.div_(self.mesh.size)
+        if self.mesh.size > 1:  # the mean; one rank's sum is already it
+            shard.div_(self.mesh.size)
         self.reduced[i] = self.reduced[i] + shard if i in self.reduced else shard
         self._log("grads", unit, -g.numel() * g.element_size())
 
