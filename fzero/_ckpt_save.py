@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -9,6 +10,14 @@ import torch
 
 from . import _ckpt_disk as disk
 from ._ckpt_build import build_state
+from ._ckpt_extra import (
+    extra_metadata,
+    extra_tensors,
+    full_precision,
+    load_buffers,
+    load_scaler,
+    to_mixed,
+)
 from ._ckpt_state import (
     CheckpointError,
     Local,
@@ -42,6 +51,8 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     """See `fzero.checkpoint.save`."""
     path = os.fspath(path)
     check_state(state, mesh, "checkpoint.save")
+    extra, extra_body = extra_tensors(state), extra_metadata(state)
+    state = full_precision(state, mesh)  # masters become the parameters saved
     lay, stage, rank = state.layout, state.stage, mesh.rank
     what = f"checkpoint.save({path!r})"
     # 1. rank 0 makes the temporary directory; every rank describes its optimizer state.
@@ -61,6 +72,8 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     try:
         assert local is not None
         tensors = _rank_tensors(state, local, schema, rank)
+        if rank == 0:
+            tensors.update(extra)
         info = disk.write_tensors(os.path.join(path, tmp), disk.rank_file(rank, mesh.size), tensors)
         del tensors
     except Exception as exc:
@@ -80,6 +93,7 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
                 "layout": disk.layout_json(lay),
                 "optimizer": disk.schema_json(schema),
                 "files": files,
+                **extra_body,
             }
             name = disk.commit(path, tmp, body)
         except Exception as exc:
@@ -120,6 +134,9 @@ def load(
     layout: str | None = None,
     units: Any = None,
     frozen: Any = None,
+    precision: Any = None,
+    loss_scale: Any = None,
+    buffers_like: PyTree = None,
 ) -> ShardedState:
     """See `fzero.checkpoint.load`."""
     path = os.fspath(path)
@@ -132,6 +149,13 @@ def load(
         src = disk.FileSource(directory, body)
         try:
             state = build_state(src, lay, optimizer, stage, mesh.rank, body["step"])
+            state = dataclasses.replace(
+                state,
+                buffers=load_buffers(src, body, buffers_like),
+                scaler=load_scaler(src, body, loss_scale),
+            )
+            if precision is not None:
+                state = to_mixed(state, precision, mesh)
         finally:
             src.close()
     except Exception as exc:

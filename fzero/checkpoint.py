@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._ckpt_extra import full_precision as _full_precision
 from ._ckpt_save import check_state as _check_state
 from ._ckpt_save import load as _load
 from ._ckpt_save import save as _save
@@ -64,7 +65,9 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
 
     Args:
       state: this rank's ShardedState (any stage, layout, units; optimizers from
-        `fzero.optim`, including `from_torch`).
+        `fzero.optim`, including `from_torch`). Its buffers and loss scaler are saved
+        too; under mixed precision the masters are saved as the parameters (full
+        precision), so `load` can resume with or without a `Precision`.
       path: the checkpoint directory (created if missing; shared by all ranks).
       mesh: the mesh `state` lives on.
 
@@ -74,7 +77,6 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     Raises:
       CheckpointError: on every rank if writing failed on any rank.
     """
-    _refuse_mixed_precision(state, "checkpoint.save")
     return _save(state, path, mesh)
 
 
@@ -88,6 +90,9 @@ def load(
     layout: str | None = None,
     units: Any = None,
     frozen: Any = None,
+    precision: Any = None,
+    loss_scale: Any = None,
+    buffers_like: PyTree = None,
 ) -> ShardedState:
     """Loads a checkpoint onto `mesh`, at any world size, stage and layout (collective).
 
@@ -104,6 +109,13 @@ def load(
       units: unit path prefixes, as in `shard_state`; None keeps the saved units.
       frozen: as in `shard_state`; None keeps the saved frozen flags. A leaf frozen when
         saved has no optimizer state and cannot become trainable here.
+      precision: a `fzero.Precision` to continue in mixed precision: the saved values
+        (saved at full precision: the masters of a mixed-precision run) become the
+        masters, and the parameters their cast. None loads at full precision.
+      loss_scale: the `fzero.DynamicLossScale` rules to continue with; the saved scale and
+        growth count are kept. None keeps the saved rules (if the run had a scaler).
+      buffers_like: the structure of the saved buffers (e.g. `dict(model.named_buffers())`;
+        values ignored); None rebuilds them as a dict by path.
 
     Returns:
       This rank's ShardedState, with the saved step; parameters and optimizer state hold
@@ -115,7 +127,17 @@ def load(
         model (the first differing leaf), or an optimizer state that does not fit.
     """
     return _load(
-        path, mesh, optimizer, params_like, stage=stage, layout=layout, units=units, frozen=frozen
+        path,
+        mesh,
+        optimizer,
+        params_like,
+        stage=stage,
+        layout=layout,
+        units=units,
+        frozen=frozen,
+        precision=precision,
+        loss_scale=loss_scale,
+        buffers_like=buffers_like,
     )
 
 
@@ -160,14 +182,14 @@ def export_torch(
       `(model_state_dict, optim_state_dict)` on rank 0, None on the other ranks.
     """
     _check_state(state, mesh, "checkpoint.export_torch")
-    _refuse_mixed_precision(state, "checkpoint.export_torch")
     aliases = None
     if module is not None:
         canonical = {id(p): name for name, p in module.named_parameters()}
         aliases = {
             name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
         }
-    return _export_torch(state, path, mesh, hyperparams, aliases)
+    # Under mixed precision the export is the masters: the weights at full precision.
+    return _export_torch(_full_precision(state, mesh), path, mesh, hyperparams, aliases)
 
 
 def import_torch(
@@ -222,14 +244,3 @@ def import_torch(
         frozen=frozen,
         step=step,
     )
-
-
-def _refuse_mixed_precision(state: ShardedState, what: str) -> None:
-    # The checkpoint format has no place yet for master copies and the loss scaler: saving
-    # the low-precision parameters alone would silently lose the fp32 masters.
-    if getattr(state, "master", None) is not None or getattr(state, "scaler", None) is not None:
-        raise NotImplementedError(
-            f"{what}: states with mixed-precision masters or a loss scaler cannot be "
-            "checkpointed yet (their fp32 masters and scale would be lost); export "
-            "fzero.master_params(state, mesh) to keep the trained weights"
-        )

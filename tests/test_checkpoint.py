@@ -573,3 +573,52 @@ def test_gloo_ranks_save_and_load_across_world_sizes(
     assert_same_export(results[0][0], saved, name)
     for rank, (_, params, _) in enumerate(results):
         fzero.assert_trees_close(params, reference(job), **TIGHT, what=f"{name} rank {rank}")
+
+
+def save_and_load_buffers(mesh: fzero.Mesh, path: str, stage: int, like: bool) -> Any:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, buffers=buffers)
+
+    def loss_fn(p: dict, b: dict, x: torch.Tensor) -> Any:
+        out = functional_call(model, {**p, **b}, (x,))
+        return out.square().mean(), b
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, buffer_sync="mean")
+    state, _ = step(state, torch.randn(5, 3, dtype=torch.float64) + mesh.rank)
+    ck.save(state, path, mesh)
+    loaded = ck.load(path, mesh, opt, params, stage=stage, buffers_like=buffers if like else None)
+    return state.buffers, loaded.buffers
+
+
+@pytest.mark.parametrize(("stage", "like"), [(0, True), (3, False)])
+def test_buffers_are_saved_and_loaded(tmp_path: Path, stage: int, like: bool) -> None:
+    """BatchNorm's running statistics and batch count come back bitwise, in the given
+    structure (or as a dict by path)."""
+    for saved, loaded in run(2, save_and_load_buffers, str(tmp_path / "c"), stage, like):
+        assert (
+            set(saved)
+            == set(loaded)
+            == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+        )
+        assert int(saved["1.num_batches_tracked"]) == 1
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def export_mixed(mesh: fzero.Mesh, path: str) -> Any:
+    params = {
+        "w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0)),
+        "b": torch.ones(3),
+    }
+    prec = fzero.Precision(param_dtype=torch.bfloat16)
+    state = fzero.shard_state(params, fzero.optim.adam(lr=0.1), mesh, stage=3, precision=prec)
+    out = ck.export_torch(state, None, mesh)
+    return params, out
+
+
+def test_export_of_a_mixed_precision_state_is_the_float32_masters(tmp_path: Path) -> None:
+    params, (model, _) = run(2, export_mixed, str(tmp_path))[0]
+    assert all(model[k].dtype == torch.float32 and torch.equal(model[k], params[k]) for k in params)

@@ -317,21 +317,6 @@ def test_bad_precision_input_is_a_clear_error() -> None:
         fzero.DynamicLossScale(backoff_factor=2.0).init()
 
 
-def test_mixed_precision_states_refuse_checkpoints(tmp_path: Any) -> None:
-    def save(mesh: fzero.Mesh) -> None:
-        state = fzero.shard_state(
-            {"w": torch.ones(4)},
-            fzero.optim.sgd(lr=0.1),
-            mesh,
-            stage=1,
-            precision=fzero.Precision(param_dtype=BF16),
-        )
-        fzero.checkpoint.save(state, str(tmp_path), mesh)
-
-    with pytest.raises(NotImplementedError, match="masters"):
-        fzero.simulate(2, save)
-
-
 def autocast_loss(model: nn.Module) -> Any:
     def loss_fn(params: dict, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -396,3 +381,49 @@ def test_buffers_stay_float32_unless_asked() -> None:
     assert kept["1.running_mean"] == FP32 and kept["1.num_batches_tracked"] == torch.int64
     cast = fzero.simulate(1, with_buffers, BF16)[0]
     assert cast["1.running_mean"] == BF16 and cast["1.num_batches_tracked"] == torch.int64
+
+
+def resume(mesh: fzero.Mesh, path: str, stage: int, load_stage: int) -> Any:
+    """Train 4 steps; or 2, save, load (at `load_stage`), 2 more: the same, bitwise."""
+    xs, ys = data(mesh.size, 4, inf_at=(1, 0))
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    prec = fzero.Precision(param_dtype=FP16, reduce_dtype=FP32)
+    scale = fzero.DynamicLossScale(init_scale=2.0**8, growth_interval=2)
+    opt = fzero.optim.adam(lr=0.01)
+
+    def run_steps(state: Any, stage: int, steps: range) -> Any:
+        step = fzero.sharded_step(make_loss(model, FP16), opt, mesh, stage=stage, units=UNITS)
+        for t in steps:
+            state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+        return state
+
+    kw = {"units": UNITS, "precision": prec, "loss_scale": scale}
+    straight = run_steps(fzero.shard_state(params, opt, mesh, stage=stage, **kw), stage, range(4))
+    half = run_steps(fzero.shard_state(params, opt, mesh, stage=stage, **kw), stage, range(2))
+    fzero.checkpoint.save(half, path, mesh)
+    loaded = fzero.checkpoint.load(path, mesh, opt, params, stage=load_stage, precision=prec)
+    resumed = run_steps(loaded, load_stage, range(2, 4))
+    return [
+        (
+            fzero.master_params(s, mesh),
+            fzero.gather_params(s.params, mesh),
+            float(s.scaler.scale),
+            int(s.scaler.growth_tracker),
+            s.step,
+        )
+        for s in (straight, resumed)
+    ]
+
+
+@pytest.mark.parametrize(("stage", "load_stage"), [(0, 0), (1, 1), (2, 3), (3, 3), (3, 1)])
+def test_mixed_precision_checkpoints_resume_bitwise(
+    tmp_path: Any, stage: int, load_stage: int
+) -> None:
+    """Masters, scale and growth count survive a checkpoint, across stages too: resuming
+    trains exactly like never stopping (an inf at step 1 included)."""
+    for straight, resumed in run(2, resume, str(tmp_path / "ckpt"), stage, load_stage):
+        for a, b in zip(straight[:2], resumed[:2]):
+            assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+        assert straight[2:] == resumed[2:]

@@ -1,0 +1,163 @@
+"""What a checkpoint carries beside parameters and optimizer state: buffers, scaler, masters.
+
+A state with master copies is saved at full precision: the masters are its parameters
+(frozen leaves cast up, which is exact), so a checkpoint of a mixed-precision run is an
+ordinary checkpoint of the model in its original dtypes, loadable at any stage and world
+size, with or without a `Precision`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ._ckpt_state import CheckpointError
+from ._gather import master_params
+from ._layout import build_layout
+from ._mesh import Mesh
+from ._precision import Precision, cast_params, master_layout, needs_master
+from ._scale import DynamicLossScale, LossScaleState
+from ._shards import Shards
+from ._state import ShardedState
+from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+
+
+def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
+    """`state` with its masters as parameters (collective at stages 1-2); else `state`."""
+    if state.master is None:
+        return state
+    lay = state.layout
+    if isinstance(state.master, Shards):
+        dtypes = {b.dtype for b in state.master.layout.buckets if not b.frozen}
+    else:
+        dtypes = {x.dtype for x in tree_flatten(state.master)[0]}
+    if len(dtypes) != 1:
+        raise NotImplementedError(
+            f"checkpoint.save: master copies in several dtypes ({sorted(map(str, dtypes))}) "
+            "cannot be saved yet; use one dtype for the original parameters"
+        )
+    (dtype,) = dtypes
+    if state.stage == 3:
+        mlay = state.master.layout
+        flay = build_layout(
+            cast_params(_like(lay), dtype), mesh.size, lay.kind, lay.units[1:], list(lay.frozen)
+        )
+        bufs = tuple(
+            p.to(dtype) if b.frozen else m
+            for p, m, b in zip(state.params.buffers, state.master.buffers, mlay.buckets)
+        )
+        params: PyTree = Shards(bufs, flay, mesh.rank)
+    else:
+        full = cast_params(master_params(state, mesh), dtype)  # frozen leaves cast up: exact
+        flay = build_layout(full, mesh.size, lay.kind, lay.units[1:], list(lay.frozen))
+        params = flay.unflatten(flay.flatten(full))
+    return ShardedState(params, state.opt_state, state.step, flay, state.stage, state.buffers)
+
+
+def _like(layout: Any) -> PyTree:
+    """Meta tensors of the layout's leaves (shapes and dtypes only)."""
+    leaves = [torch.empty(s, dtype=d, device="meta") for s, d in zip(layout.shapes, layout.dtypes)]
+    return tree_unflatten(layout.treedef, leaves)
+
+
+def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedState:
+    """A full-precision loaded `state` as `shard_state(..., precision=)` would hold it:
+    parameters cast to the compute dtype, the loaded values kept as masters."""
+    lay32 = state.layout
+    full_like = _like(lay32) if state.stage == 3 else state.params
+    cast = cast_params(full_like, precision.param_dtype)
+    lay = build_layout(cast, mesh.size, lay32.kind, lay32.units[1:], list(lay32.frozen))
+    if not needs_master(precision, lay, state.stage):
+        return dataclasses.replace(state, precision=precision)
+    mlay, _ = master_layout(lay, full_like, precision.master_dtype)
+    if state.stage == 3:
+        params: PyTree = Shards(
+            tuple(x.to(b.dtype) for x, b in zip(state.params.buffers, lay.buckets)), lay, mesh.rank
+        )
+        master: PyTree = Shards(
+            tuple(
+                x.new_empty(0) if b.frozen else x.to(m.dtype)
+                for x, b, m in zip(state.params.buffers, lay.buckets, mlay.buckets)
+            ),
+            mlay,
+            mesh.rank,
+        )
+    else:
+        params = lay.unflatten(lay.flatten(cast))
+        trainable = mlay.trainable(mlay.unflatten(mlay.flatten(_as(state.params, mlay))))
+        master = (
+            trainable
+            if state.stage == 0
+            else Shards(mlay.shard(trainable, mesh.rank), mlay, mesh.rank)
+        )
+    return dataclasses.replace(state, params=params, layout=lay, master=master, precision=precision)
+
+
+def _as(tree: PyTree, layout: Any) -> PyTree:
+    leaves, treedef = tree_flatten(tree)
+    return tree_unflatten(treedef, [x.to(d) for x, d in zip(leaves, layout.dtypes)])
+
+
+# -- buffers and the scaler: rank 0's file, described in the metadata ------------------------
+
+
+def extra_tensors(state: ShardedState) -> dict[str, torch.Tensor]:
+    """Rank 0's extra tensors: buffers `b<j>`, the scaler's `scale` and `growth`."""
+    out: dict[str, torch.Tensor] = {}
+    if state.buffers is not None:
+        for j, b in enumerate(tree_flatten(state.buffers)[0]):
+            out[f"b{j}"] = b.detach().clone()
+    if state.scaler is not None:
+        out["scale"] = state.scaler.scale.detach().clone()
+        out["growth"] = state.scaler.growth_tracker.detach().clone()
+    return out
+
+
+def extra_metadata(state: ShardedState) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if state.buffers is not None:
+        leaves = tree_flatten(state.buffers)[0]
+        body["buffers"] = [
+            {"path": p, "shape": list(x.shape), "dtype": str(x.dtype)}
+            for p, x in zip(leaf_paths(state.buffers), leaves)
+        ]
+    if state.scaler is not None:
+        body["scaler"] = dict(state.scaler.config._asdict())
+    if state.precision is not None:
+        body["precision"] = {k: str(v) for k, v in vars(state.precision).items()}
+    return body
+
+
+def load_buffers(src: Any, body: dict[str, Any], buffers_like: PyTree) -> PyTree:
+    """The saved buffers, in `buffers_like`'s structure (or a dict by path)."""
+    saved = body.get("buffers")
+    if saved is None:
+        if buffers_like is not None:
+            raise CheckpointError("buffers_like was given, but the checkpoint holds no buffers")
+        return None
+    values = [src._tensor(0, f"b{j}").clone() for j in range(len(saved))]
+    if buffers_like is None:
+        return {e["path"]: v for e, v in zip(saved, values)}
+    paths = leaf_paths(buffers_like)
+    if paths != [e["path"] for e in saved]:
+        raise CheckpointError(
+            f"buffers_like has buffers {paths}, the checkpoint {[e['path'] for e in saved]}"
+        )
+    return tree_unflatten(tree_flatten(buffers_like)[1], values)
+
+
+def load_scaler(
+    src: Any, body: dict[str, Any], loss_scale: DynamicLossScale | None
+) -> LossScaleState | None:
+    """The saved scaler state, under `loss_scale`'s rules if given (else the saved ones);
+    a fresh one if the checkpoint has none and `loss_scale` is given."""
+    saved = body.get("scaler")
+    if saved is None:
+        return None if loss_scale is None else loss_scale.init()
+    config = loss_scale if loss_scale is not None else DynamicLossScale(**saved)
+    config.init()  # validates
+    scale = src._tensor(0, "scale").clone()
+    growth = src._tensor(0, "growth").clone()
+    return LossScaleState(scale, growth, config)
