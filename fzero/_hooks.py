@@ -136,6 +136,7 @@ def value_and_shard_grad(
     final: bool = True,
     overlap: bool = True,
     replicate: bool = False,
+    unbounded: bool = False,
     jit: tuple[str, ...] | None = None,
     comm_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -162,6 +163,8 @@ def value_and_shard_grad(
         module, so a step computes it once, not every step).
       replicate: stage 0: all-reduce each unit's gradient (full-size results, one per
         bucket) instead of reduce-scattering it.
+      unbounded: stage 1: with `overlap`, never wait for an earlier reduction before
+        issuing the next (full gradients may all be alive until the backward ends).
       comm_dtypes: `(gather_dtype, reduce_dtype)` the parameters and gradients travel in
         (None: the buckets' own); reduced gradients come back in the reduce dtype.
 
@@ -178,7 +181,10 @@ def value_and_shard_grad(
         mesh, layout, inputs, local, reshard=reshard, prefetch=prefetch, order=order, ledger=ledger
     )
     run.acc, run.final = acc, final
-    run.max_inflight = 1 if overlap else 0
+    # Stages 0-1 may hold every full gradient anyway (stage 0 reduces them in place): they
+    # issue each reduction without waiting for the previous one, as DDP's buckets do.
+    # Stages 2-3 keep one in flight, so at most two units of full gradients are alive.
+    run.max_inflight = (len(layout.buckets) if replicate or unbounded else 1) if overlap else 0
     run.replicate = replicate
     run.gather_dtype, run.reduce_dtype = comm_dtypes
     jit = hookable_units(layout, module) if jit is None else jit

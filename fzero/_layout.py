@@ -15,6 +15,7 @@ packings share that one mechanism, so gather and reduce-scatter never care which
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,7 +76,15 @@ class ShardLayout:
 
     def unit_buckets(self, unit: str) -> tuple[int, ...]:
         """Indices of the buckets of `unit` (one per dtype it holds)."""
-        return tuple(i for i, b in enumerate(self.buckets) if b.unit == unit)
+        return self._unit_index.get(unit, ())
+
+    @functools.cached_property
+    def _unit_index(self) -> dict[str, tuple[int, ...]]:
+        # Asked several times per unit per step: computed once per layout.
+        out: dict[str, tuple[int, ...]] = {}
+        for i, b in enumerate(self.buckets):
+            out[b.unit] = (*out.get(b.unit, ()), i)
+        return out
 
     def unit_numel(self, unit: str) -> int:
         """Full (padded) elements of `unit` over all its buckets."""
@@ -91,7 +100,7 @@ class ShardLayout:
         """Elements one rank owns, padding included."""
         return sum(b.shard_numel for b in self.buckets)
 
-    @property
+    @functools.cached_property
     def frozen(self) -> tuple[bool, ...]:
         """Per leaf, in flatten order: is it frozen?"""
         out = [False] * len(self.paths)

@@ -9,10 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._autodiff import value_and_grad
 from ._comm import all_gather
 from ._gather import gather_params_into
-from ._grads import local_shard, reduce_scatter_grads
+from ._grads import local_shard
 from ._hooks import hookable_units, value_and_shard_grad
 from ._layout import ShardLayout
 from ._loss import BufferThread, ScaledLoss, sync_buffers
@@ -182,21 +181,14 @@ def _stage0(
 def _stage1(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
-    """Optimizer state sharded: full gradients reduce-scattered after the backward, own
-    shard updated, parameters all-gathered (2Ψ per step, like stages 0 and 2)."""
-    lay = state.layout
-    loss, grads = _replicated_grad(
-        loss_fn,
-        state.params,
-        batch,
-        o,
-        lay,
-        lambda g: reduce_scatter_grads(g, lay, o.mesh, dtype=o.comm[1]),
-    )
-    if state.master is None:
-        target = local_shard(lay.trainable(state.params), lay, o.mesh)
-    else:
-        target = state.master
+    """Optimizer state sharded: each unit's full gradient is reduce-scattered as soon as the
+    backward produces it, without waiting for the previous unit's (so all full gradients
+    may be alive until the backward ends: ZeRO-1's memory, DDP's overlap); own shard
+    updated; parameters all-gathered (2Ψ per step, like stages 0 and 2)."""
+    shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
+    local = _full_buckets(state.params, state.layout)
+    loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local, unbounded=True)
+    target = shard if state.master is None else state.master
     return _update_and_regather(optimizer, o, state, target, grads, loss)
 
 
@@ -323,10 +315,12 @@ def _unit_grad(
     shards: tuple[torch.Tensor, ...],
     local: tuple[torch.Tensor, ...] | None,
     replicate: bool = False,
+    unbounded: bool = False,
 ) -> tuple[torch.Tensor, Shards]:
     """Loss and shard gradients, unit by unit; over every micro-batch when accumulating.
 
-    With `replicate` (stage 0) the "shards" are the full buckets, all-reduced.
+    With `replicate` (stage 0) the "shards" are the full buckets, all-reduced. With
+    `unbounded` (stage 1) any number of reductions may be in flight.
     """
     micro = _micro_batches(batch, o)
     if o.jit[0] is not layout:  # walks the module: once per state layout, not every step
@@ -350,6 +344,7 @@ def _unit_grad(
             final=j == len(micro) - 1,
             overlap=o.overlap_reduce,
             replicate=replicate,
+            unbounded=unbounded,
             jit=o.jit[1],
             comm_dtypes=o.comm,
         )
@@ -359,33 +354,6 @@ def _unit_grad(
     if len(micro) > 1:
         total = tuple(t / len(micro) for t in total)
     return torch.stack(losses).mean(), Shards(total, layout, o.mesh.rank)
-
-
-def _replicated_grad(
-    loss_fn: LossFn,
-    params: PyTree,
-    batch: Any,
-    o: _Options,
-    layout: ShardLayout,
-    reduce: Callable[[PyTree], PyTree],
-) -> tuple[torch.Tensor, PyTree]:
-    """Loss and reduced full gradients (stage 1); over every micro-batch when accumulating.
-
-    `reduce` is how the full gradients reach their ranks (a reduce-scatter into Shards).
-    """
-    micro = _micro_batches(batch, o)
-    losses, total = [], None
-    for mb in micro:
-        loss, grads = _grad(loss_fn, params, mb, o.mesh, layout)
-        if o.accumulate != "local":  # "local" communicates once, after the last micro-batch
-            grads = reduce(grads)
-        losses.append(loss)
-        total = grads if total is None else tree_map(torch.add, total, grads)
-    if o.accumulate == "local":
-        total = reduce(total)
-    if len(micro) > 1:
-        total = tree_map(lambda g: g / len(micro), total)
-    return torch.stack(losses).mean(), total
 
 
 def _micro_batches(batch: Any, o: _Options) -> list[Any]:
@@ -409,16 +377,6 @@ def _full_buckets(params: PyTree, layout: ShardLayout) -> tuple[torch.Tensor, ..
             return layout.flatten(params)
         out.append(base)
     return tuple(out)
-
-
-def _grad(
-    loss_fn: LossFn, params: PyTree, batch: Any, mesh: Mesh, layout: ShardLayout
-) -> tuple[torch.Tensor, PyTree]:
-    """Loss and full gradients (None at frozen leaves; zeros if the loss ignores params)."""
-    loss, grads = value_and_grad(loss_fn, params, batch, rank=mesh.rank, frozen=layout.frozen)
-    if grads is None:
-        grads = tree_map(torch.zeros_like, layout.trainable(params))
-    return loss, grads
 
 
 def _check_state(

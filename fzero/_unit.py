@@ -278,22 +278,24 @@ class UnitRun:
             self.ledger._add(kind, unit, nbytes)
 
 
+# The per-unit nodes use the classic `forward(ctx, ...)` form, not setup_context: they run
+# under torch.autograd.grad only (see _hooks), and torch binds a setup_context Function's
+# arguments with inspect.signature on every call, about 1 ms per unit per step.
+
+
 class _UnitGather(torch.autograd.Function):
     """Shards in, full buckets out; backward reduce-scatters the full gradient."""
 
     @staticmethod
-    def forward(run: UnitRun, call: _Call, *shards: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, run: UnitRun, call: _Call, *shards: torch.Tensor) -> Any:  # type: ignore[override]
         fulls = run.materialize(call.unit)
         call.attach(fulls)
         run.calls.append(call)
-        return fulls
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        run, call = ctx.run, ctx.call = inputs[0], inputs[1]
+        ctx.run, ctx.call = run, call
         # Frozen buckets' full parameters take part in the forward but never need a gradient.
         frozen = [run.layout.buckets[i].frozen for i in run.layout.unit_buckets(call.unit)]
-        ctx.mark_non_differentiable(*(o for o, f in zip(output, frozen) if f))
+        ctx.mark_non_differentiable(*(o for o, f in zip(fulls, frozen) if f))
+        return fulls
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -304,12 +306,9 @@ class _RegatherBeforeBackward(torch.autograd.Function):
     """Identity on a unit's outputs; its backward re-gathers the unit's freed parameters."""
 
     @staticmethod
-    def forward(run: UnitRun, call: _Call, *outputs: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, run: UnitRun, call: _Call, *outputs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.run, ctx.call = run, call
         return tuple(o.view_as(o) for o in outputs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.run, ctx.call = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
