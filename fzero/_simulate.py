@@ -63,6 +63,18 @@ class Simulation:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if sys.platform == "win32":
             raise RuntimeError("fzero.simulate forks its ranks, which Windows cannot do")
+        # Gloo's mesh setup on 127.0.0.1 occasionally fails with "connection closed by
+        # peer" when many process groups come and go quickly; that is infrastructure, not
+        # the caller's code, so the whole simulation is started afresh (fn has not run).
+        for attempt in range(_SETUP_ATTEMPTS):
+            try:
+                return self._run_once(fn, args, kwargs)
+            except _MeshSetupError:
+                if attempt == _SETUP_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _run_once(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> list[Any]:
         ctx = mp.get_context("fork")
         store_dir = tempfile.mkdtemp(prefix="fzero-sim-")
         conns, procs = [], []
@@ -207,13 +219,16 @@ def _rank_main(
         import torch.distributed as dist
 
         store = dist.FileStore(os.path.join(store_dir, "store"), sim.world_size)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=sim.world_size,
-            timeout=timedelta(seconds=sim.collective_timeout),
-        )
+        try:
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=sim.world_size,
+                timeout=timedelta(seconds=sim.collective_timeout),
+            )
+        except RuntimeError as exc:
+            raise _MeshSetupError(f"gloo could not connect the ranks: {exc}") from exc
         result = fn(ProcessGroupMesh(), *args, **kwargs)
         data = _dump("ok", result)
     except BaseException as exc:
@@ -234,6 +249,13 @@ def _rank_main(
     # Skip atexit handlers and buffered-IO flushes inherited from the parent (pytest,
     # Jupyter): they belong to the parent process.
     os._exit(0)
+
+
+_SETUP_ATTEMPTS = 3
+
+
+class _MeshSetupError(RuntimeError):
+    """Gloo failed to connect the simulated ranks (before `fn` ran)."""
 
 
 def _receive(conn: Any) -> tuple[str, Any] | None:

@@ -302,3 +302,24 @@ def test_world_size_must_be_a_positive_int(world_size: Any) -> None:
         fzero.simulate(world_size, lambda mesh: None)
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         fzero.Simulation(world_size).run(lambda mesh: None)
+
+
+def test_a_failed_gloo_setup_is_retried_not_reported(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gloo's mesh setup failing ("connection closed by peer", seen rarely on 127.0.0.1)
+    restarts the simulation instead of failing the caller; fn still runs once per rank."""
+    import torch.distributed as dist
+
+    real = dist.init_process_group
+    marker = tmp_path / "failed-once"
+
+    def flaky(*args: Any, **kwargs: Any) -> None:
+        if not marker.exists():  # the forked ranks inherit this patch
+            marker.touch()
+            raise RuntimeError("Gloo connectFullMesh failed: Connection closed by peer")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky)
+    assert run(2, lambda mesh: mesh.rank) == [0, 1]
+    assert marker.exists()
