@@ -18,9 +18,10 @@ class Precision:
     Attributes:
       param_dtype: dtype the parameters are held in for compute and given to `loss_fn`
         (stages 0-2: the replicated parameters; stage 3: the shards and the gathered
-        units). None keeps the parameters' own dtype. When it is lower than that dtype,
-        the optimizer updates master copies of this rank's shard (`master_dtype`) and the
-        parameters are the masters cast down, as in DeepSpeed and ZeRO's 16Ψ arithmetic.
+        units). None keeps the parameters' own dtype. When set, the optimizer updates
+        master copies of this rank's shard (`master_dtype`) and the parameters are the
+        masters cast down, as in DeepSpeed and ZeRO's 16Ψ arithmetic. Frozen parameters
+        are held in this dtype only (no masters: nothing updates them).
       reduce_dtype: dtype gradients are reduced (summed over ranks) in; the optimizer then
         sees them in the master dtype. None: the parameters' compute dtype.
       gather_dtype: dtype parameters travel in when they are all-gathered (after the
