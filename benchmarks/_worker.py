@@ -118,6 +118,37 @@ def _functional_cost(plan: dict[str, Any], model_name: str, port: int) -> dict[s
     return times
 
 
+INTERLEAVED = ("ddp", "zero", "fzero0", "fzero1")  # the targets that compare close ratios
+
+
+def _interleaved(plan: dict[str, Any], model_name: str, rank: int, port: int
+                 ) -> dict[str, Any]:
+    """DDP, ZeroRedundancyOptimizer and fzero stages 0-1 built side by side in the same rank
+    processes and stepped in turn, so a busy or drifting machine slows all of them alike.
+
+    Issue 7's stage 0 and stage 1 targets compare ratios a few percent apart; configurations
+    timed one after another in fresh processes differ by more than that from run to run.
+    """
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=plan["world_size"],
+                            timeout=datetime.timedelta(seconds=plan["collective_timeout"]))
+    spec = models.spec(model_name, plan["quick"])
+    names = [c for c in INTERLEAVED if c in plan["configs"]]
+    steps = {c: configs.build(configs.BY_NAME[c], spec, models.build_model(spec)).step
+             for c in names}
+    times: dict[str, list[float]] = {c: [] for c in names}
+    for t in range(plan["steps"]):
+        batch = models.rank_batch(spec, t, rank, plan["world_size"])
+        for c in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[c](batch)
+            times[c].append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return {"times": times}
+
+
 def _rank(plan: dict[str, Any], model_name: str, cfg_name: str, rank: int, port: int,
           ref_path: Path) -> dict[str, Any]:
     torch.set_num_threads(1)  # before any op: GNU OpenMP is not fork-safe
@@ -250,6 +281,12 @@ def main() -> None:
             cost = _run_group([(_functional_cost, (plan, model_name, _free_port()))], [out],
                               plan["config_timeout"])[0]
             records.append({"model": model_name, "config": "ws1", "ranks": [cost]})
+        if "ddp" in plan["configs"] and {"fzero0", "fzero1"} & set(plan["configs"]):
+            port, ws = _free_port(), plan["world_size"]
+            outs = [tmp / f"{model_name}-interleaved-{r}.json" for r in range(ws)]
+            ranks = _run_group([(_interleaved, (plan, model_name, r, port)) for r in range(ws)],
+                               outs, plan["config_timeout"])
+            records.append({"model": model_name, "config": "interleaved", "ranks": ranks})
         for cfg_name in plan["configs"]:
             skip = _fairscale_missing() if cfg_name.startswith("fairscale") else None
             if skip:

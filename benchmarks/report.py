@@ -51,12 +51,14 @@ def aggregate(records: list[dict[str, Any]], world_size: int, warmup: int
               ) -> tuple[list[Row], dict[str, dict[str, Any]]]:
     """Rows for every configuration, and the single-process reference per model."""
     refs = {r["model"]: r["ranks"][0] for r in records if r["config"] == "reference"}
-    for r in records:  # world size 1: eager loop vs fzero stage 0, kept with the reference
+    for r in records:  # world size 1 and the interleaved runs, kept with the reference
         if r["config"] == "ws1" and r["model"] in refs:
             refs[r["model"]]["ws1"] = r["ranks"][0]
+        if r["config"] == "interleaved" and r["model"] in refs:
+            refs[r["model"]]["interleaved"] = r["ranks"]
     rows = []
     for rec in records:
-        if rec["config"] in ("reference", "ws1"):
+        if rec["config"] in ("reference", "ws1", "interleaved"):
             continue
         cfg = configs.BY_NAME[rec["config"]]
         row = Row(rec["model"], cfg.name, cfg.label)
@@ -125,6 +127,39 @@ def functional_cost(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, A
             out.append(f"| {model} | {label} | {e:.3f} | {f:.3f} | {f / e:.2f} "
                        f"| {'met' if f / e <= 1.10 else f'MISSED by {f / e / 1.10 - 1:.0%}'} |")
     return out
+
+
+def interleaved(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
+                warmup: int) -> list[str]:
+    """Issue 7's stage 0 and stage 1 targets, from configurations stepped in turn."""
+    out = ["| model | allocator | DDP s/step | ZeroRedundancyOptimizer | fzero stage 0 "
+           "| fzero stage 1 | stage 0 ≤ 1.05 × DDP | stage 1 ≤ ZeroRedundancyOptimizer |",
+           "|---|---|---:|---:|---:|---:|---|---|"]
+    for label, source in (("default malloc", fast), ("mmap ≥ 64 KiB", refs)):
+        for model, ref in (source or {}).items():
+            ranks = ref.get("interleaved")
+            if not ranks:
+                continue
+            errors = [r["error"] for r in ranks if "error" in r]
+            if errors:
+                out.append(f"| {model} | {label} | failed: {errors[0].splitlines()[-1]} "
+                           "| | | | | |")
+                continue
+            med = {c: statistics.median([max(ts) for ts in zip(*(r["times"][c] for r in ranks))]
+                                        [warmup:]) for c in ranks[0]["times"]}
+            ddp = med["ddp"]
+            cells = {c: f"{med[c]:.3f} ({med[c] / ddp:.2f})" if c in med else "—"
+                     for c in ("zero", "fzero0", "fzero1")}
+            t0 = _verdict(med["fzero0"] / ddp, 1.05) if "fzero0" in med else "—"
+            t1 = (_verdict(med["fzero1"] / med["zero"], 1.0)
+                  if {"fzero1", "zero"} <= med.keys() else "—")
+            out.append(f"| {model} | {label} | {ddp:.3f} | {cells['zero']} | {cells['fzero0']} "
+                       f"| {cells['fzero1']} | {t0} | {t1} |")
+    return out
+
+
+def _verdict(ratio: float, bound: float) -> str:
+    return "met" if ratio <= bound else f"MISSED by {ratio / bound - 1:.0%}"
 
 
 def _psi_units(row: Row) -> str:

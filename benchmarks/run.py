@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + "\n".join(report.bounds_table(rows)))
     print("\n" + "\n".join(report.targets(rows)))
     print("\n" + "\n".join(report.functional_cost(refs, args.fast_refs, warmup)))
+    print("\n" + "\n".join(report.interleaved(refs, args.fast_refs, warmup)))
     print(f"\nwrote {args.out} and {png} ({elapsed:.0f} s)")
 
 
@@ -175,7 +176,14 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "World size 1, the cost of being functional: a plain eager loop (module + "
               "`torch.optim.Adam`) and fzero stage 0 alternating step by step in one process "
               "on the whole batch.", "",
-              *report.functional_cost(refs, args.fast_refs, warmup), ""]
+              *report.functional_cost(refs, args.fast_refs, warmup), "",
+              "Stage 0 and stage 1, interleaved: DDP, ZeroRedundancyOptimizer and fzero "
+              "stages 0 and 1 built side by side in the same two rank processes and stepped "
+              "in turn (median s/step, × DDP in brackets). The targets above time each "
+              "configuration in its own processes, one after another, where run-to-run drift "
+              "exceeds the few percent these two targets are about; this table is the "
+              "verdict for them.", "",
+              *report.interleaved(refs, args.fast_refs, warmup), ""]
     lines += ["## How to read this", "", *_NOTES, ""]
     failed = [r for r in rows if r.error]
     if failed:
