@@ -69,13 +69,13 @@ def sharded_step(
     mean over ranks of the gradients (DDP semantics), so N ranks on micro-batches of size b
     train exactly like one process on their concatenation with a mean loss.
 
-    Stages 2 and 3 work unit by unit (`units=` of `shard_state`). With `module=` (the
+    Every stage works unit by unit (`units=` of `shard_state`). With `module=` (the
     module `loss_fn` calls through `torch.func.functional_call`, params keyed by
     `named_parameters`), each unit that names a submodule is gathered (stage 3) just
-    before its forward and its gradient reduce-scattered as soon as its backward is
-    complete; the parameters of such a unit may only be used inside that submodule's
-    forward. Without `module=`, every unit is gathered before the forward and reduced when
-    the backward reaches it.
+    before its forward and its gradient reduced (all-reduced at stage 0, reduce-scattered
+    at stages 1-3) as soon as its backward is complete; the parameters of such a unit may
+    only be used inside that submodule's forward. Without `module=`, every unit is
+    gathered before the forward and reduced when the backward reaches it.
 
     Args:
       loss_fn: `(params, batch) -> scalar tensor`, params being the full tree.
@@ -103,9 +103,10 @@ def sharded_step(
         returns: "broadcast" (rank 0's, as DDP's `broadcast_buffers`), "mean" (floating
         buffers averaged over ranks, e.g. BatchNorm running means; others rank 0's), or
         "local" (each rank keeps its own).
-      overlap_reduce: stages 2-3: a unit's gradient reduce-scatter runs asynchronously
-        while the units before it differentiate (at most one in flight, so one more
-        unit of full gradients is alive); False reduces each unit synchronously.
+      overlap_reduce: a unit's gradient reduction runs asynchronously while the units
+        before it differentiate: at stages 2-3 at most one in flight (so one more unit of
+        full gradients is alive), at stages 0-1 any number (they may hold every full
+        gradient anyway, like DDP); False reduces each unit synchronously.
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached.
