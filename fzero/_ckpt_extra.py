@@ -17,7 +17,7 @@ from ._ckpt_state import CheckpointError
 from ._gather import master_params
 from ._layout import build_layout
 from ._mesh import Mesh
-from ._precision import Precision, cast_params, master_layout, needs_master
+from ._precision import Precision, cast_params, compute_params, master_layout, needs_master
 from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._state import ShardedState
@@ -67,11 +67,11 @@ def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedSt
     parameters cast to the compute dtype, the loaded values kept as masters."""
     lay32 = state.layout
     full_like = _like(lay32) if state.stage == 3 else state.params
-    cast = cast_params(full_like, precision.param_dtype)
+    cast = compute_params(full_like, precision, state.stage)
     lay = build_layout(cast, mesh.size, lay32.kind, lay32.units[1:], list(lay32.frozen))
     if not needs_master(precision, lay, state.stage):
         return dataclasses.replace(state, precision=precision)
-    mlay, _ = master_layout(lay, full_like, precision.master_dtype)
+    mlay, full32 = master_layout(lay, full_like, precision.master_dtype)
     if state.stage == 3:
         params: PyTree = Shards(
             tuple(x.to(b.dtype) for x, b in zip(state.params.buffers, lay.buckets)), lay, mesh.rank
@@ -86,18 +86,13 @@ def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedSt
         )
     else:
         params = lay.unflatten(lay.flatten(cast))
-        trainable = mlay.trainable(mlay.unflatten(mlay.flatten(_as(state.params, mlay))))
+        trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
         master = (
             trainable
             if state.stage == 0
             else Shards(mlay.shard(trainable, mesh.rank), mlay, mesh.rank)
         )
     return dataclasses.replace(state, params=params, layout=lay, master=master, precision=precision)
-
-
-def _as(tree: PyTree, layout: Any) -> PyTree:
-    leaves, treedef = tree_flatten(tree)
-    return tree_unflatten(treedef, [x.to(d) for x, d in zip(leaves, layout.dtypes)])
 
 
 # -- buffers and the scaler: rank 0's file, described in the metadata ------------------------

@@ -83,6 +83,17 @@ def cast_params(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
     )
 
 
+def compute_params(params: PyTree, precision: Precision, stage: int) -> PyTree:
+    """The parameters the loss sees at step 0: cast to `param_dtype`, and at stages 1-2
+    rounded through `gather_dtype`, exactly as every later all-gather delivers them."""
+    cast = cast_params(params, precision.param_dtype)
+    gather = precision.gather_dtype
+    if gather is None or stage not in (1, 2):
+        return cast
+    leaves, treedef = tree_flatten(cast)
+    return tree_unflatten(treedef, [x.to(gather).to(x.dtype) for x in leaves])
+
+
 def master_layout(
     layout: ShardLayout, original: PyTree, master_dtype: torch.dtype | None
 ) -> tuple[ShardLayout, PyTree]:

@@ -12,7 +12,14 @@ import torch
 from . import _comm
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
-from ._precision import Precision, cast_params, check_castable, master_layout, needs_master
+from ._precision import (
+    Precision,
+    cast_params,
+    check_castable,
+    compute_params,
+    master_layout,
+    needs_master,
+)
 from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._tree import NAMESPACE, PyTree, tree_flatten
@@ -144,7 +151,7 @@ def shard_state(
         if precision is not None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
             check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
-            params = cast_params(params, precision.param_dtype)
+            params = compute_params(params, precision, stage)
             lay = build_layout(params, mesh.size, layout, units, frozen_leaves)
         problem = None
     except (TypeError, ValueError) as exc:

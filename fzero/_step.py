@@ -186,11 +186,7 @@ def _stage1(
     backward produces it, without waiting for the previous unit's (so all full gradients
     may be alive until the backward ends: ZeRO-1's memory, DDP's overlap); own shard
     updated; parameters all-gathered (2Ψ per step, like stages 0 and 2)."""
-    shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
-    local = _full_buckets(state.params, state.layout)
-    loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local, unbounded=True)
-    target = shard if state.master is None else state.master
-    return _update_and_regather(optimizer, o, state, target, grads, loss)
+    return _update_and_regather(optimizer, o, state, batch, loss_fn, unbounded=True)
 
 
 def _stage2(
@@ -198,11 +194,7 @@ def _stage2(
 ) -> Out:
     """+ gradients sharded: params enter the loss through an identity whose VJP
     reduce-scatters, unit by unit; update own shard; all-gather parameters."""
-    shard = local_shard(state.layout.trainable(state.params), state.layout, o.mesh)
-    local = _full_buckets(state.params, state.layout)
-    loss, grads = _unit_grad(loss_fn, batch, o, state.layout, shard.buffers, local)
-    target = shard if state.master is None else state.master
-    return _update_and_regather(optimizer, o, state, target, grads, loss)
+    return _update_and_regather(optimizer, o, state, batch, loss_fn, unbounded=False)
 
 
 def _stage3(
@@ -259,11 +251,20 @@ def _update_and_regather(
     optimizer: Optimizer,
     o: _Options,
     state: ShardedState,
-    target: Shards,
-    grads: Shards,
-    loss: torch.Tensor,
+    batch: Any,
+    loss_fn: LossFn,
+    unbounded: bool,
 ) -> Out:
-    """Stages 1-2 after the gradient: update own shard (or master), all-gather the rest."""
+    """Stages 1-2: replicated parameters in, shard gradients out; update own shard (or
+    master), all-gather the rest."""
+    lay = state.layout
+    # What the optimizer updates: the masters, else a copy of own shard (updated in
+    # place, then gathered back). Only its buffers' shapes reach the gradient pass.
+    target = state.master
+    if target is None:
+        target = local_shard(lay.trainable(state.params), lay, o.mesh)
+    local = _full_buckets(state.params, lay)
+    loss, grads = _unit_grad(loss_fn, batch, o, lay, target.buffers, local, unbounded=unbounded)
     new, opt_state, applied = _update(optimizer, o, state, target, grads)
     master = None if state.master is None else new
     if not applied:  # nothing changed anywhere: no gather either
