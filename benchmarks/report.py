@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,24 +109,39 @@ def attach_speed(rows: list[Row], fast: list[Row]) -> None:
         r.fast = by.get((r.model, r.config))
 
 
+def _medians(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
+             key: str, warmup: int) -> Iterator[tuple[str, str, dict[str, float] | str]]:
+    """Per model and allocator: the median s/step of each configuration stored under `key`
+    (each step the slowest rank's), or the first rank's error."""
+    for label, source in (("default malloc", fast), ("mmap ≥ 64 KiB", refs)):
+        for model, ref in (source or {}).items():
+            ranks = ref.get(key)
+            if not ranks:
+                continue
+            ranks = ranks if isinstance(ranks, list) else [ranks]
+            errors = [r["error"] for r in ranks if "error" in r]
+            if errors:
+                yield model, label, f"failed: {errors[0].splitlines()[-1]}"
+                continue
+            times = [r.get("times", r) for r in ranks]
+            yield model, label, {
+                c: statistics.median([max(ts) for ts in zip(*(t[c] for t in times))][warmup:])
+                for c in times[0]
+            }
+
+
 def functional_cost(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
                     warmup: int) -> list[str]:
     """Issue 7's world-size-1 target: fzero stage 0 against a plain eager loop."""
     out = ["| model | allocator | eager s/step | fzero stage 0 s/step | ratio | target ≤ 1.10 |",
            "|---|---|---:|---:|---:|---|"]
-    for label, source in (("default malloc", fast), ("mmap ≥ 64 KiB", refs)):
-        for model, ref in (source or {}).items():
-            cost = ref.get("ws1")
-            if not cost:
-                continue
-            if "error" in cost:
-                out.append(f"| {model} | {label} | failed: {cost['error'].splitlines()[-1]} "
-                           "| | | |")
-                continue
-            e = statistics.median(cost["eager"][warmup:])
-            f = statistics.median(cost["fzero0"][warmup:])
-            out.append(f"| {model} | {label} | {e:.3f} | {f:.3f} | {f / e:.2f} "
-                       f"| {'met' if f / e <= 1.10 else f'MISSED by {f / e / 1.10 - 1:.0%}'} |")
+    for model, label, med in _medians(refs, fast, "ws1", warmup):
+        if isinstance(med, str):
+            out.append(f"| {model} | {label} | {med} | | | |")
+            continue
+        e, f = med["eager"], med["fzero0"]
+        out.append(f"| {model} | {label} | {e:.3f} | {f:.3f} | {f / e:.2f} "
+                   f"| {_verdict(f / e, 1.10)} |")
     return out
 
 
@@ -135,26 +151,18 @@ def interleaved(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]]
     out = ["| model | allocator | DDP s/step | ZeroRedundancyOptimizer | fzero stage 0 "
            "| fzero stage 1 | stage 0 ≤ 1.05 × DDP | stage 1 ≤ ZeroRedundancyOptimizer |",
            "|---|---|---:|---:|---:|---:|---|---|"]
-    for label, source in (("default malloc", fast), ("mmap ≥ 64 KiB", refs)):
-        for model, ref in (source or {}).items():
-            ranks = ref.get("interleaved")
-            if not ranks:
-                continue
-            errors = [r["error"] for r in ranks if "error" in r]
-            if errors:
-                out.append(f"| {model} | {label} | failed: {errors[0].splitlines()[-1]} "
-                           "| | | | | |")
-                continue
-            med = {c: statistics.median([max(ts) for ts in zip(*(r["times"][c] for r in ranks))]
-                                        [warmup:]) for c in ranks[0]["times"]}
-            ddp = med["ddp"]
-            cells = {c: f"{med[c]:.3f} ({med[c] / ddp:.2f})" if c in med else "—"
-                     for c in ("zero", "fzero0", "fzero1")}
-            t0 = _verdict(med["fzero0"] / ddp, 1.05) if "fzero0" in med else "—"
-            t1 = (_verdict(med["fzero1"] / med["zero"], 1.0)
-                  if {"fzero1", "zero"} <= med.keys() else "—")
-            out.append(f"| {model} | {label} | {ddp:.3f} | {cells['zero']} | {cells['fzero0']} "
-                       f"| {cells['fzero1']} | {t0} | {t1} |")
+    for model, label, med in _medians(refs, fast, "interleaved", warmup):
+        if isinstance(med, str):
+            out.append(f"| {model} | {label} | {med} | | | | | |")
+            continue
+        ddp = med["ddp"]
+        cells = {c: f"{med[c]:.3f} ({med[c] / ddp:.2f})" if c in med else "—"
+                 for c in ("zero", "fzero0", "fzero1")}
+        t0 = _verdict(med["fzero0"] / ddp, 1.05) if "fzero0" in med else "—"
+        t1 = (_verdict(med["fzero1"] / med["zero"], 1.0)
+              if {"fzero1", "zero"} <= med.keys() else "—")
+        out.append(f"| {model} | {label} | {ddp:.3f} | {cells['zero']} | {cells['fzero0']} "
+                   f"| {cells['fzero1']} | {t0} | {t1} |")
     return out
 
 
