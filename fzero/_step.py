@@ -258,18 +258,30 @@ def _update_and_regather(
     """Stages 1-2: replicated parameters in, shard gradients out; update own shard (or
     master), all-gather the rest."""
     lay = state.layout
-    # What the optimizer updates: the masters, else a copy of own shard (updated in
-    # place, then gathered back). Only its buffers' shapes reach the gradient pass.
-    target = state.master
-    if target is None:
-        target = local_shard(lay.trainable(state.params), lay, o.mesh)
     local = _full_buckets(state.params, lay)
+    # What the optimizer updates: the masters; else, donating, this rank's slice of the
+    # replicated buffers itself (updated where it lies, so the gather only fills the
+    # peers' slices); else a copy of it. Only its shapes reach the gradient pass.
+    target = state.master
+    if target is None and o.donate:
+        target = Shards(_own_slices(local, lay, o.mesh.rank), lay, o.mesh.rank)
+    elif target is None:
+        target = local_shard(lay.trainable(state.params), lay, o.mesh)
     loss, grads = _unit_grad(loss_fn, batch, o, lay, target.buffers, local, unbounded=unbounded)
     new, opt_state, applied = _update(optimizer, o, state, target, grads)
     master = None if state.master is None else new
     if not applied:  # nothing changed anywhere: no gather either
         return state.params, opt_state, master, loss, False
     return _regather(new, state, o), opt_state, master, loss, True
+
+
+def _own_slices(
+    full: tuple[torch.Tensor, ...], layout: ShardLayout, rank: int
+) -> tuple[torch.Tensor, ...]:
+    """Views of `rank`'s slice of each full flat bucket."""
+    return tuple(
+        f.narrow(0, rank * b.shard_numel, b.shard_numel) for f, b in zip(full, layout.buckets)
+    )
 
 
 def _cast_tree(master: PyTree, state: ShardedState, o: _Options) -> PyTree:
