@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._autodiff import value_and_grad
 from ._comm import all_gather
 from ._gather import gather_params_into
 from ._grads import local_shard
@@ -75,7 +76,9 @@ def sharded_step(
     before its forward and its gradient reduced (all-reduced at stage 0, reduce-scattered
     at stages 1-3) as soon as its backward is complete; the parameters of such a unit may
     only be used inside that submodule's forward. Without `module=`, every unit is
-    gathered before the forward and reduced when the backward reaches it.
+    gathered before the forward and reduced when the backward reaches it. Stage 0 on one
+    rank has nothing to communicate: it differentiates by leaf, as an eager loop does,
+    with no units (so no restriction on where a unit's parameters are used).
 
     Args:
       loss_fn: `(params, batch) -> scalar tensor`, params being the full tree.
@@ -166,10 +169,13 @@ def _stage0(
     """DDP: params enter the loss through an identity whose VJP all-reduces, unit by unit;
     every rank applies the same full update."""
     lay = state.layout
-    full = _full_buckets(state.params, lay)
-    loss, reduced = _unit_grad(loss_fn, batch, o, lay, full, full, replicate=True)
-    flats = [f if b.frozen else g for f, g, b in zip(full, reduced.buffers, lay.buckets)]
-    grads = lay.trainable(lay.unflatten(flats))
+    if o.mesh.size == 1:
+        loss, grads = _leaf_grad(loss_fn, batch, o, state)
+    else:
+        full = _full_buckets(state.params, lay)
+        loss, reduced = _unit_grad(loss_fn, batch, o, lay, full, full, replicate=True)
+        flats = [f if b.frozen else g for f, g, b in zip(full, reduced.buffers, lay.buckets)]
+        grads = lay.trainable(lay.unflatten(flats))
     if state.master is None:
         new, opt_state, applied = _update(optimizer, o, state, lay.trainable(state.params), grads)
         return lay.merge(state.params, new), opt_state, None, loss, applied
@@ -368,6 +374,38 @@ def _unit_grad(
     if len(micro) > 1:
         total = tuple(t / len(micro) for t in total)
     return torch.stack(losses).mean(), Shards(total, layout, o.mesh.rank)
+
+
+def _leaf_grad(loss_fn: LossFn, batch: Any, o: _Options, state: ShardedState) -> tuple[Any, Any]:
+    """Stage 0 on one rank: loss and gradients by leaf, over every micro-batch.
+
+    With nothing to communicate there is nothing to gather or reduce unit by unit, so the
+    gradient is taken with respect to the leaves themselves, as an eager loop's `.grad`:
+    no per-unit nodes and no flat gradient buffers (assembling them copies every gradient
+    once more). The values are those of the unit path on one rank, bitwise: gradients
+    pass through the reduce dtype as they would through a reduction ("local"
+    accumulation sums them first, "sharded" after), and a mean over micro-batches.
+    """
+    lay, reduce_dtype = state.layout, o.comm[1]
+    micro = _micro_batches(batch, o)
+    trainable = lay.trainable(state.params)
+
+    def rounded(g: Any) -> Any:
+        return tree_map(lambda x: x.to(reduce_dtype or x.dtype), g)
+
+    losses, total = [], None
+    for mb in micro:
+        loss, grads = value_and_grad(loss_fn, state.params, mb, rank=0, frozen=lay.frozen)
+        losses.append(loss)
+        grads = tree_map(torch.zeros_like, trainable) if grads is None else lay.trainable(grads)
+        if o.accumulate != "local":
+            grads = rounded(grads)
+        total = grads if total is None else tree_map(torch.add, total, grads)
+    if o.accumulate == "local":
+        total = rounded(total)
+    if len(micro) > 1:
+        total = tree_map(lambda t: t / len(micro), total)
+    return torch.stack(losses).mean(), total
 
 
 def _micro_batches(batch: Any, o: _Options) -> list[Any]:

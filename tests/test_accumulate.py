@@ -88,6 +88,26 @@ def test_local_accumulation_reduces_once_per_step_and_sharded_every_micro_batch(
         assert sum(r_sharded) == K * sum(r_local)
 
 
+@pytest.mark.parametrize("mode", ["local", "sharded"])
+def test_one_rank_stage_0_accumulates_like_one_process(mode: str) -> None:
+    # One rank at stage 0 differentiates by leaf (no units, no flat gradients): its own
+    # path, checked here every run rather than whenever hypothesis draws it.
+    from support import make_params
+
+    g = torch.Generator().manual_seed(1)
+    case = Case(
+        make_params([3, 5, 2], torch.float64, 2),
+        torch.randn(3, K * 2, 3, generator=g, dtype=torch.float64),
+        torch.randn(3, K * 2, 2, generator=g, dtype=torch.float64),
+        world_size=1,
+        optimizer="adam",
+        stage=0,
+    )
+    ((params, reductions),) = run(1, train, case, mode)
+    fzero.assert_trees_close(params, train_reference(case), rtol=1e-12, atol=1e-14)
+    assert reductions == []  # one rank: nothing to communicate
+
+
 def test_accumulate_wants_a_list_of_micro_batches() -> None:
     from support import make_params
 
