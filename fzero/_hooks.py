@@ -14,6 +14,9 @@ from ._mesh import Mesh
 from ._tree import tree_flatten, tree_unflatten
 from ._unit import UnitLedger, UnitRun, _Call, _RegatherBeforeBackward, gather_unit
 
+# A hooked unit's parameters: (leaf path, the module holding it, its attribute name).
+Slots = tuple[tuple[str, nn.Module, str], ...]
+
 
 @dataclass
 class UnitHooks:
@@ -21,7 +24,7 @@ class UnitHooks:
 
     run: UnitRun
     module: nn.Module
-    units: tuple[str, ...]
+    units: dict[str, Slots]  # hooked unit -> its parameters' module slots
     handles: list[Any] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
     open_calls: dict[str, list[_Call]] = field(default_factory=dict)
@@ -44,8 +47,8 @@ class UnitHooks:
             if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
                 self.seen.append(unit)
                 run.prefetch_next(unit)
-            for path, view in views.items():
-                owner, name = _owner(self.module, path)
+            for path, owner, name in self.units[unit]:
+                view = views[path]
                 call.swapped.append((owner, name, owner._parameters[name]))
                 owner._parameters[name] = view
             self.open_calls.setdefault(unit, []).append(call)
@@ -81,13 +84,9 @@ def _wrap_outputs(run: UnitRun, call: _Call, output: Any) -> Any:
     return tree_unflatten(treedef, leaves)
 
 
-def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
-    head, _, name = path.rpartition(".")
-    return (module.get_submodule(head) if head else module), name
-
-
-def hookable_units(layout: ShardLayout, module: nn.Module | None) -> tuple[str, ...]:
-    """The units gathered just in time: those naming a submodule of `module` that runs.
+def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, Slots]:
+    """The units gathered just in time: those naming a submodule of `module` that runs,
+    each with the (path, owning module, attribute) of its parameters, which its hook swaps.
 
     A container such as `nn.ModuleList` has no forward of its own, so no hook would ever
     fire for it: such units are gathered before the forward, like units that name no
@@ -98,14 +97,15 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> tuple[str, 
     Other units, and the root, are gathered before the forward.
     """
     if module is None:
-        return ()
+        return {}
     names = dict(module.named_modules())
-    out = []
+    out: dict[str, Slots] = {}
     for unit in layout.units:
         if not unit or unit not in names or not layout.unit_buckets(unit):
             continue
         if type(names[unit]).forward is nn.Module.forward:  # a container: never called
             continue
+        slots = []
         for i in layout.unit_buckets(unit):
             for s in layout.buckets[i].slots:
                 head, _, name = s.path.rpartition(".")
@@ -115,8 +115,9 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> tuple[str, 
                         f"unit {unit!r}: leaf {s.path!r} is not a parameter of the module "
                         "passed as module= (use dict(module.named_parameters()) as params)"
                     )
-        out.append(unit)
-    return tuple(out)
+                slots.append((s.path, owner, name))
+        out[unit] = tuple(slots)
+    return out
 
 
 def value_and_shard_grad(
@@ -137,7 +138,7 @@ def value_and_shard_grad(
     overlap: bool = True,
     replicate: bool = False,
     unbounded: bool = False,
-    jit: tuple[str, ...] | None = None,
+    jit: dict[str, Slots] | None = None,
     comm_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """This rank's loss and its shard gradients (mean over ranks), unit by unit.

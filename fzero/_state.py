@@ -305,3 +305,32 @@ def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
         if f != of:
             return f"leaf {p!r} is {'frozen' if of else 'trainable'}, rank 0's is not"
     return f"tree structure {otdef} vs {tdef}"
+
+
+def check_step_state(
+    state: ShardedState, stage: int, layout: str | None, units: Sequence[str] | None, mesh: Mesh
+) -> None:
+    """Raises unless a step for `stage` (and `layout`, `units`, `mesh`) can take `state`."""
+    if not isinstance(state, ShardedState):
+        raise TypeError(
+            f"step expects the ShardedState from shard_state, got {type(state).__name__}"
+        )
+    if state.stage != stage:
+        raise ValueError(
+            f"this step is for stage {stage}, the state was built for stage {state.stage}"
+        )
+    if layout is not None and layout != state.layout.kind:
+        raise ValueError(f"this step is for layout {layout!r}, the state has {state.layout.kind!r}")
+    if units is not None and ("", *units) != state.layout.units:
+        raise ValueError(
+            f"this step is for units {list(units)}, the state has {list(state.layout.units[1:])}"
+        )
+    if state.layout.world_size != mesh.size:
+        raise ValueError(
+            f"the state is for {state.layout.world_size} ranks, the mesh has {mesh.size}"
+        )
+    if isinstance(state.params, Shards) and state.params.rank != mesh.rank:
+        raise ValueError(
+            f"the state's shards belong to rank {state.params.rank} of {mesh.size}, this is "
+            f"rank {mesh.rank} of {mesh.size}"
+        )

@@ -17,9 +17,10 @@ from ._hooks import hookable_units, value_and_shard_grad
 from ._layout import ShardLayout
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._mesh import Mesh
+from ._replicated import full_buckets, own_slices
 from ._scale import unscale_
 from ._shards import Shards
-from ._state import ShardedState, check_stage
+from ._state import ShardedState, check_stage, check_step_state
 from ._tree import PyTree, tree_flatten, tree_map
 from ._unit import UnitLedger
 from ._update import sharded_update
@@ -44,7 +45,7 @@ class _Options:
     overlap_reduce: bool
     order: list[str] = field(default_factory=list)  # unit call order, for prefetching
     comm: tuple[Any, Any] = (None, None)  # (gather, reduce) dtypes of the current state
-    jit: tuple[Any, tuple[str, ...]] = (None, ())  # (layout, its hooked units), computed once
+    jit: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units), computed once
 
 
 def sharded_step(
@@ -133,7 +134,7 @@ def sharded_step(
     )
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
-        _check_state(state, stage, layout, units, mesh)
+        check_step_state(state, stage, layout, units, mesh)
         prec = state.precision
         opts.comm = (prec.gather_dtype, prec.reduce_dtype) if prec is not None else (None, None)
         fn: LossFn = loss_fn
@@ -172,7 +173,7 @@ def _stage0(
     if o.mesh.size == 1:
         loss, grads = _leaf_grad(loss_fn, batch, o, state)
     else:
-        full = _full_buckets(state.params, lay)
+        full = full_buckets(state.params, lay)
         loss, reduced = _unit_grad(loss_fn, batch, o, lay, full, full, replicate=True)
         flats = [f if b.frozen else g for f, g, b in zip(full, reduced.buffers, lay.buckets)]
         grads = lay.trainable(lay.unflatten(flats))
@@ -264,13 +265,13 @@ def _update_and_regather(
     """Stages 1-2: replicated parameters in, shard gradients out; update own shard (or
     master), all-gather the rest."""
     lay = state.layout
-    local = _full_buckets(state.params, lay)
+    local = full_buckets(state.params, lay)
     # What the optimizer updates: the masters; else, donating, this rank's slice of the
     # replicated buffers itself (updated where it lies, so the gather only fills the
     # peers' slices); else a copy of it. Only its shapes reach the gradient pass.
     target = state.master
     if target is None and o.donate:
-        target = Shards(_own_slices(local, lay, o.mesh.rank), lay, o.mesh.rank)
+        target = Shards(own_slices(local, lay, o.mesh.rank), lay, o.mesh.rank)
     elif target is None:
         target = local_shard(lay.trainable(state.params), lay, o.mesh)
     loss, grads = _unit_grad(loss_fn, batch, o, lay, target.buffers, local, unbounded=unbounded)
@@ -279,15 +280,6 @@ def _update_and_regather(
     if not applied:  # nothing changed anywhere: no gather either
         return state.params, opt_state, master, loss, False
     return _regather(new, state, o), opt_state, master, loss, True
-
-
-def _own_slices(
-    full: tuple[torch.Tensor, ...], layout: ShardLayout, rank: int
-) -> tuple[torch.Tensor, ...]:
-    """Views of `rank`'s slice of each full flat bucket."""
-    return tuple(
-        f.narrow(0, rank * b.shard_numel, b.shard_numel) for f, b in zip(full, layout.buckets)
-    )
 
 
 def _cast_tree(master: PyTree, state: ShardedState, o: _Options) -> PyTree:
@@ -311,7 +303,7 @@ def _regather(shard: Shards, state: ShardedState, o: _Options) -> PyTree:
     master shard, which travels cast to the gather dtype.
     """
     lay = state.layout
-    full = list(_full_buckets(state.params, lay))
+    full = list(full_buckets(state.params, lay))
     live = [i for i, b in enumerate(lay.buckets) if not b.frozen]
     comm = tuple(o.comm[0] or lay.buckets[i].dtype for i in live)
     if o.donate:
@@ -417,43 +409,3 @@ def _micro_batches(batch: Any, o: _Options) -> list[Any]:
             f"got {type(batch).__name__}"
         )
     return list(batch)
-
-
-def _full_buckets(params: PyTree, layout: ShardLayout) -> tuple[torch.Tensor, ...]:
-    """The flat buffers a replicated tree's leaves are views of (packed afresh if not)."""
-    leaves = tree_flatten(params)[0]
-    out = []
-    for bucket in layout.buckets:
-        base = leaves[bucket.slots[0].index]._base if bucket.slots else None
-        if base is None or base.numel() != bucket.full_numel or base.dtype != bucket.dtype:
-            return layout.flatten(params)
-        out.append(base)
-    return tuple(out)
-
-
-def _check_state(
-    state: ShardedState, stage: int, layout: str | None, units: Sequence[str] | None, mesh: Mesh
-) -> None:
-    if not isinstance(state, ShardedState):
-        raise TypeError(
-            f"step expects the ShardedState from shard_state, got {type(state).__name__}"
-        )
-    if state.stage != stage:
-        raise ValueError(
-            f"this step is for stage {stage}, the state was built for stage {state.stage}"
-        )
-    if layout is not None and layout != state.layout.kind:
-        raise ValueError(f"this step is for layout {layout!r}, the state has {state.layout.kind!r}")
-    if units is not None and ("", *units) != state.layout.units:
-        raise ValueError(
-            f"this step is for units {list(units)}, the state has {list(state.layout.units[1:])}"
-        )
-    if state.layout.world_size != mesh.size:
-        raise ValueError(
-            f"the state is for {state.layout.world_size} ranks, the mesh has {mesh.size}"
-        )
-    if isinstance(state.params, Shards) and state.params.rank != mesh.rank:
-        raise ValueError(
-            f"the state's shards belong to rank {state.params.rank} of {mesh.size}, this is "
-            f"rank {mesh.rank} of {mesh.size}"
-        )
