@@ -138,6 +138,7 @@ def value_and_shard_grad(
     overlap: bool = True,
     replicate: bool = False,
     unbounded: bool = False,
+    hold_bytes: int = 0,
     jit: dict[str, Slots] | None = None,
     comm_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -166,6 +167,8 @@ def value_and_shard_grad(
         bucket) instead of reduce-scattering it.
       unbounded: stage 1: with `overlap`, never wait for an earlier reduction before
         issuing the next (full gradients may all be alive until the backward ends).
+      hold_bytes: stages 0-1: hold complete unit gradients until at least this many bytes
+        are ready, then start their reductions together (0: each as soon as complete).
       comm_dtypes: `(gather_dtype, reduce_dtype)` the parameters and gradients travel in
         (None: the buckets' own); reduced gradients come back in the reduce dtype.
 
@@ -187,6 +190,7 @@ def value_and_shard_grad(
     # Stages 2-3 keep one in flight, so at most two units of full gradients are alive.
     run.max_inflight = (len(layout.buckets) if replicate or unbounded else 1) if overlap else 0
     run.replicate = replicate
+    run.hold_bytes = hold_bytes if replicate or unbounded else 0
     run.gather_dtype, run.reduce_dtype = comm_dtypes
     jit = hookable_units(layout, module) if jit is None else jit
     leaves: list[Any] = [None] * len(layout.paths)

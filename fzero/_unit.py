@@ -114,6 +114,11 @@ class UnitRun:
         self.replicate = False  # stage 0: all-reduce whole gradients instead
         self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> finished shard gradient (sum)
+        # Stages 0-1 (DDP's bucket_cap_mb): complete unit gradients wait here until at least
+        # `hold_bytes` of them are ready, then their reductions start together.
+        self.hold_bytes = 0
+        self.held: list[tuple[int, torch.Tensor, str]] = []
+        self.held_bytes = 0
         # Communication dtypes (mixed precision); None: the buckets' own dtype.
         self.gather_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
@@ -203,14 +208,24 @@ class UnitRun:
             else:
                 if self.acc is not None and i in self.acc:
                     g = g + self.acc.pop(i)  # earlier micro-batches, reduced together now
-                shard, work = self._start_reduce(g)
-                self.inflight.append((i, shard, work, g, call.unit))
+                self.held.append((i, g, call.unit))
+                self.held_bytes += g.numel() * g.element_size()
                 out.append(None)  # collected by `finish`, after the backward
         call.reduced = True
         self.release(call)
+        if self.held_bytes >= self.hold_bytes:
+            self._issue()
         while len(self.inflight) > self.max_inflight:
             self._finish_oldest()
         return tuple(out)
+
+    def _issue(self) -> None:
+        """Starts the reductions of every held gradient, oldest first."""
+        for i, g, unit in self.held:
+            shard, work = self._start_reduce(g)
+            self.inflight.append((i, shard, work, g, unit))
+        self.held.clear()
+        self.held_bytes = 0
 
     def _start_reduce(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
         # Stage 0 keeps every gradient (all-reduce); stages 1-3 keep their slice.
@@ -236,6 +251,7 @@ class UnitRun:
 
     def finish(self) -> None:
         """Waits for every reduce-scatter still in flight."""
+        self._issue()
         while self.inflight:
             self._finish_oldest()
 

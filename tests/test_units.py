@@ -172,6 +172,58 @@ def test_stage2_reduces_one_unit_of_gradients_at_a_time(overlap: bool) -> None:
     assert ledger.peak_grads < sum(sizes)  # never all full gradients at once
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("bucket", [0, 300, 25 * 2**20])
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_buckets_train_like_one_process_and_hold_reductions(
+    stage: int, bucket: int, n: int
+) -> None:
+    # Stages 0-1 hold complete unit gradients until `reduce_bucket_bytes` of them are
+    # ready: with 0 every reduction starts inside the backward, as soon as its unit is
+    # done; with 25 MiB (more than this model has) all of them start after it.
+    case = make_case([4, 6, 6, 3], n, seed=3)
+    expected = reference(case)
+    units = ["layers.0", "layers.1", "layers.2", "unused"]
+    name = "all_reduce_async" if stage == 0 else "reduce_scatter_async"
+    original = getattr(fzero._comm, name)
+
+    def traced(fn: Any) -> Any:
+        def reduce(mesh: fzero.Mesh, *args: Any, **kwargs: Any) -> Any:
+            inside: list[bool] = []
+
+            def spy(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+                if t.numel() > 1:  # gradients, not the one-element loss-scale flags
+                    inside.append(torch._C._current_graph_task_id() != -1)
+                return original(t, *a, **k)
+
+            setattr(fzero._comm, name, spy)  # in this rank's own (forked) process
+            return fn(mesh, *args, **kwargs), inside
+
+        return reduce
+
+    results = run(
+        n, traced(train), case, units, stage, module=case["model"], reduce_bucket_bytes=bucket
+    )
+    for (params, _, _), inside in results:
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{bucket=}")
+        steps = case["xs"].shape[0]
+        assert len(inside) == 4 * steps  # three layers and the root ("unused" never runs)
+        if bucket == 0:
+            assert all(inside)
+        if bucket == 300:  # layers 2+1 together inside; layer 0 and the root held to the end
+            assert 0 < sum(inside) < len(inside)
+        if bucket == 25 * 2**20:
+            assert not any(inside)
+
+
+def test_reduce_bucket_bytes_is_checked() -> None:
+    opt = fzero.optim.sgd()
+    with pytest.raises(ValueError, match="reduce_bucket_bytes must be >= 0"):
+        fzero.sharded_step(lambda p, b: p, opt, None, stage=0, reduce_bucket_bytes=-1)
+    with pytest.raises(TypeError, match="reduce_bucket_bytes must be an int"):
+        fzero.sharded_step(lambda p, b: p, opt, None, stage=0, reduce_bucket_bytes=1.5)
+
+
 def test_unit_prefixes_match_whole_path_components() -> None:
     params = {f"layers.{i}.w": torch.zeros(2) for i in (1, 10, 11)} | {"head": torch.zeros(1)}
     layout = build_layout(params, 2, units=["layers.1", "layers"])
