@@ -293,7 +293,7 @@ def _update_and_regather(
     master = None if state.master is None else new
     if not applied:  # nothing changed anywhere: no gather either
         return state.params, opt_state, master, loss, False
-    return _regather(new, state, o), opt_state, master, loss, True
+    return _regather(new, local, state, o), opt_state, master, loss, True
 
 
 def _cast_tree(master: PyTree, state: ShardedState, o: _Options) -> PyTree:
@@ -308,16 +308,19 @@ def _cast_tree(master: PyTree, state: ShardedState, o: _Options) -> PyTree:
         return lay.unflatten(lay.flatten(lay.merge(state.params, cast)))
 
 
-def _regather(shard: Shards, state: ShardedState, o: _Options) -> PyTree:
+def _regather(
+    shard: Shards, local: tuple[torch.Tensor, ...], state: ShardedState, o: _Options
+) -> PyTree:
     """Stages 1-2: every rank's updated shard, all-gathered into the full parameters.
 
     Frozen buckets are not gathered: every rank already holds them, unchanged. Donating,
     the trainable buckets are gathered into the buffers the old parameters live in (no
     second full copy); otherwise into new ones. Under mixed precision `shard` is the
-    master shard, which travels cast to the gather dtype.
+    master shard, which travels cast to the gather dtype. `local`: the full buffers the
+    step ran on (`full_buckets` of the parameters), whose own slice may already be `shard`.
     """
     lay = state.layout
-    full = list(full_buckets(state.params, lay))
+    full = list(local)
     live = [i for i, b in enumerate(lay.buckets) if not b.frozen]
     comm = tuple(o.comm[0] or lay.buckets[i].dtype for i in live)
     if o.donate:
