@@ -114,7 +114,6 @@ def _functional_cost(plan: dict[str, Any], model_name: str, port: int) -> dict[s
             t0 = time.perf_counter()
             step(batch)
             times[name].append(time.perf_counter() - t0)
-    dist.destroy_process_group()
     return times
 
 
@@ -145,7 +144,6 @@ def _interleaved(plan: dict[str, Any], model_name: str, rank: int, port: int
             t0 = time.perf_counter()
             steps[c](batch)
             times[c].append(time.perf_counter() - t0)
-    dist.destroy_process_group()
     return {"times": times}
 
 
@@ -186,7 +184,6 @@ def _rank(plan: dict[str, Any], model_name: str, cfg_name: str, rank: int, port:
     ref = torch.load(ref_path)
     delta = max((full[k].float() - ref[k].float()).abs().max().item() for k in ref)
     missing = sorted(set(ref) ^ set(full))
-    dist.destroy_process_group()
     return {"rank": rank, "times": times, "cpu": cpu, "loss": losses[-1], "rss_base_kib": base,
             "rss_setup_peak_kib": setup_peak, "rss_before_kib": before,
             "rss_peak_kib": max(warm_peak, steady_peak), "rss_rest_kib": rest,
@@ -200,6 +197,12 @@ def _child(fn: Any, out: str, *args: Any) -> None:
     except BaseException:
         result = {"error": traceback.format_exc()}
     Path(out).write_text(json.dumps(result))
+    # Leave without tearing down the process group, neither by destroy_process_group nor
+    # at interpreter exit: ProcessGroupGloo's destructor joins its worker threads while
+    # holding the GIL, and a worker still releasing a finished collective's Python-owned
+    # tensors waits for the GIL: a deadlock (seen with gdb in a rank of the interleaved
+    # run, both threads in futex waits, after its peer had finished).
+    os._exit(0)
 
 
 def _free_port() -> int:
