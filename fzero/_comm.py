@@ -77,6 +77,58 @@ def _gather_by_broadcast(shard: torch.Tensor, out: torch.Tensor, mesh: Mesh) -> 
     return _Works(works)
 
 
+class _SumOnWait:
+    """A point-to-point reduce-scatter in flight: on wait, this rank's slice of every rank's
+    buffer (its own and those received) summed, in rank order, into `out`."""
+
+    def __init__(self, works: list[Any], parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        self.works, self.parts, self.out = works, parts, out
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        # `out` already holds the first or second part in rank order (received into it);
+        # adding the other is the same sum both ways (IEEE addition commutes), then the
+        # rest in rank order: the left fold a single process would compute.
+        for part in self.parts:
+            self.out.add_(part)
+        self.works, self.parts = [], []  # the sent slices and the received ones can go
+
+
+# Tags for the point-to-point messages of reduce-scatters in flight, per process group:
+# every rank issues the same reductions in the same order, so counters agree across
+# ranks. Far from 0 so that a user's own send/recv (tag 0 by default) cannot match them.
+_TAG_BASE, _TAG_SPAN = 0x3F00_0000, 1 << 24
+_tags: dict[Any, int] = {}
+
+
+def _reduce_scatter_p2p(full: torch.Tensor, out: torch.Tensor, mesh: Mesh) -> _SumOnWait:
+    # Gloo's reduce-scatter is an all-reduce underneath: every rank receives every slice
+    # reduced, twice the bytes a reduce-scatter needs. Sending slice j straight to rank j
+    # and summing what arrives moves (n-1)/n of the buffer per rank, the reduce-scatter's
+    # volume: measured ~30% less time than gloo's all-reduce for 80 MB over 2 ranks.
+    # `full` is only read, so the caller's buffer needs no copy whether owned or not; the
+    # lowest peer's slice lands in `out` itself, so at 2 ranks nothing else is allocated.
+    key = id(mesh.group) if mesh.group is not None else None
+    tag = _TAG_BASE + _tags.get(key, 0)
+    _tags[key] = (_tags.get(key, 0) + 1) % _TAG_SPAN
+    n = full.numel() // mesh.size
+    first = 1 if mesh.rank == 0 else 0
+    works, parts = [], []
+    for r in range(mesh.size):
+        mine = full.narrow(0, r * n, n)
+        if r == mesh.rank:
+            parts.append(mine)
+            continue
+        peer = dist.get_global_rank(mesh.group, r) if mesh.group else r
+        works.append(dist.isend(mine, dst=peer, group=mesh.group, tag=tag))
+        got = out if r == first else full.new_empty(n)
+        works.append(dist.irecv(got, src=peer, group=mesh.group, tag=tag))
+        if r != first:
+            parts.append(got)
+    return _SumOnWait(works, parts, out)
+
+
 def all_gather(shard: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Concatenation of every rank's 1-D `shard`, in rank order (a new tensor).
 
@@ -134,19 +186,14 @@ def reduce_scatter_mean(
     """This rank's slice of the mean over ranks of the 1-D `full` (a new tensor).
 
     SUM then divide, rather than ReduceOp.AVG: older gloo rejects AVG, and NCCL's AVG is
-    not available for every dtype. On gloo a reduce-scatter runs as an all-reduce
-    underneath (twice the traffic); fzero counts the logical bytes. With `dtype` the
-    reduction (and the result) is in that dtype.
+    not available for every dtype. On gloo it runs as point-to-point messages (see
+    `reduce_scatter_async`). With `dtype` the reduction (and the result) is in that dtype.
     """
     with _plain_tensors():
-        full = _unwrap(full).detach().to(dtype or full.dtype).contiguous()
-        if full.numel() % mesh.size:
-            raise ValueError(f"reduce-scatter of {full.numel()} elements over {mesh.size} ranks")
-        if mesh.size == 1 or full.numel() == 0:
-            return full.clone()
-        out = full.new_empty(full.numel() // mesh.size)
-        record("reduce_scatter", full.dtype, full.numel())
-        _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=mesh.group)
+        out, work = reduce_scatter_async(full, mesh, dtype)
+        if work is None:  # one rank, or nothing to reduce
+            return out
+        work.wait()
         return out.div_(mesh.size)
 
 
@@ -160,6 +207,10 @@ def reduce_scatter_async(
     gradient reduction with the backward of the units before it. With `dtype` the
     reduction (and `out`) is in that dtype. `owned`: the caller gives `full` away (a
     fresh gradient), so on one rank it is returned as it is instead of copied.
+
+    On gloo, whose own reduce-scatter is an all-reduce underneath (twice the bytes), each
+    rank sends every peer that peer's slice and sums the slices it receives: the
+    reduce-scatter's volume, and `full` is never written.
     """
     with _plain_tensors():
         full = _unwrap(full).detach().to(dtype or full.dtype).contiguous()
@@ -168,14 +219,9 @@ def reduce_scatter_async(
         if mesh.size == 1 or full.numel() == 0:
             return (full if owned else full.clone()), None
         record("reduce_scatter", full.dtype, full.numel())
-        if owned and mesh.backend == "gloo":
-            # Gloo runs a reduce-scatter as an all-reduce of a copy anyway; reducing the
-            # caller's own buffer in place saves that copy (the volume sent is the same).
-            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
-            n = full.numel() // mesh.size
-            out = full.new_empty(n)  # the slice is copied out on wait; `full` then goes
-            return out, _CastOnWait(work, full.narrow(0, mesh.rank * n, n), out)
         out = full.new_empty(full.numel() // mesh.size)
+        if mesh.backend == "gloo":
+            return out, _reduce_scatter_p2p(full, out, mesh)
         work = _reduce_scatter_single(
             out, full, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True
         )

@@ -137,7 +137,7 @@ def value_and_shard_grad(
     final: bool = True,
     overlap: bool = True,
     replicate: bool = False,
-    unbounded: bool = False,
+    bursts: bool = False,
     hold_bytes: int = 0,
     jit: dict[str, Slots] | None = None,
     comm_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
@@ -165,8 +165,8 @@ def value_and_shard_grad(
         module, so a step computes it once, not every step).
       replicate: stage 0: all-reduce each unit's gradient (full-size results, one per
         bucket) instead of reduce-scattering it.
-      unbounded: stage 1: with `overlap`, never wait for an earlier reduction before
-        issuing the next (full gradients may all be alive until the backward ends).
+      bursts: stage 1: with `overlap`, reductions start `hold_bytes` at a time, and a
+        burst stays in flight while the next one fills, finishing before it starts.
       hold_bytes: stages 0-1: hold complete unit gradients until at least this many bytes
         are ready, then start their reductions together (0: each as soon as complete).
       comm_dtypes: `(gather_dtype, reduce_dtype)` the parameters and gradients travel in
@@ -185,12 +185,14 @@ def value_and_shard_grad(
         mesh, layout, inputs, local, reshard=reshard, prefetch=prefetch, order=order, ledger=ledger
     )
     run.acc, run.final = acc, final
-    # Stages 0-1 may hold every full gradient anyway (stage 0 reduces them in place): they
-    # issue each reduction without waiting for the previous one, as DDP's buckets do.
-    # Stages 2-3 keep one in flight, so at most two units of full gradients are alive.
-    run.max_inflight = (len(layout.buckets) if replicate or unbounded else 1) if overlap else 0
+    # Stage 0 holds every full gradient anyway (it reduces them in place and keeps them),
+    # and stage 1 reduces a burst at a time: they issue a burst's reductions without waiting
+    # for one another, as DDP's buckets do. Stages 2-3 keep one in flight, so at most two
+    # units of full gradients are alive.
+    run.max_inflight = (len(layout.buckets) if replicate or bursts else 1) if overlap else 0
     run.replicate = replicate
-    run.hold_bytes = hold_bytes if replicate or unbounded else 0
+    run.drain = bursts
+    run.hold_bytes = hold_bytes if replicate or bursts else 0
     run.gather_dtype, run.reduce_dtype = comm_dtypes
     jit = hookable_units(layout, module) if jit is None else jit
     leaves: list[Any] = [None] * len(layout.paths)

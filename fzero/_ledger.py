@@ -65,7 +65,7 @@ def comm_ledger() -> Iterator[CommLedger]:
     reduce-scatter moves its full (padded) buffer once, an all-reduce twice (a
     reduce-scatter then an all-gather), a broadcast once. So stages 0-2 move 2Ψ elements
     per step and stage 3 3Ψ with `reshard_after_forward=True`. These are logical volumes:
-    gloo runs a reduce-scatter as an all-reduce underneath, so it really sends more.
+    a rank really sends (n-1)/n of a reduce-scatter's or all-gather's.
     Nothing is recorded at world size 1, where nothing is sent.
 
     Yields:

@@ -203,11 +203,11 @@ def _stage0(
 def _stage1(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
-    """Optimizer state sharded: unit gradients are reduce-scattered during the backward, in
-    DDP-sized bursts (`reduce_bucket_bytes`), without waiting for earlier ones (so all
-    full gradients may be alive until the backward ends: ZeRO-1's memory, DDP's
-    overlap); own shard updated; parameters all-gathered (2Ψ per step, like stages 0, 2)."""
-    return _update_and_regather(optimizer, o, state, batch, loss_fn, unbounded=True)
+    """Optimizer state sharded: unit gradients are reduce-scattered during the backward in
+    DDP-sized bursts (`reduce_bucket_bytes`), one burst in flight while the next fills
+    (DDP's overlap; two bursts of full gradients alive at most); own shard updated;
+    parameters all-gathered (2Ψ per step, like stages 0, 2)."""
+    return _update_and_regather(optimizer, o, state, batch, loss_fn, bursts=True)
 
 
 def _stage2(
@@ -215,7 +215,7 @@ def _stage2(
 ) -> Out:
     """+ gradients sharded: params enter the loss through an identity whose VJP
     reduce-scatters, unit by unit; update own shard; all-gather parameters."""
-    return _update_and_regather(optimizer, o, state, batch, loss_fn, unbounded=False)
+    return _update_and_regather(optimizer, o, state, batch, loss_fn, bursts=False)
 
 
 def _stage3(
@@ -274,7 +274,7 @@ def _update_and_regather(
     state: ShardedState,
     batch: Any,
     loss_fn: LossFn,
-    unbounded: bool,
+    bursts: bool,
 ) -> Out:
     """Stages 1-2: replicated parameters in, shard gradients out; update own shard (or
     master), all-gather the rest."""
@@ -288,7 +288,7 @@ def _update_and_regather(
         target = Shards(own_slices(local, lay, o.mesh.rank), lay, o.mesh.rank)
     elif target is None:
         target = local_shard(lay.trainable(state.params), lay, o.mesh)
-    loss, grads = _unit_grad(loss_fn, batch, o, lay, target.buffers, local, unbounded=unbounded)
+    loss, grads = _unit_grad(loss_fn, batch, o, lay, target.buffers, local, bursts=bursts)
     new, opt_state, applied = _update(optimizer, o, state, target, grads)
     master = None if state.master is None else new
     if not applied:  # nothing changed anywhere: no gather either
@@ -344,12 +344,12 @@ def _unit_grad(
     shards: tuple[torch.Tensor, ...],
     local: tuple[torch.Tensor, ...] | None,
     replicate: bool = False,
-    unbounded: bool = False,
+    bursts: bool = False,
 ) -> tuple[torch.Tensor, Shards]:
     """Loss and shard gradients, unit by unit; over every micro-batch when accumulating.
 
     With `replicate` (stage 0) the "shards" are the full buckets, all-reduced. With
-    `unbounded` (stage 1) any number of reductions may be in flight.
+    `bursts` (stage 1) reductions start `reduce_bucket_bytes` at a time.
     """
     micro = _micro_batches(batch, o)
     if o.jit[0] is not layout:  # walks the module: once per state layout, not every step
@@ -373,7 +373,7 @@ def _unit_grad(
             final=j == len(micro) - 1,
             overlap=o.overlap_reduce,
             replicate=replicate,
-            unbounded=unbounded,
+            bursts=bursts,
             hold_bytes=o.reduce_bucket_bytes,
             jit=o.jit[1],
             comm_dtypes=o.comm,

@@ -119,6 +119,11 @@ class UnitRun:
         self.hold_bytes = 0
         self.held: list[tuple[int, torch.Tensor, str]] = []
         self.held_bytes = 0
+        # Stage 1: a burst's reductions finish before the next burst starts (double
+        # buffering), so its full gradients go back to the allocator during the backward
+        # and the next units' gradients reuse them: with every burst alive until the end
+        # of the backward, each step page-faulted a model's worth of fresh gradient memory.
+        self.drain = False
         # Communication dtypes (mixed precision); None: the buckets' own dtype.
         self.gather_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
@@ -221,6 +226,9 @@ class UnitRun:
 
     def _issue(self) -> None:
         """Starts the reductions of every held gradient, oldest first."""
+        if self.drain and self.held:
+            while self.inflight:
+                self._finish_oldest()
         for i, g, unit in self.held:
             shard, work = self._start_reduce(g)
             self.inflight.append((i, shard, work, g, unit))

@@ -49,6 +49,43 @@ def test_reduce_scatter_is_the_own_slice_of_the_mean(n: int, dims: list[int], la
         fzero.assert_trees_close(gathered, mean, rtol=1e-14, atol=1e-15)
 
 
+def _rank_buffers(rank: int, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + rank)
+    return [torch.randn(k, generator=g, dtype=torch.float64).to(dtype) for k in sizes]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_reductions_in_flight_sum_every_rank_in_rank_order(n: int, dtype: torch.dtype) -> None:
+    # Several reduce-scatters started before any is waited on (stage 1's bursts), waited
+    # newest first: each must pair with the same reduction on every peer (gloo sends them
+    # as tagged point-to-point messages), leave its input unwritten, and give exactly the
+    # left fold over ranks 0..n-1 of this rank's slice, the order one process would add in.
+    sizes = [6 * n, 2 * n, 40 * n]
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        from fzero import _comm
+
+        fulls = _rank_buffers(mesh.rank, sizes, dtype)
+        kept = [f.clone() for f in fulls]
+        started = [_comm.reduce_scatter_async(f, mesh) for f in fulls]
+        for _, work in reversed(started):
+            work.wait()
+        untouched = all(torch.equal(f, k) for f, k in zip(fulls, kept))
+        return [out for out, _ in started], untouched
+
+    everyone = [_rank_buffers(r, sizes, dtype) for r in range(n)]
+    for rank, (outs, untouched) in enumerate(run(n, fn)):
+        assert untouched, f"rank {rank}: a reduce-scatter wrote into its input"
+        for k, (size, out) in enumerate(zip(sizes, outs)):
+            m = size // n
+            want = everyone[0][k][rank * m : (rank + 1) * m].clone()
+            for r in range(1, n):
+                want = want + everyone[r][k][rank * m : (rank + 1) * m]
+            assert out.dtype == dtype
+            assert torch.equal(out, want), f"rank {rank}, buffer {k}: not the rank-order sum"
+
+
 @given(st.integers(1, 6), layouts, st.sampled_from(["autograd", "torch.func"]))
 def test_gather_backward_is_reduce_scatter(n: int, layout: str, engine: str) -> None:
     params = make_params([3, 4, 2], torch.float64, seed=2)
