@@ -117,13 +117,10 @@ def _functional_cost(plan: dict[str, Any], model_name: str, port: int) -> dict[s
     return times
 
 
-INTERLEAVED = ("ddp", "zero", "fzero0", "fzero1")  # the targets that compare close ratios
-
-
-def _interleaved(plan: dict[str, Any], model_name: str, rank: int, port: int
-                 ) -> dict[str, Any]:
-    """DDP, ZeroRedundancyOptimizer and fzero stages 0-1 built side by side in the same rank
-    processes and stepped in turn, so a busy or drifting machine slows all of them alike.
+def _interleaved(plan: dict[str, Any], model_name: str, names: tuple[str, ...], rank: int,
+                 port: int) -> dict[str, Any]:
+    """Configurations (a reference and the fzero stage held to it) built side by side in the
+    same rank processes and stepped in turn, so a busy or drifting machine slows both alike.
 
     Issue 7's stage 0 and stage 1 targets compare ratios a few percent apart; configurations
     timed one after another in fresh processes differ by more than that from run to run.
@@ -133,7 +130,6 @@ def _interleaved(plan: dict[str, Any], model_name: str, rank: int, port: int
                             world_size=plan["world_size"],
                             timeout=datetime.timedelta(seconds=plan["collective_timeout"]))
     spec = models.spec(model_name, plan["quick"])
-    names = [c for c in INTERLEAVED if c in plan["configs"]]
     steps = {c: configs.build(configs.BY_NAME[c], spec, models.build_model(spec)).step
              for c in names}
     times: dict[str, list[float]] = {c: [] for c in names}
@@ -284,12 +280,16 @@ def main() -> None:
             cost = _run_group([(_functional_cost, (plan, model_name, _free_port()))], [out],
                               plan["config_timeout"])[0]
             records.append({"model": model_name, "config": "ws1", "ranks": [cost]})
-        if "ddp" in plan["configs"] and {"fzero0", "fzero1"} & set(plan["configs"]):
-            port, ws = _free_port(), plan["world_size"]
-            outs = [tmp / f"{model_name}-interleaved-{r}.json" for r in range(ws)]
-            ranks = _run_group([(_interleaved, (plan, model_name, r, port)) for r in range(ws)],
-                               outs, plan["config_timeout"])
-            records.append({"model": model_name, "config": "interleaved", "ranks": ranks})
+        for ref_cfg, fz_cfg, _ in configs.INTERLEAVED_PAIRS:
+            if not {ref_cfg, fz_cfg} <= set(plan["configs"]):
+                continue
+            port, ws, pair = _free_port(), plan["world_size"], (ref_cfg, fz_cfg)
+            outs = [tmp / f"{model_name}-{ref_cfg}+{fz_cfg}-{r}.json" for r in range(ws)]
+            ranks = _run_group(
+                [(_interleaved, (plan, model_name, pair, r, port)) for r in range(ws)],
+                outs, plan["config_timeout"])
+            records.append({"model": model_name, "config": f"interleaved:{ref_cfg}+{fz_cfg}",
+                            "ranks": ranks})
         for cfg_name in plan["configs"]:
             skip = _fairscale_missing() if cfg_name.startswith("fairscale") else None
             if skip:

@@ -51,6 +51,12 @@ EXTRA_CONFIGS: tuple[Config, ...] = (
 )
 BY_NAME = {c.name: c for c in CONFIGS + EXTRA_CONFIGS}
 
+# Issue 7's close-ratio targets, each fzero configuration stepped in turn with the one it
+# is held to, in a process pair of their own: with all four in one process, the others'
+# allocations left fzero stage 0's freed gradients at the top of glibc's heap, trimmed
+# and page-faulted back every step (~10k faults/step on the Linear stack, 3 with DDP only).
+INTERLEAVED_PAIRS = (("ddp", "fzero0", 1.05), ("zero", "fzero1", 1.0))
+
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storages behind `tensors`, each storage counted once (DTensors: local)."""

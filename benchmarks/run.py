@@ -177,12 +177,16 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "`torch.optim.Adam`) and fzero stage 0 alternating step by step in one process "
               "on the whole batch.", "",
               *report.functional_cost(refs, args.fast_refs, warmup), "",
-              "Stage 0 and stage 1, interleaved: DDP, ZeroRedundancyOptimizer and fzero "
-              "stages 0 and 1 built side by side in the same two rank processes and stepped "
-              "in turn (median s/step, × DDP in brackets). The targets above time each "
-              "configuration in its own processes, one after another, where run-to-run drift "
-              "exceeds the few percent these two targets are about; this table is the "
-              "verdict for them.", "",
+              "Stage 0 and stage 1, interleaved: fzero stage 0 with DDP, and fzero stage 1 "
+              "with ZeroRedundancyOptimizer, each pair built side by side in two rank "
+              "processes of its own and stepped in turn (median s/step; the ratio to its "
+              "partner in brackets). The targets above time each configuration in its own "
+              "processes, one after another, where run-to-run drift exceeds the few percent "
+              "these two targets are about; this table is the verdict for them. (Pairs, not "
+              "all four in one process: there the others' allocations left fzero stage 0's "
+              "freed gradients at the top of glibc's heap, trimmed and page-faulted back "
+              "every step, ~10k faults per step on the Linear stack against 3 beside DDP "
+              "alone.)", "",
               *report.interleaved(refs, args.fast_refs, warmup), ""]
     lines += ["## How to read this", "", *_NOTES, ""]
     failed = [r for r in rows if r.error]
@@ -229,9 +233,10 @@ _NOTES = [
     "configuration corresponds to (DDP 0, ZeroRedundancyOptimizer 1, FairScale 2, FSDP2 3).",
     "- **comm/step** is fzero's communication ledger (`fzero.comm_ledger()` around each "
     "step in the rank process): logical bytes, all-gather and reduce-scatter once per full buffer, "
-    "all-reduce twice; Ψ = 4 × parameters bytes. Gloo runs a reduce-scatter as an "
-    "all-reduce underneath, so it really sends about twice the logical reduce-scatter "
-    "bytes. Torch configurations are not instrumented (n/a).",
+    "all-reduce twice; Ψ = 4 × parameters bytes. A rank really sends (n-1)/n of a "
+    "reduce-scatter's or all-gather's logical bytes (on gloo fzero runs them as "
+    "point-to-point messages and broadcasts; gloo's own reduce-scatter would be an "
+    "all-reduce, twice that). Torch configurations are not instrumented (n/a).",
     "- **max abs Δ** compares the final parameters with one process training on the "
     "concatenated batch from the same initialisation (seeded) and data; float32, so "
     "differences of 1e-6..1e-4 are reduction-order noise amplified by Adam's "
