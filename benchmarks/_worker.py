@@ -107,14 +107,23 @@ def _functional_cost(plan: dict[str, Any], model_name: str, port: int) -> dict[s
     net = models.build_model(spec)
     eager = configs.eager_step(spec, net, torch.optim.Adam(net.parameters(), lr=configs.LR))
     functional = configs.build(configs.BY_NAME["fzero0"], spec, models.build_model(spec)).step
-    times: dict[str, list[float]] = {"eager": [], "fzero0": []}
+    steps = {"eager": eager, "fzero0": functional}
+    times: dict[str, list[float]] = {c: [] for c in steps}
+    faults: dict[str, list[int]] = {c: [] for c in steps}
     for t in range(plan["steps"]):
         batch = spec.make_batch(t, spec.micro_batch * plan["world_size"])
-        for name, step in (("eager", eager), ("fzero0", functional)):
-            t0 = time.perf_counter()
-            step(batch)
-            times[name].append(time.perf_counter() - t0)
-    return times
+        for name, step in steps.items():
+            _timed(step, batch, times[name], faults[name])
+    return {"times": times, "faults": faults}
+
+
+def _timed(step: Any, batch: Any, times: list[float], faults: list[int]) -> None:
+    """One step: its wall time and the page faults the process took during it."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    step(batch)
+    times.append(time.perf_counter() - t0)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
 
 def _interleaved(plan: dict[str, Any], model_name: str, names: tuple[str, ...], rank: int,
@@ -133,14 +142,13 @@ def _interleaved(plan: dict[str, Any], model_name: str, names: tuple[str, ...], 
     steps = {c: configs.build(configs.BY_NAME[c], spec, models.build_model(spec)).step
              for c in names}
     times: dict[str, list[float]] = {c: [] for c in names}
+    faults: dict[str, list[int]] = {c: [] for c in names}
     for t in range(plan["steps"]):
         batch = models.rank_batch(spec, t, rank, plan["world_size"])
         for c in names:
             dist.barrier()
-            t0 = time.perf_counter()
-            steps[c](batch)
-            times[c].append(time.perf_counter() - t0)
-    return {"times": times}
+            _timed(steps[c], batch, times[c], faults[c])
+    return {"times": times, "faults": faults}
 
 
 def _rank(plan: dict[str, Any], model_name: str, cfg_name: str, rank: int, port: int,
@@ -275,21 +283,29 @@ def main() -> None:
         if "error" in ref:
             print(ref["error"], file=sys.stderr, flush=True)
             continue
+        # The stepped-in-turn comparisons, each in `launches` fresh processes: how often
+        # glibc trims the heap top (and the next step page-faults it back) depends on where
+        # a process's allocations happen to land, which differs from launch to launch.
         if "fzero0" in plan["configs"]:
-            out = tmp / f"{model_name}-ws1.json"
-            cost = _run_group([(_functional_cost, (plan, model_name, _free_port()))], [out],
-                              plan["config_timeout"])[0]
-            records.append({"model": model_name, "config": "ws1", "ranks": [cost]})
+            launches = []
+            for k in range(plan["launches"]):
+                out = tmp / f"{model_name}-ws1-{k}.json"
+                launches.append(_run_group(
+                    [(_functional_cost, (plan, model_name, _free_port()))], [out],
+                    plan["config_timeout"]))
+            records.append({"model": model_name, "config": "ws1", "launches": launches})
         for ref_cfg, fz_cfg, _ in configs.INTERLEAVED_PAIRS:
             if not {ref_cfg, fz_cfg} <= set(plan["configs"]):
                 continue
-            port, ws, pair = _free_port(), plan["world_size"], (ref_cfg, fz_cfg)
-            outs = [tmp / f"{model_name}-{ref_cfg}+{fz_cfg}-{r}.json" for r in range(ws)]
-            ranks = _run_group(
-                [(_interleaved, (plan, model_name, pair, r, port)) for r in range(ws)],
-                outs, plan["config_timeout"])
+            launches, ws, pair = [], plan["world_size"], (ref_cfg, fz_cfg)
+            for k in range(plan["launches"]):
+                port = _free_port()
+                outs = [tmp / f"{model_name}-{ref_cfg}+{fz_cfg}-{k}-{r}.json" for r in range(ws)]
+                launches.append(_run_group(
+                    [(_interleaved, (plan, model_name, pair, r, port)) for r in range(ws)],
+                    outs, plan["config_timeout"]))
             records.append({"model": model_name, "config": f"interleaved:{ref_cfg}+{fz_cfg}",
-                            "ranks": ranks})
+                            "launches": launches})
         for cfg_name in plan["configs"]:
             skip = _fairscale_missing() if cfg_name.startswith("fairscale") else None
             if skip:

@@ -53,10 +53,8 @@ def aggregate(records: list[dict[str, Any]], world_size: int, warmup: int
     """Rows for every configuration, and the single-process reference per model."""
     refs = {r["model"]: r["ranks"][0] for r in records if r["config"] == "reference"}
     for r in records:  # world size 1 and the interleaved runs, kept with the reference
-        if r["config"] == "ws1" and r["model"] in refs:
-            refs[r["model"]]["ws1"] = r["ranks"][0]
-        if r["config"].startswith("interleaved:") and r["model"] in refs:
-            refs[r["model"]][r["config"]] = r["ranks"]
+        if (r["config"] == "ws1" or r["config"].startswith("interleaved:")) and r["model"] in refs:
+            refs[r["model"]][r["config"]] = r["launches"]
     rows = []
     for rec in records:
         if rec["config"] in ("reference", "ws1") or rec["config"].startswith("interleaved:"):
@@ -109,62 +107,85 @@ def attach_speed(rows: list[Row], fast: list[Row]) -> None:
         r.fast = by.get((r.model, r.config))
 
 
-def _medians(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
-             key: str, warmup: int) -> Iterator[tuple[str, str, dict[str, float] | str]]:
-    """Per model and allocator: the median s/step of each configuration stored under `key`
-    (each step the slowest rank's), or the first rank's error."""
+@dataclass
+class Launch:
+    """One fresh launch of configurations stepped in turn: per configuration, the median
+    s/step (each step the slowest rank's) and the median page faults per step (rank 0)."""
+
+    step_s: dict[str, float]
+    faults: dict[str, float]
+
+
+def _launches(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
+              key: str, warmup: int) -> Iterator[tuple[str, str, list[Launch] | str]]:
+    """Per model and allocator: every launch stored under `key`, or the first error."""
     for label, source in (("default malloc", fast), ("mmap ≥ 64 KiB", refs)):
         for model, ref in (source or {}).items():
-            ranks = ref.get(key)
-            if not ranks:
+            launches = ref.get(key)
+            if not launches:
                 continue
-            ranks = ranks if isinstance(ranks, list) else [ranks]
-            errors = [r["error"] for r in ranks if "error" in r]
+            errors = [r["error"] for ranks in launches for r in ranks if "error" in r]
             if errors:
                 yield model, label, f"failed: {errors[0].splitlines()[-1]}"
                 continue
-            times = [r.get("times", r) for r in ranks]
-            yield model, label, {
-                c: statistics.median([max(ts) for ts in zip(*(t[c] for t in times))][warmup:])
-                for c in times[0]
-            }
+            out = []
+            for ranks in launches:
+                times = [r["times"] for r in ranks]
+                out.append(Launch(
+                    {c: statistics.median([max(ts) for ts in zip(*(t[c] for t in times))]
+                                          [warmup:]) for c in times[0]},
+                    {c: statistics.median(f[warmup:]) for c, f in ranks[0]["faults"].items()}))
+            yield model, label, out
+
+
+def _compare(runs: list[Launch], ref: str, new: str, bound: float) -> list[str]:
+    """Table cells: medians over launches, each launch's ratio, faults, and the verdict on
+    the median of the launches' ratios."""
+    ratios = [r.step_s[new] / r.step_s[ref] for r in runs]
+    med = statistics.median(ratios)
+    return [f"{statistics.median(r.step_s[ref] for r in runs):.3f}",
+            f"{statistics.median(r.step_s[new] for r in runs):.3f}",
+            " / ".join(f"{x:.2f}" for x in ratios),
+            f"{statistics.median(r.faults[ref] for r in runs):,.0f} / "
+            f"{statistics.median(r.faults[new] for r in runs):,.0f}",
+            f"**{med:.2f}**", _verdict(med, bound)]
+
+
+def _compare_head(ref: str) -> list[str]:
+    return [f"| model | allocator | target | {ref} s/step | fzero s/step | ratio in each launch "
+            f"| page faults/step, {ref} / fzero | median ratio | verdict |",
+            "|---|---|---|---:|---:|---|---:|---:|---|"]
 
 
 def functional_cost(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
                     warmup: int) -> list[str]:
     """Issue 7's world-size-1 target: fzero stage 0 against a plain eager loop."""
-    out = ["| model | allocator | eager s/step | fzero stage 0 s/step | ratio | target ≤ 1.10 |",
-           "|---|---|---:|---:|---:|---|"]
-    for model, label, med in _medians(refs, fast, "ws1", warmup):
-        if isinstance(med, str):
-            out.append(f"| {model} | {label} | {med} | | | |")
+    out = _compare_head("eager")
+    for model, label, runs in _launches(refs, fast, "ws1", warmup):
+        target = "stage 0 ≤ 1.10 × eager"
+        if isinstance(runs, str):
+            out.append(f"| {model} | {label} | {target} | {runs} | | | | | |")
             continue
-        e, f = med["eager"], med["fzero0"]
-        out.append(f"| {model} | {label} | {e:.3f} | {f:.3f} | {f / e:.2f} "
-                   f"| {_verdict(f / e, 1.10)} |")
+        out.append(f"| {model} | {label} | {target} | "
+                   + " | ".join(_compare(runs, "eager", "fzero0", 1.10)) + " |")
     return out
 
 
 def interleaved(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
                 warmup: int) -> list[str]:
     """Issue 7's stage 0 and stage 1 targets, each pair of configurations stepped in turn."""
-    out = ["| model | allocator | DDP s/step | fzero stage 0 | stage 0 ≤ 1.05 × DDP "
-           "| ZeroRedundancyOptimizer s/step | fzero stage 1 | stage 1 ≤ "
-           "ZeroRedundancyOptimizer |",
-           "|---|---|---:|---:|---|---:|---:|---|"]
-    rows: dict[tuple[str, str], list[str]] = {}
-    for k, (ref_cfg, fz_cfg, bound) in enumerate(configs.INTERLEAVED_PAIRS):
-        key = f"interleaved:{ref_cfg}+{fz_cfg}"
-        for model, label, med in _medians(refs, fast, key, warmup):
-            cells = rows.setdefault((model, label), ["—"] * 3 * len(configs.INTERLEAVED_PAIRS))
-            if isinstance(med, str):
-                cells[3 * k: 3 * k + 3] = [med, "", ""]
+    out = _compare_head("reference")
+    names = {"ddp": "DDP", "zero": "ZeroRedundancyOptimizer"}
+    for ref_cfg, fz_cfg, bound in configs.INTERLEAVED_PAIRS:
+        scale = "" if bound == 1 else f"{bound:g} × "
+        target = f"stage {fz_cfg[-1]} ≤ {scale}{names.get(ref_cfg, ref_cfg)}"
+        for model, label, runs in _launches(refs, fast, f"interleaved:{ref_cfg}+{fz_cfg}",
+                                            warmup):
+            if isinstance(runs, str):
+                out.append(f"| {model} | {label} | {target} | {runs} | | | | | |")
                 continue
-            ratio = med[fz_cfg] / med[ref_cfg]
-            cells[3 * k: 3 * k + 3] = [f"{med[ref_cfg]:.3f}", f"{med[fz_cfg]:.3f} ({ratio:.2f})",
-                                       _verdict(ratio, bound)]
-    for (model, label), cells in rows.items():
-        out.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
+            out.append(f"| {model} | {label} | {target} | "
+                       + " | ".join(_compare(runs, ref_cfg, fz_cfg, bound)) + " |")
     return out
 
 
