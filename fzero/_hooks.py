@@ -166,7 +166,7 @@ def value_and_shard_grad(
       replicate: stage 0: all-reduce each unit's gradient (full-size results, one per
         bucket) instead of reduce-scattering it.
       bursts: stage 1: with `overlap`, reductions start `hold_bytes` at a time, and a
-        burst stays in flight while the next one fills, finishing before it starts.
+        burst in flight is finished when the next unit's gradient arrives.
       hold_bytes: stages 0-1: hold complete unit gradients until at least this many bytes
         are ready, then start their reductions together (0: each as soon as complete).
       comm_dtypes: `(gather_dtype, reduce_dtype)` the parameters and gradients travel in

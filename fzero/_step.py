@@ -112,7 +112,8 @@ def sharded_step(
         "local" (each rank keeps its own).
       overlap_reduce: a unit's gradient reduction runs asynchronously while the units
         before it differentiate: at stages 2-3 at most one in flight (so one more unit of
-        full gradients is alive), at stages 0-1 any number (they may hold every full
+        full gradients is alive); at stage 1 one burst (`reduce_bucket_bytes`), finished
+        when the next unit's gradient arrives; at stage 0 any number (it keeps every full
         gradient anyway, like DDP); False reduces each unit synchronously.
       reduce_bucket_bytes: stages 0-1: complete unit gradients wait until at least this
         many bytes of them are ready, then their reductions start together, as DDP's
@@ -204,8 +205,8 @@ def _stage1(
     loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
 ) -> Out:
     """Optimizer state sharded: unit gradients are reduce-scattered during the backward in
-    DDP-sized bursts (`reduce_bucket_bytes`), one burst in flight while the next fills
-    (DDP's overlap; two bursts of full gradients alive at most); own shard updated;
+    DDP-sized bursts (`reduce_bucket_bytes`), a burst finished when the next unit's
+    gradient arrives (about one burst of full gradients alive); own shard updated;
     parameters all-gathered (2Ψ per step, like stages 0, 2)."""
     return _update_and_regather(optimizer, o, state, batch, loss_fn, bursts=True)
 

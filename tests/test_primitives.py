@@ -86,6 +86,30 @@ def test_reductions_in_flight_sum_every_rank_in_rank_order(n: int, dtype: torch.
             assert torch.equal(out, want), f"rank {rank}, buffer {k}: not the rank-order sum"
 
 
+def test_reductions_on_a_subgroup_mesh_stay_within_it() -> None:
+    # Two meshes of 2 ranks in a world of 4: point-to-point messages address peers by
+    # global rank, and each group's reductions pair only with its own members'.
+    def fn(world: fzero.Mesh) -> Any:
+        import torch.distributed as dist
+
+        from fzero import _comm
+
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mesh = fzero.ProcessGroupMesh(groups[world.rank // 2])
+        full = torch.arange(6, dtype=torch.float64) * (world.rank + 1)
+        started = [_comm.reduce_scatter_async(full * k, mesh) for k in (1, 10)]
+        for _, work in started:
+            work.wait()
+        return mesh.rank, [out for out, _ in started]
+
+    for world_rank, (rank, outs) in enumerate(run(4, fn)):
+        members = [0, 1] if world_rank < 2 else [2, 3]
+        total = sum(torch.arange(6, dtype=torch.float64) * (m + 1) for m in members)
+        assert rank == world_rank % 2
+        for k, out in zip((1, 10), outs):
+            assert torch.equal(out, (total * k)[3 * rank : 3 * rank + 3])
+
+
 @given(st.integers(1, 6), layouts, st.sampled_from(["autograd", "torch.func"]))
 def test_gather_backward_is_reduce_scatter(n: int, layout: str, engine: str) -> None:
     params = make_params([3, 4, 2], torch.float64, seed=2)
