@@ -77,16 +77,16 @@ def _gather_by_broadcast(shard: torch.Tensor, out: torch.Tensor, mesh: Mesh) -> 
     return _Works(works)
 
 
-class _SumOnWait:
+class _SumOnWait(_Works):
     """A point-to-point reduce-scatter in flight: on wait, this rank's slice of every rank's
     buffer (its own and those received) summed, in rank order, into `out`."""
 
     def __init__(self, works: list[Any], parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        self.works, self.parts, self.out = works, parts, out
+        super().__init__(works)
+        self.parts, self.out = parts, out
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        super().wait()
         # `out` already holds the first or second part in rank order (received into it);
         # adding the other is the same sum both ways (IEEE addition commutes), then the
         # rest in rank order: the left fold a single process would compute.

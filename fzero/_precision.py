@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._layout import ShardLayout
-from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+from ._tree import PyTree, leaf_paths, tree_flatten, tree_map, tree_unflatten
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ def compute_params(params: PyTree, precision: Precision, stage: int) -> PyTree:
     gather = precision.gather_dtype
     if gather is None or stage not in (1, 2):
         return cast
-    leaves, treedef = tree_flatten(cast)
-    return tree_unflatten(treedef, [x.to(gather).to(x.dtype) for x in leaves])
+    # Integer leaves (a batch counter) are never gathered in `gather_dtype`: left exact.
+    return tree_map(lambda x: x.to(gather).to(x.dtype) if x.is_floating_point() else x, cast)
 
 
 def master_layout(

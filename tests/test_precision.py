@@ -470,3 +470,14 @@ def test_masters_of_several_dtypes_refuse_to_checkpoint(tmp_path: Any) -> None:
     with pytest.raises(NotImplementedError, match=r"several dtypes \(\['torch.float32', "):
         run(2, save_mixed_dtypes, str(tmp_path / "c"))
     assert not (tmp_path / "c" / "LATEST").exists()
+
+
+def test_step_zero_rounding_through_the_gather_dtype_leaves_integer_leaves_exact() -> None:
+    # Stages 1-2 round the step-0 parameters through gather_dtype as a gather would; an
+    # integer leaf (a batch counter) is never gathered in it: 1001 is not a bfloat16.
+    from fzero._precision import compute_params
+
+    prec = fzero.Precision(param_dtype=torch.float32, gather_dtype=BF16)
+    out = compute_params({"w": torch.full((2,), 1001.0), "n": torch.tensor(1001)}, prec, 1)
+    assert torch.equal(out["n"], torch.tensor(1001))
+    assert torch.equal(out["w"], torch.full((2,), 1001.0).to(BF16).float())
