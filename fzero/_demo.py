@@ -152,6 +152,7 @@ def run_demo(
             for t in range(steps):
                 state, loss = step(state, data[t, sl])
                 bar.update()
+            bar.refresh()  # show the last step: fast steps can all fall within tqdm's mininterval
         mean_loss = all_reduce_grads({"loss": loss}, mesh)["loss"]  # outside the ledger
         return {
             "loss": mean_loss.item(),
