@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from . import _comm
-from ._layout import _cut
+from ._flat import cut
 from ._mesh import Mesh
 from ._shards import Shards
 from ._tree import PyTree, tree_unflatten
@@ -111,7 +111,7 @@ def master_params(state: Any, mesh: Mesh) -> PyTree:
         flats = [_comm.all_gather(state.master.buffers[i], mesh) for i in live]
         trainable: dict[int, Any] = {}
         for i, flat in zip(live, flats):
-            for slot, view in _cut(mlay.buckets[i], flat):
+            for slot, view in cut(mlay.buckets[i], flat):
                 trainable[slot.index] = view
         leaves = lay.leaves(params)
         merged = [trainable.get(j, leaf) for j, leaf in enumerate(leaves)]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ._autodiff import check_loss
+from ._burst import Bursts
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._tree import tree_flatten, tree_unflatten
@@ -194,6 +195,13 @@ def value_and_shard_grad(
     run.drain = bursts
     run.hold_bytes = hold_bytes if replicate or bursts else 0
     run.gather_dtype, run.reduce_dtype = comm_dtypes
+    if replicate and acc is None:
+        left: dict[torch.dtype, int] = {}
+        for b in layout.buckets:
+            if not b.frozen:
+                dtype = comm_dtypes[1] or b.dtype
+                left[dtype] = left.get(dtype, 0) + b.full_numel
+        run.bursts = Bursts(hold_bytes, left)
     jit = hookable_units(layout, module) if jit is None else jit
     leaves: list[Any] = [None] * len(layout.paths)
     index = {p: i for i, p in enumerate(layout.paths)}

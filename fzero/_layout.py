@@ -23,6 +23,7 @@ from typing import Any
 import optree
 import torch
 
+from ._flat import by_offset, cut, pack
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
 
 KINDS = ("flat", "tensor")
@@ -153,29 +154,40 @@ class ShardLayout:
     def flatten(self, tree: PyTree, what: str = "tree") -> tuple[torch.Tensor, ...]:
         """Packs `tree` into fresh full padded flat buffers, one per bucket."""
         leaves = self.leaves(tree, what)
-        return tuple(_pack(b, leaves, 0, b.full_numel) for b in self.buckets)
+        return tuple(pack(b, leaves, 0, b.full_numel) for b in self.buckets)
 
     def unflatten(self, flats: Sequence[torch.Tensor]) -> PyTree:
         """The parameter tree whose leaves are views into the full flat buffers `flats`."""
         leaves: list[Any] = [None] * len(self.paths)
         for bucket, flat in zip(self.buckets, flats):
-            for slot, view in _cut(bucket, flat):
+            for slot, view in cut(bucket, flat):
                 leaves[slot.index] = view
         return tree_unflatten(self.treedef, leaves)
 
-    def unflatten_unit(self, unit: str, fulls: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Views of `unit`'s leaves, by path, into its full flat buckets `fulls`."""
-        out = {}
-        for i, full in zip(self.unit_buckets(unit), fulls, strict=True):
-            for slot, view in _cut(self.buckets[i], full):
-                out[slot.path] = view
-        return out
+    def unit_paths(self, unit: str) -> tuple[str, ...]:
+        """`unit`'s leaf paths, in the order `cut_unit` returns their views."""
+        return self._unit_paths.get(unit, ())
+
+    @functools.cached_property
+    def _unit_paths(self) -> dict[str, tuple[str, ...]]:
+        return {
+            u: tuple(s.path for i in idx for s in by_offset(self.buckets[i]))
+            for u, idx in self._unit_index.items()
+        }
+
+    def cut_unit(self, unit: str, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of `unit`'s leaves into its full flat buckets `fulls` (`unit_paths` order)."""
+        return [
+            view
+            for i, full in zip(self.unit_buckets(unit), fulls, strict=True)
+            for _, view in cut(self.buckets[i], full)
+        ]
 
     def shard(self, tree: PyTree, rank: int) -> tuple[torch.Tensor, ...]:
         """Rank `rank`'s slice of every bucket of `tree` (a copy; no communication)."""
         leaves = self.leaves(tree)
         return tuple(
-            _pack(b, leaves, rank * b.shard_numel, (rank + 1) * b.shard_numel) for b in self.buckets
+            pack(b, leaves, rank * b.shard_numel, (rank + 1) * b.shard_numel) for b in self.buckets
         )
 
     def pieces(self, shards: Sequence[torch.Tensor], rank: int) -> tuple[torch.Tensor, ...]:
@@ -380,59 +392,3 @@ def _place_greedy(
         slots.append(Slot(i, paths[i], tuple(leaves[i].shape), cursor[r], numel, r))
         cursor[r] += numel
     return Bucket(dtype, tuple(slots), shard, n)
-
-
-def _cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
-    """Each slot's leaf as a view into the full flat buffer, cut with one split.
-
-    One split, not a slice per leaf: the backward of a slice builds a zero-filled gradient
-    the size of the whole buffer, so a unit of P leaves would cost P buffer-sized fills;
-    split's backward assembles one gradient for all of them.
-    """
-    slots = sorted(bucket.slots, key=lambda s: s.offset)
-    sizes: list[int] = []
-    kept: list[Slot | None] = []
-    cursor = 0
-    for s in slots:
-        if s.offset > cursor:  # padding between ranks' segments ("tensor" layout)
-            sizes.append(s.offset - cursor)
-            kept.append(None)
-        sizes.append(s.numel)
-        kept.append(s)
-        cursor = s.offset + s.numel
-    if flat.numel() > cursor:
-        sizes.append(flat.numel() - cursor)
-        kept.append(None)
-    parts = torch.split(flat, sizes) if sizes else ()
-    return [(s, p.view(s.shape)) for s, p in zip(kept, parts) if s is not None]
-
-
-@torch.no_grad()  # packing copies values; autograd history (params that require grad) stays out
-def _pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
-    """Elements [lo, hi) of `bucket`'s padded flat buffer built from `leaves` (a new tensor).
-
-    A frozen bucket whose leaves are None (a gradient tree) packs to an empty tensor.
-    """
-    if bucket.frozen and bucket.slots and leaves[bucket.slots[0].index] is None:
-        return torch.empty(0, dtype=bucket.dtype)
-    parts, cursor = [], lo
-    device = leaves[bucket.slots[0].index].device if bucket.slots else None
-    for s in sorted(bucket.slots, key=lambda s: s.offset):
-        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-        if a >= b:
-            continue
-        if a > cursor:
-            parts.append(torch.zeros(a - cursor, dtype=bucket.dtype, device=device))
-        leaf = leaves[s.index]
-        if leaf.dtype != bucket.dtype or tuple(leaf.shape) != s.shape:
-            raise ValueError(
-                f"leaf {s.path!r}: got {tuple(leaf.shape)} {leaf.dtype}, "
-                f"layout expects {s.shape} {bucket.dtype}"
-            )
-        parts.append(leaf.reshape(-1)[a - s.offset : b - s.offset])
-        cursor = b
-    if hi > cursor:
-        parts.append(torch.zeros(hi - cursor, dtype=bucket.dtype, device=device))
-    if not parts:
-        return torch.zeros(0, dtype=bucket.dtype, device=device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()

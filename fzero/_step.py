@@ -115,12 +115,15 @@ def sharded_step(
         full gradients is alive); at stage 1 one burst (`reduce_bucket_bytes`), finished
         when the next unit's gradient arrives; at stage 0 any number (it keeps every full
         gradient anyway, like DDP); False reduces each unit synchronously.
-      reduce_bucket_bytes: stages 0-1: complete unit gradients wait until at least this
-        many bytes of them are ready, then their reductions start together, as DDP's
-        `bucket_cap_mb` (default 25 MiB, DDP's too): a few large bursts of communication
-        instead of one per unit, which on CPU cores shared between compute and
-        communication threads is faster (see benchmarks/). 0 starts each unit's
-        reduction as soon as it is complete. Stages 2-3 never hold (their memory bound).
+      reduce_bucket_bytes: stages 0-1: complete unit gradients are reduced in bursts of
+        about this many bytes, as DDP's `bucket_cap_mb` (default 25 MiB, DDP's too): a
+        few large bursts of communication instead of one per unit, which on CPU cores
+        shared between compute and communication threads is faster (see benchmarks/).
+        Stage 0, as DDP, writes the units' gradients into one buffer of at most this
+        size (a larger unit gets its own) and all-reduces each buffer as one collective;
+        stage 1 waits until at least this many bytes of unit gradients are ready, then
+        starts their reduce-scatters together. 0 starts each unit's reduction as soon as
+        it is complete. Stages 2-3 never hold (their memory bound).
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached.

@@ -6,8 +6,10 @@ back out of it:
 
 - forward: stage 3 all-gathers the unit's shards (or waits for the prefetched gather);
   stage 2 passes the rank's own replicated parameters through unchanged.
-- backward: reduce-scatters (mean) the unit's full gradient into the shard's gradient,
-  then frees the unit's full parameters. Autograd runs a node once all its consumers are
+- backward: pastes the gradients of the unit's leaves (the node hands out the leaves
+  themselves) into full buckets and reduce-scatters (mean) them into the shard's
+  gradient (stage 0: into a burst buffer, all-reduced; see `_burst`), then frees the
+  unit's full parameters. Autograd runs a node once all its consumers are
   done, so this happens as soon as the unit's backward is complete; nodes created before
   the forward would run only at the very end (autograd prefers the newest ready node),
   keeping every unit's full parameters and gradients alive through the whole backward.
@@ -32,6 +34,8 @@ import torch
 from torch import nn
 
 from . import _comm
+from ._burst import Burst, Bursts
+from ._flat import paste
 from ._layout import ShardLayout
 from ._mesh import Mesh
 
@@ -107,12 +111,14 @@ class UnitRun:
         # bucket, across micro-batches; reduce-scattered only on the final micro-batch.
         self.acc: dict[int, torch.Tensor] | None = None
         self.final = True
-        # Reduce-scatters in flight: (bucket, out, work, full gradient, unit). At most
-        # `max_inflight` stay unfinished, so a unit's reduction overlaps the backward of
-        # the units before it while full gradients stay bounded (0: synchronous).
+        # Reduce-scatters in flight: (bucket, out, work, full gradient, unit, whether `out`
+        # still needs dividing by the mesh size). At most `max_inflight` stay unfinished,
+        # so a unit's reduction overlaps the backward of the units before it while full
+        # gradients stay bounded (0: synchronous).
         self.max_inflight = 1
         self.replicate = False  # stage 0: all-reduce whole gradients instead
-        self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str]] = []
+        self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str, bool]] = []
+        self.bursts: Bursts | None = None  # stage 0: unit gradients written into bursts
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> finished shard gradient (sum)
         # Stages 0-1 (DDP's bucket_cap_mb): complete unit gradients wait here until at least
         # `hold_bytes` of them are ready, then their reductions start together.
@@ -194,6 +200,59 @@ class UnitRun:
             call.resident, call.refill = True, None
 
     # -- backward ------------------------------------------------------------------------
+    def backward(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+        """The shard gradients of one call, from its leaves' gradients (`unit_paths` order;
+        None: unused): assembled into full buckets, then reduced."""
+        if self.bursts is not None:
+            return self._into_bursts(call, grads)
+        flats: list[torch.Tensor | None] = []
+        for i, part in self._by_bucket(call.unit, grads):
+            b = self.layout.buckets[i]
+            out = torch.empty(b.full_numel, dtype=b.dtype, device=self.shards[i].device)
+            flats.append(None if b.frozen else paste(b, part, out))
+        return self.reduce(call, tuple(flats))  # type: ignore[arg-type]
+
+    def _by_bucket(self, unit: str, grads: tuple[Any, ...]) -> list[tuple[int, tuple[Any, ...]]]:
+        out, k = [], 0
+        for i in self.layout.unit_buckets(unit):
+            n = len(self.layout.buckets[i].slots)
+            out.append((i, grads[k : k + n]))
+            k += n
+        return out
+
+    def _into_bursts(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+        """Stage 0: the call's gradients, divided by the mesh size, go straight into the open
+        burst of their reduce dtype; a burst is all-reduced (in place) once full."""
+        assert self.bursts is not None
+        out: list[Any] = []
+        for i, part in self._by_bucket(call.unit, grads):
+            b = self.layout.buckets[i]
+            out.append(None)  # collected by `finish`, after the backward
+            if b.frozen:
+                continue
+            dtype = self.reduce_dtype or b.dtype
+            device = self.shards[i].device
+            view, closed = self.bursts.take(i, b.full_numel, dtype, device, call.unit)
+            if closed is not None:
+                self._issue_burst(closed)
+            paste(b, part, view, self.mesh.size)
+            self._log("grads", call.unit, view.numel() * view.element_size())
+        call.reduced = True
+        for burst in self.bursts.full():
+            self._issue_burst(burst)
+        while len(self.inflight) > self.max_inflight:
+            self._finish_oldest()
+        return tuple(out)
+
+    def _issue_burst(self, burst: Burst) -> None:
+        # Owned and already in the reduce dtype: reduced in place, so each part's view of
+        # the buffer holds that bucket's mean once the work is done.
+        flat, work = _comm.all_reduce_async(burst.filled, self.mesh, owned=True)
+        ends = [start for _, start, _ in burst.parts[1:]] + [burst.used]
+        for (i, start, unit), end in zip(burst.parts, ends):
+            view = flat[start:end]
+            self.inflight.append((i, view, work, view, unit, False))
+
     def reduce(self, call: _Call, grads: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         """The unit's shard gradients: the reduce-scatter (mean) of its full gradients.
 
@@ -232,7 +291,7 @@ class UnitRun:
         """Starts the reductions of every held gradient, oldest first."""
         for i, g, unit in self.held:
             shard, work = self._start_reduce(g)
-            self.inflight.append((i, shard, work, g, unit))
+            self.inflight.append((i, shard, work, g, unit, True))
         self.held.clear()
         self.held_bytes = 0
 
@@ -250,10 +309,10 @@ class UnitRun:
         return out.div_(self.mesh.size) if self.mesh.size > 1 else out
 
     def _finish_oldest(self) -> None:
-        i, shard, work, g, unit = self.inflight.pop(0)
+        i, shard, work, g, unit, divide = self.inflight.pop(0)
         if work is not None:
-            work.wait()
-        if self.mesh.size > 1:  # the mean; one rank's sum is already it
+            work.wait()  # a burst's parts share one work: waiting again returns at once
+        if divide and self.mesh.size > 1:  # the mean; one rank's sum is already it
             shard.div_(self.mesh.size)
         self.reduced[i] = self.reduced[i] + shard if i in self.reduced else shard
         self._log("grads", unit, -g.numel() * g.element_size())
@@ -261,6 +320,8 @@ class UnitRun:
     def finish(self) -> None:
         """Waits for every reduce-scatter still in flight."""
         self._issue()
+        for burst in self.bursts.close_all() if self.bursts is not None else ():
+            self._issue_burst(burst)
         while self.inflight:
             self._finish_oldest()
 
@@ -309,7 +370,14 @@ class UnitRun:
 
 
 class _UnitGather(torch.autograd.Function):
-    """Shards in, full buckets out; backward reduce-scatters the full gradient."""
+    """Shards in, the unit's full leaves out (views of its full buckets); backward pastes
+    the leaves' gradients into full buckets and reduces them (`UnitRun.backward`).
+
+    The node hands out the leaves itself, rather than full buckets for autograd to cut:
+    its backward then receives each leaf's gradient and writes it where it is reduced
+    from (a burst, at stage 0), divided on the way, instead of autograd assembling a
+    bucket-sized gradient first.
+    """
 
     @staticmethod
     def forward(ctx: Any, run: UnitRun, call: _Call, *shards: torch.Tensor) -> Any:  # type: ignore[override]
@@ -317,14 +385,22 @@ class _UnitGather(torch.autograd.Function):
         call.attach(fulls)
         run.calls.append(call)
         ctx.run, ctx.call = run, call
+        # An unused leaf gets None, not a zero-filled gradient: `paste` zeroes its place.
+        ctx.set_materialize_grads(False)
+        views = run.layout.cut_unit(call.unit, fulls)
         # Frozen buckets' full parameters take part in the forward but never need a gradient.
-        frozen = [run.layout.buckets[i].frozen for i in run.layout.unit_buckets(call.unit)]
-        ctx.mark_non_differentiable(*(o for o, f in zip(fulls, frozen) if f))
-        return fulls
+        frozen = [
+            v
+            for (i, vs) in run._by_bucket(call.unit, tuple(views))
+            if run.layout.buckets[i].frozen
+            for v in vs
+        ]
+        ctx.mark_non_differentiable(*frozen)
+        return tuple(views)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return (None, None, *ctx.run.reduce(ctx.call, grads))
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        return (None, None, *ctx.run.backward(ctx.call, grads))
 
 
 class _RegatherBeforeBackward(torch.autograd.Function):
@@ -350,5 +426,5 @@ def gather_unit(run: UnitRun, unit: str) -> tuple[dict[str, torch.Tensor], _Call
     """Creates the unit's node now; returns views of its full leaves by path, and the call."""
     call = _Call(unit)
     idx = run.layout.unit_buckets(unit)
-    fulls = _UnitGather.apply(run, call, *(run.shards[i] for i in idx))
-    return run.layout.unflatten_unit(unit, tuple(fulls)), call
+    views = _UnitGather.apply(run, call, *(run.shards[i] for i in idx))
+    return dict(zip(run.layout.unit_paths(unit), views, strict=True)), call

@@ -178,9 +178,11 @@ def test_stage2_reduces_one_unit_of_gradients_at_a_time(overlap: bool) -> None:
 def test_reduce_buckets_train_like_one_process_and_hold_reductions(
     stage: int, bucket: int, n: int
 ) -> None:
-    # Stages 0-1 hold complete unit gradients until `reduce_bucket_bytes` of them are
-    # ready: with 0 every reduction starts inside the backward, as soon as its unit is
-    # done; with 25 MiB (more than this model has) all of them start after it.
+    # Stages 0-1 gather complete unit gradients into bursts of `reduce_bucket_bytes`:
+    # with 0 every reduction starts inside the backward, as soon as its unit is done;
+    # with 25 MiB (more than this model has) all of them start after it. Stage 1 starts
+    # one reduction per unit; stage 0 one all-reduce per burst, whose buffer the units'
+    # gradients are written into.
     case = make_case([4, 6, 6, 3], n, seed=3)
     expected = reference(case)
     units = ["layers.0", "layers.1", "layers.2", "unused"]
@@ -214,13 +216,14 @@ def test_reduce_buckets_train_like_one_process_and_hold_reductions(
                 per_unit[b.unit] = per_unit.get(b.unit, 0) + b.full_numel * 8
             assert 0 < ledger.peak_grads <= max(per_unit.values())
         steps = case["xs"].shape[0]
-        assert len(inside) == 4 * steps  # three layers and the root ("unused" never runs)
-        if bucket == 0:
-            assert all(inside)
-        if bucket == 300:  # layers 2+1 together inside; layer 0 and the root held to the end
+        units_run = 4 * steps  # three layers and the root ("unused" never runs)
+        if bucket == 0:  # each unit on its own, inside the backward
+            assert len(inside) == units_run and all(inside)
+        if bucket == 300:  # layers 2 and 1 inside; layer 0 and the root held to the end
             assert 0 < sum(inside) < len(inside)
-        if bucket == 25 * 2**20:
-            assert not any(inside)
+            assert len(inside) == (units_run if stage == 1 else 3 * steps)
+        if bucket == 25 * 2**20:  # everything after the backward: one burst at stage 0
+            assert len(inside) == (units_run if stage == 1 else steps) and not any(inside)
 
 
 def test_reduce_bucket_bytes_is_checked() -> None:
@@ -275,3 +278,48 @@ def test_unit_param_used_outside_its_module_fails_loudly() -> None:
 
     with pytest.raises(ValueError, match="used outside its submodule's forward"):
         run(1, fn)
+
+
+class _PartlyUsed(nn.Module):
+    """A unit whose forward leaves one of its own parameters unused."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.spare = nn.Parameter(torch.randn(3))  # never touched by forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_unit_leaf_its_forward_never_uses_trains_like_one_process(n: int) -> None:
+    # The unit's node hands out every leaf; an unused one gets no gradient (None), so its
+    # place in the bucket (and, at stage 0, in the burst) must be written as zero: stale
+    # memory there would be all-reduced into the neighbours' means or the spare's update.
+    torch.manual_seed(0)
+    model = nn.Sequential(_PartlyUsed(4), _PartlyUsed(4), nn.Linear(4, 2)).double()
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(functional_call(model, p, (x,)), y)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        [
+            (
+                torch.randn(3, 4, generator=g, dtype=torch.float64),
+                torch.randn(3, 2, generator=g, dtype=torch.float64),
+            )
+            for _ in range(n)
+        ]
+        for _ in range(3)
+    ]
+    fzero.testing.assert_stages_equivalent(
+        loss_fn,
+        dict(model.named_parameters()),
+        batches,
+        (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
+        units=["0", "1", "2"],
+        module=model,
+    )

@@ -1,0 +1,102 @@
+"""Flat buffers and the leaves in them: cutting a bucket's buffer into leaf views, pasting
+leaf gradients back into one, packing leaves into a new one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # _layout imports this module
+    from ._layout import Bucket, Slot
+
+
+def by_offset(bucket: Bucket) -> list[Slot]:
+    return sorted(bucket.slots, key=lambda s: s.offset)
+
+
+def cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
+    """Each slot's leaf as a view into the full flat buffer (by offset), cut with one split.
+
+    One split, not a slice per leaf: the backward of a slice builds a zero-filled gradient
+    the size of the whole buffer, so a unit of P leaves would cost P buffer-sized fills;
+    split's backward assembles one gradient for all of them.
+    """
+    slots = by_offset(bucket)
+    sizes: list[int] = []
+    kept: list[Slot | None] = []
+    cursor = 0
+    for s in slots:
+        if s.offset > cursor:  # padding between ranks' segments ("tensor" layout)
+            sizes.append(s.offset - cursor)
+            kept.append(None)
+        sizes.append(s.numel)
+        kept.append(s)
+        cursor = s.offset + s.numel
+    if flat.numel() > cursor:
+        sizes.append(flat.numel() - cursor)
+        kept.append(None)
+    parts = torch.split(flat, sizes) if sizes else ()
+    return [(s, p.view(s.shape)) for s, p in zip(kept, parts) if s is not None]
+
+
+def paste(
+    bucket: Bucket, grads: Sequence[torch.Tensor | None], out: torch.Tensor, divisor: int = 1
+) -> torch.Tensor:
+    """Writes `bucket`'s full flat gradient into the 1-D `out` and returns it: the leaves'
+    gradients `grads` (by offset, as `cut` cuts them; None: zero) divided by `divisor`,
+    zero padding.
+
+    The division rides on the copy (DDP's reducer does the same): a pass over the gradient
+    that assembling it costs anyway. A division into a wider `out` (bfloat16 gradients, a
+    float32 reduction) is done there, so it rounds in the wider dtype.
+    """
+    cursor = 0
+    for s, g in zip(by_offset(bucket), grads, strict=True):
+        if s.offset > cursor:
+            out[cursor : s.offset].zero_()
+        dst = out[s.offset : s.offset + s.numel].view(s.shape)
+        if g is None:
+            dst.zero_()
+        elif divisor == 1:
+            dst.copy_(g)
+        elif g.dtype == dst.dtype:
+            torch.div(g, divisor, out=dst)
+        else:
+            dst.copy_(g).div_(divisor)
+        cursor = s.offset + s.numel
+    if cursor < out.numel():
+        out[cursor:].zero_()
+    return out
+
+
+@torch.no_grad()  # packing copies values; autograd history (params that require grad) stays out
+def pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of `bucket`'s padded flat buffer built from `leaves` (a new tensor).
+
+    A frozen bucket whose leaves are None (a gradient tree) packs to an empty tensor.
+    """
+    if bucket.frozen and bucket.slots and leaves[bucket.slots[0].index] is None:
+        return torch.empty(0, dtype=bucket.dtype)
+    parts, cursor = [], lo
+    device = leaves[bucket.slots[0].index].device if bucket.slots else None
+    for s in sorted(bucket.slots, key=lambda s: s.offset):
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a >= b:
+            continue
+        if a > cursor:
+            parts.append(torch.zeros(a - cursor, dtype=bucket.dtype, device=device))
+        leaf = leaves[s.index]
+        if leaf.dtype != bucket.dtype or tuple(leaf.shape) != s.shape:
+            raise ValueError(
+                f"leaf {s.path!r}: got {tuple(leaf.shape)} {leaf.dtype}, "
+                f"layout expects {s.shape} {bucket.dtype}"
+            )
+        parts.append(leaf.reshape(-1)[a - s.offset : b - s.offset])
+        cursor = b
+    if hi > cursor:
+        parts.append(torch.zeros(hi - cursor, dtype=bucket.dtype, device=device))
+    if not parts:
+        return torch.zeros(0, dtype=bucket.dtype, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
