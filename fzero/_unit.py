@@ -75,6 +75,7 @@ class _Call:
         self.resident = True
         self.refill: list[tuple[torch.Tensor, Any]] | None = None  # prefetched re-gather
         self.reduced = False
+        self.order: int | None = None  # place in the order every rank reduces in (`enlist`)
         self.swapped: list[tuple[nn.Module, str, Any]] = []  # module slots the hook overrode
 
     def attach(self, fulls: tuple[torch.Tensor, ...]) -> None:
@@ -119,6 +120,11 @@ class UnitRun:
         self.replicate = False  # stage 0: all-reduce whole gradients instead
         self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str, bool]] = []
         self.bursts: Bursts | None = None  # stage 0: unit gradients written into bursts
+        # The forward's calls, in call order (`enlist`); their gradients are reduced newest
+        # first, a call that arrives early waiting in `ready` for the ones before it.
+        self.ordered: list[_Call] = []
+        self.ready: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        self.next = -1  # the next call (`order`) to reduce
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> finished shard gradient (sum)
         # Stages 0-1 (DDP's bucket_cap_mb): complete unit gradients wait here until at least
         # `hold_bytes` of them are ready, then their reductions start together.
@@ -200,9 +206,38 @@ class UnitRun:
             call.resident, call.refill = True, None
 
     # -- backward ------------------------------------------------------------------------
+    def enlist(self, call: _Call) -> None:
+        """Gives a call made by the forward its place in the order every rank reduces in.
+
+        Reductions pair up across ranks by the order they are started in, so that order
+        must not depend on which calls a rank's loss reached: a call that carries no
+        gradient on one rank (its output unused there) is reduced, as zeros, in the same
+        place as on the ranks where it does. The order is the reverse of the forward's,
+        which is autograd's order for a chain of units. Calls made inside the backward (a
+        checkpoint's recompute) never carry a gradient, and a unit with nothing trainable
+        has nothing to reduce: neither takes a place (`settle` sees to them).
+        """
+        idx = self.layout.unit_buckets(call.unit)
+        if torch._C._current_graph_task_id() != -1 or all(
+            self.layout.buckets[i].frozen for i in idx
+        ):
+            return
+        call.order = self.next = len(self.ordered)
+        self.ordered.append(call)
+
     def backward(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
-        """The shard gradients of one call, from its leaves' gradients (`unit_paths` order;
-        None: unused): assembled into full buckets, then reduced."""
+        """One call's share of its node's backward: its leaves' gradients (`unit_paths`
+        order; None: unused) are reduced in the order of `enlist`."""
+        if call.order is None:
+            return self._reduce_call(call, grads)
+        self.ready[call.order] = grads
+        while self.next in self.ready:
+            self.next -= 1
+            self._reduce_call(self.ordered[self.next + 1], self.ready.pop(self.next + 1))
+        return (None,) * len(self.layout.unit_buckets(call.unit))
+
+    def _reduce_call(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+        """The call's leaf gradients assembled into full buckets, then reduced."""
         if self.bursts is not None:
             return self._into_bursts(call, grads)
         flats: list[torch.Tensor | None] = []
@@ -318,7 +353,13 @@ class UnitRun:
         self._log("grads", unit, -g.numel() * g.element_size())
 
     def finish(self) -> None:
-        """Waits for every reduce-scatter still in flight."""
+        """Reduces the forward's calls still waiting (zeros for those whose backward never
+        ran on this rank), then waits for every reduction still in flight."""
+        while self.next >= 0:
+            call = self.ordered[self.next]
+            unused = (None,) * len(self.layout.unit_paths(call.unit))
+            self._reduce_call(call, self.ready.pop(self.next, unused))
+            self.next -= 1
         self._issue()
         for burst in self.bursts.close_all() if self.bursts is not None else ():
             self._issue_burst(burst)
@@ -326,11 +367,8 @@ class UnitRun:
             self._finish_oldest()
 
     def settle(self) -> None:
-        """Reduce-scatters zeros for calls whose backward never ran on this rank.
-
-        A peer whose loss did depend on those calls reduce-scattered them during its
-        backward; matching them here (newest call first, autograd's order for a chain of
-        units) keeps every rank's collectives in step instead of leaving a peer waiting.
+        """Reduce-scatters zeros for the calls a checkpoint's recompute made (outside the
+        order of `enlist`; their backward never runs), newest first, the same on every rank.
         """
         for call in reversed(self.calls):
             if call.refill is not None:  # a prefetched re-gather still in flight
@@ -384,6 +422,7 @@ class _UnitGather(torch.autograd.Function):
         fulls = run.materialize(call.unit)
         call.attach(fulls)
         run.calls.append(call)
+        run.enlist(call)
         ctx.run, ctx.call = run, call
         # An unused leaf gets None, not a zero-filled gradient: `paste` zeroes its place.
         ctx.set_materialize_grads(False)

@@ -323,3 +323,55 @@ def test_a_unit_leaf_its_forward_never_uses_trains_like_one_process(n: int) -> N
         units=["0", "1", "2"],
         module=model,
     )
+
+
+class _Skip(nn.Module):
+    """Three layers; the middle one always runs, but its output reaches the loss only when
+    the batch says so (a rank-dependent branch, as a per-rank flag or data would make)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        mid = self.b(h)
+        return self.c(mid if bool(use) else h)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_unit_whose_output_reaches_the_loss_on_some_ranks_only(n: int, hooks: bool) -> None:
+    # Rank 0's backward reduces unit "b" between "c" and "a"; the other ranks' never runs
+    # it. Reductions pair up across ranks by the order they start in, so the others must
+    # reduce zeros for "b" in that same place: reduced later (after "a"), rank 0's "b"
+    # would be summed with the others' "a" (same size here), silently wrong on every
+    # stage, and at stage 0 one burst would be larger than the others' (gloo aborts).
+    torch.manual_seed(0)
+    model = _Skip().double()
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        x, y, use = batch
+        return nn.functional.mse_loss(functional_call(model, p, (x, use)), y)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        [
+            (
+                torch.randn(3, 4, generator=g, dtype=torch.float64),
+                torch.randn(3, 2, generator=g, dtype=torch.float64),
+                torch.tensor(r == 0),
+            )
+            for r in range(n)
+        ]
+        for _ in range(3)
+    ]
+    fzero.testing.assert_stages_equivalent(
+        loss_fn,
+        dict(model.named_parameters()),
+        batches,
+        (torch.optim.Adam, {"lr": 0.1}),
+        units=["a", "b", "c"],
+        module=model if hooks else None,
+        timeout=120,
+    )
