@@ -12,8 +12,9 @@ from ._autodiff import check_loss
 from ._burst import Bursts
 from ._layout import ShardLayout
 from ._mesh import Mesh
+from ._nodes import _RegatherBeforeBackward, gather_unit
 from ._tree import tree_flatten, tree_unflatten
-from ._unit import UnitLedger, UnitRun, _Call, _RegatherBeforeBackward, gather_unit
+from ._unit import UnitLedger, UnitRun, _Call
 
 # A hooked unit's parameters: (leaf path, the module holding it, its attribute name).
 Slots = tuple[tuple[str, nn.Module, str], ...]

@@ -164,6 +164,10 @@ class ShardLayout:
                 leaves[slot.index] = view
         return tree_unflatten(self.treedef, leaves)
 
+    def unflatten_unit(self, unit: str, fulls: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Views of `unit`'s leaves, by path, into its full flat buckets `fulls`."""
+        return dict(zip(self.unit_paths(unit), self.cut_unit(unit, fulls), strict=True))
+
     def unit_paths(self, unit: str) -> tuple[str, ...]:
         """`unit`'s leaf paths, in the order `cut_unit` returns their views."""
         return self._unit_paths.get(unit, ())

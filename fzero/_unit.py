@@ -1,15 +1,17 @@
 """Per-unit gathering and reduction during one step: the memory-true half of stages 2 and 3.
 
+(`UnitRun` here; the autograd nodes that drive it are in `_nodes`.)
+
 One autograd node per unit *call*, created just in time by a forward pre-hook on the
 unit's submodule, carries the unit's shards into the forward and the unit's gradient
 back out of it:
 
 - forward: stage 3 all-gathers the unit's shards (or waits for the prefetched gather);
   stage 2 passes the rank's own replicated parameters through unchanged.
-- backward: pastes the gradients of the unit's leaves (the node hands out the leaves
-  themselves) into full buckets and reduce-scatters (mean) them into the shard's
-  gradient (stage 0: into a burst buffer, all-reduced; see `_burst`), then frees the
-  unit's full parameters. Autograd runs a node once all its consumers are
+- backward: reduce-scatters (mean) the unit's full gradient into the shard's gradient
+  (stage 0: writes it into a burst buffer, all-reduced as one; see `_burst`), then frees
+  the unit's full parameters. Every rank reduces the forward's calls in one order
+  (`UnitRun.enlist`). Autograd runs a node once all its consumers are
   done, so this happens as soon as the unit's backward is complete; nodes created before
   the forward would run only at the very end (autograd prefers the newest ready node),
   keeping every unit's full parameters and gradients alive through the whole backward.
@@ -27,6 +29,7 @@ what torch.func's transforms accept. The user's loss may still use torch.func.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,8 +229,9 @@ class UnitRun:
         self.ordered.append(call)
 
     def backward(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
-        """One call's share of its node's backward: its leaves' gradients (`unit_paths`
-        order; None: unused) are reduced in the order of `enlist`."""
+        """One call's share of its node's backward: its gradients (one per bucket; writing
+        into bursts, one per leaf in `unit_paths` order, None: unused) are reduced in the
+        order of `enlist`."""
         if call.order is None:
             return self._reduce_call(call, grads)
         self.ready[call.order] = grads
@@ -236,18 +240,23 @@ class UnitRun:
             self._reduce_call(self.ordered[self.next + 1], self.ready.pop(self.next + 1))
         return (None,) * len(self.layout.unit_buckets(call.unit))
 
-    def _reduce_call(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
-        """The call's leaf gradients assembled into full buckets, then reduced."""
+    def _reduce_call(self, call: _Call, grads: tuple[Any, ...] | None) -> tuple[Any, ...]:
+        """Reduces one call's gradients (as `backward` receives them; None: its backward
+        never ran on this rank, so zeros)."""
+        idx = self.layout.unit_buckets(call.unit)
         if self.bursts is not None:
-            return self._into_bursts(call, grads)
-        flats: list[torch.Tensor | None] = []
-        for i, part in self._by_bucket(call.unit, grads):
-            b = self.layout.buckets[i]
-            out = torch.empty(b.full_numel, dtype=b.dtype, device=self.shards[i].device)
-            flats.append(None if b.frozen else paste(b, part, out))
-        return self.reduce(call, tuple(flats))  # type: ignore[arg-type]
+            unused = (None,) * len(self.layout.unit_paths(call.unit))
+            return self._into_bursts(call, grads or unused)
+        if grads is None:
+            grads = tuple(
+                None
+                if (b := self.layout.buckets[i]).frozen
+                else torch.zeros(b.full_numel, dtype=b.dtype, device=self.shards[i].device)
+                for i in idx
+            )
+        return self.reduce(call, grads)
 
-    def _by_bucket(self, unit: str, grads: tuple[Any, ...]) -> list[tuple[int, tuple[Any, ...]]]:
+    def _by_bucket(self, unit: str, grads: Sequence[Any]) -> list[tuple[int, Sequence[Any]]]:
         out, k = [], 0
         for i in self.layout.unit_buckets(unit):
             n = len(self.layout.buckets[i].slots)
@@ -356,9 +365,7 @@ class UnitRun:
         """Reduces the forward's calls still waiting (zeros for those whose backward never
         ran on this rank), then waits for every reduction still in flight."""
         while self.next >= 0:
-            call = self.ordered[self.next]
-            unused = (None,) * len(self.layout.unit_paths(call.unit))
-            self._reduce_call(call, self.ready.pop(self.next, unused))
+            self._reduce_call(self.ordered[self.next], self.ready.pop(self.next, None))
             self.next -= 1
         self._issue()
         for burst in self.bursts.close_all() if self.bursts is not None else ():
@@ -400,70 +407,3 @@ class UnitRun:
     def _log(self, kind: str, unit: str, nbytes: int) -> None:
         if self.ledger is not None:
             self.ledger._add(kind, unit, nbytes)
-
-
-# The per-unit nodes use the classic `forward(ctx, ...)` form, not setup_context: they run
-# under torch.autograd.grad only (see _hooks), and torch binds a setup_context Function's
-# arguments with inspect.signature on every call, about 1 ms per unit per step.
-
-
-class _UnitGather(torch.autograd.Function):
-    """Shards in, the unit's full leaves out (views of its full buckets); backward pastes
-    the leaves' gradients into full buckets and reduces them (`UnitRun.backward`).
-
-    The node hands out the leaves itself, rather than full buckets for autograd to cut:
-    its backward then receives each leaf's gradient and writes it where it is reduced
-    from (a burst, at stage 0), divided on the way, instead of autograd assembling a
-    bucket-sized gradient first.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, run: UnitRun, call: _Call, *shards: torch.Tensor) -> Any:  # type: ignore[override]
-        fulls = run.materialize(call.unit)
-        call.attach(fulls)
-        run.calls.append(call)
-        run.enlist(call)
-        ctx.run, ctx.call = run, call
-        # An unused leaf gets None, not a zero-filled gradient: `paste` zeroes its place.
-        ctx.set_materialize_grads(False)
-        views = run.layout.cut_unit(call.unit, fulls)
-        # Frozen buckets' full parameters take part in the forward but never need a gradient.
-        frozen = [
-            v
-            for (i, vs) in run._by_bucket(call.unit, tuple(views))
-            if run.layout.buckets[i].frozen
-            for v in vs
-        ]
-        ctx.mark_non_differentiable(*frozen)
-        return tuple(views)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        return (None, None, *ctx.run.backward(ctx.call, grads))
-
-
-class _RegatherBeforeBackward(torch.autograd.Function):
-    """Identity on a unit's outputs; its backward re-gathers the unit's freed parameters."""
-
-    @staticmethod
-    def forward(ctx: Any, run: UnitRun, call: _Call, *outputs: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.run, ctx.call = run, call
-        return tuple(o.view_as(o) for o in outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        run, call = ctx.run, ctx.call
-        run.refill(call)
-        if run.prefetch:  # start re-gathering the unit whose backward comes next
-            k = run.calls.index(call)
-            if k > 0 and not run.calls[k - 1].reduced:
-                run.refill(run.calls[k - 1], wait=False)
-        return (None, None, *grads)
-
-
-def gather_unit(run: UnitRun, unit: str) -> tuple[dict[str, torch.Tensor], _Call]:
-    """Creates the unit's node now; returns views of its full leaves by path, and the call."""
-    call = _Call(unit)
-    idx = run.layout.unit_buckets(unit)
-    views = _UnitGather.apply(run, call, *(run.shards[i] for i in idx))
-    return dict(zip(run.layout.unit_paths(unit), views, strict=True)), call

@@ -280,6 +280,22 @@ def test_unit_param_used_outside_its_module_fails_loudly() -> None:
         run(1, fn)
 
 
+def _batches(n: int, extra: Any, steps: int = 3) -> list[list[tuple]]:
+    """`steps` steps of `n` micro-batches (x: 3 x 4, y: 3 x 2, then `extra(rank)`)."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        [
+            (
+                torch.randn(3, 4, generator=g, dtype=torch.float64),
+                torch.randn(3, 2, generator=g, dtype=torch.float64),
+                *extra(r),
+            )
+            for r in range(n)
+        ]
+        for _ in range(steps)
+    ]
+
+
 class _PartlyUsed(nn.Module):
     """A unit whose forward leaves one of its own parameters unused."""
 
@@ -304,21 +320,10 @@ def test_a_unit_leaf_its_forward_never_uses_trains_like_one_process(n: int) -> N
         x, y = batch
         return nn.functional.mse_loss(functional_call(model, p, (x,)), y)
 
-    g = torch.Generator().manual_seed(1)
-    batches = [
-        [
-            (
-                torch.randn(3, 4, generator=g, dtype=torch.float64),
-                torch.randn(3, 2, generator=g, dtype=torch.float64),
-            )
-            for _ in range(n)
-        ]
-        for _ in range(3)
-    ]
     fzero.testing.assert_stages_equivalent(
         loss_fn,
         dict(model.named_parameters()),
-        batches,
+        _batches(n, lambda r: ()),
         (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
         units=["0", "1", "2"],
         module=model,
@@ -354,22 +359,10 @@ def test_a_unit_whose_output_reaches_the_loss_on_some_ranks_only(n: int, hooks: 
         x, y, use = batch
         return nn.functional.mse_loss(functional_call(model, p, (x, use)), y)
 
-    g = torch.Generator().manual_seed(1)
-    batches = [
-        [
-            (
-                torch.randn(3, 4, generator=g, dtype=torch.float64),
-                torch.randn(3, 2, generator=g, dtype=torch.float64),
-                torch.tensor(r == 0),
-            )
-            for r in range(n)
-        ]
-        for _ in range(3)
-    ]
     fzero.testing.assert_stages_equivalent(
         loss_fn,
         dict(model.named_parameters()),
-        batches,
+        _batches(n, lambda r: (torch.tensor(r == 0),)),
         (torch.optim.Adam, {"lr": 0.1}),
         units=["a", "b", "c"],
         module=model if hooks else None,
