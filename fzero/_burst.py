@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._layout import ShardLayout
+
 
 @dataclass
 class Burst:
@@ -44,9 +46,15 @@ class Bursts:
     asking for it if larger.
     """
 
-    def __init__(self, hold_bytes: int, left: dict[torch.dtype, int]) -> None:
+    def __init__(
+        self, hold_bytes: int, layout: ShardLayout, reduce_dtype: torch.dtype | None
+    ) -> None:
         self.hold_bytes = hold_bytes
-        self.left = dict(left)  # elements of each dtype not yet written this step
+        self.left: dict[torch.dtype, int] = {}  # elements of each dtype not yet written
+        for b in layout.buckets:
+            if not b.frozen:
+                dtype = reduce_dtype or b.dtype
+                self.left[dtype] = self.left.get(dtype, 0) + b.full_numel
         self.open: dict[torch.dtype, Burst] = {}
 
     def take(

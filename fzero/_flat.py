@@ -81,7 +81,7 @@ def pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
         return torch.empty(0, dtype=bucket.dtype)
     parts, cursor = [], lo
     device = leaves[bucket.slots[0].index].device if bucket.slots else None
-    for s in sorted(bucket.slots, key=lambda s: s.offset):
+    for s in by_offset(bucket):
         a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
         if a >= b:
             continue

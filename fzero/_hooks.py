@@ -197,12 +197,7 @@ def value_and_shard_grad(
     run.hold_bytes = hold_bytes if replicate or bursts else 0
     run.gather_dtype, run.reduce_dtype = comm_dtypes
     if replicate and acc is None:
-        left: dict[torch.dtype, int] = {}
-        for b in layout.buckets:
-            if not b.frozen:
-                dtype = comm_dtypes[1] or b.dtype
-                left[dtype] = left.get(dtype, 0) + b.full_numel
-        run.bursts = Bursts(hold_bytes, left)
+        run.bursts = Bursts(hold_bytes, layout, comm_dtypes[1])
     jit = hookable_units(layout, module) if jit is None else jit
     leaves: list[Any] = [None] * len(layout.paths)
     index = {p: i for i, p in enumerate(layout.paths)}
