@@ -338,6 +338,43 @@ def test_complex_adam_matches_torch(
     run_both(make(**hp), ref_cls, dict(hp, foreach=False), {"z": (3, 2)}, 0, torch.complex64)
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("donate", [False, True])
+def test_adam_over_mixed_dtypes_sizes_and_strides_matches_torch(
+    amsgrad: bool, donate: bool
+) -> None:
+    # Adam writes every leaf's denominator into one buffer per dtype and device, sized for
+    # the largest leaf: leaves of other dtypes, smaller sizes after larger ones, a
+    # transposed leaf and a complex one must each still get exactly torch's values.
+    gen = torch.Generator().manual_seed(0)
+
+    def draw() -> dict[str, torch.Tensor]:
+        return {
+            "big32": torch.randn(9, 8, generator=gen),
+            "small64": torch.randn(3, generator=gen, dtype=torch.float64),
+            "t32": torch.randn(5, 7, generator=gen).t(),
+            "z": torch.randn(4, generator=gen, dtype=torch.complex64),
+            "big64": torch.randn(50, generator=gen, dtype=torch.float64),
+            "small32": torch.randn(2, generator=gen),
+        }
+
+    params = draw()
+    ref_params = [p.clone() for p in params.values()]
+    hp = {"lr": 0.05, "weight_decay": 0.1, "amsgrad": amsgrad}
+    ref = torch.optim.Adam(ref_params, foreach=False, **hp)
+    opt = optim.adam(**hp)
+    state = opt.init(params)
+    for _ in range(3):
+        grads = draw()
+        for p, g in zip(ref_params, grads.values(), strict=True):
+            p.grad = g.clone()
+        ref.step()
+        update = opt.update_ if donate else opt.update
+        params, state = update(grads, state, params)
+    for mine, theirs in zip(params.values(), ref_params, strict=True):
+        assert_bitwise(mine, theirs)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("make", "ref_cls", "hp"),
