@@ -191,15 +191,17 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "run-to-run drift exceeds the few percent these two targets are about; this "
               "table is the verdict for them.", "",
               "Why launches and page faults: on this machine a page fault costs ~3 µs, and "
-              "whether glibc trims the freed top of the heap after a step (so the next step "
-              "faults it back) depends on where a process's allocations land, which changes "
-              "from launch to launch for torch and fzero alike (on the Linear stack at world "
-              "size 1, the eager loop alone in a process, launched twice: 10k and 40k faults "
-              "per step; fzero stage 0 alone, three times: 1.4k–54k faults, 240–450 ms). The "
-              "verdict is the median of the launches' ratios; every launch's ratio is shown. "
-              "(Pairs, not all four configurations in one process: there the others' "
-              "allocations kept fzero stage 0's gradients at the heap top, ~10k faults per "
-              "step on the Linear stack against 3 beside DDP alone.)", "",
+              "whether glibc trims the freed top of the heap (so the next allocation there "
+              "faults its pages back in) depends on where a process's allocations land, which "
+              "changes from launch to launch. On the Linear stack at world size 1, the eager "
+              "loop alone in a process, three launches: 0.9k, 9.7k and 58k faults per step "
+              "(230, 243 and 356 ms), most of them torch.optim.Adam's two temporaries per "
+              "leaf; fzero's Adam writes its denominators into one scratch buffer instead, "
+              "one allocation per step. The verdict is the median of the launches' ratios; "
+              "every launch's ratio is shown. (Pairs, not all four configurations in one "
+              "process: there the others' allocations kept fzero stage 0's gradients at the "
+              "heap top, ~10k faults per step on the Linear stack against 3 beside DDP "
+              "alone.)", "",
               *report.interleaved(refs, args.fast_refs, warmup), ""]
     lines += ["## How to read this", "", *_NOTES, ""]
     failed = [r for r in rows if r.error]
