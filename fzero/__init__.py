@@ -34,7 +34,7 @@ from ._state import shard_state as shard_state
 from ._step import sharded_step as sharded_step
 from ._tree import assert_trees_close as assert_trees_close
 from ._tree import tree_nbytes as tree_nbytes
-from ._unit import UnitLedger as UnitLedger
+from ._unit_ledger import UnitLedger as UnitLedger
 from ._update import sharded_update as sharded_update
 
 __version__ = "0.1.0"

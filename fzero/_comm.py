@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -282,6 +282,24 @@ def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
             group=mesh.group,
         )
     return tensor
+
+
+def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[list[int]]]:
+    """Starts gathering every rank's short list of int64 `values` (the same length on every
+    rank); the returned function waits and gives them in rank order. One small tensor
+    all-gather, for checks that run every step behind other work."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    if mesh.size == 1:
+        return lambda: [values]
+    out = [torch.empty_like(mine) for _ in range(mesh.size)]
+    record("all_gather", mine.dtype, mine.numel() * mesh.size)
+    work = dist.all_gather(out, mine, group=mesh.group, async_op=True)
+
+    def wait() -> list[list[int]]:
+        work.wait()
+        return [t.tolist() for t in out]
+
+    return wait
 
 
 def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:

@@ -14,7 +14,8 @@ from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._nodes import _RegatherBeforeBackward, gather_unit
 from ._tree import tree_flatten, tree_unflatten
-from ._unit import UnitLedger, UnitRun, _Call
+from ._unit import UnitRun, _Call
+from ._unit_ledger import UnitLedger
 
 # A hooked unit's parameters: (leaf path, the module holding it, its attribute name).
 Slots = tuple[tuple[str, nn.Module, str], ...]
@@ -222,6 +223,8 @@ def value_and_shard_grad(
         if hooks is not None:
             hooks.__enter__()
         loss = check_loss(loss_fn(params, batch), rank=mesh.rank)
+        if hooks is not None and mesh.size > 1:
+            run.agree()  # hooks call units as the forward runs: a branch may skip one
         grads: tuple[Any, ...] = (None,) * len(inputs)
         if loss.requires_grad:
             found = torch.autograd.grad(loss, [inputs[i] for i in trainable], allow_unused=True)

@@ -66,7 +66,9 @@ def comm_ledger() -> Iterator[CommLedger]:
     reduce-scatter then an all-gather), a broadcast once. So stages 0-2 move 2Ψ elements
     per step and stage 3 3Ψ with `reshard_after_forward=True`. These are logical volumes:
     a rank really sends (n-1)/n of a reduce-scatter's or all-gather's.
-    Nothing is recorded at world size 1, where nothing is sent.
+    Nothing is recorded at world size 1, where nothing is sent. Besides the data, a step
+    with module hooks records one int64 all-gather of 2 elements per rank: the check that
+    every rank's forward called the same units.
 
     Yields:
       A CommLedger; read `.records`, `.elements`, `.nbytes` or `.by_op()` during or after

@@ -22,7 +22,7 @@ from ._scale import unscale_
 from ._shards import Shards
 from ._state import ShardedState, check_stage, check_step_state
 from ._tree import PyTree, tree_flatten, tree_map
-from ._unit import UnitLedger
+from ._unit_ledger import UnitLedger
 from ._update import sharded_update
 from .optim import Optimizer
 
@@ -91,7 +91,10 @@ def sharded_step(
       stage: 0-3; must match the state's.
       layout: optional; if given, must match the state's layout kind.
       units: optional; if given, must match the state's units.
-      module: the module whose unit submodules are hooked (stages 2 and 3).
+      module: the module whose unit submodules are hooked, so that each unit is gathered
+        and its gradient reduced as its submodule runs. Every rank must then call the same
+        units in the same order; each step checks that, raising a ValueError that lists
+        every rank's calls.
       reshard_after_forward: stage 3: free a unit's gathered parameters after its forward
         and gather them again for its backward (less memory, one more all-gather).
       prefetch: stage 3: start gathering the next unit (in last step's order) while the

@@ -1,6 +1,7 @@
 """Per-unit gathering and reduction during one step: the memory-true half of stages 2 and 3.
 
-(`UnitRun` here; the autograd nodes that drive it are in `_nodes`.)
+(`UnitRun` here; the autograd nodes that drive it are in `_nodes`, the check that every
+rank called the same units in `_agree`.)
 
 One autograd node per unit *call*, created just in time by a forward pre-hook on the
 unit's submodule, carries the unit's shards into the forward and the unit's gradient
@@ -30,41 +31,18 @@ what torch.func's transforms accept. The user's loss may still use torch.func.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _comm
+from ._agree import Agreement, start_agreement
 from ._burst import Burst, Bursts
 from ._flat import paste
 from ._layout import ShardLayout
 from ._mesh import Mesh
-
-
-@dataclass
-class UnitLedger:
-    """Live bytes of full (unsharded) unit parameters and gradients, with their peaks.
-
-    Pass one as `ledger=` to `sharded_step` to watch a step: what fzero itself holds
-    beyond the shards, not activations or allocator overhead.
-    """
-
-    live_params: int = 0
-    peak_params: int = 0
-    live_grads: int = 0
-    peak_grads: int = 0
-    events: list[tuple[str, str, int]] = field(default_factory=list)
-
-    def _add(self, kind: str, unit: str, nbytes: int) -> None:
-        if kind == "params":
-            self.live_params += nbytes
-            self.peak_params = max(self.peak_params, self.live_params)
-        else:
-            self.live_grads += nbytes
-            self.peak_grads = max(self.peak_grads, self.live_grads)
-        self.events.append((kind, unit, nbytes))
+from ._unit_ledger import UnitLedger
 
 
 class _Call:
@@ -143,6 +121,8 @@ class UnitRun:
         # Communication dtypes (mixed precision); None: the buckets' own dtype.
         self.gather_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
+        # The forward's unit calls being compared across ranks (`agree`), until checked.
+        self.agreement: Agreement | None = None
 
     # -- forward -------------------------------------------------------------------------
     def materialize(self, unit: str) -> tuple[torch.Tensor, ...]:
@@ -157,6 +137,7 @@ class UnitRun:
         return tuple(out for out, _ in started)
 
     def _start_gather(self, unit: str) -> list[tuple[torch.Tensor, Any]]:
+        self._agreed()  # a gather in the backward (a checkpoint's recompute) comes after it
         out = []
         for i in self.layout.unit_buckets(unit):
             full, work = _comm.all_gather_async(
@@ -189,6 +170,7 @@ class UnitRun:
         if call.resident:
             return
         if call.refill is None:
+            self._agreed()
             call.refill = []
             for i, storage, nbytes, dtype in zip(
                 self.layout.unit_buckets(call.unit), call.storages, call.nbytes, call.dtypes
@@ -207,6 +189,16 @@ class UnitRun:
                 if work is not None:
                     work.wait()
             call.resident, call.refill = True, None
+
+    def agree(self) -> None:
+        """Starts checking that every rank's forward called the same units in the same
+        order (see `_agree`); the backward's first collective waits for the answer."""
+        self.agreement = start_agreement(self.layout.units, [c.unit for c in self.calls], self.mesh)
+
+    def _agreed(self) -> None:
+        if self.agreement is not None:
+            agreement, self.agreement = self.agreement, None
+            agreement.check(self.mesh)
 
     # -- backward ------------------------------------------------------------------------
     def enlist(self, call: _Call) -> None:
@@ -289,6 +281,7 @@ class UnitRun:
         return tuple(out)
 
     def _issue_burst(self, burst: Burst) -> None:
+        self._agreed()
         # Owned and already in the reduce dtype: reduced in place, so each part's view of
         # the buffer holds that bucket's mean once the work is done.
         flat, work = _comm.all_reduce_async(burst.filled, self.mesh, owned=True)
@@ -340,6 +333,7 @@ class UnitRun:
         self.held_bytes = 0
 
     def _start_reduce(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self._agreed()
         # Stage 0 keeps every gradient (all-reduce); stages 1-3 keep their slice.
         # `g` is this step's own gradient buffer (from autograd or a fresh sum): owned.
         if self.replicate:
@@ -364,6 +358,7 @@ class UnitRun:
     def finish(self) -> None:
         """Reduces the forward's calls still waiting (zeros for those whose backward never
         ran on this rank), then waits for every reduction still in flight."""
+        self._agreed()  # also when nothing is reduced (everything frozen)
         while self.next >= 0:
             self._reduce_call(self.ordered[self.next], self.ready.pop(self.next, None))
             self.next -= 1

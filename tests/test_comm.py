@@ -49,6 +49,9 @@ def volumes(
             state, _ = step(state, torch.randn(2, dims[0], dtype=torch.float64))
         ops: dict[str, int] = {}
         for r in ledger.records:
+            if r.dtype == torch.int64:  # with hooks, the check that ranks called alike
+                assert hooks and (r.op, r.elements) == ("all_gather", 2 * mesh.size)
+                continue
             assert r.dtype == torch.float64
             ops[r.op] = ops.get(r.op, 0) + r.elements
         per_step.append(ops)

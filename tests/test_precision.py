@@ -246,7 +246,11 @@ def comm_bytes(mesh: fzero.Mesh, stage: int, prec: Any) -> Any:
     state, _ = step(state, (xs[0, mesh.rank], ys[0, mesh.rank]))
     with fzero.comm_ledger() as ledger:
         state, _ = step(state, (xs[1, mesh.rank], ys[1, mesh.rank]))
-    return ledger.by_op(), fzero.master_params(state, mesh)
+    ops = ledger.by_op()
+    # With module hooks each step checks that the ranks called the same units: 2 int64
+    # per rank, not data.
+    assert ops.pop("all_gather:int64") == 2 * 8 * mesh.size
+    return ops, fzero.master_params(state, mesh)
 
 
 def comm16_reference(stage: int, steps: int) -> dict[str, torch.Tensor]:

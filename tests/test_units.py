@@ -368,3 +368,60 @@ def test_a_unit_whose_output_reaches_the_loss_on_some_ranks_only(n: int, hooks: 
         module=model if hooks else None,
         timeout=120,
     )
+
+
+class _Route(nn.Module):
+    """A rank-dependent branch between two units of one size (a router's experts): `b` on
+    the ranks whose batch says so, `c` on the others, so the ranks call different units."""
+
+    def __init__(self, dout: int = 4) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, dout)
+        self.d = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_b:
+            return self.d(self.b(h))
+        out = self.c(h)
+        return self.d(out) if out.shape[-1] == 4 else out  # dout 2: d skipped too
+
+
+def _called_differently(mesh: fzero.Mesh, stage: int, dout: int) -> tuple[str, bool]:
+    """One step where rank 0 calls a, b, d and the others a, c (dout 4: then d; 2: not);
+    returns the error and whether this rank's parameters are still the initial ones."""
+    torch.manual_seed(0)
+    model = _Route(dout).double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.1)
+    units = ["a", "b", "c", "d"]
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+
+    def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x, mesh.rank == 0)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, module=model)
+    with pytest.raises(ValueError) as err:
+        step(state, torch.randn(3, 4, dtype=torch.float64))
+    after = fzero.master_params(state, mesh)
+    return str(err.value), all(torch.equal(after[k], v) for k, v in params.items())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ranks_calling_different_units_fail_alike_and_leave_the_state(stage: int) -> None:
+    # b and c have one size: without the check the ranks' reductions (and stage 3's
+    # gathers) pair b with c and every stage trains silently wrong (|Δ| ~ 0.1 against
+    # torch.optim on one process).
+    for message, untouched in run(2, _called_differently, stage, 4):
+        assert "rank 0: 'a', 'b', 'd'; rank 1: 'a', 'c', 'd'" in message
+        assert untouched
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_unit_skipped_on_some_ranks_fails_alike_instead_of_aborting(stage: int) -> None:
+    # Without the check: a gloo size-mismatch abort (signal 6) at stage 0, the collective
+    # timeout at stages 1-2. Stage 3 gathers in the forward, before any check can run, so
+    # there the mismatch is still gloo's abort.
+    for message, untouched in run(3, _called_differently, stage, 2):
+        assert "rank 0: 'a', 'b', 'd'; rank 1: 'a', 'c'; rank 2: 'a', 'c'" in message
+        assert untouched

@@ -1,0 +1,52 @@
+"""Agreement: checking that every rank's forward called the same units in the same order.
+
+With module hooks a unit is called when its submodule runs, so a rank-dependent branch can
+skip one on some ranks. Collectives pair up across ranks by the order they start in: the
+backward's reductions (and at stage 3 its gathers) would then pair one unit with another,
+silently when the sizes match. Each rank sends 16 bytes (the call count and a hash of the
+sequence) after its forward; the answer is read before the backward's first collective,
+so the exchange runs behind the backward of the last unit called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from . import _comm
+from ._mesh import Mesh
+
+
+class Agreement(NamedTuple):
+    """An exchange of call sequences in flight: `check` waits for it."""
+
+    units: Sequence[str]
+    called: list[str]
+    wait: Callable[[], list[list[int]]]
+
+    def check(self, mesh: Mesh) -> None:
+        """Raises ValueError on every rank, naming each rank's calls, if they differ."""
+        everyone = self.wait()
+        if all(e == everyone[0] for e in everyone):
+            return
+        calls = _comm.all_gather_object(self.called, mesh)
+        said = "; ".join(
+            f"rank {r}: {', '.join(map(repr, c)) or 'none'}" for r, c in enumerate(calls)
+        )
+        raise ValueError(
+            f"rank {mesh.rank}: the forward called different units on different ranks "
+            f"({said}). Every rank must call the same units in the same order: fzero reduces "
+            "unit gradients (and stage 3 gathers unit parameters) in call order, so a unit "
+            "skipped on some ranks would be paired with another unit's collective. Run the "
+            "unit on every rank (multiplying its output by 0 where it should not count), or "
+            "leave it out of units= so its parameters join the root unit"
+        )
+
+
+def start_agreement(units: Sequence[str], called: list[str], mesh: Mesh) -> Agreement:
+    """Starts comparing this rank's unit calls (`called`, names from `units`) with the
+    other ranks'."""
+    h = 0
+    for name in called:  # a polynomial hash of the unit indices, kept within int64
+        h = (h * 1_000_003 + units.index(name) + 1) % (2**61 - 1)
+    return Agreement(units, called, _comm.all_gather_ints_async([len(called), h], mesh))
