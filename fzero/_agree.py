@@ -10,8 +10,11 @@ so the exchange runs behind the backward of the last unit called.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable
 from typing import NamedTuple
+
+import torch
 
 from . import _comm
 from ._mesh import Mesh
@@ -20,7 +23,6 @@ from ._mesh import Mesh
 class Agreement(NamedTuple):
     """An exchange of call sequences in flight: `check` waits for it."""
 
-    units: Sequence[str]
     called: list[str]
     wait: Callable[[], list[list[int]]]
 
@@ -43,10 +45,11 @@ class Agreement(NamedTuple):
         )
 
 
-def start_agreement(units: Sequence[str], called: list[str], mesh: Mesh) -> Agreement:
-    """Starts comparing this rank's unit calls (`called`, names from `units`) with the
-    other ranks'."""
-    h = 0
-    for name in called:  # a polynomial hash of the unit indices, kept within int64
-        h = (h * 1_000_003 + units.index(name) + 1) % (2**61 - 1)
-    return Agreement(units, called, _comm.all_gather_ints_async([len(called), h], mesh))
+def start_agreement(called: list[str], mesh: Mesh, device: torch.device | None) -> Agreement:
+    """Starts comparing this rank's unit calls (`called`, unit names in call order) with the
+    other ranks'; the exchanged tensor lives on `device` (the one the step's collectives
+    use)."""
+    # A digest of the names, not Python's hash(): that one is salted per process.
+    digest = hashlib.blake2b("\0".join(called).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little", signed=True)
+    return Agreement(called, _comm.all_gather_ints_async([len(called), h], mesh, device))

@@ -284,11 +284,14 @@ def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
     return tensor
 
 
-def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[list[int]]]:
+def all_gather_ints_async(
+    values: list[int], mesh: Mesh, device: torch.device | None = None
+) -> Callable[[], list[list[int]]]:
     """Starts gathering every rank's short list of int64 `values` (the same length on every
-    rank); the returned function waits and gives them in rank order. One small tensor
-    all-gather, for checks that run every step behind other work."""
-    mine = torch.tensor(values, dtype=torch.int64)
+    rank, sent from `device`); the returned function waits and gives them in rank order.
+    One small all-gather (not `all_gather_async`, which on gloo broadcasts once per rank),
+    for checks that run every step behind other work."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     if mesh.size == 1:
         return lambda: [values]
     out = [torch.empty_like(mine) for _ in range(mesh.size)]

@@ -193,7 +193,8 @@ class UnitRun:
     def agree(self) -> None:
         """Starts checking that every rank's forward called the same units in the same
         order (see `_agree`); the backward's first collective waits for the answer."""
-        self.agreement = start_agreement(self.layout.units, [c.unit for c in self.calls], self.mesh)
+        device = self.shards[0].device if self.shards else None
+        self.agreement = start_agreement([c.unit for c in self.calls], self.mesh, device)
 
     def _agreed(self) -> None:
         if self.agreement is not None:
