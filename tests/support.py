@@ -154,3 +154,32 @@ def counting(names: tuple[str, ...]) -> Iterator[list[int]]:
     finally:
         for name, f in originals.items():
             setattr(fzero._comm, name, f)
+
+
+def map_every_allocation() -> None:
+    """Makes glibc serve every allocation of 64 KiB or more with its own mapping, unmapped
+    on free (`mallopt(M_MMAP_THRESHOLD)`), so resident memory follows live tensors rather
+    than the allocator's high-water mark. Call it first thing in a rank process (`run`):
+    memory freed into the heap before the call is reused without showing in RSS."""
+    import ctypes
+
+    if ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024) != 1:  # M_MMAP_THRESHOLD
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+
+@contextlib.contextmanager
+def peak_rss_rise() -> Iterator[dict[str, int]]:
+    """Measures, in bytes, how far this process's resident set rose above its level at the
+    start of the block: what the block allocated at its peak (Linux only; after
+    `map_every_allocation`). The kernel's peak (VmHWM) is reset at the start
+    (`/proc/self/clear_refs`), so the peak is the block's own."""
+    from pathlib import Path
+
+    def status() -> dict[str, int]:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("Vm")}
+
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    out = {"before": status()["VmRSS"]}
+    yield out
+    out["rise"] = status()["VmHWM"] - out["before"]

@@ -204,7 +204,7 @@ def test_every_stage_layout_and_optimizer_matches_single_process(
     )
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("reshard", [True, False])
 def test_units_with_module_hooks_match_single_process(
     pool: GlooPool, stage: int, reshard: bool
@@ -216,6 +216,23 @@ def test_units_with_module_hooks_match_single_process(
     options = {"module": case["model"], "reshard_after_forward": reshard}
     for params, _, _ in pool.run(test_units.train, case, units, stage, **options):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+
+
+@FEW_EXAMPLES
+@given(data=st.data())
+def test_drawn_unit_splits_with_module_hooks_match_single_process(
+    pool: GlooPool, data: st.DataObject
+) -> None:
+    dims = data.draw(st.lists(st.integers(1, 5), min_size=2, max_size=4), label="dims")
+    units = data.draw(test_units.unit_splits(len(dims) - 1), label="units")
+    stage = data.draw(st.sampled_from(STAGES), label="stage")
+    reshard, prefetch = data.draw(st.booleans()), data.draw(st.booleans())
+    case = test_units.make_case(dims, pool.world_size, seed=len(dims))
+    expected = test_units.reference(case)
+    options = {"module": case["model"], "reshard_after_forward": reshard, "prefetch": prefetch}
+    for params, _, _ in pool.run(test_units.train, case, units, stage, **options):
+        what = f"stage {stage} units {units} {options}"
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=what)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -4,7 +4,9 @@ from typing import Any
 
 import pytest
 import torch
-from support import make_params, mlp_loss, run
+from support import make_params, map_every_allocation, mlp_loss, peak_rss_rise, run
+from torch import nn
+from torch.func import functional_call
 
 import fzero
 from fzero._tree import tree_nbytes
@@ -70,3 +72,64 @@ def test_stage_3_keeps_a_quarter_of_the_parameters_at_four_ranks() -> None:
 
     for full, sharded in run(N, fn):
         assert full == 4 * PSI + 4 * (-PSI % N) and sharded * N == full
+
+
+# --- what a step allocates on top of the state, measured on the process ------------------
+
+WIDTH, DEPTH = 1024, 16  # the MLP of issue 16: B = 16 x (1024^2 + 1024) x 4 bytes = 67 MB
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _step_rise(mesh: fzero.Mesh, stage: int, entry: str) -> list[float]:
+    """Peak resident bytes a warm step allocates above the state it starts from, in units
+    of B (the model's fp32 bytes), over three steps."""
+    map_every_allocation()
+    torch.manual_seed(0)
+    model = _MLP()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model_bytes = sum(v.numel() * 4 for v in params.values())
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    opt = fzero.optim.adam(lr=1e-3)
+    units = [f"layers.{i}" for i in range(DEPTH)]
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+    del params
+    module = model if entry == "module" else None
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=module)
+    g = torch.Generator().manual_seed(mesh.rank)
+    batch = (torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g))
+    state, _ = step(state, batch)  # warm: whatever a first step sets up once
+    rises = []
+    for _ in range(3):
+        with peak_rss_rise() as m:
+            state, _ = step(state, batch)
+        rises.append(m["rise"] / model_bytes)
+    return rises
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_per_unit_steps_allocate_a_few_units_beyond_the_shard_gradient(stage: int) -> None:
+    """Measured on the rank processes (resident memory, every large allocation its own
+    mapping): on 2 ranks a step of a 16-unit MLP allocates the rank's shard gradient (B/2)
+    plus a few units (B/16 each) of full parameters and gradients in flight. Gathering
+    every unit before the forward (no module hooks) keeps all full gradients alive until
+    the backward ends, and at stage 3 all full parameters too: at least one B more, which
+    the same bound must reject (or it could not fail)."""
+    bound = 0.5 + 5 / DEPTH  # shard gradient + 5 units (gathered, prefetched, gradients)
+    for rises in run(2, _step_rise, stage, "module"):
+        assert max(rises) <= bound, f"stage {stage}, per unit: {rises} x B > {bound}"
+    for rises in run(2, _step_rise, stage, "upfront"):
+        assert min(rises) > bound + 0.15, f"stage {stage}, up front: {rises} x B"

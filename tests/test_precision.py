@@ -485,3 +485,70 @@ def test_step_zero_rounding_through_the_gather_dtype_leaves_integer_leaves_exact
     out = compute_params({"w": torch.full((2,), 1001.0), "n": torch.tensor(1001)}, prec, 1)
     assert torch.equal(out["n"], torch.tensor(1001))
     assert torch.equal(out["w"], torch.full((2,), 1001.0).to(BF16).float())
+
+
+def sgd16_reference(n: int, stage: int, steps: int, lr: float) -> tuple[dict, float]:
+    """One process doing what a bfloat16 reduction over `n` ranks does, on float32
+    parameters with plain SGD (linear in the gradient): each rank's float32 gradient cast
+    to bfloat16, summed in rank order in bfloat16 and divided by `n` there (stages 1-3:
+    gloo's reduce-scatter runs as point-to-point messages summed in rank order); stage 0
+    divides each term by `n` before summing, as its all-reduce buffers do. Also returns
+    the largest gradient element seen, for the stage-0 bound."""
+    torch.manual_seed(0)
+    model = Net()
+    loss_fn = make_loss(model, FP32)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(list(params.values()), lr=lr, foreach=False)
+    xs, ys = data(n, steps, seed=n)
+    biggest = 0.0
+    for t in range(steps):
+        per_rank = [
+            torch.autograd.grad(loss_fn(params, (xs[t, r], ys[t, r])), list(params.values()))
+            for r in range(n)
+        ]
+        for k, p in enumerate(params.values()):
+            terms = [g[k].to(BF16) for g in per_rank]
+            biggest = max(biggest, max(float(x.abs().max()) for x in terms))
+            if stage == 0:
+                terms = [x / n for x in terms]
+            total = terms[0]
+            for x in terms[1:]:
+                total = total + x
+            p.grad = (total if stage == 0 else total / n).float()
+        opt.step()
+    return {k: p.detach() for k, p in params.items()}, biggest
+
+
+def train_sgd16(mesh: fzero.Mesh, steps: int, lr: float, stage: int, hooks: bool) -> Any:
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.sgd(lr=lr)
+    prec = fzero.Precision(reduce_dtype=BF16)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS, precision=prec)
+    module = model if hooks else None
+    step = fzero.sharded_step(make_loss(model, FP32), opt, mesh, stage=stage, module=module)
+    xs, ys = data(mesh.size, steps, seed=mesh.size)
+    for t in range(steps):
+        state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+    return fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [3, 4])
+def test_16_bit_reduction_over_more_than_two_ranks(n: int, stage: int) -> None:
+    """bfloat16 gradient reduction on 3 and 4 ranks, against one process rounding the same
+    way. Stages 1-3 sum in rank order on gloo: bitwise. Stage 0's all-reduce sums in
+    gloo's ring order, which one process cannot replay: each of its n - 1 bfloat16
+    additions rounds by at most 2^-9 of the running sum, so per step the mean differs by
+    at most (n - 1) 2^-8 max|g|, times lr per SGD update. That bound must stay well under
+    what losing one rank's gradient would move (lr max|g| / n), or the test could not
+    fail."""
+    steps, lr = 3, 0.1
+    expected, biggest = sgd16_reference(n, stage, steps, lr)
+    atol = 0.0
+    if stage == 0:
+        atol = steps * lr * (n - 1) * 2.0**-8 * biggest
+        assert atol < lr * biggest / n / 2
+    for got in run(n, train_sgd16, steps, lr, stage, hooks=n == 4):
+        close(got, expected, rtol=0, atol=atol)

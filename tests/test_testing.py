@@ -277,3 +277,55 @@ def test_bad_arguments_raise() -> None:
         )
     with pytest.raises(ValueError, match="batches is empty"):
         testing.assert_stages_equivalent(mlp_loss, params, [], torch.optim.SGD)
+
+
+def _bf16_case() -> tuple[Any, list]:
+    params = make_params([4, 6, 3], torch.bfloat16, seed=3)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        [
+            (torch.randn(3, 4, generator=g).bfloat16(), torch.randn(3, 3, generator=g).bfloat16())
+            for _ in range(2)
+        ]
+        for _ in range(3)
+    ]
+    return params, batches
+
+
+def test_fails_a_stage_that_did_nothing() -> None:
+    params = make_params([3, 4, 2], torch.float64, seed=0)
+    batches = [testing.split_batch((torch.randn(4, 3), torch.randn(4, 2)), 2) for _ in range(2)]
+    batches = [[(x.double(), y.double()) for x, y in step] for step in batches]
+    with pytest.raises(AssertionError, match=r"stage 0, rank 0: leaf '.*' did not move"):
+        testing.assert_stages_equivalent(
+            mlp_loss,
+            params,
+            batches,
+            (torch.optim.SGD, {"lr": 0.1}),
+            fzero_optimizer=fzero.optim.sgd(lr=0.0),
+            stages=(0,),
+        )
+
+
+def test_refuses_a_reference_that_does_not_move_beyond_the_tolerance() -> None:
+    params = make_params([3, 4, 2], torch.float64, seed=0)
+    batches = [[(torch.randn(2, 3).double(), torch.randn(2, 2).double())] * 2]
+    with pytest.raises(ValueError, match="moved no parameter by more than the tolerance"):
+        testing.assert_stages_equivalent(
+            mlp_loss, params, batches, (torch.optim.SGD, {"lr": 1e-12}), stages=(0,)
+        )
+
+
+def test_half_precision_tolerance_is_measured_and_catches_a_5_percent_slower_stage() -> None:
+    # bfloat16 parameters: the tolerance is 4x how far the reference moves when its
+    # gradients are reduced in the ranks' order, per leaf. A stage training with a 5 %
+    # smaller learning rate passes the old fixed 2e-2 tolerance, and fails this one.
+    params, batches = _bf16_case()
+    ref = (torch.optim.SGD, {"lr": 0.2})
+    testing.assert_stages_equivalent(mlp_loss, params, batches, ref)
+    slower = fzero.optim.sgd(lr=0.19)
+    testing.assert_stages_equivalent(
+        mlp_loss, params, batches, ref, fzero_optimizer=slower, rtol=2e-2, atol=2e-2, stages=(0,)
+    )
+    with pytest.raises(AssertionError, match="4 of 4 ZeRO stages"):
+        testing.assert_stages_equivalent(mlp_loss, params, batches, ref, fzero_optimizer=slower)
