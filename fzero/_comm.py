@@ -1,9 +1,11 @@
-"""Collectives: the only module that calls `torch.distributed`."""
+"""Collectives: the only module that calls `torch.distributed` (`_mesh` asks it who the
+ranks are), process-group set-up and tear-down included."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -312,3 +314,32 @@ def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
     out: list[Any] = [None] * mesh.size
     dist.all_gather_object(out, obj, group=mesh.group)
     return out
+
+
+def is_initialized() -> bool:
+    """Whether this process has a default process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(
+    backend: str,
+    timeout: float,
+    *,
+    store_file: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Starts the default process group: from torchrun's environment, or (`store_file`,
+    `rank`, `world_size`) from a file store that every rank of one machine shares."""
+    if store_file is None:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        return
+    store = dist.FileStore(store_file, world_size)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
+
+
+def destroy_process_group() -> None:
+    """Tears down the default process group."""
+    dist.destroy_process_group()

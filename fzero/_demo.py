@@ -6,17 +6,15 @@ import math
 import os
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from tqdm import tqdm
 
-from . import optim
+from . import _comm, optim
 from ._gather import gather_params
 from ._grads import all_reduce_grads
 from ._ledger import comm_ledger
@@ -185,7 +183,7 @@ def run_demo(
             print_fn(_format_row(rows[-1]))
     finally:
         if owned:
-            dist.destroy_process_group()
+            _comm.destroy_process_group()
     print_fn(
         f"\nformula: ZeRO per-rank model states for Adam without mixed precision ({nbytes} B per"
         f" parameter,\n{2 * nbytes} B of moments) and bytes sent per step (2Ψ elements at stages"
@@ -256,7 +254,7 @@ def check_demo_args(world_size: int | None, steps: int, micro_batch: int, launch
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if launcher == "simulate" or dist.is_initialized():
+    if launcher == "simulate" or _comm.is_initialized():
         return
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
@@ -275,9 +273,9 @@ def check_demo_args(world_size: int | None, steps: int, micro_batch: int, launch
 
 def _torchrun_mesh() -> tuple[ProcessGroupMesh, bool]:
     """This process's rank of a torchrun job, and whether we initialised its process group."""
-    owned = not dist.is_initialized()
+    owned = not _comm.is_initialized()
     if owned:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        _comm.init_process_group("gloo", 120.0)
     return ProcessGroupMesh(), owned
 
 

@@ -1,15 +1,47 @@
-"""Flat buffers and the leaves in them: cutting a bucket's buffer into leaf views, pasting
-leaf gradients back into one, packing leaves into a new one."""
+"""Flat buffers and the leaves in them: where each leaf lives in its bucket (`Slot`,
+`Bucket`), cutting a bucket's buffer into leaf views, pasting leaf gradients back into
+one, packing leaves into a new one."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # _layout imports this module
-    from ._layout import Bucket, Slot
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one leaf lives inside its bucket's padded flat buffer."""
+
+    index: int  # position in the flattened parameter tree
+    path: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    owner: int  # rank owning the whole leaf ("tensor" layout); -1 for "flat"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer: the leaves of one unit and one dtype, split evenly over the ranks."""
+
+    dtype: torch.dtype
+    slots: tuple[Slot, ...]
+    shard_numel: int
+    world_size: int
+    unit: str = ""  # the unit's path prefix; "" is the root unit
+    frozen: bool = False  # frozen leaves: gathered for compute, never reduced or updated
+
+    @property
+    def full_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def numel(self) -> int:
+        """Real (unpadded) elements."""
+        return sum(s.numel for s in self.slots)
 
 
 def by_offset(bucket: Bucket) -> list[Slot]:

@@ -23,43 +23,10 @@ from typing import Any
 import optree
 import torch
 
-from ._flat import by_offset, cut, pack
+from ._flat import Bucket, Slot, by_offset, cut, pack
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
 
 KINDS = ("flat", "tensor")
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one leaf lives inside its bucket's padded flat buffer."""
-
-    index: int  # position in the flattened parameter tree
-    path: str
-    shape: tuple[int, ...]
-    offset: int
-    numel: int
-    owner: int  # rank owning the whole leaf ("tensor" layout); -1 for "flat"
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One flat buffer: the leaves of one unit and one dtype, split evenly over the ranks."""
-
-    dtype: torch.dtype
-    slots: tuple[Slot, ...]
-    shard_numel: int
-    world_size: int
-    unit: str = ""  # the unit's path prefix; "" is the root unit
-    frozen: bool = False  # frozen leaves: gathered for compute, never reduced or updated
-
-    @property
-    def full_numel(self) -> int:
-        return self.shard_numel * self.world_size
-
-    @property
-    def numel(self) -> int:
-        """Real (unpadded) elements."""
-        return sum(s.numel for s in self.slots)
 
 
 @dataclass(frozen=True)
@@ -178,6 +145,22 @@ class ShardLayout:
             u: tuple(s.path for i in idx for s in by_offset(self.buckets[i]))
             for u, idx in self._unit_index.items()
         }
+
+    def unit_leaf_buckets(self, unit: str) -> tuple[int, ...]:
+        """The bucket of each of `unit`'s leaves, in `unit_paths` order."""
+        return self._unit_leaf_buckets.get(unit, ())
+
+    @functools.cached_property
+    def _unit_leaf_buckets(self) -> dict[str, tuple[int, ...]]:
+        return {
+            u: tuple(i for i in idx for _ in self.buckets[i].slots)
+            for u, idx in self._unit_index.items()
+        }
+
+    @functools.cached_property
+    def path_index(self) -> dict[str, int]:
+        """Each leaf path's position in the flattened tree."""
+        return {p: i for i, p in enumerate(self.paths)}
 
     def cut_unit(self, unit: str, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Views of `unit`'s leaves into its full flat buckets `fulls` (`unit_paths` order)."""

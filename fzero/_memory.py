@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._state import ShardedState, check_stage
+from ._stages import stage_of
+from ._state import ShardedState
 from ._tree import tree_nbytes
 
 
@@ -48,14 +49,16 @@ def estimate_memory(
     Returns:
       A MemoryEstimate (`.total` sums it).
     """
-    stage = check_stage(stage)
+    spec = stage_of(stage)
     if world_size < 1 or num_params < 0:
         raise ValueError("need world_size >= 1 and num_params >= 0")
     per = num_params / world_size
+    # The paper's gradient arithmetic: stage 1 holds full gradients through the backward
+    # (they are reduced in buckets), stages 2-3 one unit's at a time besides the shard.
     return MemoryEstimate(
-        params=(per if stage >= 3 else num_params) * param_bytes,
-        grads=(per if stage >= 2 else num_params) * grad_bytes,
-        opt_state=(per if stage >= 1 else num_params) * optim_bytes,
+        params=(per if spec.shards_params else num_params) * param_bytes,
+        grads=(per if spec.grads == "unit" else num_params) * grad_bytes,
+        opt_state=(per if spec.shards_optimizer else num_params) * optim_bytes,
     )
 
 

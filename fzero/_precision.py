@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ._layout import ShardLayout
+from ._stages import Stage
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_map, tree_unflatten
 
 
@@ -83,12 +84,13 @@ def cast_params(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
     )
 
 
-def compute_params(params: PyTree, precision: Precision, stage: int) -> PyTree:
-    """The parameters the loss sees at step 0: cast to `param_dtype`, and at stages 1-2
-    rounded through `gather_dtype`, exactly as every later all-gather delivers them."""
+def compute_params(params: PyTree, precision: Precision, stage: Stage) -> PyTree:
+    """The parameters the loss sees at step 0: cast to `param_dtype`, and where a stage
+    all-gathers them after every update (1-2), rounded through `gather_dtype`, exactly
+    as every later all-gather delivers them."""
     cast = cast_params(params, precision.param_dtype)
     gather = precision.gather_dtype
-    if gather is None or stage not in (1, 2):
+    if gather is None or not stage.regathers:
         return cast
     # Integer leaves (a batch counter) are never gathered in `gather_dtype`: left exact.
     return tree_map(lambda x: x.to(gather).to(x.dtype) if x.is_floating_point() else x, cast)
@@ -120,10 +122,10 @@ def master_layout(
     return lay, cast
 
 
-def needs_master(precision: Precision | None, layout: ShardLayout, stage: int) -> bool:
+def needs_master(precision: Precision | None, layout: ShardLayout, stage: Stage) -> bool:
     """Whether the parameters the loss sees are rounded copies of what the optimizer keeps."""
     if precision is None:
         return False
     return precision.param_dtype is not None or (
-        precision.gather_dtype is not None and stage in (1, 2)
+        precision.gather_dtype is not None and stage.regathers
     )

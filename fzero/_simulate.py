@@ -16,11 +16,11 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 
+from . import _comm
 from ._mesh import ProcessGroupMesh
 
 # Ranks are processes, not threads: `torch.func.functional_call` swaps a module's
@@ -216,16 +216,13 @@ def _rank_main(
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     try:
-        import torch.distributed as dist
-
-        store = dist.FileStore(os.path.join(store_dir, "store"), sim.world_size)
         try:
-            dist.init_process_group(
+            _comm.init_process_group(
                 "gloo",
-                store=store,
+                sim.collective_timeout,
+                store_file=os.path.join(store_dir, "store"),
                 rank=rank,
                 world_size=sim.world_size,
-                timeout=timedelta(seconds=sim.collective_timeout),
             )
         except RuntimeError as exc:
             raise _MeshSetupError(f"gloo could not connect the ranks: {exc}") from exc

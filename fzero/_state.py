@@ -22,10 +22,9 @@ from ._precision import (
 )
 from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
+from ._stages import Stage, stage_of
 from ._tree import NAMESPACE, PyTree, tree_flatten
 from .optim import Optimizer
-
-STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -72,13 +71,6 @@ optree.register_pytree_node(
     lambda meta, c: ShardedState(*c[:3], *meta[:2], *c[3:], meta[2]),
     namespace=NAMESPACE,
 )
-
-
-def check_stage(stage: Any) -> int:
-    """Returns `stage` if it is a valid ZeRO stage, else raises ValueError."""
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage must be one of 0, 1, 2, 3 (ZeRO stages), got {stage!r}")
-    return int(stage)
 
 
 def shard_state(
@@ -135,7 +127,7 @@ def shard_state(
     Returns:
       A ShardedState.
     """
-    stage = check_stage(stage)
+    spec = stage_of(stage)
     if precision is not None and not isinstance(precision, Precision):
         raise TypeError(f"precision must be a fzero.Precision, got {type(precision).__name__}")
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
@@ -151,63 +143,58 @@ def shard_state(
         if precision is not None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
             check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
-            params = compute_params(params, precision, stage)
+            params = compute_params(params, precision, spec)
             lay = build_layout(params, mesh.size, layout, units, frozen_leaves)
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
-    _agree(lay, problem, stage, mesh)
+    _agree(lay, problem, spec.number, mesh)
     state_buffers = _replicate_buffers(buffers, mesh)
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
     scaler = None if loss_scale is None else loss_scale.init()
     master = None
-    if needs_master(precision, lay, stage):
+    if needs_master(precision, lay, spec):
         assert precision is not None
         mlay, cast = master_layout(lay, original, precision.master_dtype)
         mflats = tuple(_comm.broadcast_(f, mesh) for f in mlay.flatten(cast))
         del cast
-        master_full = mlay.trainable(mlay.unflatten(mflats))
-        if stage == 0:
-            master = master_full
-        else:
-            master = Shards(mlay.shard(master_full, mesh.rank), mlay, mesh.rank)
-        del mflats, master_full
-        state = _shard_params(params, optimizer, mesh, stage, lay, master)
-    else:
-        state = _shard_params(params, optimizer, mesh, stage, lay, None)
-    params_, opt_state = state
-    return ShardedState(params_, opt_state, 0, lay, stage, state_buffers, master, scaler, precision)
+        master = mlay.trainable(mlay.unflatten(mflats))
+        if spec.shards_optimizer:
+            master = Shards(mlay.shard(master, mesh.rank), mlay, mesh.rank)
+        del mflats
+    held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master)
+    return ShardedState(
+        held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
+    )
 
 
 def _shard_params(
-    params: PyTree, optimizer: Optimizer, mesh: Mesh, stage: int, lay: ShardLayout, master: Any
+    params: PyTree, optimizer: Optimizer, mesh: Mesh, stage: Stage, lay: ShardLayout, master: Any
 ) -> tuple[PyTree, Any]:
-    """This rank's parameters (rank 0's values) and the optimizer state of what it updates.
-
-    With masters, the optimizer state is built for (and updates) the masters.
-    """
+    """What this rank holds of the parameters (rank 0's values) and the optimizer state of
+    what it updates: the masters if there are any, else the parameters; all of the
+    trainable tree, or this rank's pieces of it."""
     flats = tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params))
-    if stage == 3:
-        shards = tuple(
-            f[mesh.rank * b.shard_numel : (mesh.rank + 1) * b.shard_numel].clone()
+    rank = mesh.rank
+    if stage.shards_params:
+        own = tuple(
+            f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone()
             for f, b in zip(flats, lay.buckets)
         )
         del flats
-        state_params: PyTree = Shards(shards, lay, mesh.rank)
-        opt_state = optimizer.init(state_params.pieces() if master is None else master.pieces())
+        held: PyTree = Shards(own, lay, rank)
     else:
-        state_params = lay.unflatten(flats)
-        trainable = lay.trainable(state_params)
-        if master is not None:
-            opt_state = optimizer.init(master if stage == 0 else master.pieces())
-        elif stage == 0:
-            opt_state = optimizer.init(trainable)
-        else:
-            opt_state = optimizer.init(
-                Shards(lay.shard(trainable, mesh.rank), lay, mesh.rank).pieces()
-            )
-    return state_params, opt_state
+        held = lay.unflatten(flats)
+    if master is not None:
+        target = master.pieces() if stage.shards_optimizer else master
+    elif not stage.shards_optimizer:
+        target = lay.trainable(held)
+    elif stage.shards_params:
+        target = held.pieces()
+    else:
+        target = Shards(lay.shard(lay.trainable(held), rank), lay, rank).pieces()
+    return held, optimizer.init(target)
 
 
 def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:

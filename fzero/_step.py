@@ -20,7 +20,8 @@ from ._mesh import Mesh
 from ._replicated import full_buckets, own_slices
 from ._scale import unscale_
 from ._shards import Shards
-from ._state import ShardedState, check_stage, check_step_state
+from ._stages import stage_of
+from ._state import ShardedState, check_step_state
 from ._tree import PyTree, tree_flatten, tree_map
 from ._unit_ledger import UnitLedger
 from ._update import sharded_update
@@ -131,7 +132,7 @@ def sharded_step(
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached.
     """
-    stage = check_stage(stage)
+    stage = stage_of(stage).number
     if accumulate not in (None, "local", "sharded"):
         raise ValueError(f"accumulate must be None, 'local' or 'sharded', got {accumulate!r}")
     if isinstance(reduce_bucket_bytes, bool) or not isinstance(reduce_bucket_bytes, int):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-import fzero._ckpt_disk
+import fzero.checkpoint._disk
 from fzero import checkpoint as ck
 
 F64 = torch.float64
@@ -205,13 +205,13 @@ def test_resume_after_all_ranks_are_gone_is_bitwise_exact(name: str, tmp_path: P
 
 def files_read(mesh: fzero.Mesh, job: Job, path: str) -> list[int]:
     seen: list[int] = []
-    original = fzero._ckpt_disk.FileSource._load
+    original = fzero.checkpoint._disk.FileSource._load
 
     def spy(self: Any, rank: int) -> Any:
         seen.append(rank)
         return original(self, rank)
 
-    fzero._ckpt_disk.FileSource._load = spy  # in this rank's forked copy only
+    fzero.checkpoint._disk.FileSource._load = spy  # in this rank's forked copy only
     ck.load(path, mesh, make_optimizer(job.optimizer), job.params, stage=3)
     return sorted(seen)
 
@@ -236,7 +236,7 @@ def save_and_die(mesh: fzero.Mesh, job: Job, point: str, victim: int, path: str)
             os.kill(os.getpid(), signal.SIGKILL)
 
     if mesh.rank == victim:  # this rank's own (forked) copy of the module
-        fzero._ckpt_disk._crash_hook = die
+        fzero.checkpoint._disk._crash_hook = die
     ck.save(train(mesh, job, start(mesh, job, 3, "flat", None), 0, 3), path, mesh)
 
 

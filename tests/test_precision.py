@@ -480,9 +480,10 @@ def test_step_zero_rounding_through_the_gather_dtype_leaves_integer_leaves_exact
     # Stages 1-2 round the step-0 parameters through gather_dtype as a gather would; an
     # integer leaf (a batch counter) is never gathered in it: 1001 is not a bfloat16.
     from fzero._precision import compute_params
+    from fzero._stages import STAGES
 
     prec = fzero.Precision(param_dtype=torch.float32, gather_dtype=BF16)
-    out = compute_params({"w": torch.full((2,), 1001.0), "n": torch.tensor(1001)}, prec, 1)
+    out = compute_params({"w": torch.full((2,), 1001.0), "n": torch.tensor(1001)}, prec, STAGES[1])
     assert torch.equal(out["n"], torch.tensor(1001))
     assert torch.equal(out["w"], torch.full((2,), 1001.0).to(BF16).float())
 

@@ -13,19 +13,21 @@ from typing import Any
 
 import torch
 
-from ._ckpt_state import CheckpointError
-from ._gather import master_params
-from ._layout import build_layout
-from ._mesh import Mesh
-from ._precision import Precision, cast_params, compute_params, master_layout, needs_master
-from ._scale import DynamicLossScale, LossScaleState
-from ._shards import Shards
-from ._state import ShardedState
-from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+from .._gather import master_params
+from .._layout import build_layout
+from .._mesh import Mesh
+from .._precision import Precision, cast_params, compute_params, master_layout, needs_master
+from .._scale import DynamicLossScale, LossScaleState
+from .._shards import Shards
+from .._stages import stage_of
+from .._state import ShardedState
+from .._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+from ._schema import CheckpointError
 
 
 def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
-    """`state` with its masters as parameters (collective at stages 1-2); else `state`."""
+    """`state` with its masters as parameters (a collective where parameters are
+    replicated and masters sharded, stages 1-2); else `state`."""
     if state.master is None:
         return state
     lay = state.layout
@@ -39,7 +41,7 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
             "cannot be saved yet; use one dtype for the original parameters"
         )
     (dtype,) = dtypes
-    if state.stage == 3:
+    if stage_of(state.stage).shards_params:
         mlay = state.master.layout
         flay = build_layout(
             cast_params(_like(lay), dtype), mesh.size, lay.kind, lay.units[1:], list(lay.frozen)
@@ -65,14 +67,14 @@ def _like(layout: Any) -> PyTree:
 def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedState:
     """A full-precision loaded `state` as `shard_state(..., precision=)` would hold it:
     parameters cast to the compute dtype, the loaded values kept as masters."""
-    lay32 = state.layout
-    full_like = _like(lay32) if state.stage == 3 else state.params
-    cast = compute_params(full_like, precision, state.stage)
+    lay32, stage = state.layout, stage_of(state.stage)
+    full_like = _like(lay32) if stage.shards_params else state.params
+    cast = compute_params(full_like, precision, stage)
     lay = build_layout(cast, mesh.size, lay32.kind, lay32.units[1:], list(lay32.frozen))
-    if not needs_master(precision, lay, state.stage):
+    if not needs_master(precision, lay, stage):
         return dataclasses.replace(state, precision=precision)
     mlay, full32 = master_layout(lay, full_like, precision.master_dtype)
-    if state.stage == 3:
+    if stage.shards_params:
         params: PyTree = Shards(
             tuple(x.to(b.dtype) for x, b in zip(state.params.buffers, lay.buckets)), lay, mesh.rank
         )
@@ -88,9 +90,9 @@ def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedSt
         params = lay.unflatten(lay.flatten(cast))
         trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
         master = (
-            trainable
-            if state.stage == 0
-            else Shards(mlay.shard(trainable, mesh.rank), mlay, mesh.rank)
+            Shards(mlay.shard(trainable, mesh.rank), mlay, mesh.rank)
+            if stage.shards_optimizer
+            else trainable
         )
     return dataclasses.replace(state, params=params, layout=lay, master=master, precision=precision)
 

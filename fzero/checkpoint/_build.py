@@ -7,7 +7,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ._ckpt_state import (
+from .._flat import Bucket
+from .._layout import ShardLayout
+from .._shards import Shards
+from .._stages import Stage
+from .._state import ShardedState
+from ..optim import Optimizer
+from ._schema import (
     CheckpointError,
     Entry,
     Piece,
@@ -18,10 +24,6 @@ from ._ckpt_state import (
     pieces_of,
     walk,
 )
-from ._layout import Bucket, ShardLayout
-from ._shards import Shards
-from ._state import ShardedState
-from .optim import Optimizer
 
 
 class Source(Protocol):
@@ -67,15 +69,16 @@ def assemble(
 
 
 def build_state(
-    src: Source, layout: ShardLayout, optimizer: Optimizer, stage: int, rank: int, step: int
+    src: Source, layout: ShardLayout, optimizer: Optimizer, stage: Stage, rank: int, step: int
 ) -> ShardedState:
     """This rank's ShardedState under `layout` and `stage`, filled from `src`.
 
-    Stage 3 reads only this rank's slice of every bucket; stages 0-2 hold full parameters
-    anyway. Optimizer state is built by `optimizer.init` for this rank's pieces, then every
-    tensor is replaced by the saved value, cut to the new piece.
+    A stage that shards parameters reads only this rank's slice of every bucket; the
+    others hold full parameters anyway. Optimizer state is built by `optimizer.init` for
+    this rank's pieces, then every tensor is replaced by the saved value, cut to the new
+    piece.
     """
-    if stage == 3:
+    if stage.shards_params:
         buffers = tuple(
             assemble(src.param, b, rank * b.shard_numel, (rank + 1) * b.shard_numel, b.dtype)
             for b in layout.buckets
@@ -86,14 +89,14 @@ def build_state(
         flats = tuple(assemble(src.param, b, 0, b.full_numel, b.dtype) for b in layout.buckets)
         params = layout.unflatten(flats)
         trainable = layout.trainable(params)
-        if stage == 0:
+        if not stage.shards_optimizer:
             pieces_in = trainable
         else:
             pieces_in = Shards(layout.shard(trainable, rank), layout, rank).pieces()
     target = optimizer.init(pieces_in)
     pieces = pieces_of(layout, stage, rank)
     opt_state = _Filler(src, layout, pieces).fill(target, piece_spec(layout, stage, len(pieces)))
-    return ShardedState(params, opt_state, step, layout, stage)
+    return ShardedState(params, opt_state, step, layout, stage.number)
 
 
 class _Filler:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ._ckpt_state import CheckpointError, Entry, Schema, dtype_of
-from ._layout import ShardLayout
+from .._layout import ShardLayout
+from ._schema import CheckpointError, Entry, Schema, dtype_of
 
 FORMAT = "fzero-checkpoint"
 VERSION = 1

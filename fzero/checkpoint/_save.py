@@ -8,9 +8,16 @@ from typing import Any
 
 import torch
 
-from . import _ckpt_disk as disk
-from ._ckpt_build import build_state
-from ._ckpt_extra import (
+from .._layout import ShardLayout, build_layout
+from .._mesh import Mesh
+from .._shards import Shards
+from .._stages import stage_of
+from .._state import ShardedState, _frozen_leaves
+from .._tree import PyTree, leaf_paths, tree_flatten
+from ..optim import Optimizer
+from . import _disk as disk
+from ._build import build_state
+from ._extra import (
     extra_metadata,
     extra_tensors,
     full_precision,
@@ -18,7 +25,7 @@ from ._ckpt_extra import (
     load_scaler,
     to_mixed,
 )
-from ._ckpt_state import (
+from ._schema import (
     CheckpointError,
     Local,
     Schema,
@@ -28,12 +35,6 @@ from ._ckpt_state import (
     merge,
     report,
 )
-from ._layout import ShardLayout, build_layout
-from ._mesh import Mesh
-from ._shards import Shards
-from ._state import ShardedState, _frozen_leaves, check_stage
-from ._tree import PyTree, leaf_paths, tree_flatten
-from .optim import Optimizer
 
 
 def check_state(state: Any, mesh: Mesh, what: str) -> None:
@@ -53,7 +54,7 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     check_state(state, mesh, "checkpoint.save")
     extra, extra_body = extra_tensors(state), extra_metadata(state)
     state = full_precision(state, mesh)  # masters become the parameters saved
-    lay, stage, rank = state.layout, state.stage, mesh.rank
+    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
     what = f"checkpoint.save({path!r})"
     # 1. rank 0 makes the temporary directory; every rank describes its optimizer state.
     error, tmp, rep, local = None, None, None, None
@@ -61,8 +62,8 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
         if rank == 0:
             tmp = disk.start(path)
         local = local_view(state.opt_state, lay, stage, rank)
-        # At stage 0 every rank holds the same full state: rank 0 speaks for all.
-        rep = report(local, lay, share=stage > 0 or rank == 0)
+        # Replicated optimizer state is the same on every rank: rank 0 speaks for all.
+        rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
     except Exception as exc:
         error = exc
     everyone = agree(error, (tmp, rep), mesh, what)
@@ -87,7 +88,7 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
                 "format": disk.FORMAT,
                 "version": disk.VERSION,
                 "world_size": mesh.size,
-                "stage": stage,
+                "stage": stage.number,
                 "step": int(state.step),
                 "torch": torch.__version__,
                 "layout": disk.layout_json(lay),
@@ -106,8 +107,8 @@ def _rank_tensors(
 ) -> dict[str, torch.Tensor]:
     """This rank's file: its slice of every bucket (parameters, elementwise optimizer state),
     its per-piece optimizer state; rank 0 adds the global state."""
-    lay = state.layout
-    slices = state.params.buffers if state.stage == 3 else lay.shard(state.params, rank)
+    lay, stage = state.layout, stage_of(state.stage)
+    slices = state.params.buffers if stage.shards_params else lay.shard(state.params, rank)
     out = {f"p{k}": t for k, t in enumerate(slices)}
     for j, e in enumerate(schema.entries):
         key = (e.node, e.sub)
@@ -116,7 +117,7 @@ def _rank_tensors(
                 if not b.frozen:
                     lo = rank * b.shard_numel
                     out[f"e{j}.{k}"] = elem_slice(local, key, e, b, k, lo, lo + b.shard_numel)
-        elif state.stage > 0 or rank == 0:
+        elif stage.shards_optimizer or rank == 0:
             for pi, value in local.occ.get(key, ()):
                 out[f"v{j}.{local.pieces[pi].owner}"] = value
     if rank == 0:
@@ -140,7 +141,7 @@ def load(
 ) -> ShardedState:
     """See `fzero.checkpoint.load`."""
     path = os.fspath(path)
-    stage = check_stage(stage)
+    spec = stage_of(stage)
     error, state = None, None
     try:
         directory = disk.resolve(path)
@@ -148,7 +149,7 @@ def load(
         lay = _target_layout(directory, body, params_like, mesh.size, layout, units, frozen)
         src = disk.FileSource(directory, body)
         try:
-            state = build_state(src, lay, optimizer, stage, mesh.rank, body["step"])
+            state = build_state(src, lay, optimizer, spec, mesh.rank, body["step"])
             state = dataclasses.replace(
                 state,
                 buffers=load_buffers(src, body, buffers_like),

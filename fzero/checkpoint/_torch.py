@@ -8,9 +8,15 @@ from typing import Any
 import optree
 import torch
 
-from . import _comm
-from ._ckpt_build import build_state
-from ._ckpt_state import (
+from .. import _comm
+from .._layout import ShardLayout, build_layout
+from .._mesh import Mesh
+from .._stages import STAGES, Stage, stage_of
+from .._state import ShardedState, _frozen_leaves
+from .._tree import NAMESPACE, PyTree, leaf_paths, tree_flatten, tree_unflatten
+from ..optim import Optimizer
+from ._build import build_state
+from ._schema import (
     CheckpointError,
     Key,
     Local,
@@ -23,11 +29,6 @@ from ._ckpt_state import (
     report,
     walk,
 )
-from ._layout import ShardLayout, build_layout
-from ._mesh import Mesh
-from ._state import ShardedState, _frozen_leaves, check_stage
-from ._tree import NAMESPACE, PyTree, leaf_paths, tree_flatten, tree_unflatten
-from .optim import Optimizer
 
 # fzero state -> torch.optim state keys, per optimizer state type.
 _ADAM = {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
@@ -73,11 +74,11 @@ def export_torch(
     aliases: dict[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path."""
-    lay, stage, rank = state.layout, state.stage, mesh.rank
+    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
     error, rep, local = None, None, None
     try:
         local = local_view(state.opt_state, lay, stage, rank)
-        rep = report(local, lay, share=stage > 0 or rank == 0)
+        rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
     except Exception as exc:
         error = exc
     schema = merge(agree(error, rep, mesh, "checkpoint.export_torch"))
@@ -112,15 +113,15 @@ def _gather_leaves(
     besides rank 0's output. Replicated values (parameters at stages 0-2, all of stage 0's
     optimizer state) are read where they are, without communication.
     """
-    lay, stage, rank = state.layout, state.stage, mesh.rank
+    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
     params: dict[int, torch.Tensor] = {}
     elems: dict[tuple[int, int], torch.Tensor] = {}
-    replicated = None if stage == 3 else tree_flatten(state.params)[0]
+    replicated = None if stage.shards_params else tree_flatten(state.params)[0]
     piece_of = {p.leaf: pi for pi, p in enumerate(local.pieces)}
     for unit in lay.units:
         for k in lay.unit_buckets(unit):
             b = lay.buckets[k]
-            full = _comm.all_gather(state.params.buffers[k], mesh) if stage == 3 else None
+            full = _comm.all_gather(state.params.buffers[k], mesh) if replicated is None else None
             for s in b.slots if rank == 0 else ():
                 leaf = replicated[s.index] if full is None else full[s.offset : s.offset + s.numel]
                 params[s.index] = leaf.detach().reshape(s.shape).clone()
@@ -129,7 +130,7 @@ def _gather_leaves(
                 if b.frozen or e.kind != "elem":
                     continue
                 key = (e.node, e.sub)
-                if stage == 0:
+                if not stage.shards_optimizer:
                     values = dict(local.occ.get(key, ()))
                     for s in b.slots if rank == 0 else ():
                         if piece_of[s.index] in values:
@@ -145,15 +146,15 @@ def _gather_leaves(
 
 
 def _piece_values(
-    local: Local, schema: Schema, stage: int, mesh: Mesh
+    local: Local, schema: Schema, stage: Stage, mesh: Mesh
 ) -> dict[tuple[int, str], torch.Tensor]:
     """(entry, owner) -> per-piece value, on rank 0. These are small (steps, factors)."""
     mine = {}
     for j, e in enumerate(schema.entries):
-        if e.kind == "piece" and (stage > 0 or mesh.rank == 0):
+        if e.kind == "piece" and (stage.shards_optimizer or mesh.rank == 0):
             for pi, value in local.occ.get((e.node, e.sub), ()):
                 mine[j, local.pieces[pi].owner] = value.detach().clone()
-    if stage == 0 or not any(e.kind == "piece" for e in schema.entries):
+    if not stage.shards_optimizer or not any(e.kind == "piece" for e in schema.entries):
         return mine
     return {k: v for part in _comm.all_gather_object(mine, mesh) for k, v in part.items()}
 
@@ -205,7 +206,7 @@ def _to_torch(
 
 
 def _write_atomically(obj: Any, path: str) -> None:
-    from ._ckpt_disk import fsync_dir
+    from ._disk import fsync_dir
 
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -264,7 +265,7 @@ def import_torch(
     step: int | None = None,
 ) -> ShardedState:
     """See `fzero.checkpoint.import_torch`."""
-    stage = check_stage(stage)
+    spec = stage_of(stage)
     error, state = None, None
     try:
         like = model_state_dict if params_like is None else params_like
@@ -289,7 +290,7 @@ def import_torch(
             )
         torch_states = {leaf: optim_state_dict["state"].get(i, {}) for i, leaf in zip(ids, order)}
         src, count = _from_torch(optimizer, lay, leaves, torch_states, step)
-        state = build_state(src, lay, optimizer, stage, mesh.rank, count if step is None else step)
+        state = build_state(src, lay, optimizer, spec, mesh.rank, count if step is None else step)
     except Exception as exc:
         error = exc
     agree(error, None, mesh, "checkpoint.import_torch")
@@ -335,7 +336,7 @@ def _from_torch(
         glob = {}
     else:
         raise CheckpointError(f"import_torch cannot map torch.optim state to a {kind}")
-    pieces = pieces_of(lay, 0, 0)
+    pieces = pieces_of(lay, STAGES[0], 0)  # torch.optim state: whole leaves, as stage 0
     occ: dict[Key, list[tuple[int, torch.Tensor]]] = {}
     for pi, p in enumerate(pieces):
         for key, value in per_leaf.get(p.leaf, {}).items():

@@ -41,17 +41,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._ckpt_extra import full_precision as _full_precision
-from ._ckpt_save import check_state as _check_state
-from ._ckpt_save import load as _load
-from ._ckpt_save import save as _save
-from ._ckpt_state import CheckpointError as CheckpointError
-from ._ckpt_torch import export_torch as _export_torch
-from ._ckpt_torch import import_torch as _import_torch
-from ._mesh import Mesh
-from ._state import ShardedState
-from ._tree import PyTree
-from .optim import Optimizer
+from .._mesh import Mesh
+from .._state import ShardedState
+from .._tree import PyTree
+from ..optim import Optimizer
+from ._extra import full_precision as _full_precision
+from ._save import check_state as _check_state
+from ._save import load as _load
+from ._save import save as _save
+from ._schema import CheckpointError as CheckpointError
+from ._torch import export_torch as _export_torch
+from ._torch import import_torch as _import_torch
 
 __all__ = ["CheckpointError", "export_torch", "import_torch", "load", "save"]
 

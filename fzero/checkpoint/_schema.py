@@ -9,10 +9,12 @@ from typing import Any
 import optree
 import torch
 
-from . import _comm
-from ._layout import Bucket, ShardLayout
-from ._mesh import Mesh
-from ._tree import tree_unflatten
+from .. import _comm
+from .._flat import Bucket
+from .._layout import ShardLayout
+from .._mesh import Mesh
+from .._stages import Stage
+from .._tree import tree_unflatten
 
 # An optimizer-state entry: (node, sub). `node` is the path of a subtree of the state that
 # mirrors the optimizer's pieces (AdamState.mu -> "mu"; from_torch's whole state -> ""),
@@ -93,10 +95,10 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def pieces_of(layout: ShardLayout, stage: int, rank: int) -> list[Piece]:
+def pieces_of(layout: ShardLayout, stage: Stage, rank: int) -> list[Piece]:
     """The pieces `optimizer.init` saw on `rank`, in order (see `ShardLayout.pieces`)."""
     out = []
-    if stage == 0:  # the trainable leaves, whole, in flatten order
+    if not stage.shards_optimizer:  # the trainable leaves, whole, in flatten order
         where = {s.index: (k, s) for k, b in enumerate(layout.buckets) for s in b.slots}
         for i, frozen in enumerate(layout.frozen):
             if not frozen:
@@ -122,9 +124,9 @@ def covered(bucket: Bucket, lo: int, hi: int) -> list[int]:
     return [s.index for s in bucket.slots if s.numel and s.offset < hi and s.offset + s.numel > lo]
 
 
-def piece_spec(layout: ShardLayout, stage: int, npieces: int) -> optree.PyTreeSpec:
+def piece_spec(layout: ShardLayout, stage: Stage, npieces: int) -> optree.PyTreeSpec:
     """The structure the optimizer was initialised with: what per-piece subtrees look like."""
-    if stage == 0:
+    if not stage.shards_optimizer:
         marks = [None if f else 0 for f in layout.frozen]
         spec = optree.tree_structure(tree_unflatten(layout.treedef, marks))
         if spec.num_nodes == 1:
@@ -205,7 +207,7 @@ class Local:
     globals: dict[str, torch.Tensor]
 
 
-def local_view(opt_state: Any, layout: ShardLayout, stage: int, rank: int) -> Local:
+def local_view(opt_state: Any, layout: ShardLayout, stage: Stage, rank: int) -> Local:
     """Splits this rank's optimizer state into per-piece entries and globals."""
     pieces = pieces_of(layout, stage, rank)
     spec = piece_spec(layout, stage, len(pieces))
