@@ -7,6 +7,7 @@ from . import units as units
 from ._autodiff import value_and_grad as value_and_grad
 from ._gather import gather_params as gather_params
 from ._gather import master_params as master_params
+from ._gathered import gathered as gathered
 from ._grads import all_reduce_grads as all_reduce_grads
 from ._grads import local_shard as local_shard
 from ._grads import reduce_scatter_grads as reduce_scatter_grads

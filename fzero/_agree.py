@@ -53,3 +53,20 @@ def start_agreement(called: list[str], mesh: Mesh, device: torch.device | None) 
     digest = hashlib.blake2b("\0".join(called).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True)
     return Agreement(called, _comm.all_gather_ints_async([len(called), h], mesh, device))
+
+
+class CallCheck:
+    """One step's check, shared by the engine's halves: started after the forward
+    (`start`), waited for before the backward's first collective (calling it)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.pending: Agreement | None = None
+
+    def start(self, called: list[str], device: torch.device | None) -> None:
+        self.pending = start_agreement(called, self.mesh, device)
+
+    def __call__(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.check(self.mesh)

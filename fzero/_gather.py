@@ -1,4 +1,4 @@
-"""gather_params: all-gather of shards into the full tree; its backward is a reduce-scatter."""
+"""gather_params: the per-unit primitive by hand; its backward is a reduce-scatter."""
 
 from __future__ import annotations
 
@@ -7,34 +7,38 @@ from typing import Any
 import torch
 
 from . import _comm
+from ._entry import Call, enter
 from ._flat import cut
+from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._shards import Shards
-from ._tree import PyTree, tree_unflatten
+from ._tree import PyTree, subtree, tree_unflatten
 
 
-class _AllGather(torch.autograd.Function):
-    """All-gather of every bucket in one node, so backward runs for all buckets or none.
+class Now:
+    """The engine of the primitives used by hand: the node's forward all-gathers the
+    shards it is given, its backward reduce-scatters (mean) their gradient and returns it,
+    both at once. (A step's engine, `_engine.Engine`, schedules the same node.)"""
 
-    One node per call (not per bucket) keeps the collectives in the same order on every
-    rank: a rank whose loss ignores a bucket still reduce-scatters zeros for it, in turn,
-    instead of skipping a collective its peers are waiting in. Written in setup_context
-    style so it also works under `torch.func.grad`.
-    """
+    leaf_grads = False
 
-    @staticmethod
-    def forward(mesh: Mesh, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(_comm.all_gather(s, mesh) for s in shards)
+    def __init__(
+        self, layout: ShardLayout, mesh: Mesh, reduce_dtype: torch.dtype | None = None
+    ) -> None:
+        self.layout, self.mesh, self.reduce_dtype = layout, mesh, reduce_dtype
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.mesh = inputs[0]
+    def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(_comm.all_gather(s, self.mesh) for s in shards)
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        # Transpose of an all-gather is a reduce-scatter; fzero's is the mean over ranks,
-        # so a per-rank loss on a per-rank micro-batch trains like DDP.
-        return (None, *(_comm.reduce_scatter_mean(g, ctx.mesh) for g in grads))
+    def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+        # The transpose of an all-gather is a reduce-scatter; fzero's is the mean over
+        # ranks, so a per-rank loss on a per-rank micro-batch trains like DDP. Every
+        # bucket of the node is reduced (zeros where unused), so a rank whose loss ignores
+        # one still joins the collective its peers are waiting in.
+        return tuple(
+            None if g is None else _comm.reduce_scatter_mean(g, self.mesh, self.reduce_dtype)
+            for g in grads
+        )
 
 
 def gather_params_into(
@@ -59,32 +63,45 @@ def gather_params_into(
             work.wait()
 
 
-def gather_params(params: PyTree, mesh: Mesh) -> PyTree:
-    """The full parameter tree, on every rank.
+def gather_params(params: PyTree, mesh: Mesh, *, unit: str | None = None) -> PyTree:
+    """The full parameter tree (or one unit's part of it), on every rank.
 
     Differentiable: the gradient with respect to the shards is the reduce-scatter (mean over
     ranks) of the gradient with respect to the full tree, so `loss_fn(gather_params(s, mesh),
-    batch)` differentiated by `s` is a stage-3 gradient.
+    batch)` differentiated by `s` is a stage-3 gradient. It is one node of the per-unit
+    primitive a step is built from (`fzero.gathered` enters a unit the same way inside a
+    step, where the step schedules it); it also works under `torch.func.grad`.
 
     Args:
       params: `state.params` at any stage: `Shards` (stage 3, or gradients from
         `reduce_scatter_grads`), or an already replicated full tree (stages 0-2), which is
         returned as it is.
       mesh: the mesh the shards live on.
+      unit: gather only this unit's buckets (a path prefix of the layout's units) and
+        return its part of the tree, as `fzero.gathered` does; None: everything.
 
     Returns:
-      A tree with the structure, shapes and dtypes of the original parameters; its leaves
-      are views into one freshly gathered flat buffer per bucket.
+      A tree with the structure, shapes and dtypes of the original parameters (or of the
+      unit's part); its leaves are views into one freshly gathered flat buffer per bucket.
     """
     if not isinstance(params, Shards):
-        return params
+        return params if unit is None else subtree(params, unit)
     layout = params.layout
     if layout.world_size != mesh.size or params.rank != mesh.rank:
         raise ValueError(
             f"shards of rank {params.rank} of {layout.world_size} cannot be gathered on "
             f"rank {mesh.rank} of {mesh.size}"
         )
-    return layout.unflatten(_AllGather.apply(mesh, *params.buffers))
+    if unit is None:
+        call = Call("", tuple(range(len(layout.buckets))))
+        return layout.unflatten(enter(Now(layout, mesh), call, params.buffers))
+    if unit not in layout.units:
+        raise ValueError(f"{unit!r} is not a unit of the layout (units: {list(layout.units)})")
+    call = Call(unit, layout.unit_buckets(unit))
+    fulls = enter(Now(layout, mesh), call, tuple(params.buffers[i] for i in call.buckets))
+    views = layout.unflatten_unit(unit, fulls)
+    leaves = [views.get(p) for p in layout.paths]
+    return subtree(tree_unflatten(layout.treedef, leaves), unit)
 
 
 def master_params(state: Any, mesh: Mesh) -> PyTree:

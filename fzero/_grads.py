@@ -1,10 +1,12 @@
-"""Gradient reduction: reduce_scatter_grads (stages 2-3) and all_reduce_grads (stages 0-1)."""
+"""Gradient reduction by hand: reduce_scatter_grads, all_reduce_grads, local_shard."""
 
 from __future__ import annotations
 
 import torch
 
 from . import _comm
+from ._entry import Call
+from ._gather import Now
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
 from ._shards import Shards
@@ -16,8 +18,9 @@ def reduce_scatter_grads(
 ) -> Shards:
     """This rank's shard of the mean over ranks of `grads`.
 
-    The transpose of `gather_params`: packs the full gradient tree into the layout's flat
-    buckets and reduce-scatters each, so a rank keeps only the gradient of what it owns.
+    The transpose of `gather_params` (literally its backward, `_gather.Now.close`): packs
+    the full gradient tree into the layout's flat buckets and reduce-scatters each, so a
+    rank keeps only the gradient of what it owns.
 
     Args:
       grads: a full gradient tree with the structure, shapes and dtypes of the parameters.
@@ -31,9 +34,8 @@ def reduce_scatter_grads(
     """
     _check_mesh(layout, mesh)
     flats = layout.flatten(grads, what="grads")
-    return Shards(
-        tuple(_comm.reduce_scatter_mean(f, mesh, dtype) for f in flats), layout, mesh.rank
-    )
+    call = Call("", tuple(range(len(layout.buckets))))
+    return Shards(Now(layout, mesh, dtype).close(call, flats), layout, mesh.rank)
 
 
 def all_reduce_grads(grads: PyTree, mesh: Mesh) -> PyTree:

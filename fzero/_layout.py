@@ -157,6 +157,17 @@ class ShardLayout:
             for u, idx in self._unit_index.items()
         }
 
+    def units_at(self, path: str) -> tuple[str, ...]:
+        """The units holding the leaves under the dotted `path` (those inside it, or the
+        one it lies in), in layout order."""
+        found = {
+            b.unit
+            for b in self.buckets
+            for s in b.slots
+            if s.path == path or s.path.startswith(path + ".")
+        }
+        return tuple(u for u in self.units if u in found)
+
     @functools.cached_property
     def path_index(self) -> dict[str, int]:
         """Each leaf path's position in the flattened tree."""

@@ -9,6 +9,8 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._gathered import ACTIVE
+
 
 def remat(module: nn.Module) -> Callable[..., Any]:
     """`module` as a callable whose activations are recomputed in backward, not stored.
@@ -33,13 +35,27 @@ def remat(module: nn.Module) -> Callable[..., Any]:
     """
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        bound = _bindings(module)
+        # The forward binds what is bound now; the recompute keeps only what the step
+        # would save of it (inside a resharding stage-3 step, handles to a unit's
+        # parameters rather than the tensors, which the backward gathers again).
+        engine = ACTIVE.get()
+        now: list[Any] | None = _bindings(module)
+        hold = (lambda v: v) if engine is None else engine.hold
+        later = [(sub, slot, k, hold(v)) for sub, slot, k, v in now]
 
         def run(*a: Any, **kw: Any) -> Any:
+            if now is not None:
+                bound = now
+            else:  # the recompute, inside the backward
+                fetch = (lambda v: v) if engine is None else engine.fetch
+                bound = [(sub, slot, k, fetch(v)) for sub, slot, k, v in later]
             with _bind(module, bound):
                 return module(*a, **kw)
 
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        try:
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        finally:
+            now = None
 
     return call
 

@@ -1,4 +1,13 @@
-"""sharded_step: each ZeRO stage as a composition of the four primitives."""
+"""sharded_step: every ZeRO stage as one composition of the per-unit primitives.
+
+    enter (per unit) -> value and grad -> sharded_update -> all-gather (stages 1-2)
+
+`_train` reads as the stage table (`_stages`): the parameters enter the loss unit by unit
+(`_engine`, scheduled by a `_schedule.Schedule` chosen once per step), the gradient comes
+out reduced as the stage reduces it, the optimizer updates what this rank owns
+(`sharded_update`), and where a stage replicates the parameters but shards the optimizer,
+the updated shards are all-gathered.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +19,20 @@ import torch
 from torch import nn
 
 from ._autodiff import value_and_grad
-from ._comm import all_gather
-from ._gather import gather_params_into
+from ._engine import Engine
 from ._grads import local_shard
-from ._hooks import hookable_units, value_and_shard_grad
+from ._hooks import hookable_units
 from ._layout import ShardLayout
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._mesh import Mesh
 from ._replicated import full_buckets, own_slices
-from ._scale import unscale_
+from ._schedule import Schedule, plan
 from ._shards import Shards
-from ._stages import stage_of
+from ._stages import Stage, stage_of
 from ._state import ShardedState, check_step_state
-from ._tree import PyTree, tree_flatten, tree_map
+from ._tree import PyTree, tree_map
 from ._unit_ledger import UnitLedger
-from ._update import sharded_update
+from ._update import apply_update, rebuild_params
 from .optim import Optimizer
 
 LossFn = Callable[[PyTree, Any], torch.Tensor]
@@ -33,10 +41,13 @@ Step = Callable[[ShardedState, Any], tuple[ShardedState, torch.Tensor]]
 Out = tuple[PyTree, Any, Any, torch.Tensor, bool]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Options:
+    """What `sharded_step` was asked for (fixed for the step function's life)."""
+
     mesh: Mesh
     module: nn.Module | None
+    just_in_time: bool
     reshard_after_forward: bool
     prefetch: bool
     ledger: UnitLedger | None
@@ -45,9 +56,19 @@ class _Options:
     buffer_sync: str
     overlap_reduce: bool
     reduce_bucket_bytes: int
-    order: list[str] = field(default_factory=list)  # unit call order, for prefetching
-    comm: tuple[Any, Any] = (None, None)  # (gather, reduce) dtypes of the current state
-    jit: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units), computed once
+
+
+@dataclass
+class _Memory:
+    """What a step function carries from one call to the next."""
+
+    order: list[str] = field(default_factory=list)  # just-in-time units, last step's order
+    hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units): walked once
+
+    def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
+        if self.hooked[0] is not layout:
+            self.hooked = (layout, hookable_units(layout, module))
+        return self.hooked[1]
 
 
 def sharded_step(
@@ -59,6 +80,7 @@ def sharded_step(
     layout: str | None = None,
     units: Sequence[str] | None = None,
     module: nn.Module | None = None,
+    just_in_time: bool = False,
     reshard_after_forward: bool = True,
     prefetch: bool = True,
     ledger: UnitLedger | None = None,
@@ -74,16 +96,26 @@ def sharded_step(
     mean over ranks of the gradients (DDP semantics), so N ranks on micro-batches of size b
     train exactly like one process on their concatenation with a mean loss.
 
-    Every stage works unit by unit (`units=` of `shard_state`). With `module=` (the
-    module `loss_fn` calls through `torch.func.functional_call`, params keyed by
-    `named_parameters`), each unit that names a submodule is gathered (stage 3) just
-    before its forward and its gradient reduced (all-reduced at stage 0, reduce-scattered
-    at stages 1-3) once its backward is complete (at stages 0-1 together with the next
-    units', `reduce_bucket_bytes` at a time); the parameters of such a unit may
-    only be used inside that submodule's forward. Without `module=`, every unit is
-    gathered before the forward and reduced when the backward reaches it. Stage 0 on one
-    rank has nothing to communicate: it differentiates by leaf, as an eager loop does,
-    with no units (so no restriction on where a unit's parameters are used).
+    Every stage works unit by unit (`units=` of `shard_state`): a unit's parameters
+    enter the loss through the stage's primitive (identity at stages 0-2, all-gather at
+    stage 3) and leave it through its transpose (all-reduce at stage 0, reduce-scatter at
+    stages 1-3), once the unit's backward is complete (at stages 0-1 together with the
+    next units', `reduce_bucket_bytes` at a time). When a unit enters:
+
+    - with `module=` (the module `loss_fn` calls through `torch.func.functional_call`,
+      params keyed by `named_parameters`), a unit that names a submodule enters just
+      before that submodule's forward, and its parameters may only be used there;
+    - with `just_in_time=True`, every unit but the root enters when `loss_fn` asks for it
+      with `fzero.gathered(params, unit)`, and only there (a pure function over the tree,
+      no module needed);
+    - otherwise, before the forward: the whole tree is gathered up front (at stage 3),
+      and `fzero.gathered` returns the unit's part of it.
+
+    Units entered just in time cost what FSDP's do: a few units of full parameters and
+    gradients at a time. Units entered up front keep every full gradient (and at stage 3
+    every full parameter) until the end of the backward: the step cannot know which
+    units a loss will ask for before running it, so it does not guess. Stage 0 on one
+    rank has nothing to communicate: it differentiates by leaf, as an eager loop does.
 
     Args:
       loss_fn: `(params, batch) -> scalar tensor`, params being the full tree.
@@ -92,12 +124,15 @@ def sharded_step(
       stage: 0-3; must match the state's.
       layout: optional; if given, must match the state's layout kind.
       units: optional; if given, must match the state's units.
-      module: the module whose unit submodules are hooked, so that each unit is gathered
-        and its gradient reduced as its submodule runs. Every rank must then call the same
-        units in the same order; each step checks that, raising a ValueError that lists
-        every rank's calls.
-      reshard_after_forward: stage 3: free a unit's gathered parameters after its forward
-        and gather them again for its backward (less memory, one more all-gather).
+      module: the module whose unit submodules are hooked, so that each unit enters the
+        loss as its submodule runs. Every rank must then call the same units in the same
+        order; each step checks that, raising a ValueError that lists every rank's calls.
+      just_in_time: every unit but the root enters only when `loss_fn` asks for it with
+        `fzero.gathered(params, unit)`; until then its leaves in `params` are placeholders,
+        and using them directly raises a ValueError. The same call check applies.
+      reshard_after_forward: stage 3: a just-in-time unit's gathered parameters are freed
+        once the forward lets go of them (autograd keeps handles, not the tensors) and
+        gathered again for its backward (less memory, one more all-gather).
       prefetch: stage 3: start gathering the next unit (in last step's order) while the
         current one computes, in forward and backward.
       ledger: a UnitLedger recording live full-unit bytes (for tests and benchmarks).
@@ -141,10 +176,10 @@ def sharded_step(
         raise ValueError(f"reduce_bucket_bytes must be >= 0, got {reduce_bucket_bytes}")
     if buffer_sync not in ("broadcast", "mean", "local"):
         raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
-    body = {0: _stage0, 1: _stage1, 2: _stage2, 3: _stage3}[stage]
     opts = _Options(
         mesh,
         module,
+        bool(just_in_time),
         reshard_after_forward,
         prefetch,
         ledger,
@@ -154,18 +189,17 @@ def sharded_step(
         overlap_reduce,
         reduce_bucket_bytes,
     )
+    memory = _Memory()
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         check_step_state(state, stage, layout, units, mesh)
-        prec = state.precision
-        opts.comm = (prec.gather_dtype, prec.reduce_dtype) if prec is not None else (None, None)
         fn: LossFn = loss_fn
         threaded = scaled = None
         if state.buffers is not None:
             fn = threaded = BufferThread(loss_fn, state.buffers)
         if state.scaler is not None:
             fn = scaled = ScaledLoss(fn, state.scaler.scale, mesh.rank)
-        params, opt_state, master, loss, applied = body(fn, optimizer, opts, state, batch)
+        params, opt_state, master, loss, applied = _train(fn, optimizer, opts, memory, state, batch)
         if scaled is not None:
             loss = torch.stack(scaled.losses).mean()  # the loss itself, not the scaled one
         buffers = None if threaded is None else sync_buffers(threaded.buffers, buffer_sync, mesh)
@@ -179,219 +213,119 @@ def sharded_step(
             buffers,
             master,
             scaler,
-            prec,
+            state.precision,
         )
         return new, loss
 
     return step
 
 
-def _stage0(
-    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
-) -> Out:
-    """DDP: params enter the loss through an identity whose VJP all-reduces, unit by unit;
-    every rank applies the same full update."""
-    lay = state.layout
-    if o.mesh.size == 1:
-        loss, grads = _leaf_grad(loss_fn, batch, o, state)
-    else:
-        full = full_buckets(state.params, lay)
-        loss, reduced = _unit_grad(loss_fn, batch, o, lay, full, full, replicate=True)
-        flats = [f if b.frozen else g for f, g, b in zip(full, reduced.buffers, lay.buckets)]
-        grads = lay.trainable(lay.unflatten(flats))
-    if state.master is None:
-        new, opt_state, applied = _update(optimizer, o, state, lay.trainable(state.params), grads)
-        return lay.merge(state.params, new), opt_state, None, loss, applied
-    master, opt_state, applied = _update(optimizer, o, state, state.master, grads)
-    if not applied:
-        return state.params, opt_state, master, loss, False
-    return _cast_tree(master, state, o), opt_state, master, loss, True
-
-
-def _stage1(
-    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
-) -> Out:
-    """Optimizer state sharded: unit gradients are reduce-scattered during the backward in
-    DDP-sized bursts (`reduce_bucket_bytes`), a burst finished when the next unit's
-    gradient arrives (about one burst of full gradients alive); own shard updated;
-    parameters all-gathered (2Ψ per step, like stages 0, 2)."""
-    return _update_and_regather(optimizer, o, state, batch, loss_fn, bursts=True)
-
-
-def _stage2(
-    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
-) -> Out:
-    """+ gradients sharded: params enter the loss through an identity whose VJP
-    reduce-scatters, unit by unit; update own shard; all-gather parameters."""
-    return _update_and_regather(optimizer, o, state, batch, loss_fn, bursts=False)
-
-
-def _stage3(
-    loss_fn: LossFn, optimizer: Optimizer, o: _Options, state: ShardedState, batch: Any
-) -> Out:
-    """+ parameters sharded: params enter the loss through an all-gather, unit by unit,
-    whose VJP reduce-scatters; parameters stay sharded."""
-    lay = state.layout
-    loss, grads = _unit_grad(loss_fn, batch, o, lay, state.params.buffers, None)
-    if state.master is None:
-        params, opt_state, applied = _update(optimizer, o, state, state.params, grads)
-        return params, opt_state, None, loss, applied
-    master, opt_state, applied = _update(optimizer, o, state, state.master, grads)
-    if not applied:
-        return state.params, opt_state, master, loss, False
-    old = state.params
-    if o.donate:
-        with torch.no_grad():
-            for p, m, b in zip(old.buffers, master.buffers, lay.buckets):
-                if not b.frozen:
-                    p.copy_(m)
-        return old, opt_state, master, loss, True
-    bufs = tuple(
-        p if b.frozen else m.to(p.dtype)
-        for p, m, b in zip(old.buffers, master.buffers, lay.buckets)
-    )
-    return Shards(bufs, lay, old.rank), opt_state, master, loss, True
-
-
-def _update(
-    optimizer: Optimizer, o: _Options, state: ShardedState, target: Any, grads: Any
-) -> tuple[Any, Any, bool]:
-    """The optimizer step on `target` (parameters or masters; a tree or Shards).
-
-    Gradients arrive in the reduce dtype and are cast to the target's. With a loss scaler
-    they are unscaled, and if any rank found an inf or NaN, nothing is updated on any rank
-    (the third value is then False).
-    """
-    if isinstance(target, Shards):
-        bufs = tuple(g.to(t.dtype) for g, t in zip(grads.buffers, target.buffers))
-        grads, leaves = Shards(bufs, target.layout, target.rank), list(bufs)
-    else:
-        grads = tree_map(lambda g, t: g.to(t.dtype), grads, target)
-        leaves = tree_flatten(grads)[0]
-    if state.scaler is not None and unscale_(leaves, state.scaler.scale, o.mesh):
-        return target, state.opt_state, False
-    new, opt_state = sharded_update(
-        optimizer, target, grads, state.opt_state, donate=o.donate, mesh=o.mesh
-    )
-    return new, opt_state, True
-
-
-def _update_and_regather(
+def _train(
+    loss_fn: LossFn,
     optimizer: Optimizer,
     o: _Options,
+    memory: _Memory,
     state: ShardedState,
     batch: Any,
-    loss_fn: LossFn,
-    bursts: bool,
 ) -> Out:
-    """Stages 1-2: replicated parameters in, shard gradients out; update own shard (or
-    master), all-gather the rest."""
-    lay = state.layout
-    local = full_buckets(state.params, lay)
-    # What the optimizer updates: the masters; else, donating, this rank's slice of the
-    # replicated buffers itself (updated where it lies, so the gather only fills the
-    # peers' slices); else a copy of it. Only its shapes reach the gradient pass.
-    target = state.master
-    if target is None and o.donate:
-        target = Shards(own_slices(local, lay, o.mesh.rank), lay, o.mesh.rank)
-    elif target is None:
-        target = local_shard(lay.trainable(state.params), lay, o.mesh)
-    loss, grads = _unit_grad(loss_fn, batch, o, lay, target.buffers, local, bursts=bursts)
-    new, opt_state, applied = _update(optimizer, o, state, target, grads)
+    """One step of `state.stage`, read as the stage table: parameters enter the loss per
+    unit, value and gradient, the optimizer on what this rank owns, and (stages 1-2) the
+    updated shards all-gathered."""
+    stage, lay = stage_of(state.stage), state.layout
+    local = None if stage.shards_params else full_buckets(state.params, lay)
+    target = _target(stage, state, local, o)  # what this rank's optimizer updates
+    if stage.reduce == "all_reduce" and o.mesh.size == 1:
+        loss, grads = _leaf_grad(loss_fn, batch, o, state)
+    else:
+        schedule = _schedule(stage, o, memory, state)
+        if stage.reduce == "all_reduce":  # every rank keeps the full mean gradient
+            assert local is not None
+            loss, flats = _value_and_grad(loss_fn, batch, o, memory, stage, schedule, state, local)
+            full = [f if b.frozen else g for f, g, b in zip(local, flats, lay.buckets)]
+            grads = lay.trainable(lay.unflatten(full))
+        else:  # a rank keeps its shard of it, shaped as what it updates
+            like = state.params.buffers if stage.shards_params else target.buffers
+            loss, flats = _value_and_grad(loss_fn, batch, o, memory, stage, schedule, state, like)
+            grads = Shards(flats, lay, o.mesh.rank)
+    new, opt_state, applied = apply_update(optimizer, state, target, grads, o.mesh, o.donate)
     master = None if state.master is None else new
     if not applied:  # nothing changed anywhere: no gather either
         return state.params, opt_state, master, loss, False
-    return _regather(new, local, state, o), opt_state, master, loss, True
+    params = rebuild_params(stage, new, local, state, o.mesh, o.donate)
+    return params, opt_state, master, loss, True
 
 
-def _cast_tree(master: PyTree, state: ShardedState, o: _Options) -> PyTree:
-    """Stage 0 under mixed precision: the parameters as the masters cast down."""
-    lay = state.layout
-    trainable = lay.trainable(state.params)
-    with torch.no_grad():
-        if o.donate:  # into the flat buffers the parameters are views of
-            tree_map(lambda p, m: p.copy_(m), trainable, master)
-            return state.params
-        cast = tree_map(lambda p, m: m.to(p.dtype), trainable, master)
-        return lay.unflatten(lay.flatten(lay.merge(state.params, cast)))
-
-
-def _regather(
-    shard: Shards, local: tuple[torch.Tensor, ...], state: ShardedState, o: _Options
-) -> PyTree:
-    """Stages 1-2: every rank's updated shard, all-gathered into the full parameters.
-
-    Frozen buckets are not gathered: every rank already holds them, unchanged. Donating,
-    the trainable buckets are gathered into the buffers the old parameters live in (no
-    second full copy); otherwise into new ones. Under mixed precision `shard` is the
-    master shard, which travels cast to the gather dtype. `local`: the full buffers the
-    step ran on (`full_buckets` of the parameters), whose own slice may already be `shard`.
-    """
-    lay = state.layout
-    full = list(local)
-    live = [i for i, b in enumerate(lay.buckets) if not b.frozen]
-    comm = tuple(o.comm[0] or lay.buckets[i].dtype for i in live)
+def _target(stage: Stage, state: ShardedState, local: Any, o: _Options) -> Any:
+    """What the optimizer updates: the masters if there are any; else the parameters (all
+    of the trainable tree, or this rank's shard of it). Stages 1-2, donating, update the
+    rank's slice of the replicated buffers where it lies, so the gather after the update
+    only fills the peers' slices; not donating, a copy of it."""
+    lay, rank = state.layout, o.mesh.rank
+    if state.master is not None:
+        return state.master
+    if stage.shards_params:
+        return state.params
+    if not stage.shards_optimizer:
+        return lay.trainable(state.params)
     if o.donate:
-        gather_params_into(
-            Shards(tuple(shard.buffers[i] for i in live), lay, o.mesh.rank),
-            o.mesh,
-            tuple(full[i] for i in live),
-            comm,
-        )
-    else:
-        for i, c in zip(live, comm):
-            full[i] = all_gather(shard.buffers[i].to(c), o.mesh).to(lay.buckets[i].dtype)
-    return lay.unflatten(full)
+        return Shards(own_slices(local, lay, rank), lay, rank)
+    return local_shard(lay.trainable(state.params), lay, o.mesh)
 
 
-def _unit_grad(
+def _schedule(stage: Stage, o: _Options, memory: _Memory, state: ShardedState) -> Schedule:
+    prec = state.precision
+    return plan(
+        stage,
+        state.layout,
+        o.mesh.size,
+        memory.hooked_units(state.layout, o.module),
+        just_in_time=o.just_in_time,
+        prefetch=o.prefetch,
+        reshard_after_forward=o.reshard_after_forward,
+        overlap_reduce=o.overlap_reduce,
+        reduce_bucket_bytes=o.reduce_bucket_bytes,
+        accumulate_locally=o.accumulate == "local",
+        comm_dtypes=(None, None) if prec is None else (prec.gather_dtype, prec.reduce_dtype),
+    )
+
+
+def _value_and_grad(
     loss_fn: LossFn,
     batch: Any,
     o: _Options,
-    layout: ShardLayout,
-    shards: tuple[torch.Tensor, ...],
-    local: tuple[torch.Tensor, ...] | None,
-    replicate: bool = False,
-    bursts: bool = False,
-) -> tuple[torch.Tensor, Shards]:
-    """Loss and shard gradients, unit by unit; over every micro-batch when accumulating.
-
-    With `replicate` (stage 0) the "shards" are the full buckets, all-reduced. With
-    `bursts` (stage 1) reductions start `reduce_bucket_bytes` at a time.
-    """
+    memory: _Memory,
+    stage: Stage,
+    schedule: Schedule,
+    state: ShardedState,
+    grads_like: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The loss and this rank's reduced gradient per bucket, over every micro-batch when
+    accumulating (their mean)."""
+    lay = state.layout
+    local = None if stage.shards_params else full_buckets(state.params, lay)
     micro = _micro_batches(batch, o)
-    if o.jit[0] is not layout:  # walks the module: once per state layout, not every step
-        o.jit = (layout, hookable_units(layout, o.module))
     acc: dict[int, torch.Tensor] | None = {} if o.accumulate == "local" else None
     losses, total = [], None
     for j, mb in enumerate(micro):
-        loss, grads = value_and_shard_grad(
-            loss_fn,
-            mb,
-            mesh=o.mesh,
-            layout=layout,
-            shards=shards,
-            local=local,
-            module=o.module,
-            reshard=o.reshard_after_forward,
-            prefetch=o.prefetch,
-            order=o.order,
+        engine = Engine(
+            stage,
+            schedule,
+            lay,
+            o.mesh,
+            grads_like,
+            local,
             ledger=o.ledger,
+            order=memory.order,
             acc=acc,
             final=j == len(micro) - 1,
-            overlap=o.overlap_reduce,
-            replicate=replicate,
-            bursts=bursts,
-            hold_bytes=o.reduce_bucket_bytes,
-            jit=o.jit[1],
-            comm_dtypes=o.comm,
         )
+        loss, grads = engine.value_and_grad(loss_fn, mb)
         losses.append(loss)
         total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
     assert total is not None
     if len(micro) > 1:
         total = tuple(t / len(micro) for t in total)
-    return torch.stack(losses).mean(), Shards(total, layout, o.mesh.rank)
+    return torch.stack(losses).mean(), total
 
 
 def _leaf_grad(loss_fn: LossFn, batch: Any, o: _Options, state: ShardedState) -> tuple[Any, Any]:
@@ -404,7 +338,8 @@ def _leaf_grad(loss_fn: LossFn, batch: Any, o: _Options, state: ShardedState) ->
     pass through the reduce dtype as they would through a reduction ("local"
     accumulation sums them first, "sharded" after), and a mean over micro-batches.
     """
-    lay, reduce_dtype = state.layout, o.comm[1]
+    lay = state.layout
+    reduce_dtype = None if state.precision is None else state.precision.reduce_dtype
     micro = _micro_batches(batch, o)
     trainable = lay.trainable(state.params)
 

@@ -44,6 +44,40 @@ def leaf_paths(tree: PyTree) -> list[str]:
     return [".".join(_entry_name(e) for e in path) or "<root>" for path in paths]
 
 
+def subtree(tree: PyTree, prefix: str) -> PyTree:
+    """The part of `tree` under the dotted path `prefix`.
+
+    Where `prefix` names a node of the tree (`"layers.0"` in `{"layers": [{"w": ...}]}`),
+    that node; where the tree keys its leaves by dotted names (`{"layers.0.w": ...}`, as
+    `named_parameters` does), a dict of the leaves under `prefix`, keyed by the rest of
+    their path (`{"w": ...}`).
+
+    Raises:
+      ValueError: if no leaf lies under `prefix`.
+    """
+    leaves, treedef = tree_flatten(tree)
+    spec, start, rest = treedef, 0, prefix
+    while rest:
+        for key, child in zip(spec.entries(), spec.children()):
+            name = _entry_name(key)
+            if rest == name or rest.startswith(name + "."):
+                spec, rest = child, rest[len(name) + 1 :]
+                break
+            start += child.num_leaves
+        else:
+            break
+    if not rest:
+        return tree_unflatten(spec, leaves[start : start + spec.num_leaves])
+    out = {
+        path[len(prefix) + 1 :]: leaf
+        for path, leaf in zip(leaf_paths(tree), leaves)
+        if path.startswith(prefix + ".")
+    }
+    if not out:
+        raise ValueError(f"no leaf of the tree lies under {prefix!r}")
+    return out
+
+
 def tree_nbytes(tree: PyTree) -> int:
     """Bytes of the tensor storages reachable from `tree`, each storage counted once.
 

@@ -1,4 +1,5 @@
-"""sharded_update: an optimizer step applied to the shard a rank owns."""
+"""sharded_update: an optimizer step applied to the shard a rank owns; and a step's
+update around it (unscaling, skipping) and the parameters rebuilt from it."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ from typing import Any
 
 import torch
 
+from ._comm import all_gather
+from ._gather import gather_params_into
 from ._mesh import Mesh
+from ._scale import unscale_
 from ._shards import Shards
-from ._tree import PyTree, leaf_paths, tree_flatten
+from ._stages import Stage
+from ._tree import PyTree, leaf_paths, tree_flatten, tree_map
 from .optim import Optimizer
 from .optim._context import ShardContext, shard_context
 
@@ -82,3 +87,96 @@ def _check_like(grads: PyTree, params: PyTree) -> None:
                 f"sharded_update: grads leaf {path!r} is {got}, params have "
                 f"{tuple(p.shape)} {p.dtype}"
             )
+
+
+# -- a step's update --------------------------------------------------------------------
+
+
+def rebuild_params(
+    stage: Stage, new: Any, local: Any, state: Any, mesh: Mesh, donate: bool
+) -> PyTree:
+    """The parameters after a step's update: the updated shards all-gathered (where the
+    stage replicates parameters and shards the optimizer), the masters cast down, or the
+    update itself. `local`: the replicated full buffers the step ran on."""
+    lay = state.layout
+    if stage.regathers:
+        return _regather(new, local, state, mesh, donate)
+    if state.master is None:
+        return new if stage.shards_params else lay.merge(state.params, new)
+    if not stage.shards_params:
+        return _cast_tree(new, state, donate)
+    old = state.params
+    if donate:
+        with torch.no_grad():
+            for p, m, b in zip(old.buffers, new.buffers, lay.buckets):
+                if not b.frozen:
+                    p.copy_(m)
+        return old
+    bufs = tuple(
+        p if b.frozen else m.to(p.dtype) for p, m, b in zip(old.buffers, new.buffers, lay.buckets)
+    )
+    return Shards(bufs, lay, old.rank)
+
+
+def apply_update(
+    optimizer: Optimizer, state: Any, target: Any, grads: Any, mesh: Mesh, donate: bool
+) -> tuple[Any, Any, bool]:
+    """A step's optimizer update of `target` (parameters or masters; a tree or Shards).
+
+    Gradients arrive in the reduce dtype and are cast to the target's. With a loss scaler
+    they are unscaled, and if any rank found an inf or NaN, nothing is updated on any rank
+    (the third value is then False).
+    """
+    if isinstance(target, Shards):
+        bufs = tuple(g.to(t.dtype) for g, t in zip(grads.buffers, target.buffers))
+        grads, leaves = Shards(bufs, target.layout, target.rank), list(bufs)
+    else:
+        grads = tree_map(lambda g, t: g.to(t.dtype), grads, target)
+        leaves = tree_flatten(grads)[0]
+    if state.scaler is not None and unscale_(leaves, state.scaler.scale, mesh):
+        return target, state.opt_state, False
+    new, opt_state = sharded_update(
+        optimizer, target, grads, state.opt_state, donate=donate, mesh=mesh
+    )
+    return new, opt_state, True
+
+
+def _cast_tree(master: PyTree, state: Any, donate: bool) -> PyTree:
+    """Stage 0 under mixed precision: the parameters as the masters cast down."""
+    lay = state.layout
+    trainable = lay.trainable(state.params)
+    with torch.no_grad():
+        if donate:  # into the flat buffers the parameters are views of
+            tree_map(lambda p, m: p.copy_(m), trainable, master)
+            return state.params
+        cast = tree_map(lambda p, m: m.to(p.dtype), trainable, master)
+        return lay.unflatten(lay.flatten(lay.merge(state.params, cast)))
+
+
+def _regather(
+    shard: Shards, local: tuple[torch.Tensor, ...], state: Any, mesh: Mesh, donate: bool
+) -> PyTree:
+    """Stages 1-2: every rank's updated shard, all-gathered into the full parameters.
+
+    Frozen buckets are not gathered: every rank already holds them, unchanged. Donating,
+    the trainable buckets are gathered into the buffers the old parameters live in (no
+    second full copy); otherwise into new ones. Under mixed precision `shard` is the
+    master shard, which travels cast to the gather dtype. `local`: the full buffers the
+    step ran on (`full_buckets` of the parameters), whose own slice may already be `shard`.
+    """
+    lay = state.layout
+    full = list(local)
+    live = [i for i, b in enumerate(lay.buckets) if not b.frozen]
+    gather_dtype = None if state.precision is None else state.precision.gather_dtype
+    comm = tuple(gather_dtype or lay.buckets[i].dtype for i in live)
+    if donate:
+        gather_params_into(
+            Shards(tuple(shard.buffers[i] for i in live), lay, mesh.rank),
+            mesh,
+            tuple(full[i] for i in live),
+            comm,
+        )
+    else:
+        for i, c in zip(live, comm):
+            full[i] = all_gather(shard.buffers[i].to(c), mesh).to(lay.buckets[i].dtype)
+    return lay.unflatten(full)

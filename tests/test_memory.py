@@ -103,12 +103,25 @@ def _step_rise(mesh: fzero.Mesh, stage: int, entry: str) -> list[float]:
         x, y = batch
         return ((functional_call(model, p, (x,)) - y) ** 2).mean()
 
+    def pure_loss(p: dict, batch: tuple) -> torch.Tensor:  # no module: the JAX way
+        x, y = batch
+        for i in range(DEPTH):
+            layer = fzero.gathered(p, f"layers.{i}")
+            x = torch.tanh(torch.nn.functional.linear(x, layer["weight"], layer["bias"]))
+        return ((x - y) ** 2).mean()
+
     opt = fzero.optim.adam(lr=1e-3)
     units = [f"layers.{i}" for i in range(DEPTH)]
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
     del params
-    module = model if entry == "module" else None
-    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=module)
+    step = fzero.sharded_step(
+        pure_loss if entry == "gathered" else loss_fn,
+        opt,
+        mesh,
+        stage=stage,
+        module=model if entry == "module" else None,
+        just_in_time=entry == "gathered",
+    )
     g = torch.Generator().manual_seed(mesh.rank)
     batch = (torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g))
     state, _ = step(state, batch)  # warm: whatever a first step sets up once
@@ -120,16 +133,21 @@ def _step_rise(mesh: fzero.Mesh, stage: int, entry: str) -> list[float]:
     return rises
 
 
+@pytest.mark.parametrize("entry", ["module", "gathered"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_per_unit_steps_allocate_a_few_units_beyond_the_shard_gradient(stage: int) -> None:
+def test_per_unit_steps_allocate_a_few_units_beyond_the_shard_gradient(
+    stage: int, entry: str
+) -> None:
     """Measured on the rank processes (resident memory, every large allocation its own
     mapping): on 2 ranks a step of a 16-unit MLP allocates the rank's shard gradient (B/2)
     plus a few units (B/16 each) of full parameters and gradients in flight. Gathering
-    every unit before the forward (no module hooks) keeps all full gradients alive until
-    the backward ends, and at stage 3 all full parameters too: at least one B more, which
-    the same bound must reject (or it could not fail)."""
+    every unit before the forward (no module hooks, no just-in-time entry) keeps all full
+    gradients alive until the backward ends, and at stage 3 all full parameters too: at
+    least one B more, which the same bound must reject (or it could not fail). Units
+    enter through module hooks, or through fzero.gathered in a loss over the bare dict."""
     bound = 0.5 + 5 / DEPTH  # shard gradient + 5 units (gathered, prefetched, gradients)
-    for rises in run(2, _step_rise, stage, "module"):
-        assert max(rises) <= bound, f"stage {stage}, per unit: {rises} x B > {bound}"
-    for rises in run(2, _step_rise, stage, "upfront"):
-        assert min(rises) > bound + 0.15, f"stage {stage}, up front: {rises} x B"
+    for rises in run(2, _step_rise, stage, entry):
+        assert max(rises) <= bound, f"stage {stage}, {entry}: {rises} x B > {bound}"
+    if entry == "module":  # the control, once per stage
+        for rises in run(2, _step_rise, stage, "upfront"):
+            assert min(rises) > bound + 0.15, f"stage {stage}, up front: {rises} x B"

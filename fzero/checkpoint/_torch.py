@@ -218,7 +218,7 @@ def _write_atomically(obj: Any, path: str) -> None:
 
 
 class DictSource:
-    """In-memory per-leaf tensors as a `Source` (see `_ckpt_build`)."""
+    """In-memory per-leaf tensors as a `Source` (see `_build`)."""
 
     def __init__(
         self,

@@ -1,0 +1,247 @@
+"""The engine: one step's units on one rank, for one micro-batch.
+
+Every stage is the same program. The loss receives the parameter tree; each unit's
+parameters enter it through the per-unit primitive (`_entry.enter`): before the forward,
+or just in time, when a module hook or `fzero.gathered` asks for the unit. The backward
+of each entry hands the unit's gradient to the reductions. What differs by stage is read
+from the `Stage` (where the full parameters come from: `Replica` or `Gathers`; which
+reduction) and when things happen from the `Schedule`.
+
+The gradient engine is `torch.autograd.grad` on fresh leaf tensors, not
+`torch.func.grad`: nodes created mid-forward by hooks, saved-tensor hooks (resharding,
+activation checkpointing) and collectives issued from inside the backward are outside
+what torch.func's transforms accept. The user's loss may still use torch.func.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._agree import CallCheck
+from ._autodiff import check_loss
+from ._entry import Call, enter
+from ._gathered import ACTIVE
+from ._gathers import Gathers, Handle, Replica, in_backward
+from ._hooks import ModuleHooks
+from ._layout import ShardLayout
+from ._mesh import Mesh
+from ._reduce import Reductions
+from ._schedule import Schedule
+from ._stages import Stage
+from ._tree import PyTree, subtree, tree_flatten, tree_unflatten
+from ._unit_ledger import UnitLedger
+
+
+class Engine:
+    """One micro-batch's units on one rank: how each enters the loss, how its gradient
+    leaves it (see the module docstring)."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        schedule: Schedule,
+        layout: ShardLayout,
+        mesh: Mesh,
+        grads_like: tuple[torch.Tensor, ...],
+        local: tuple[torch.Tensor, ...] | None,
+        *,
+        ledger: UnitLedger | None,
+        order: list[str],
+        acc: dict[int, torch.Tensor] | None,
+        final: bool,
+    ) -> None:
+        """`grads_like`: per bucket, what this rank's reduced gradient looks like (its
+        shard, or the full buffer at stage 0); at stage 3 the shards to gather. `local`:
+        the replicated full buffers (stages 0-2). `order`: the just-in-time units called
+        last step, updated in place for the next (prefetching)."""
+        self.s, self.layout, self.mesh, self.order = schedule, layout, mesh, order
+        self.leaf_grads = schedule.bursts
+        # The autograd leaves the backward differentiates: frozen buckets enter without
+        # requires_grad, so they have no gradient and cost no reduction.
+        self.inputs = tuple(
+            x.detach() if b.frozen else x.detach().requires_grad_()
+            for x, b in zip(grads_like, layout.buckets)
+        )
+        # Shared by both halves, which hold no reference back to the engine: a step's
+        # engine is freed (with what it holds) as soon as the step is done with it.
+        self.check = CallCheck(mesh)
+        if stage.enter == "all_gather":
+            self.source: Gathers | Replica = Gathers(
+                mesh,
+                layout,
+                self.inputs,
+                dtype=schedule.gather_dtype,
+                prefetch=schedule.prefetch,
+                reshard=schedule.reshard,
+                order=order,
+                ledger=ledger,
+                before=self.check,
+            )
+        else:
+            assert local is not None
+            self.source = Replica(local)
+        self.reductions = Reductions(
+            schedule,
+            layout,
+            mesh,
+            [x.device for x in grads_like],
+            ledger=ledger,
+            acc=acc,
+            final=final,
+            before=self.check,
+            release=self.source.release,
+        )
+        self.calls: list[Call] = []
+        self.seen: list[str] = []  # just-in-time units entered by the forward, in order
+        self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf
+
+    # -- what a unit's node asks of the engine (`_entry.Engine`) ---------------------------
+    def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        fulls = self.source.open(call, call.unit in self.s.jit)
+        self.calls.append(call)
+        self.reductions.enlist(call)
+        return fulls
+
+    def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+        return self.reductions.arrive(call, grads)
+
+    # -- entering units ----------------------------------------------------------------------
+    def enter(self, unit: str) -> dict[str, torch.Tensor]:
+        """`unit` enters the loss now: views of its full leaves, by path."""
+        call = Call(unit, self.layout.unit_buckets(unit))
+        out = enter(self, call, tuple(self.inputs[i] for i in call.buckets))
+        if unit in self.s.jit and not in_backward():
+            self.seen.append(unit)
+            self.source.prefetch_after(unit)
+        if self.leaf_grads:
+            return dict(zip(self.layout.unit_paths(unit), out, strict=True))
+        return self.layout.unflatten_unit(unit, out)
+
+    def leave(self, unit: str) -> None:
+        """The forward of `unit`'s latest entry is over (its module hook ran)."""
+        if isinstance(self.source, Gathers) and not in_backward():
+            for call in reversed(self.calls):
+                if call.unit == unit:
+                    self.source.drop(call)
+                    break
+
+    def params(self) -> PyTree:
+        """The tree the loss receives: units entered before the forward as views of their
+        full parameters, just-in-time units as meta placeholders (used anywhere but where
+        they enter, they fail loudly instead of training on stale values)."""
+        lay = self.layout
+        leaves: list[Any] = [None] * len(lay.paths)
+        for unit in lay.units:
+            if not lay.unit_buckets(unit):
+                continue
+            if unit not in self.s.jit:
+                for path, view in self.enter(unit).items():
+                    leaves[lay.path_index[path]] = view
+                continue
+            for i in lay.unit_buckets(unit):
+                for s in lay.buckets[i].slots:
+                    leaves[s.index] = torch.empty(
+                        s.shape, dtype=lay.buckets[i].dtype, device="meta"
+                    )
+                    self.marks.setdefault(unit, (s.index, leaves[s.index]))
+        return tree_unflatten(lay.treedef, leaves)
+
+    def gathered(self, params: PyTree, path: str) -> PyTree:
+        """`fzero.gathered` inside this step's loss: the units under `path` enter now."""
+        lay = self.layout
+        leaves, treedef = tree_flatten(params)
+        if treedef != lay.treedef:  # not the tree this step passed: nothing to enter
+            return subtree(params, path)
+        entered = None
+        for unit in lay.units_at(path):
+            mark = self.marks.get(unit)
+            if mark is None or leaves[mark[0]] is not mark[1]:
+                continue  # entered before the forward, or already in this tree
+            if unit != path and not unit.startswith(path + "."):
+                raise ValueError(
+                    f"rank {self.mesh.rank}: fzero.gathered: {path!r} lies inside the "
+                    f"just-in-time unit {unit!r}; ask for the whole unit (or split units= "
+                    "finer), since every call enters (gathers) the unit it names"
+                )
+            entered = list(leaves) if entered is None else entered
+            for p, view in self.enter(unit).items():
+                entered[lay.path_index[p]] = view
+        tree = params if entered is None else tree_unflatten(treedef, entered)
+        return subtree(tree, path)
+
+    # -- one micro-batch -------------------------------------------------------------------
+    def value_and_grad(
+        self, loss_fn: Callable[[PyTree, Any], torch.Tensor], batch: Any
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """This rank's loss on `batch` and its reduced gradient per bucket."""
+        lay, mesh = self.layout, self.mesh
+        trainable = [i for i, b in enumerate(lay.buckets) if not b.frozen]
+        token = ACTIVE.set(self)
+        try:
+            # Hooks and `gathered` stay live through the backward: a checkpoint's
+            # recompute enters its units again there.
+            with ModuleHooks(self, self.s.hooked):
+                with self._saved_tensors():
+                    loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
+                if self.s.check_calls:  # a rank-dependent branch may have skipped a unit
+                    called = [c.unit for c in self.calls if c.unit in self.s.jit]
+                    self.check.start(called, self.inputs[0].device)
+                found: tuple[Any, ...] = ()
+                if loss.requires_grad:
+                    leaves = [self.inputs[i] for i in trainable]
+                    found = torch.autograd.grad(loss, leaves, allow_unused=True)
+        except (RuntimeError, NotImplementedError) as exc:
+            # torch's own words ("Tensor on device meta ...") differ by op and arrive in
+            # forward or backward; say what actually went wrong.
+            if self.s.jit and "meta" in str(exc):
+                raise ValueError(
+                    f"rank {mesh.rank}: a parameter of a just-in-time unit "
+                    f"({', '.join(sorted(self.s.jit))}) was used where the loss only has "
+                    "a placeholder for it: with module=, outside its submodule's forward; "
+                    "with just_in_time=True, without fzero.gathered(params, unit). Use it "
+                    "there, or leave its unit out of units= (e.g. in the root)"
+                ) from exc
+            raise
+        finally:
+            ACTIVE.reset(token)
+        del found  # the gradients arrive through the reductions
+        self.source.regather_rest()
+        self.reductions.finish()
+        self.reductions.settle(self.calls)
+        self.source.settle()
+        if self.s.jit:
+            self.order[:] = self.seen
+        return loss.detach(), self.reductions.result(self.inputs)
+
+    def _saved_tensors(self) -> Any:
+        """While the forward runs, autograd saves handles to resharded units' parameters
+        (see `_gathers`), not the tensors."""
+        if isinstance(self.source, Gathers) and self.s.reshard:
+            return torch.autograd.graph.saved_tensors_hooks(self.source.pack, self.source.unpack)
+        return _nothing()
+
+    # -- `fzero.remat` inside this step ----------------------------------------------------
+    def hold(self, t: Any) -> Any:
+        """What a recompute keeps of `t` across the forward: a handle if resharding."""
+        if isinstance(self.source, Gathers) and self.s.reshard and isinstance(t, torch.Tensor):
+            return self.source.pack(t)
+        return t
+
+    def fetch(self, held: Any) -> Any:
+        """`t` again, for the recompute (gathered again if it was freed)."""
+        if not isinstance(held, Handle):
+            return held
+        assert isinstance(self.source, Gathers)
+        t = self.source.unpack(held)
+        return t.detach().requires_grad_() if held.requires_grad else t
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

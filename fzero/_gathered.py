@@ -1,0 +1,47 @@
+"""fzero.gathered: a unit's full parameters, inside any loss function, just when it needs them."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+from ._tree import PyTree, subtree
+
+# The engine of the step whose loss is running on this thread (None outside a step).
+ACTIVE: ContextVar[Any] = ContextVar("fzero_active_engine", default=None)
+
+
+def gathered(params: PyTree, path: str) -> PyTree:
+    """The full parameters under `path`, entering the loss here.
+
+    Inside a step, this is where the parameters of the units under `path` enter the
+    loss, the JAX way: at stage 3 their shards are all-gathered now (or the gather
+    prefetched for them is waited for), and the reduce-scatter of their gradient runs as
+    soon as their backward is complete; at stages 0-2 the rank's replica enters through
+    an identity whose backward reduces the gradient. With
+    `sharded_step(..., just_in_time=True)` every unit but the root is only a placeholder
+    in `params` until the loss asks for it here, so a stage-3 step holds a few units'
+    full parameters at a time, not the model; with `reshard_after_forward` they are freed
+    once the loss lets go of what this returns, and gathered again for the backward.
+    Every call enters what it names anew (two calls, two gathers and two reductions):
+    keep what it returns for as long as you use it.
+
+    Outside a step, or on a tree that is not the step's (say, the full parameters of a
+    single-process reference), it simply returns the part of `params` under `path`: the
+    same loss runs anywhere.
+
+    Args:
+      params: the tree the step passed to the loss.
+      path: a dotted path prefix of the tree ("layers.0"): a unit, a node holding whole
+        units, or anything within a unit entered before the forward (the root). A path
+        strictly inside a just-in-time unit is a ValueError: ask for the unit.
+
+    Returns:
+      The part of the tree under `path`: the node it names (`params["layers"][0]` for
+      "layers.0"), or, for a tree keyed by dotted names such as `named_parameters`, a
+      dict of the leaves under it keyed by the rest of their path (`{"weight": ...}`).
+    """
+    engine = ACTIVE.get()
+    if engine is None:
+        return subtree(params, path)
+    return engine.gathered(params, path)

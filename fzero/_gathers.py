@@ -1,0 +1,263 @@
+"""The forward half of a step's units: where a unit's full parameters come from.
+
+`Replica` (stages 0-2): the rank's own replicated buffers; nothing to gather or free.
+
+`Gathers` (stage 3): the all-gather of every rank's shard, started ahead for the unit that
+came next last step (`prefetch`). Resharding after the forward (`reshard`): while the
+loss runs, autograd saves a *handle* to a just-in-time unit's parameters (`pack`: which
+call, which bucket, where in it) instead of the tensor, and the step follows the gathered
+buffer only weakly. Once the forward is done with it, it is freed: when its submodule's
+forward hook runs (`drop`), or, for a unit a pure loss took with `fzero.gathered`, when
+the loss lets go of it (reference counting, as in JAX). The backward gathers it again
+(`unpack`), in one order on every rank (`regather_through`). Units entered before the
+forward (the root, containers, everything without just-in-time entry) stay gathered
+until their gradient is reduced.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _comm
+from ._entry import Call
+from ._layout import ShardLayout
+from ._mesh import Mesh
+from ._unit_ledger import UnitLedger
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Replica:
+    """Stages 0-2: a unit enters as this rank's replica (identity)."""
+
+    def __init__(self, local: tuple[torch.Tensor, ...]) -> None:
+        self.local = local
+
+    def open(self, call: Call, jit: bool) -> tuple[torch.Tensor, ...]:
+        return tuple(self.local[i].detach() for i in call.buckets)
+
+    def prefetch_after(self, unit: str) -> None:
+        pass
+
+    def drop(self, call: Call) -> None:
+        pass
+
+    def regather_rest(self) -> None:
+        pass
+
+    def release(self, call: Call) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+
+class Handle(NamedTuple):
+    """What autograd saves of a resharded unit's parameter: no tensor, only where it is."""
+
+    call: Call
+    k: int  # position of the bucket within the call
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+
+
+class _Counted:
+    """A gathered buffer in the ledger: counted from its gather until it is freed, once."""
+
+    def __init__(self, ledger: UnitLedger, unit: str, full: torch.Tensor) -> None:
+        self.ledger: UnitLedger | None = ledger
+        self.unit, self.nbytes = unit, full.numel() * full.element_size()
+        ledger._add("params", unit, self.nbytes)
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger._add("params", self.unit, -self.nbytes)
+            self.ledger = None
+
+
+class Gathers:
+    """Stage 3: a unit enters as the all-gather of every rank's shard (see the module)."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        layout: ShardLayout,
+        shards: tuple[torch.Tensor, ...],
+        *,
+        dtype: torch.dtype | None,
+        prefetch: bool,
+        reshard: bool,
+        order: list[str],
+        ledger: UnitLedger | None,
+        before: Callable[[], None],
+    ) -> None:
+        self.mesh, self.layout, self.shards = mesh, layout, shards
+        self.dtype, self.prefetch, self.reshard = dtype, prefetch, reshard
+        self.order = order  # just-in-time units in last step's call order (same on every rank)
+        self.ledger = ledger
+        self.before = before  # waits for the call check before a backward collective
+        self.pending: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # started ahead
+        self.followed: list[Call] = []  # resharded calls, in forward order
+        self.turn: int | None = None  # the next of them to gather again, in the backward
+        self.by_storage: dict[int, tuple[Call, int]] = {}  # data_ptr -> followed buffer
+        self.counted: WeakIdKeyDictionary = WeakIdKeyDictionary()  # buffer -> ledger entry
+
+    # -- forward -------------------------------------------------------------------------
+    def open(self, call: Call, jit: bool) -> tuple[torch.Tensor, ...]:
+        started = self.pending.pop(call.unit, None) or self._start(call.unit)
+        for _, work in started:
+            if work is not None:
+                work.wait()
+        fulls = tuple(full for full, _ in started)
+        if jit and self.reshard and not in_backward():
+            # Followed, not held: the forward's references decide when it is freed.
+            call.held = [None] * len(fulls)
+            call.followed = [weakref.ref(f) for f in fulls]
+            for k, f in enumerate(fulls):
+                if f.numel():
+                    key = f.untyped_storage().data_ptr()
+                    self.by_storage[key] = (call, k)
+                    weakref.finalize(f, self.by_storage.pop, key, None)
+            self.followed.append(call)
+        else:
+            # Held until the unit's gradient is reduced; a checkpoint's recompute (inside
+            # the backward) needs them until the unit's own backward.
+            call.held = list(fulls)
+        return fulls
+
+    def _start(self, unit: str) -> list[tuple[torch.Tensor, Any]]:
+        self.before()  # a gather inside the backward (a recompute) comes after the check
+        return [self._gather(i, unit) for i in self.layout.unit_buckets(unit)]
+
+    def _gather(self, i: int, unit: str) -> tuple[torch.Tensor, Any]:
+        full, work = _comm.all_gather_async(self.shards[i].detach(), self.mesh, dtype=self.dtype)
+        if self.ledger is not None:
+            counted = self.counted[full] = _Counted(self.ledger, unit, full)
+            weakref.finalize(full, counted.close)
+        return full, work
+
+    def prefetch_after(self, unit: str) -> None:
+        """Starts gathering the unit that followed `unit` last step, unless already started."""
+        if not self.prefetch or unit not in self.order:
+            return
+        k = self.order.index(unit) + 1
+        if k < len(self.order):
+            nxt = self.order[k]
+            if nxt != unit and nxt not in self.pending:
+                self.pending[nxt] = self._start(nxt)
+
+    def drop(self, call: Call) -> None:
+        """The forward is done with `call` (its submodule's forward hook has run): frees
+        its gathered parameters now. Waiting for their last reference to go would leave
+        it to thread scheduling: gloo's worker thread holds a finished collective's
+        tensors until it gets round to releasing them."""
+        for ref in call.followed:
+            full = ref()
+            if full is not None:
+                self._free(full)
+        call.followed = []
+
+    def _free(self, full: torch.Tensor) -> None:
+        """Frees `full`'s memory now; its views stay valid objects, with no data."""
+        storage = full.untyped_storage()
+        # Forget it before the allocator can hand its address to another tensor.
+        self.by_storage.pop(storage.data_ptr(), None)
+        storage.resize_(0)
+        counted = self.counted.get(full)
+        if counted is not None:
+            counted.close()
+
+    # -- saved tensors: handles instead of resharded parameters -------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        found = self.by_storage.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if found is None:
+            return t
+        call, k = found
+        return Handle(call, k, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, Handle):
+            return saved
+        full = self.full(saved.call, saved.k)
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    # -- backward ------------------------------------------------------------------------
+    def full(self, call: Call, k: int) -> torch.Tensor:
+        """Bucket `k` of `call`'s full parameters for the backward (see `regather_through`)."""
+        held = call.held[k]
+        if held is None:
+            i = self.followed.index(call)
+            self.regather_through(i)
+            self._wait(call)
+            if self.prefetch:  # the unit whose backward comes next
+                self.regather_through(i - 1)
+            held = call.held[k]
+        assert held is not None
+        return held
+
+    def regather_through(self, i: int) -> None:
+        """Starts gathering resharded calls again, newest first, down to `followed[i]`.
+
+        Every resharded call is gathered again exactly once per backward, in this one
+        order on every rank: whether a rank's backward needs a unit (or needs it early)
+        depends on its graph, which may differ between ranks (an output used on some ranks
+        only), and collectives pair up by the order they start in. A backward that needs a
+        unit only moves the sequence on; what no backward asked for is gathered at the end
+        (`settle`). Gathers and reductions are separate sequences: gloo matches them
+        separately (broadcasts by the group's collective count, reduce-scatters by their
+        own message tags), so how the two interleave may differ between ranks. (NCCL
+        orders every operation of a communicator: it will need them on two.)
+        """
+        if self.turn is None:
+            self.turn = len(self.followed) - 1
+        while self.turn >= max(i, 0):
+            call = self.followed[self.turn]
+            self.turn -= 1
+            self.before()
+            call.refill = [(k, *self._gather(j, call.unit)) for k, j in enumerate(call.buckets)]
+
+    def _wait(self, call: Call) -> None:
+        for k, full, work in call.refill:
+            if work is not None:
+                work.wait()
+            call.held[k] = full
+        call.refill = []
+
+    def release(self, call: Call) -> None:
+        """Frees a call's parameters once its gradient is reduced: every op that used
+        them has run its backward by then (the unit's node runs after all its consumers).
+        A re-gather still in flight for it is left to `settle`: waiting for it here could
+        wait for a peer that is itself waiting for this rank's next reduction."""
+        for full in call.held:
+            if full is not None:
+                self._free(full)
+        call.held = [None] * len(call.held)
+
+    def regather_rest(self) -> None:
+        """Before the end of the backward waits for any reduction: starts the re-gathers
+        this rank's backward did not ask for, which a peer's backward may be waiting in."""
+        if self.followed:
+            self.regather_through(0)
+
+    def settle(self) -> None:
+        """After the backward: finishes and frees the re-gathers, and drops gathers that
+        were started ahead for a unit the step never called."""
+        self.regather_rest()
+        for call in self.followed:
+            self._wait(call)
+            self.release(call)
+        for started in self.pending.values():
+            for _, work in started:
+                if work is not None:
+                    work.wait()
+        self.pending.clear()

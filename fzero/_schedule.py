@@ -1,0 +1,101 @@
+"""Schedule: when a step's units enter the loss and how their gradients leave it.
+
+The stage says *what* is communicated (`_stages`); the schedule says *when*, chosen once
+per step from the stage, the step's options and the state (`plan`). Nothing else in the
+engine branches on the stage or the options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._layout import ShardLayout
+from ._stages import Stage
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One step's scheduling policy.
+
+    Attributes:
+      hooked: units entered by a forward pre-hook on their submodule (`module=`), each
+        with its parameters' (path, owning module, attribute name).
+      jit: units entered just in time, when the loss reaches them (`hooked`, or every
+        unit but the root with `just_in_time`); the others are entered before the forward.
+      prefetch: start gathering the unit that came next last step as a unit enters, and
+        in the backward the unit whose backward comes next (stage 3).
+      reshard: a just-in-time unit's gathered parameters live only while the forward
+        holds them, and the backward gathers them again (stage 3).
+      all_reduce: gradients are all-reduced (stage 0), not reduce-scattered.
+      bursts: leaf gradients are written straight into all-reduce buffers of
+        `hold_bytes` (stage 0: an all-reduce of a concatenation is the concatenation of
+        the all-reduces, so buckets of several units cost one collective, as in DDP).
+      hold_bytes: complete gradients are held until this many bytes are ready, then
+        their reductions start together.
+      in_flight: how many reductions may run while the backward goes on.
+      drain: finish the reductions in flight when the next gradient arrives.
+      check_calls: compare the units every rank called before the first reduction.
+      gather_dtype: what parameters travel in (None: their own dtype).
+      reduce_dtype: what gradients are reduced in (None: their own dtype).
+    """
+
+    hooked: Mapping[str, Any]
+    jit: frozenset[str]
+    prefetch: bool
+    reshard: bool
+    all_reduce: bool
+    bursts: bool
+    hold_bytes: int
+    in_flight: int
+    drain: bool
+    check_calls: bool
+    gather_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+def plan(
+    stage: Stage,
+    layout: ShardLayout,
+    world_size: int,
+    hooked: Mapping[str, Any],
+    *,
+    just_in_time: bool,
+    prefetch: bool,
+    reshard_after_forward: bool,
+    overlap_reduce: bool,
+    reduce_bucket_bytes: int,
+    accumulate_locally: bool,
+    comm_dtypes: tuple[torch.dtype | None, torch.dtype | None],
+) -> Schedule:
+    """The schedule of one step of `stage` under the step's options.
+
+    Stage 0 holds every full gradient anyway (it keeps them reduced in place) and stage 1
+    reduces a bucket of them at a time: both start a bucket's reductions without waiting
+    for one another, as DDP does. Stages 2-3 keep one reduction in flight, so at most two
+    units of full gradients are alive.
+    """
+    jit = set(hooked)
+    if just_in_time:
+        jit |= {u for u in layout.units if u and layout.unit_buckets(u)}
+    gathers = stage.enter == "all_gather"
+    buckets = stage.grads == "buckets"
+    all_reduce = stage.reduce == "all_reduce"
+    in_flight = (len(layout.buckets) if buckets else 1) if overlap_reduce else 0
+    return Schedule(
+        hooked=hooked,
+        jit=frozenset(jit),
+        prefetch=prefetch and gathers,
+        reshard=reshard_after_forward and gathers and bool(jit),
+        all_reduce=all_reduce,
+        bursts=all_reduce and not accumulate_locally,
+        hold_bytes=reduce_bucket_bytes if buckets else 0,
+        in_flight=in_flight,
+        drain=buckets and not all_reduce,
+        check_calls=bool(jit) and world_size > 1,
+        gather_dtype=comm_dtypes[0],
+        reduce_dtype=comm_dtypes[1],
+    )
