@@ -15,6 +15,7 @@ what torch.func's transforms accept. The user's loss may still use torch.func.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,16 +23,16 @@ import torch
 
 from ._agree import CallCheck
 from ._autodiff import check_loss
-from ._entry import Call, enter
+from ._entry import Call, enter, in_backward
 from ._gathered import ACTIVE
-from ._gathers import Gathers, Handle, Replica, in_backward
+from ._gathers import Gathers, Handle, Replica
 from ._hooks import ModuleHooks
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._reduce import Reductions
 from ._schedule import Schedule
 from ._stages import Stage
-from ._tree import PyTree, subtree, tree_flatten, tree_unflatten
+from ._tree import PyTree, subtree, subtree_of, tree_flatten, tree_unflatten
 from ._unit_ledger import UnitLedger
 
 
@@ -122,7 +123,7 @@ class Engine:
 
     def leave(self, unit: str) -> None:
         """The forward of `unit`'s latest entry is over (its module hook ran)."""
-        if isinstance(self.source, Gathers) and not in_backward():
+        if not in_backward():
             for call in reversed(self.calls):
                 if call.unit == unit:
                     self.source.drop(call)
@@ -155,6 +156,7 @@ class Engine:
         leaves, treedef = tree_flatten(params)
         if treedef != lay.treedef:  # not the tree this step passed: nothing to enter
             return subtree(params, path)
+        cut = subtree_of(lay.treedef, lay.paths, path)
         entered = None
         for unit in lay.units_at(path):
             mark = self.marks.get(unit)
@@ -169,8 +171,7 @@ class Engine:
             entered = list(leaves) if entered is None else entered
             for p, view in self.enter(unit).items():
                 entered[lay.path_index[p]] = view
-        tree = params if entered is None else tree_unflatten(treedef, entered)
-        return subtree(tree, path)
+        return cut(leaves if entered is None else entered)
 
     # -- one micro-batch -------------------------------------------------------------------
     def value_and_grad(
@@ -189,10 +190,9 @@ class Engine:
                 if self.s.check_calls:  # a rank-dependent branch may have skipped a unit
                     called = [c.unit for c in self.calls if c.unit in self.s.jit]
                     self.check.start(called, self.inputs[0].device)
-                found: tuple[Any, ...] = ()
-                if loss.requires_grad:
+                if loss.requires_grad:  # the gradients arrive through the reductions
                     leaves = [self.inputs[i] for i in trainable]
-                    found = torch.autograd.grad(loss, leaves, allow_unused=True)
+                    torch.autograd.grad(loss, leaves, allow_unused=True)
         except (RuntimeError, NotImplementedError) as exc:
             # torch's own words ("Tensor on device meta ...") differ by op and arrive in
             # forward or backward; say what actually went wrong.
@@ -207,7 +207,6 @@ class Engine:
             raise
         finally:
             ACTIVE.reset(token)
-        del found  # the gradients arrive through the reductions
         self.source.regather_rest()
         self.reductions.finish()
         self.reductions.settle(self.calls)
@@ -221,7 +220,7 @@ class Engine:
         (see `_gathers`), not the tensors."""
         if isinstance(self.source, Gathers) and self.s.reshard:
             return torch.autograd.graph.saved_tensors_hooks(self.source.pack, self.source.unpack)
-        return _nothing()
+        return contextlib.nullcontext()
 
     # -- `fzero.remat` inside this step ----------------------------------------------------
     def hold(self, t: Any) -> Any:
@@ -237,11 +236,3 @@ class Engine:
         assert isinstance(self.source, Gathers)
         t = self.source.unpack(held)
         return t.detach().requires_grad_() if held.requires_grad else t
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

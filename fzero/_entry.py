@@ -45,6 +45,11 @@ class Call:
     refill: list[Any] = field(default_factory=list)  # (bucket position, full, work) in flight
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Engine(Protocol):
     """What a node asks of whoever runs it."""
 

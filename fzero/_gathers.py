@@ -24,15 +24,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _comm
-from ._entry import Call
+from ._entry import Call, in_backward
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._unit_ledger import UnitLedger
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a checkpoint's recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class Replica:

@@ -160,13 +160,20 @@ class ShardLayout:
     def units_at(self, path: str) -> tuple[str, ...]:
         """The units holding the leaves under the dotted `path` (those inside it, or the
         one it lies in), in layout order."""
-        found = {
-            b.unit
-            for b in self.buckets
-            for s in b.slots
-            if s.path == path or s.path.startswith(path + ".")
-        }
-        return tuple(u for u in self.units if u in found)
+        found = self._units_at.get(path)
+        if found is None:
+            hit = {
+                b.unit
+                for b in self.buckets
+                for s in b.slots
+                if s.path == path or s.path.startswith(path + ".")
+            }
+            found = self._units_at[path] = tuple(u for u in self.units if u in hit)
+        return found
+
+    @functools.cached_property
+    def _units_at(self) -> dict[str, tuple[str, ...]]:
+        return {}  # filled by `units_at`: a loss asks for the same paths every step
 
     @functools.cached_property
     def path_index(self) -> dict[str, int]:

@@ -28,9 +28,8 @@ import torch
 
 from . import _comm
 from ._burst import Burst, Bursts
-from ._entry import Call
+from ._entry import Call, in_backward
 from ._flat import paste
-from ._gathers import in_backward
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._schedule import Schedule

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,16 @@ def subtree(tree: PyTree, prefix: str) -> PyTree:
       ValueError: if no leaf lies under `prefix`.
     """
     leaves, treedef = tree_flatten(tree)
+    return subtree_of(treedef, tuple(leaf_paths(tree)), prefix)(leaves)
+
+
+@functools.lru_cache(maxsize=4096)
+def subtree_of(
+    treedef: optree.PyTreeSpec, paths: tuple[str, ...], prefix: str
+) -> Callable[[list[Any]], PyTree]:
+    """How to cut `subtree(tree, prefix)` out of the leaves of a tree with this structure
+    and these leaf paths; worked out once per structure and prefix (a loss asks for the
+    same units every step)."""
     spec, start, rest = treedef, 0, prefix
     while rest:
         for key, child in zip(spec.entries(), spec.children()):
@@ -67,15 +78,12 @@ def subtree(tree: PyTree, prefix: str) -> PyTree:
         else:
             break
     if not rest:
-        return tree_unflatten(spec, leaves[start : start + spec.num_leaves])
-    out = {
-        path[len(prefix) + 1 :]: leaf
-        for path, leaf in zip(leaf_paths(tree), leaves)
-        if path.startswith(prefix + ".")
-    }
-    if not out:
+        node, end = spec, start + spec.num_leaves
+        return lambda leaves: tree_unflatten(node, leaves[start:end])
+    keyed = [(p[len(prefix) + 1 :], i) for i, p in enumerate(paths) if p.startswith(prefix + ".")]
+    if not keyed:
         raise ValueError(f"no leaf of the tree lies under {prefix!r}")
-    return out
+    return lambda leaves: {k: leaves[i] for k, i in keyed}
 
 
 def tree_nbytes(tree: PyTree) -> int:
