@@ -67,7 +67,8 @@ def reference(case: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def train(mesh: fzero.Mesh, case: dict, units: list[str], stage: int, **options: Any) -> Any:
+def train(mesh: fzero.Mesh, case: dict, units: list[str] | None, stage: int, **options: Any) -> Any:
+    """`options` go to sharded_step, but for `layout` and `bucket_bytes` (shard_state's)."""
     model = case["model"]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
 
@@ -77,8 +78,10 @@ def train(mesh: fzero.Mesh, case: dict, units: list[str], stage: int, **options:
 
     opt = fzero.optim.adam(lr=0.05)
     ledger = fzero.UnitLedger()
-    layout = options.pop("layout", "flat")
-    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, layout=layout)
+    layout, bucket_bytes = options.pop("layout", "flat"), options.pop("bucket_bytes", None)
+    state = fzero.shard_state(
+        params, opt, mesh, stage=stage, units=units, layout=layout, bucket_bytes=bucket_bytes
+    )
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, ledger=ledger, **options)
     n = case["n"]
     for t in range(case["xs"].shape[0]):
@@ -428,23 +431,6 @@ def test_a_unit_skipped_on_some_ranks_fails_alike_instead_of_aborting(stage: int
         assert untouched
 
 
-def _train_by_bytes(mesh: fzero.Mesh, case: dict, bucket_bytes: int, stage: int) -> Any:
-    model = case["model"]
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-
-    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
-        x, y = batch
-        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
-
-    opt = fzero.optim.adam(lr=0.05)
-    state = fzero.shard_state(params, opt, mesh, stage=stage, bucket_bytes=bucket_bytes)
-    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
-    for t in range(case["xs"].shape[0]):
-        sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
-        state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
-    return fzero.gather_params(state.params, mesh), state.layout.units
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bucket_bytes_makes_units_of_that_size_that_train_like_one_process(stage: int) -> None:
     # Layers of 36, 42, 42 and 21 float64 parameters; 300 bytes is 37 parameters, so the
@@ -453,8 +439,9 @@ def test_bucket_bytes_makes_units_of_that_size_that_train_like_one_process(stage
     # would; the unused layer and the scale stay in the root.
     case = make_case([5, 6, 6, 6, 3], 2, seed=11)
     expected = reference(case)
-    for params, units in run(2, _train_by_bytes, case, 300, stage):
-        assert units == ("", "layers", "layers.1", "layers.2"), units
+    options = {"bucket_bytes": 300, "module": case["model"]}
+    for params, _, layout in run(2, train, case, None, stage, **options):
+        assert layout.units == ("", "layers", "layers.1", "layers.2"), layout.units
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
 
 
