@@ -193,6 +193,8 @@ class CommCounter:
         self.grads_shard = 0  # this rank's share of them
 
     def add(self, ledger: fzero.CommLedger) -> None:
+        # The data only: a step's control bytes (weights, call check) are not Ψ.
+        ledger = fzero.CommLedger(ledger.data)
         for k, v in ledger.by_op().items():
             self.bytes[k] = self.bytes.get(k, 0) + v
         # A reduce-scatter's volume is its full input; an all-reduce's is counted twice.

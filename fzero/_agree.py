@@ -3,9 +3,10 @@
 With module hooks a unit is called when its submodule runs, so a rank-dependent branch can
 skip one on some ranks. Collectives pair up across ranks by the order they start in: the
 backward's reductions (and at stage 3 its gathers) would then pair one unit with another,
-silently when the sizes match. Each rank sends 16 bytes (the call count and a hash of the
-sequence) after its forward; the answer is read before the backward's first collective,
-so the exchange runs behind the backward of the last unit called.
+silently when the sizes match. Each rank sends 24 bytes (the call count, a hash of the
+sequence and whether it had a batch) after its forward; the answer is read before the
+backward's first collective, so the exchange runs behind the backward of the last unit
+called.
 """
 
 from __future__ import annotations
@@ -29,12 +30,21 @@ class Agreement(NamedTuple):
     def check(self, mesh: Mesh) -> None:
         """Raises ValueError on every rank, naming each rank's calls, if they differ."""
         everyone = self.wait()
-        if all(e == everyone[0] for e in everyone):
+        if all(e[:2] == everyone[0][:2] for e in everyone):
             return
         calls = _comm.all_gather_object(self.called, mesh)
         said = "; ".join(
             f"rank {r}: {', '.join(map(repr, c)) or 'none'}" for r, c in enumerate(calls)
         )
+        absent = [r for r, e in enumerate(everyone) if not e[2]]
+        if absent:
+            raise ValueError(
+                f"rank {mesh.rank}: rank(s) {absent} had no batch this step and repeated "
+                f"the units the step called last time, but the others called different "
+                f"ones ({said}). A rank without data can only follow a forward whose unit "
+                "calls do not change from step to step; give it a batch (with weight 0) "
+                "instead"
+            )
         raise ValueError(
             f"rank {mesh.rank}: the forward called different units on different ranks "
             f"({said}). Every rank must call the same units in the same order: fzero reduces "
@@ -45,14 +55,18 @@ class Agreement(NamedTuple):
         )
 
 
-def start_agreement(called: list[str], mesh: Mesh, device: torch.device | None) -> Agreement:
+def start_agreement(
+    called: list[str], mesh: Mesh, device: torch.device | None, present: bool = True
+) -> Agreement:
     """Starts comparing this rank's unit calls (`called`, unit names in call order) with the
     other ranks'; the exchanged tensor lives on `device` (the one the step's collectives
-    use)."""
+    use). `present`: whether this rank ran a forward (False: it had no batch and followed
+    the units called last step)."""
     # A digest of the names, not Python's hash(): that one is salted per process.
     digest = hashlib.blake2b("\0".join(called).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True)
-    return Agreement(called, _comm.all_gather_ints_async([len(called), h], mesh, device))
+    values = [len(called), h, int(present)]
+    return Agreement(called, _comm.all_gather_ints_async(values, mesh, device))
 
 
 class CallCheck:
@@ -63,8 +77,8 @@ class CallCheck:
         self.mesh = mesh
         self.pending: Agreement | None = None
 
-    def start(self, called: list[str], device: torch.device | None) -> None:
-        self.pending = start_agreement(called, self.mesh, device)
+    def start(self, called: list[str], device: torch.device | None, present: bool = True) -> None:
+        self.pending = start_agreement(called, self.mesh, device, present)
 
     def __call__(self) -> None:
         if self.pending is not None:

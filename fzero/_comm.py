@@ -274,6 +274,15 @@ def all_reduce_sum(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return out
 
 
+def all_reduce_sum_async(tensor: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, Any]:
+    """Starts summing small metadata `tensor` over ranks in place; returns `(tensor, work)`
+    (work None on one rank). Not a gradient reduction: kept apart from those."""
+    if mesh.size == 1:
+        return tensor, None
+    record("all_reduce", tensor.dtype, 2 * tensor.numel(), control=True)
+    return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
+
+
 def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
     """Overwrites `tensor` in place with rank `src`'s values and returns it."""
     if mesh.size > 1:
@@ -297,7 +306,7 @@ def all_gather_ints_async(
     if mesh.size == 1:
         return lambda: [values]
     out = [torch.empty_like(mine) for _ in range(mesh.size)]
-    record("all_gather", mine.dtype, mine.numel() * mesh.size)
+    record("all_gather", mine.dtype, mine.numel() * mesh.size, control=True)
     work = dist.all_gather(out, mine, group=mesh.group, async_op=True)
 
     def wait() -> list[list[int]]:
@@ -314,6 +323,26 @@ def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
     out: list[Any] = [None] * mesh.size
     dist.all_gather_object(out, obj, group=mesh.group)
     return out
+
+
+# What gloo and NCCL say when a peer never arrives or has gone (their errors are plain
+# RuntimeErrors as often as torch.distributed.DistError).
+_PEER_GONE = (
+    "timeout",
+    "timed out",
+    "closed by peer",
+    "connection reset",
+    "pair closure",
+    "broken pipe",
+    "nccl communicator was aborted",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because a peer is late, stuck or gone."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc).lower() for s in _PEER_GONE)
 
 
 def is_initialized() -> bool:

@@ -53,12 +53,15 @@ class Engine:
         order: list[str],
         acc: dict[int, torch.Tensor] | None,
         final: bool,
+        followable: bool = True,
     ) -> None:
         """`grads_like`: per bucket, what this rank's reduced gradient looks like (its
         shard, or the full buffer at stage 0); at stage 3 the shards to gather. `local`:
         the replicated full buffers (stages 0-2). `order`: the just-in-time units called
-        last step, updated in place for the next (prefetching)."""
+        last step, updated in place for the next (prefetching). `followable`: `order` is a
+        real last step's, which a rank without data may follow."""
         self.s, self.layout, self.mesh, self.order = schedule, layout, mesh, order
+        self.followable = followable
         self.leaf_grads = schedule.bursts
         # The autograd leaves the backward differentiates: frozen buckets enter without
         # requires_grad, so they have no gradient and cost no reduction.
@@ -101,6 +104,11 @@ class Engine:
 
     # -- what a unit's node asks of the engine (`_entry.Engine`) ---------------------------
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if in_backward():
+            twin = self._twin(call.unit)
+            if twin is not None:  # a recompute: the forward's parameters, no collective
+                call.twin = twin
+                return self.source.again(twin)
         fulls = self.source.open(call, call.unit in self.s.jit)
         self.calls.append(call)
         self.reductions.enlist(call)
@@ -108,6 +116,19 @@ class Engine:
 
     def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
         return self.reductions.arrive(call, grads)
+
+    def _twin(self, unit: str) -> Call | None:
+        """The forward's latest entry of `unit` whose gradient is not reduced yet.
+
+        A checkpoint recomputes inside the backward of the region it wraps, before the
+        backward of the units entered there, so that entry is the one being recomputed:
+        reusing its parameters (re-gathered once for the backward if resharded) costs no
+        second all-gather and no reduction of its own, and keeps every rank's sequence of
+        collectives that of its forward, whether or not it recomputes."""
+        for call in reversed(self.calls):
+            if call.unit == unit and not call.reduced:
+                return call
+        return None
 
     # -- entering units ----------------------------------------------------------------------
     def enter(self, unit: str) -> dict[str, torch.Tensor]:
@@ -175,22 +196,36 @@ class Engine:
 
     # -- one micro-batch -------------------------------------------------------------------
     def value_and_grad(
-        self, loss_fn: Callable[[PyTree, Any], torch.Tensor], batch: Any
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """This rank's loss on `batch` and its reduced gradient per bucket."""
+        self,
+        loss_fn: Callable[[PyTree, Any], torch.Tensor],
+        batch: Any,
+        after_forward: Callable[[], None] | None = None,
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """This rank's loss on `batch` and its reduced gradient per bucket.
+
+        `batch` None: this rank has no data, but takes part in every collective of the
+        others' micro-batch (`_follow`), contributing zero gradients; its loss is None.
+        `after_forward` runs once the forward is done, before the backward (a step starts
+        its own small exchanges there, so they run behind the backward)."""
         lay, mesh = self.layout, self.mesh
         trainable = [i for i, b in enumerate(lay.buckets) if not b.frozen]
+        loss = None
         token = ACTIVE.set(self)
         try:
             # Hooks and `gathered` stay live through the backward: a checkpoint's
             # recompute enters its units again there.
             with ModuleHooks(self, self.s.hooked):
                 with self._saved_tensors():
-                    loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
+                    if batch is None:
+                        self._follow()
+                    else:
+                        loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
                 if self.s.check_calls:  # a rank-dependent branch may have skipped a unit
                     called = [c.unit for c in self.calls if c.unit in self.s.jit]
-                    self.check.start(called, self.inputs[0].device)
-                if loss.requires_grad:  # the gradients arrive through the reductions
+                    self.check.start(called, self.inputs[0].device, present=batch is not None)
+                if after_forward is not None:
+                    after_forward()
+                if loss is not None and loss.requires_grad:  # gradients arrive via reductions
                     leaves = [self.inputs[i] for i in trainable]
                     torch.autograd.grad(loss, leaves, allow_unused=True)
         except (RuntimeError, NotImplementedError) as exc:
@@ -213,7 +248,25 @@ class Engine:
         self.source.settle()
         if self.s.jit:
             self.order[:] = self.seen
-        return loss.detach(), self.reductions.result(self.inputs)
+        return (None if loss is None else loss.detach()), self.reductions.result(self.inputs)
+
+    def _follow(self) -> None:
+        """The forward of a rank without data: the units every rank enters before the
+        forward, then the just-in-time units in the order the step called them last time
+        (the call check confirms the others called the same). Nothing is computed; the
+        backward reduces zeros for every call, in the others' order, and re-gathers what
+        theirs re-gathers (`regather_rest`)."""
+        self.params()
+        if self.s.jit and not self.followable:
+            raise ValueError(
+                f"rank {self.mesh.rank}: step(state, None) on the first step of a step "
+                "function with just-in-time units (module= or just_in_time=True): a rank "
+                "without data enters the units the step called last time, and there was no "
+                "last time. Give every rank a batch on the first step"
+            )
+        for unit in list(self.order) if self.s.jit else ():
+            self.enter(unit)
+            self.leave(unit)
 
     def _saved_tensors(self) -> Any:
         """While the forward runs, autograd saves handles to resharded units' parameters

@@ -39,6 +39,9 @@ class Replica:
     def open(self, call: Call, jit: bool) -> tuple[torch.Tensor, ...]:
         return tuple(self.local[i].detach() for i in call.buckets)
 
+    def again(self, call: Call) -> tuple[torch.Tensor, ...]:
+        return self.open(call, False)
+
     def prefetch_after(self, unit: str) -> None:
         pass
 
@@ -129,6 +132,11 @@ class Gathers:
             # the backward) needs them until the unit's own backward.
             call.held = list(fulls)
         return fulls
+
+    def again(self, call: Call) -> tuple[torch.Tensor, ...]:
+        """`call`'s full parameters once more, inside the backward (for a recompute): held,
+        or gathered again in the one order of `regather_through`."""
+        return tuple(self.full(call, k) for k in range(len(call.buckets)))
 
     def _start(self, unit: str) -> list[tuple[torch.Tensor, Any]]:
         self.before()  # a gather inside the backward (a recompute) comes after the check

@@ -17,6 +17,7 @@ class CommRecord(NamedTuple):
     op: str  # "all_gather", "reduce_scatter", "all_reduce" or "broadcast"
     dtype: torch.dtype
     elements: int
+    control: bool = False  # a step's few bytes of agreement between ranks, not its data
 
     @property
     def nbytes(self) -> int:
@@ -38,6 +39,11 @@ class CommLedger:
     def nbytes(self) -> int:
         """Total logical bytes moved."""
         return sum(r.nbytes for r in self.records)
+
+    @property
+    def data(self) -> list[CommRecord]:
+        """The records that move parameters, gradients or buffers (no `control` ones)."""
+        return [r for r in self.records if not r.control]
 
     def by_op(self) -> dict[str, int]:
         """Logical bytes per `"op:dtype"`, e.g. `{"all_gather:float32": 4096}`."""
@@ -67,8 +73,10 @@ def comm_ledger() -> Iterator[CommLedger]:
     per step and stage 3 3Ψ with `reshard_after_forward=True`. These are logical volumes:
     a rank really sends (n-1)/n of a reduce-scatter's or all-gather's.
     Nothing is recorded at world size 1, where nothing is sent. Besides the data, a step
-    with module hooks records one int64 all-gather of 2 elements per rank: the check that
-    every rank's forward called the same units.
+    records `control` collectives of a few bytes: one float64 all-reduce of 4 + N
+    elements (the losses' weights and which ranks had data, `_weight`) and, with
+    just-in-time units, one int64 all-gather of 3 elements per rank (the check that every
+    rank's forward called the same units).
 
     Yields:
       A CommLedger; read `.records`, `.elements`, `.nbytes` or `.by_op()` during or after
@@ -84,11 +92,11 @@ def comm_ledger() -> Iterator[CommLedger]:
             _OPEN.remove(ledger)
 
 
-def record(op: str, dtype: torch.dtype, elements: int) -> None:
+def record(op: str, dtype: torch.dtype, elements: int, control: bool = False) -> None:
     """Adds one collective to every open ledger (called by `_comm` only)."""
     if not _OPEN or not elements:
         return
-    rec = CommRecord(op, dtype, int(elements))
+    rec = CommRecord(op, dtype, int(elements), control)
     with _LOCK:
         for ledger in _OPEN:
             ledger.records.append(rec)

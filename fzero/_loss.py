@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._autodiff import check_loss
-from ._comm import all_reduce_mean, broadcast_
+from ._comm import all_reduce_mean, all_reduce_sum, broadcast_
 from ._mesh import Mesh
 from ._tree import PyTree, tree_map
 
@@ -38,28 +38,39 @@ class BufferThread:
         return loss
 
 
-def sync_buffers(buffers: PyTree, how: str, mesh: Mesh) -> PyTree:
-    """Buffers agreed over ranks: "broadcast" (rank 0's), "mean" (floating ones) or "local"."""
+def sync_buffers(
+    buffers: PyTree, how: str, mesh: Mesh, present: tuple[bool, ...] | None = None
+) -> PyTree:
+    """Buffers agreed over ranks: "broadcast" (rank 0's), "mean" (floating ones) or "local".
+
+    `present`: which ranks ran a forward this step. When some did not, their buffers are
+    last step's: "broadcast" takes the first rank that did, "mean" averages those that
+    did (nothing ran anywhere: rank 0's, unchanged)."""
     if how == "local":
         return buffers
+    ran = [r for r, p in enumerate(present or ()) if p]
+    everyone = present is None or len(ran) == mesh.size
+    src = 0 if everyone or not ran else ran[0]
 
     def sync(b: torch.Tensor) -> torch.Tensor:
         if how == "mean" and b.is_floating_point():
-            return all_reduce_mean(b, mesh)
-        return broadcast_(b.clone(), mesh)
+            if everyone:
+                return all_reduce_mean(b, mesh)
+            if ran:
+                mine = b if mesh.rank in ran else torch.zeros_like(b)
+                return all_reduce_sum(mine, mesh).div_(len(ran))
+        return broadcast_(b.clone(), mesh, src=src)
 
     return tree_map(sync, buffers)
 
 
 class ScaledLoss:
-    """The loss times the loss scale, for differentiation; keeps the unscaled losses."""
+    """The loss times the loss scale, for differentiation."""
 
     def __init__(self, loss_fn: LossFn, scale: torch.Tensor, rank: int) -> None:
         self.loss_fn, self.scale, self.rank = loss_fn, scale, rank
-        self.losses: list[torch.Tensor] = []
 
     def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
         loss = check_loss(self.loss_fn(params, batch), rank=self.rank)
-        self.losses.append(loss.detach())
         # A float32 0-d scale promotes a 16-bit loss to float32, as GradScaler.scale does.
         return loss * self.scale

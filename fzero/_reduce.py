@@ -89,14 +89,30 @@ class Reductions:
         """A call's gradients (per bucket; per leaf with bursts; None: unused), from its
         node's backward; returns what the node gives its shard inputs (None: the shard
         gradients are collected by `result`)."""
-        if call.order is None:
+        if call.twin is not None:
+            self._join(call.twin, grads)
+        elif call.order is None:
             self._reduce_call(call, grads)
         else:
-            self.ready[call.order] = grads
-            while self.next in self.ready:
-                self.next -= 1
-                self._reduce_call(self.ordered[self.next + 1], self.ready.pop(self.next + 1))
+            self._ready(call.order, grads)
         return (None,) * len(call.buckets)
+
+    def _join(self, twin: Call, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """A recompute's entry never carries a gradient: its twin's node does (the
+        checkpoint routes the gradient through the forward's graph)."""
+        if any(g is not None for g in grads):
+            raise RuntimeError(
+                f"rank {self.mesh.rank}: unit {twin.unit!r}: a gradient flowed through an "
+                "entry of the unit made inside the backward (a recompute differentiated "
+                "again, as reentrant checkpointing does). fzero reduces a unit's gradient "
+                "from its forward entry: checkpoint with fzero.remat or use_reentrant=False"
+            )
+
+    def _ready(self, order: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self.ready[order] = grads
+        while self.next in self.ready:
+            self.next -= 1
+            self._reduce_call(self.ordered[self.next + 1], self.ready.pop(self.next + 1))
 
     def _reduce_call(self, call: Call, grads: tuple[Any, ...] | None) -> None:
         """Reduces one call's gradients (None: its backward never ran here, so zeros)."""

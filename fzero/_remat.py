@@ -25,7 +25,9 @@ def remat(module: nn.Module) -> Callable[..., Any]:
     Inside a unit (`fzero.units`), remat of the unit's body is FSDP(checkpoint(m)), the
     order fzero recommends: the unit is gathered once for its backward and the recompute
     uses that. remat of the unit module itself is checkpoint(FSDP(m)): the recompute
-    re-enters the unit's hook and all-gathers the unit once more.
+    re-enters the unit's hook inside the backward, where it reuses the forward's entry of
+    the unit (the same one gather for the backward; no reduction of its own), but the
+    unit's parameters are then alive for the whole recompute.
 
     Args:
       module: the submodule to checkpoint.

@@ -13,34 +13,42 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from ._autodiff import value_and_grad
-from ._engine import Engine
+from ._comm import is_peer_failure
 from ._grads import local_shard
-from ._hooks import hookable_units
-from ._layout import ShardLayout
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._mesh import Mesh
+from ._micro import Memory, leaf_grad, mean_grad, micro_batches
 from ._replicated import full_buckets, own_slices
 from ._schedule import Schedule, plan
 from ._shards import Shards
 from ._stages import Stage, stage_of
 from ._state import ShardedState, check_step_state
-from ._tree import PyTree, tree_map
+from ._tree import PyTree, tree_flatten
 from ._unit_ledger import UnitLedger
 from ._update import apply_update, rebuild_params
+from ._weight import Exchange, Tally, Weighed
 from .optim import Optimizer
 
-LossFn = Callable[[PyTree, Any], torch.Tensor]
+LossFn = Callable[[PyTree, Any], Any]
 Step = Callable[[ShardedState, Any], tuple[ShardedState, torch.Tensor]]
-# (params, opt_state, master, loss, applied): applied is False when the loss scaler skipped
-Out = tuple[PyTree, Any, Any, torch.Tensor, bool]
+
+
+class _Out(NamedTuple):
+    """What `_train` gives back: the new values, and whether they changed."""
+
+    params: PyTree
+    opt_state: Any
+    master: Any
+    applied: bool  # False: the loss scaler found an inf, or the weights summed to 0
+    tally: Tally
 
 
 @dataclass(frozen=True)
@@ -58,19 +66,6 @@ class _Options:
     buffer_sync: str
     overlap_reduce: bool
     reduce_bucket_bytes: int
-
-
-@dataclass
-class _Memory:
-    """What a step function carries from one call to the next."""
-
-    order: list[str] = field(default_factory=list)  # just-in-time units, last step's order
-    hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units): walked once
-
-    def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
-        if self.hooked[0] is not layout:
-            self.hooked = (layout, hookable_units(layout, module))
-        return self.hooked[1]
 
 
 def sharded_step(
@@ -98,6 +93,16 @@ def sharded_step(
     mean over ranks of the gradients (DDP semantics), so N ranks on micro-batches of size b
     train exactly like one process on their concatenation with a mean loss.
 
+    `loss_fn` may instead return a pair `(total, weight)` (the sum of token losses and the
+    number of real tokens, say): the update then uses the gradient of sum(total) /
+    sum(weight) over every rank and micro-batch, one process minimising the global token
+    mean, and the loss returned is that mean. A rank without data calls `step(state,
+    None)`: it takes part in every collective with zero gradients and zero weight (the
+    mean is over the data that existed) and gets the same state. Every rank must call
+    `step` the same number of times; one that stops leaves the others to fail at the
+    process group's timeout. A step whose weights sum to 0 everywhere changes nothing and
+    warns once (see the README's "Uneven work").
+
     Every stage works unit by unit (`units=` of `shard_state`): a unit's parameters
     enter the loss through the stage's primitive (identity at stages 0-2, all-gather at
     stage 3) and leave it through its transpose (all-reduce at stage 0, reduce-scatter at
@@ -120,7 +125,8 @@ def sharded_step(
     rank has nothing to communicate: it differentiates by leaf, as an eager loop does.
 
     Args:
-      loss_fn: `(params, batch) -> scalar tensor`, params being the full tree.
+      loss_fn: `(params, batch) -> scalar tensor or (total, weight)`, params being the full
+        tree; the weight a number or one-element tensor, finite and >= 0.
       optimizer: the `fzero.optim.Optimizer` the state was built with.
       mesh: the mesh.
       stage: 0-3; must match the state's.
@@ -167,7 +173,9 @@ def sharded_step(
         it is complete. Stages 2-3 never hold (their memory bound).
 
     Returns:
-      `step(state, batch) -> (new_state, loss)`, loss detached.
+      `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
+      micro-batches for scalar losses (a rank without data: the mean over the ranks that
+      had some, float64), the global weighted mean (float64) for pairs.
     """
     stage = stage_of(stage).number
     if accumulate not in (None, "local", "sharded"):
@@ -191,7 +199,7 @@ def sharded_step(
         overlap_reduce,
         reduce_bucket_bytes,
     )
-    memory = _Memory()
+    memory = Memory()
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         with _collector_paused():
@@ -200,24 +208,44 @@ def sharded_step(
     def _step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         check_step_state(state, stage, layout, units, mesh)
         fn: LossFn = loss_fn
-        threaded = scaled = None
+        threaded = None
         if state.buffers is not None:
             fn = threaded = BufferThread(loss_fn, state.buffers)
+        fn = weighed = Weighed(fn, mesh.rank)
         if state.scaler is not None:
-            fn = scaled = ScaledLoss(fn, state.scaler.scale, mesh.rank)
-        params, opt_state, master, loss, applied = _train(fn, optimizer, opts, memory, state, batch)
-        if scaled is not None:
-            loss = torch.stack(scaled.losses).mean()  # the loss itself, not the scaled one
-        buffers = None if threaded is None else sync_buffers(threaded.buffers, buffer_sync, mesh)
-        scaler = None if state.scaler is None else state.scaler.next(found_inf=not applied)
+            fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
+        try:
+            out = _train(fn, weighed, optimizer, opts, memory, state, batch)
+        except RuntimeError as exc:
+            if not is_peer_failure(exc):
+                raise
+            raise _stalled(exc, state, mesh) from exc
+        tally = out.tally
+        local = weighed.local_loss()
+        # Scalar losses: this rank's mean, as always; pairs: the global weighted mean.
+        loss = tally.loss() if tally.pairs or local is None else local
+        if tally.weight == 0:  # nothing counted anywhere: the state is returned as it was
+            if not memory.warned:
+                memory.warned = True
+                warnings.warn(
+                    f"fzero: step {state.step}: the losses' weights sum to 0 over every rank "
+                    "(no data, or no tokens, anywhere): no update. Reported once",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return state, loss
+        buffers = None
+        if threaded is not None:
+            buffers = sync_buffers(threaded.buffers, buffer_sync, mesh, tally.present)
+        scaler = None if state.scaler is None else state.scaler.next(found_inf=not out.applied)
         new = ShardedState(
-            params,
-            opt_state,
-            state.step + int(applied),
+            out.params,
+            out.opt_state,
+            state.step + int(out.applied),
             state.layout,
             stage,
             buffers,
-            master,
+            out.master,
             scaler,
             state.precision,
         )
@@ -249,37 +277,71 @@ def _collector_paused() -> Iterator[None]:
 
 def _train(
     loss_fn: LossFn,
+    weighed: Weighed,
     optimizer: Optimizer,
     o: _Options,
-    memory: _Memory,
+    memory: Memory,
     state: ShardedState,
     batch: Any,
-) -> Out:
+) -> _Out:
     """One step of `state.stage`, read as the stage table: parameters enter the loss per
     unit, value and gradient, the optimizer on what this rank owns, and (stages 1-2) the
-    updated shards all-gathered."""
+    updated shards all-gathered. The gradient is weighted (`_weight`) before the update."""
     stage, lay = stage_of(state.stage), state.layout
     local = None if stage.shards_params else full_buckets(state.params, lay)
     target = _target(stage, state, local, o)  # what this rank's optimizer updates
+    micro = micro_batches(batch, o, memory)
+    exchange = Exchange(o.mesh, _device(state.params))
+    present = any(mb is not None for mb in micro)
+
+    def after_forward() -> None:
+        exchange.start(weighed, present)
+
     if stage.reduce == "all_reduce" and o.mesh.size == 1:
-        loss, grads = _leaf_grad(loss_fn, batch, o, state)
+        grads = leaf_grad(loss_fn, micro, o, state)
+        after_forward()
     else:
         schedule = _schedule(stage, o, memory, state)
         if stage.reduce == "all_reduce":  # every rank keeps the full mean gradient
             assert local is not None
-            loss, flats = _value_and_grad(loss_fn, batch, o, memory, stage, schedule, state, local)
-            full = [f if b.frozen else g for f, g, b in zip(local, flats, lay.buckets)]
-            grads = lay.trainable(lay.unflatten(full))
+            like = local
         else:  # a rank keeps its shard of it, shaped as what it updates
             like = state.params.buffers if stage.shards_params else target.buffers
-            loss, flats = _value_and_grad(loss_fn, batch, o, memory, stage, schedule, state, like)
+        flats = mean_grad(loss_fn, micro, o, memory, stage, schedule, state, like, after_forward)
+        if stage.reduce == "all_reduce":
+            assert local is not None
+            full = [f if b.frozen else g for f, g, b in zip(local, flats, lay.buckets)]
+            grads = lay.trainable(lay.unflatten(full))
+        else:
             grads = Shards(flats, lay, o.mesh.rank)
-    new, opt_state, applied = apply_update(optimizer, state, target, grads, o.mesh, o.donate)
+    tally = exchange.wait()
+    factor = tally.factor(o.mesh.size, len(micro))
+    master = state.master
+    if factor is None:  # no weight anywhere: nothing to update by
+        return _Out(state.params, state.opt_state, master, False, tally)
+    new, opt_state, applied = apply_update(
+        optimizer, state, target, grads, o.mesh, o.donate, factor=factor
+    )
     master = None if state.master is None else new
     if not applied:  # nothing changed anywhere: no gather either
-        return state.params, opt_state, master, loss, False
+        return _Out(state.params, opt_state, master, False, tally)
     params = rebuild_params(stage, new, local, state, o.mesh, o.donate)
-    return params, opt_state, master, loss, True
+    return _Out(params, opt_state, master, True, tally)
+
+
+def _device(params: Any) -> torch.device | None:
+    leaves = params.buffers if isinstance(params, Shards) else tree_flatten(params)[0]
+    return leaves[0].device if leaves else None
+
+
+def _stalled(exc: Exception, state: ShardedState, mesh: Mesh) -> RuntimeError:
+    """A collective of the step failed: say what usually causes it."""
+    return RuntimeError(
+        f"rank {mesh.rank}: step {state.step}: a collective failed or timed out ({exc}). "
+        "Usually a peer stopped calling step (every rank must call it the same number of "
+        "times: a rank without data this step calls step(state, None)), died, or took "
+        "longer than the process group's timeout"
+    )
 
 
 def _target(stage: Stage, state: ShardedState, local: Any, o: _Options) -> Any:
@@ -299,7 +361,7 @@ def _target(stage: Stage, state: ShardedState, local: Any, o: _Options) -> Any:
     return local_shard(lay.trainable(state.params), lay, o.mesh)
 
 
-def _schedule(stage: Stage, o: _Options, memory: _Memory, state: ShardedState) -> Schedule:
+def _schedule(stage: Stage, o: _Options, memory: Memory, state: ShardedState) -> Schedule:
     prec = state.precision
     return plan(
         stage,
@@ -314,86 +376,3 @@ def _schedule(stage: Stage, o: _Options, memory: _Memory, state: ShardedState) -
         accumulate_locally=o.accumulate == "local",
         comm_dtypes=(None, None) if prec is None else (prec.gather_dtype, prec.reduce_dtype),
     )
-
-
-def _value_and_grad(
-    loss_fn: LossFn,
-    batch: Any,
-    o: _Options,
-    memory: _Memory,
-    stage: Stage,
-    schedule: Schedule,
-    state: ShardedState,
-    grads_like: tuple[torch.Tensor, ...],
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The loss and this rank's reduced gradient per bucket, over every micro-batch when
-    accumulating (their mean)."""
-    lay = state.layout
-    local = None if stage.shards_params else full_buckets(state.params, lay)
-    micro = _micro_batches(batch, o)
-    acc: dict[int, torch.Tensor] | None = {} if o.accumulate == "local" else None
-    losses, total = [], None
-    for j, mb in enumerate(micro):
-        engine = Engine(
-            stage,
-            schedule,
-            lay,
-            o.mesh,
-            grads_like,
-            local,
-            ledger=o.ledger,
-            order=memory.order,
-            acc=acc,
-            final=j == len(micro) - 1,
-        )
-        loss, grads = engine.value_and_grad(loss_fn, mb)
-        losses.append(loss)
-        total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
-    assert total is not None
-    if len(micro) > 1:
-        total = tuple(t / len(micro) for t in total)
-    return torch.stack(losses).mean(), total
-
-
-def _leaf_grad(loss_fn: LossFn, batch: Any, o: _Options, state: ShardedState) -> tuple[Any, Any]:
-    """Stage 0 on one rank: loss and gradients by leaf, over every micro-batch.
-
-    With nothing to communicate there is nothing to gather or reduce unit by unit, so the
-    gradient is taken with respect to the leaves themselves, as an eager loop's `.grad`:
-    no per-unit nodes and no flat gradient buffers (assembling them copies every gradient
-    once more). The values are those of the unit path on one rank, bitwise: gradients
-    pass through the reduce dtype as they would through a reduction ("local"
-    accumulation sums them first, "sharded" after), and a mean over micro-batches.
-    """
-    lay = state.layout
-    reduce_dtype = None if state.precision is None else state.precision.reduce_dtype
-    micro = _micro_batches(batch, o)
-    trainable = lay.trainable(state.params)
-
-    def rounded(g: Any) -> Any:
-        return tree_map(lambda x: x.to(reduce_dtype or x.dtype), g)
-
-    losses, total = [], None
-    for mb in micro:
-        loss, grads = value_and_grad(loss_fn, state.params, mb, rank=0, frozen=lay.frozen)
-        losses.append(loss)
-        grads = tree_map(torch.zeros_like, trainable) if grads is None else lay.trainable(grads)
-        if o.accumulate != "local":
-            grads = rounded(grads)
-        total = grads if total is None else tree_map(torch.add, total, grads)
-    if o.accumulate == "local":
-        total = rounded(total)
-    if len(micro) > 1:
-        total = tree_map(lambda t: t / len(micro), total)
-    return torch.stack(losses).mean(), total
-
-
-def _micro_batches(batch: Any, o: _Options) -> list[Any]:
-    if o.accumulate is None:
-        return [batch]
-    if not isinstance(batch, (list, tuple)) or not batch:
-        raise TypeError(
-            f"with accumulate={o.accumulate!r} a step takes a non-empty list of micro-batches, "
-            f"got {type(batch).__name__}"
-        )
-    return list(batch)

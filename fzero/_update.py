@@ -119,11 +119,18 @@ def rebuild_params(
 
 
 def apply_update(
-    optimizer: Optimizer, state: Any, target: Any, grads: Any, mesh: Mesh, donate: bool
+    optimizer: Optimizer,
+    state: Any,
+    target: Any,
+    grads: Any,
+    mesh: Mesh,
+    donate: bool,
+    factor: float = 1.0,
 ) -> tuple[Any, Any, bool]:
     """A step's optimizer update of `target` (parameters or masters; a tree or Shards).
 
-    Gradients arrive in the reduce dtype and are cast to the target's. With a loss scaler
+    Gradients arrive in the reduce dtype and are cast to the target's, then multiplied by
+    `factor` (the step's weighting, `_weight`) in the target's precision. With a loss scaler
     they are unscaled, and if any rank found an inf or NaN, nothing is updated on any rank
     (the third value is then False).
     """
@@ -133,6 +140,9 @@ def apply_update(
     else:
         grads = tree_map(lambda g, t: g.to(t.dtype), grads, target)
         leaves = tree_flatten(grads)[0]
+    if factor != 1.0:  # the step's own gradient buffers (or casts of them): scaled in place
+        for g in leaves:
+            g.mul_(factor)
     if state.scaler is not None and unscale_(leaves, state.scaler.scale, mesh):
         return target, state.opt_state, False
     new, opt_state = sharded_update(

@@ -48,10 +48,12 @@ def volumes(
         with fzero.comm_ledger() as ledger:
             state, _ = step(state, torch.randn(2, dims[0], dtype=torch.float64))
         ops: dict[str, int] = {}
-        for r in ledger.records:
-            if r.dtype == torch.int64:  # with hooks, the check that ranks called alike
-                assert hooks and (r.op, r.elements) == ("all_gather", 2 * mesh.size)
-                continue
+        control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
+        # The losses' weights and who had data; with hooks, the check that ranks called alike
+        tally = ("all_reduce", torch.float64, 2 * (4 + mesh.size))
+        check = [("all_gather", torch.int64, 3 * mesh.size)] if hooks else []
+        assert control == ([*check, tally] if mesh.size > 1 else [])
+        for r in ledger.data:
             assert r.dtype == torch.float64
             ops[r.op] = ops.get(r.op, 0) + r.elements
         per_step.append(ops)

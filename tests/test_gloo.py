@@ -18,6 +18,7 @@ import test_precision
 import test_remat
 import test_tied
 import test_units
+import test_weights
 import torch
 import torch.distributed as dist
 from gloo_pool import GlooPool, GlooPoolError
@@ -271,7 +272,7 @@ def test_training_loop_features_on_real_gloo(pool: GlooPool, stage: int) -> None
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
 
     expected = test_remat.reference(n)
-    for params, _ in pool.run(test_remat.train, "inside", stage):
+    for params, *_ in pool.run(test_remat.train, "inside", stage):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
 
     expected, buffers = test_buffers.reference("mean", n)
@@ -347,3 +348,20 @@ def test_a_stuck_or_dying_rank_raises_instead_of_hanging(slot: _Slot) -> None:
         with pytest.raises(GlooPoolError, match=rf"rank {slot.world_size - 1} died \(exit 7\)"):
             pool.run(_exit_on_last_rank)
     assert not pool.alive
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_rank_out_of_data_one_step_early_on_real_gloo(pool: GlooPool, stage: int) -> None:
+    """Token-weighted losses; the last rank has no batch on the last step and calls
+    step(state, None): no hang, and every rank ends where one process on all the tokens
+    does. Just-in-time units, so that rank follows last step's gathers at stage 3."""
+    n = pool.world_size
+    sizes = [[[2] for _ in range(n)] for _ in range(3)]
+    sizes[-1][-1] = [0]
+    params = make_params(test_weights.DIMS, torch.float64, 4)
+    data = test_weights.make_data(sizes, seed=5)
+    expected = test_weights.reference(params, data, "pair", "adam")
+    results = pool.run(test_weights.train, params, data, "pair", "adam", stage, None, True)
+    for got, losses, warned in results:
+        fzero.assert_trees_close(got, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+        assert losses == results[0][1] and warned == 0

@@ -246,11 +246,14 @@ def comm_bytes(mesh: fzero.Mesh, stage: int, prec: Any) -> Any:
     state, _ = step(state, (xs[0, mesh.rank], ys[0, mesh.rank]))
     with fzero.comm_ledger() as ledger:
         state, _ = step(state, (xs[1, mesh.rank], ys[1, mesh.rank]))
-    ops = ledger.by_op()
-    # With module hooks each step checks that the ranks called the same units: 2 int64
-    # per rank, not data.
-    assert ops.pop("all_gather:int64") == 2 * 8 * mesh.size
-    return ops, fzero.master_params(state, mesh)
+    # Besides the data, each step agrees on the losses' weights (4 + N float64) and, with
+    # module hooks, checks that the ranks called the same units (3 int64 per rank).
+    control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
+    assert control == [
+        ("all_gather", torch.int64, 3 * mesh.size),
+        ("all_reduce", torch.float64, 2 * (4 + mesh.size)),
+    ]
+    return fzero.CommLedger(ledger.data).by_op(), fzero.master_params(state, mesh)
 
 
 def comm16_reference(stage: int, steps: int) -> dict[str, torch.Tensor]:

@@ -63,7 +63,7 @@ def reference(n: int = 2) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int]:
+def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int, int]:
     model, xs, ys = make(how, mesh.size)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adam(lr=0.05)
@@ -75,30 +75,37 @@ def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int]:
 
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
     sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
-    with counting(("all_gather_async",)) as gathers:
+    reductions = ("reduce_scatter_async", "all_reduce_async", "reduce_scatter_mean")
+    with counting(("all_gather_async",)) as gathers, counting(reductions) as reduced:
         for t in range(xs.shape[0]):
             state, _ = step(state, (xs[t, sl], ys[t, sl]))
-    return fzero.gather_params(state.params, mesh), len(gathers)
+    return fzero.gather_params(state.params, mesh), len(gathers), len(reduced)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("how", ["inside", "outside"])
 def test_remat_matches_single_process(stage: int, how: str) -> None:
     expected = reference()
-    for params, _ in run(2, train, how, stage):
+    for params, _, _ in run(2, train, how, stage):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{how} {stage}")
 
 
 def test_torch_checkpoint_under_functional_call_recomputes_with_stale_weights() -> None:
     # Why fzero.remat exists: the same model with torch's checkpoint trains wrong.
-    params, _ = run(2, train, "plain", 0)[0]
+    params, _, _ = run(2, train, "plain", 0)[0]
     assert fzero._tree.max_abs_diff(params, reference()) > 1e-3
 
 
-def test_checkpointing_inside_units_gathers_less_than_around_them() -> None:
-    # FSDP(checkpoint(m)) vs checkpoint(FSDP(m)), at stage 3: around a unit, the recompute
-    # re-enters the unit's hook and all-gathers it once more per step.
-    (_, inside), _ = run(2, train, "inside", 3)
-    (_, outside), _ = run(2, train, "outside", 3)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpointing_around_units_communicates_no_more_than_inside_them(stage: int) -> None:
+    # FSDP(checkpoint(m)) vs checkpoint(FSDP(m)): around a unit, the recompute re-enters
+    # the unit's hook inside the backward. It reuses the forward's entry (at stage 3 the
+    # one re-gather every resharded unit gets for its backward): no second all-gather, no
+    # reduction of its own.
+    _, inside_gathers, inside_reduced = run(2, train, "inside", stage)[0]
+    _, outside_gathers, outside_reduced = run(2, train, "outside", stage)[0]
     steps, blocks = 4, 3
-    assert outside - inside == steps * blocks
+    assert outside_gathers == inside_gathers
+    if stage == 3:  # per step: the root and each block in the forward, each block again
+        assert inside_gathers == steps * (1 + 2 * blocks)
+    assert outside_reduced == inside_reduced

@@ -1,0 +1,141 @@
+"""Weights: what each rank's losses count for in the mean, agreed over ranks once a step.
+
+A loss is either a scalar (the mean over its micro-batch; it counts once) or a pair
+`(total, weight)`, e.g. the sum of token losses and the number of real tokens. The
+step's gradient is the gradient of `sum(total) / sum(weight)` over every rank and
+micro-batch: exactly one process minimising the global token mean. The engine reduces
+unit gradients as a mean over ranks (and the step averages micro-batches), so with `N`
+ranks and `M` micro-batches the gradient it produces is `sum(grad total) / (N * M)`,
+and the step multiplies it by `N * M / sum(weight)` (exactly 1, and skipped, for scalar
+losses on ranks that all had data: today's numbers, bitwise).
+
+One small all-reduce per step agrees on the sums, started as soon as the last forward is
+done so it runs behind the backward. A micro-batch that is None (a rank without data)
+counts with weight 0 and its rank is marked absent, so that buffers follow only the
+ranks that ran a forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _comm
+from ._autodiff import check_loss
+from ._mesh import Mesh
+from ._tree import PyTree
+
+LossFn = Callable[[PyTree, Any], Any]
+
+
+class Weighed:
+    """`loss_fn` as a scalar loss for differentiation, keeping each call's (total, weight).
+
+    A pair's total is what is differentiated; a scalar counts with weight 1."""
+
+    def __init__(self, loss_fn: LossFn, rank: int) -> None:
+        self.loss_fn, self.rank = loss_fn, rank
+        self.totals: list[torch.Tensor] = []  # detached, as returned
+        self.weights: list[float] = []
+        self.pairs = self.scalars = 0
+
+    def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
+        out = self.loss_fn(params, batch)
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise TypeError(
+                    f"rank {self.rank}: loss_fn returned a tuple of {len(out)}; it must return "
+                    "a scalar loss or a pair (total, weight)"
+                )
+            total = check_loss(out[0], "loss_fn's total", self.rank)
+            weight = _weight_value(out[1], self.rank)
+            self.pairs += 1
+        else:
+            total, weight = check_loss(out, rank=self.rank), 1.0
+            self.scalars += 1
+        self.totals.append(total.detach())
+        self.weights.append(weight)
+        return total
+
+    def local_loss(self) -> torch.Tensor | None:
+        """This rank's mean loss over its micro-batches (None if it had none)."""
+        return torch.stack(self.totals).mean() if self.totals else None
+
+
+def _weight_value(weight: Any, rank: int) -> float:
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1 or weight.is_complex():
+            raise ValueError(
+                f"rank {rank}: loss_fn's weight must be a real number or one-element "
+                f"tensor, got shape {tuple(weight.shape)} dtype {weight.dtype}"
+            )
+        weight = weight.detach().item()
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(
+            f"rank {rank}: loss_fn's weight must be a number or tensor, got {type(weight).__name__}"
+        )
+    w = float(weight)
+    if not (math.isfinite(w) and w >= 0):
+        raise ValueError(f"rank {rank}: loss_fn's weight must be finite and >= 0, got {w}")
+    return w
+
+
+class Tally(NamedTuple):
+    """The step's sums over every rank and micro-batch."""
+
+    total: float  # sum of totals (scalar losses: of the losses)
+    weight: float  # sum of weights (scalar losses: micro-batches that had data)
+    pairs: int  # calls that returned (total, weight)
+    scalars: int  # calls that returned a scalar
+    present: tuple[bool, ...]  # per rank: whether it had any data this step
+
+    def factor(self, world_size: int, micro: int) -> float | None:
+        """What the engine's mean gradient is multiplied by (None: nothing to scale by,
+        the weights sum to 0)."""
+        if self.weight == 0:
+            return None
+        return world_size * micro / self.weight
+
+    def loss(self) -> torch.Tensor:
+        """The global weighted mean loss (0 when nothing had weight)."""
+        return torch.tensor(self.total / self.weight if self.weight else 0.0, dtype=torch.float64)
+
+
+class Exchange:
+    """The all-reduce of one step's sums, started behind the backward, read before the
+    update."""
+
+    def __init__(self, mesh: Mesh, device: torch.device | None) -> None:
+        self.mesh, self.device = mesh, device
+        self.pending: tuple[torch.Tensor, Any] | None = None
+
+    def start(self, weighed: Weighed, present: bool) -> None:
+        totals = [t.double().cpu() for t in weighed.totals]  # a handful of 0-d tensors
+        sums = [
+            float(sum(totals, torch.zeros((), dtype=torch.float64))),
+            math.fsum(weighed.weights),
+            float(weighed.pairs),
+            float(weighed.scalars),
+        ]
+        flags = [0.0] * self.mesh.size
+        flags[self.mesh.rank] = float(present)
+        vec = torch.tensor(sums + flags, dtype=torch.float64, device=self.device)
+        self.pending = _comm.all_reduce_sum_async(vec, self.mesh)
+
+    def wait(self) -> Tally:
+        assert self.pending is not None, "Exchange.wait before start"
+        out, work = self.pending
+        if work is not None:
+            work.wait()
+        v = out.cpu().tolist()
+        tally = Tally(v[0], v[1], int(v[2]), int(v[3]), tuple(f > 0 for f in v[4:]))
+        if tally.pairs and tally.scalars:
+            raise ValueError(
+                f"rank {self.mesh.rank}: loss_fn returned (total, weight) {tally.pairs} times "
+                f"and a scalar {tally.scalars} times this step, over all ranks; every call "
+                "must return the same kind, or the mean would mix two meanings"
+            )
+        return tally
