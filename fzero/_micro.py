@@ -17,7 +17,6 @@ from ._autodiff import value_and_grad
 from ._engine import Engine
 from ._hooks import hookable_units
 from ._layout import ShardLayout
-from ._replicated import full_buckets
 from ._schedule import Schedule
 from ._stages import Stage
 from ._state import ShardedState
@@ -51,12 +50,13 @@ def mean_grad(
     schedule: Schedule,
     state: ShardedState,
     grads_like: tuple[torch.Tensor, ...],
+    local: tuple[torch.Tensor, ...] | None,
     after_forward: Callable[[], None],
 ) -> tuple[torch.Tensor, ...]:
     """This rank's reduced gradient per bucket, the mean over every micro-batch (None: no
-    data, zeros); `after_forward` runs once the last forward is done."""
+    data, zeros); `local`: the replicated full buffers (stages 0-2); `after_forward` runs
+    once the last forward is done."""
     lay = state.layout
-    local = None if stage.shards_params else full_buckets(state.params, lay)
     acc: dict[int, torch.Tensor] | None = {} if o.accumulate == "local" else None
     total = None
     for j, mb in enumerate(micro):

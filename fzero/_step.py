@@ -307,7 +307,9 @@ def _train(
             like = local
         else:  # a rank keeps its shard of it, shaped as what it updates
             like = state.params.buffers if stage.shards_params else target.buffers
-        flats = mean_grad(loss_fn, micro, o, memory, stage, schedule, state, like, after_forward)
+        flats = mean_grad(
+            loss_fn, micro, o, memory, stage, schedule, state, like, local, after_forward
+        )
         if stage.reduce == "all_reduce":
             assert local is not None
             full = [f if b.frozen else g for f, g, b in zip(local, flats, lay.buckets)]
@@ -316,9 +318,8 @@ def _train(
             grads = Shards(flats, lay, o.mesh.rank)
     tally = exchange.wait()
     factor = tally.factor(o.mesh.size, len(micro))
-    master = state.master
     if factor is None:  # no weight anywhere: nothing to update by
-        return _Out(state.params, state.opt_state, master, False, tally)
+        return _Out(state.params, state.opt_state, state.master, False, tally)
     new, opt_state, applied = apply_update(
         optimizer, state, target, grads, o.mesh, o.donate, factor=factor
     )

@@ -43,102 +43,15 @@ from torch import nn
 
 from .._mesh import Mesh
 from .._state import ShardedState
-from .._tree import PyTree
-from ..optim import Optimizer
 from ._extra import full_precision as _full_precision
 from ._save import check_state as _check_state
-from ._save import load as _load
-from ._save import save as _save
+from ._save import load as load
+from ._save import save as save
 from ._schema import CheckpointError as CheckpointError
 from ._torch import export_torch as _export_torch
-from ._torch import import_torch as _import_torch
+from ._torch import import_torch as import_torch
 
 __all__ = ["CheckpointError", "export_torch", "import_torch", "load", "save"]
-
-
-def save(state: ShardedState, path: str, mesh: Mesh) -> str:
-    """Writes `state` as a sharded checkpoint at `path` (collective: every rank calls it).
-
-    Each rank writes only what it holds; rank 0 commits once every file is durable, and
-    no rank returns before the commit. The previous checkpoint at `path` stays loadable
-    until then, and is deleted after.
-
-    Args:
-      state: this rank's ShardedState (any stage, layout, units; optimizers from
-        `fzero.optim`, including `from_torch`). Its buffers and loss scaler are saved
-        too; under mixed precision the masters are saved as the parameters (full
-        precision), so `load` can resume with or without a `Precision`.
-      path: the checkpoint directory (created if missing; shared by all ranks).
-      mesh: the mesh `state` lives on.
-
-    Returns:
-      The directory of the version just written (inside `path`).
-
-    Raises:
-      CheckpointError: on every rank if writing failed on any rank.
-    """
-    return _save(state, path, mesh)
-
-
-def load(
-    path: str,
-    mesh: Mesh,
-    optimizer: Optimizer,
-    params_like: PyTree,
-    *,
-    stage: int,
-    layout: str | None = None,
-    units: Any = None,
-    frozen: Any = None,
-    precision: Any = None,
-    loss_scale: Any = None,
-    buffers_like: PyTree = None,
-) -> ShardedState:
-    """Loads a checkpoint onto `mesh`, at any world size, stage and layout (collective).
-
-    Args:
-      path: a checkpoint directory from `save` (its LATEST version), or one version in it.
-      mesh: the mesh to load onto; its size need not be the saving world size.
-      optimizer: the optimizer to continue with: the saving one, or one whose state has
-        the same organisation (its hyper-parameters may differ).
-      params_like: the parameter tree of the model (values ignored; meta tensors do): its
-        leaf paths, shapes and dtypes must be the saved ones, and the state has its
-        structure.
-      stage: the ZeRO stage to load into (0-3), whatever the saving stage.
-      layout: "flat" or "tensor"; None keeps the saved kind.
-      units: unit path prefixes, as in `shard_state`; None keeps the saved units.
-      frozen: as in `shard_state`; None keeps the saved frozen flags. A leaf frozen when
-        saved has no optimizer state and cannot become trainable here.
-      precision: a `fzero.Precision` to continue in mixed precision: the saved values
-        (saved at full precision: the masters of a mixed-precision run) become the
-        masters, and the parameters their cast. None loads at full precision.
-      loss_scale: the `fzero.DynamicLossScale` rules to continue with; the saved scale and
-        growth count are kept. None keeps the saved rules (if the run had a scaler).
-      buffers_like: the structure of the saved buffers (e.g. `dict(model.named_buffers())`;
-        values ignored); None rebuilds them as a dict by path.
-
-    Returns:
-      This rank's ShardedState, with the saved step; parameters and optimizer state hold
-      the saved values bitwise, on the CPU.
-
-    Raises:
-      CheckpointError: on every rank, naming the file or leaf: no committed checkpoint,
-        a missing, truncated or corrupted file, a file that is not plain tensors, another
-        model (the first differing leaf), or an optimizer state that does not fit.
-    """
-    return _load(
-        path,
-        mesh,
-        optimizer,
-        params_like,
-        stage=stage,
-        layout=layout,
-        units=units,
-        frozen=frozen,
-        precision=precision,
-        loss_scale=loss_scale,
-        buffers_like=buffers_like,
-    )
 
 
 def export_torch(
@@ -190,57 +103,3 @@ def export_torch(
         }
     # Under mixed precision the export is the masters: the weights at full precision.
     return _export_torch(_full_precision(state, mesh), path, mesh, hyperparams, aliases)
-
-
-def import_torch(
-    model_state_dict: dict[str, torch.Tensor],
-    optim_state_dict: dict[str, Any],
-    optimizer: Optimizer,
-    mesh: Mesh,
-    *,
-    stage: int,
-    params_like: PyTree = None,
-    layout: str = "flat",
-    units: Any = None,
-    frozen: Any = None,
-    step: int | None = None,
-) -> ShardedState:
-    """Builds a ShardedState from a plain model state dict and a torch.optim state dict.
-
-    Collective; every rank passes the same dicts (for example each `torch.load`s them
-    with `weights_only=True`). The reverse of `export_torch`: parameter i of the optimizer
-    dict (param groups concatenated) is the i-th trainable leaf in the order the tree was
-    built. Hyper-parameters come from `optimizer`, not from the param groups.
-
-    Args:
-      model_state_dict: leaf path -> tensor, for exactly the leaves of the parameters.
-      optim_state_dict: a `torch.optim` state dict (`state`, `param_groups`) of the
-        optimizer `optimizer` stands for (torch.optim.Adam/AdamW for `fzero.optim.adam`/
-        `adamw`, SGD for `sgd`, the wrapped class for `from_torch`).
-      optimizer: the fzero optimizer to continue with.
-      mesh: the mesh.
-      stage: the ZeRO stage (0-3).
-      params_like: the parameter tree (values ignored) when it is not the flat dict
-        `model_state_dict` itself (e.g. nested dicts and lists).
-      layout: "flat" or "tensor", as in `shard_state`.
-      units: as in `shard_state`.
-      frozen: as in `shard_state`.
-      step: the number of updates already applied. Adam's is read from its "step"; torch's
-        SGD keeps none, so by default it is 1 if momentum buffers exist, else 0 (it only
-        matters to learning-rate schedules).
-
-    Returns:
-      This rank's ShardedState.
-    """
-    return _import_torch(
-        model_state_dict,
-        optim_state_dict,
-        optimizer,
-        mesh,
-        stage=stage,
-        params_like=params_like,
-        layout=layout,
-        units=units,
-        frozen=frozen,
-        step=step,
-    )

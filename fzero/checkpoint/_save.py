@@ -49,7 +49,26 @@ def check_state(state: Any, mesh: Mesh, what: str) -> None:
 
 
 def save(state: ShardedState, path: str, mesh: Mesh) -> str:
-    """See `fzero.checkpoint.save`."""
+    """Writes `state` as a sharded checkpoint at `path` (collective: every rank calls it).
+
+    Each rank writes only what it holds; rank 0 commits once every file is durable, and
+    no rank returns before the commit. The previous checkpoint at `path` stays loadable
+    until then, and is deleted after.
+
+    Args:
+      state: this rank's ShardedState (any stage, layout, units; optimizers from
+        `fzero.optim`, including `from_torch`). Its buffers and loss scaler are saved
+        too; under mixed precision the masters are saved as the parameters (full
+        precision), so `load` can resume with or without a `Precision`.
+      path: the checkpoint directory (created if missing; shared by all ranks).
+      mesh: the mesh `state` lives on.
+
+    Returns:
+      The directory of the version just written (inside `path`).
+
+    Raises:
+      CheckpointError: on every rank if writing failed on any rank.
+    """
     path = os.fspath(path)
     check_state(state, mesh, "checkpoint.save")
     extra, extra_body = extra_tensors(state), extra_metadata(state)
@@ -139,7 +158,38 @@ def load(
     loss_scale: Any = None,
     buffers_like: PyTree = None,
 ) -> ShardedState:
-    """See `fzero.checkpoint.load`."""
+    """Loads a checkpoint onto `mesh`, at any world size, stage and layout (collective).
+
+    Args:
+      path: a checkpoint directory from `save` (its LATEST version), or one version in it.
+      mesh: the mesh to load onto; its size need not be the saving world size.
+      optimizer: the optimizer to continue with: the saving one, or one whose state has
+        the same organisation (its hyper-parameters may differ).
+      params_like: the parameter tree of the model (values ignored; meta tensors do): its
+        leaf paths, shapes and dtypes must be the saved ones, and the state has its
+        structure.
+      stage: the ZeRO stage to load into (0-3), whatever the saving stage.
+      layout: "flat" or "tensor"; None keeps the saved kind.
+      units: unit path prefixes, as in `shard_state`; None keeps the saved units.
+      frozen: as in `shard_state`; None keeps the saved frozen flags. A leaf frozen when
+        saved has no optimizer state and cannot become trainable here.
+      precision: a `fzero.Precision` to continue in mixed precision: the saved values
+        (saved at full precision: the masters of a mixed-precision run) become the
+        masters, and the parameters their cast. None loads at full precision.
+      loss_scale: the `fzero.DynamicLossScale` rules to continue with; the saved scale and
+        growth count are kept. None keeps the saved rules (if the run had a scaler).
+      buffers_like: the structure of the saved buffers (e.g. `dict(model.named_buffers())`;
+        values ignored); None rebuilds them as a dict by path.
+
+    Returns:
+      This rank's ShardedState, with the saved step; parameters and optimizer state hold
+      the saved values bitwise, on the CPU.
+
+    Raises:
+      CheckpointError: on every rank, naming the file or leaf: no committed checkpoint,
+        a missing, truncated or corrupted file, a file that is not plain tensors, another
+        model (the first differing leaf), or an optimizer state that does not fit.
+    """
     path = os.fspath(path)
     spec = stage_of(stage)
     error, state = None, None

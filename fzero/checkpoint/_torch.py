@@ -264,7 +264,33 @@ def import_torch(
     frozen: Any = None,
     step: int | None = None,
 ) -> ShardedState:
-    """See `fzero.checkpoint.import_torch`."""
+    """Builds a ShardedState from a plain model state dict and a torch.optim state dict.
+
+    Collective; every rank passes the same dicts (for example each `torch.load`s them
+    with `weights_only=True`). The reverse of `export_torch`: parameter i of the optimizer
+    dict (param groups concatenated) is the i-th trainable leaf in the order the tree was
+    built. Hyper-parameters come from `optimizer`, not from the param groups.
+
+    Args:
+      model_state_dict: leaf path -> tensor, for exactly the leaves of the parameters.
+      optim_state_dict: a `torch.optim` state dict (`state`, `param_groups`) of the
+        optimizer `optimizer` stands for (torch.optim.Adam/AdamW for `fzero.optim.adam`/
+        `adamw`, SGD for `sgd`, the wrapped class for `from_torch`).
+      optimizer: the fzero optimizer to continue with.
+      mesh: the mesh.
+      stage: the ZeRO stage (0-3).
+      params_like: the parameter tree (values ignored) when it is not the flat dict
+        `model_state_dict` itself (e.g. nested dicts and lists).
+      layout: "flat" or "tensor", as in `shard_state`.
+      units: as in `shard_state`.
+      frozen: as in `shard_state`.
+      step: the number of updates already applied. Adam's is read from its "step"; torch's
+        SGD keeps none, so by default it is 1 if momentum buffers exist, else 0 (it only
+        matters to learning-rate schedules).
+
+    Returns:
+      This rank's ShardedState.
+    """
     spec = stage_of(stage)
     error, state = None, None
     try:
