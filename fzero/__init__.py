@@ -1,6 +1,7 @@
 """fzero: ZeRO data-parallel sharding for PyTorch as pure functions over parameter pytrees."""
 
 from . import checkpoint as checkpoint
+from . import init as init
 from . import optim as optim
 from . import testing as testing
 from . import units as units

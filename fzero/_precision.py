@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from ._layout import ShardLayout
+from ._layout import ShardLayout, build_layout
+from ._shards import Shards
 from ._stages import Stage
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_map, tree_unflatten
 
@@ -129,3 +130,48 @@ def needs_master(precision: Precision | None, layout: ShardLayout, stage: Stage)
     return precision.param_dtype is not None or (
         precision.gather_dtype is not None and stage.regathers
     )
+
+
+def meta_like(layout: ShardLayout) -> PyTree:
+    """Meta tensors of the layout's leaves: their shapes and dtypes, no values."""
+    leaves = [torch.empty(s, dtype=d, device="meta") for s, d in zip(layout.shapes, layout.dtypes)]
+    return tree_unflatten(layout.treedef, leaves)
+
+
+def to_mixed(
+    params: PyTree, layout: ShardLayout, stage: Stage, precision: Precision, rank: int
+) -> tuple[PyTree, ShardLayout, PyTree]:
+    """Full-precision parameters as `shard_state(..., precision=)` holds them.
+
+    Args:
+      params: what a rank holds at full precision under `layout`: the tree (stages 0-2)
+        or its `Shards` (stage 3), e.g. loaded from a checkpoint or materialized by an init.
+      layout, stage, precision, rank: theirs.
+
+    Returns:
+      `(params, layout, master)`: the parameters cast to the compute dtype and their
+      layout, and the full-precision values kept as masters (None if none are needed).
+    """
+    full_like = meta_like(layout) if stage.shards_params else params
+    cast = compute_params(full_like, precision, stage)
+    lay = build_layout(cast, layout.world_size, layout.kind, layout.units[1:], list(layout.frozen))
+    if not needs_master(precision, lay, stage):
+        return params, layout, None
+    mlay, full32 = master_layout(lay, full_like, precision.master_dtype)
+    if stage.shards_params:
+        held: PyTree = Shards(
+            tuple(x.to(b.dtype) for x, b in zip(params.buffers, lay.buckets)), lay, rank
+        )
+        master: PyTree = Shards(
+            tuple(
+                x.new_empty(0) if b.frozen else x.to(m.dtype)
+                for x, b, m in zip(params.buffers, lay.buckets, mlay.buckets)
+            ),
+            mlay,
+            rank,
+        )
+        return held, lay, master
+    trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
+    if stage.shards_optimizer:
+        trainable = Shards(mlay.shard(trainable, rank), mlay, rank)
+    return lay.unflatten(lay.flatten(cast)), lay, trainable

@@ -10,6 +10,8 @@ import optree
 import torch
 
 from . import _comm
+from ._deferred import check_init, materialize
+from ._init import Init
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
 from ._precision import (
@@ -19,11 +21,12 @@ from ._precision import (
     compute_params,
     master_layout,
     needs_master,
+    to_mixed,
 )
 from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._stages import Stage, stage_of
-from ._tree import NAMESPACE, PyTree, tree_flatten
+from ._tree import NAMESPACE, PyTree, leaf_paths, tree_flatten
 from .optim import Optimizer
 
 
@@ -86,6 +89,7 @@ def shard_state(
     buffers: PyTree = None,
     precision: Precision | None = None,
     loss_scale: DynamicLossScale | None = None,
+    init: Init | None = None,
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
@@ -123,6 +127,13 @@ def shard_state(
       loss_scale: a `fzero.DynamicLossScale`: the step scales the loss, unscales the
         reduced gradients, and skips the update on every rank if any rank saw an inf or
         NaN. Its state lives in the returned state (`state.scaler`).
+      init: an initializer from `fzero.init` (`from_module`, `by_leaf`, `from_file`):
+        the values of `params` (and of buffers on the meta device) are made or read by
+        it instead, a module or a leaf at a time, each rank keeping only what it holds.
+        `params` may then be meta tensors (values ignored): a model larger than one
+        rank is never materialized whole, and there is no broadcast. Ranks check that
+        they made the same values (a digest per leaf), so a non-deterministic init
+        raises instead of training diverged replicas.
 
     Returns:
       A ShardedState.
@@ -140,7 +151,8 @@ def shard_state(
     try:
         frozen_leaves = _frozen_leaves(params, frozen)
         lay = build_layout(params, mesh.size, layout, units, frozen_leaves)  # validates
-        if precision is not None:
+        check_init(params, init)
+        if precision is not None and init is None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
             check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
             params = compute_params(params, precision, spec)
@@ -148,7 +160,9 @@ def shard_state(
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
-    _agree(lay, problem, spec.number, mesh)
+    _agree(lay, problem, (spec.number, init is not None), mesh)
+    if init is not None:
+        return _from_init(init, lay, optimizer, mesh, spec, buffers, precision, loss_scale)
     state_buffers = _replicate_buffers(buffers, mesh)
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
@@ -186,6 +200,14 @@ def _shard_params(
         held: PyTree = Shards(own, lay, rank)
     else:
         held = lay.unflatten(flats)
+    return held, _init_optimizer(held, optimizer, stage, lay, rank, master)
+
+
+def _init_optimizer(
+    held: PyTree, optimizer: Optimizer, stage: Stage, lay: ShardLayout, rank: int, master: Any
+) -> Any:
+    """The optimizer state of what this rank updates: its masters if any, else `held`'s
+    trainable leaves, whole or this rank's pieces."""
     if master is not None:
         target = master.pieces() if stage.shards_optimizer else master
     elif not stage.shards_optimizer:
@@ -194,14 +216,41 @@ def _shard_params(
         target = held.pieces()
     else:
         target = Shards(lay.shard(lay.trainable(held), rank), lay, rank).pieces()
-    return held, optimizer.init(target)
+    return optimizer.init(target)
+
+
+def _from_init(
+    init: Init,
+    lay: ShardLayout,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    stage: Stage,
+    buffers: PyTree,
+    precision: Precision | None,
+    loss_scale: DynamicLossScale | None,
+) -> ShardedState:
+    """shard_state's body when values come from `init` (made in place, never broadcast)."""
+    rank = mesh.rank
+    flats, buffers = materialize(init, lay, mesh, stage, buffers, precision)
+    held: PyTree = Shards(flats, lay, rank) if stage.shards_params else lay.unflatten(flats)
+    opt_state = _init_optimizer(held, optimizer, stage, lay, rank, None)
+    master = None
+    if precision is not None:  # the made values become the masters, as a loaded checkpoint's
+        held, lay, master = to_mixed(held, lay, stage, precision, rank)
+    state_buffers = _replicate_buffers(buffers, mesh)
+    if state_buffers is not None and precision is not None:
+        state_buffers = cast_params(state_buffers, precision.buffer_dtype)
+    scaler = None if loss_scale is None else loss_scale.init()
+    return ShardedState(
+        held, opt_state, 0, lay, stage.number, state_buffers, master, scaler, precision
+    )
 
 
 def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:
     """Copies of `buffers` holding rank 0's values, after checking every rank has the same."""
     if buffers is None:
         return None
-    from ._tree import leaf_paths, tree_map
+    from ._tree import tree_map
 
     leaves = tree_flatten(buffers)[0]
     for path, x in zip(leaf_paths(buffers), leaves):
@@ -218,7 +267,6 @@ def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:
 def _frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:
     """Per leaf: frozen? From a bool tree, path prefixes, or the leaves' requires_grad."""
     from ._layout import unit_of
-    from ._tree import leaf_paths
 
     leaves = tree_flatten(params)[0]
     if frozen is None:
@@ -250,8 +298,11 @@ def _units_of_bytes(params: PyTree, units: Sequence[str] | None, bucket_bytes: i
     return by_size(params, max(1, bucket_bytes // itemsize))
 
 
-def _agree(lay: ShardLayout | None, problem: str | None, stage: int, mesh: Mesh) -> None:
-    """Raises on every rank unless all ranks have valid params of one layout and one stage."""
+def _agree(
+    lay: ShardLayout | None, problem: str | None, stage: tuple[int, bool], mesh: Mesh
+) -> None:
+    """Raises on every rank unless all ranks have valid params of one layout and one stage
+    (`stage`: its number, and whether values come from an init)."""
     mine = (problem, stage, None if lay is None else lay.fingerprint())
     everyone = _comm.all_gather_object(mine, mesh)
     for rank, (prob, _, _) in enumerate(everyone):
@@ -259,10 +310,13 @@ def _agree(lay: ShardLayout | None, problem: str | None, stage: int, mesh: Mesh)
             raise _type_of(prob)(f"shard_state: rank {rank}: {prob.split(': ', 1)[1]}")
     ref_stage, ref = everyone[0][1], everyone[0][2]
     for rank, (_, st, fp) in enumerate(everyone[1:], start=1):
-        if st != ref_stage:
+        if st[0] != ref_stage[0]:
             raise ValueError(
-                f"shard_state: rank {rank} asked for stage {st}, rank 0 for {ref_stage}"
+                f"shard_state: rank {rank} asked for stage {st[0]}, rank 0 for {ref_stage[0]}"
             )
+        if st[1] != ref_stage[1]:
+            has = "passed" if st[1] else "did not pass"
+            raise ValueError(f"shard_state: rank {rank} {has} init=, rank 0 did the opposite")
         if fp != ref:
             raise ValueError(
                 f"shard_state: rank {rank}'s params differ from rank 0's: {_first_diff(ref, fp)}"

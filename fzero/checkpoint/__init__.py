@@ -43,15 +43,23 @@ from torch import nn
 
 from .._mesh import Mesh
 from .._state import ShardedState
+from ._export import export_safetensors as _export_safetensors
+from ._export import export_torch as _export_torch
 from ._extra import full_precision as _full_precision
 from ._save import check_state as _check_state
 from ._save import load as load
 from ._save import save as save
 from ._schema import CheckpointError as CheckpointError
-from ._torch import export_torch as _export_torch
 from ._torch import import_torch as import_torch
 
-__all__ = ["CheckpointError", "export_torch", "import_torch", "load", "save"]
+__all__ = [
+    "CheckpointError",
+    "export_safetensors",
+    "export_torch",
+    "import_torch",
+    "load",
+    "save",
+]
 
 
 def export_torch(
@@ -62,10 +70,13 @@ def export_torch(
     hyperparams: dict[str, Any] | None = None,
     module: nn.Module | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """Consolidates `state` into a plain model and torch.optim state dict on rank 0.
+    """Consolidates `state` into a plain model and torch.optim state dict, on rank 0.
 
-    Collective. Buckets are all-gathered one unit at a time and cut into leaves on rank 0,
-    so no rank holds more than one unit's full tensors beyond rank 0's output.
+    Collective. Buckets are all-gathered one unit at a time. With `path`, rank 0 writes
+    the `torch.save` file as they arrive: the file's skeleton, with every tensor's bytes
+    reserved, is written first (torch's `skip_data`), then each leaf into its place, so
+    no rank holds more than one unit's full tensors and a model larger than a rank
+    exports. Without `path` the dicts are returned, which rank 0 must have room for.
 
     The model dict maps leaf paths ("layers.0.weight") to tensors, in the order the
     parameter tree was built, so `dict(model.named_parameters())` round-trips into
@@ -79,8 +90,8 @@ def export_torch(
 
     Args:
       state: this rank's ShardedState.
-      path: if not None, rank 0 also writes `{"model": ..., "optimizer": ...}` there with
-        `torch.save` (atomically: temporary file, fsync, rename).
+      path: the file rank 0 writes, `{"model": ..., "optimizer": ...}` loadable with
+        `torch.load` (atomically: temporary file, fsync, rename); None returns the dicts.
       mesh: the mesh.
       hyperparams: the param group's hyper-parameters. fzero optimizers are closures that
         do not expose theirs, and torch's `Optimizer.load_state_dict` replaces a group's
@@ -92,14 +103,50 @@ def export_torch(
         buffers, if any, are always included.
 
     Returns:
-      `(model_state_dict, optim_state_dict)` on rank 0, None on the other ranks.
+      Without `path`, `(model_state_dict, optim_state_dict)` on rank 0; otherwise None.
     """
     _check_state(state, mesh, "checkpoint.export_torch")
-    aliases = None
-    if module is not None:
-        canonical = {id(p): name for name, p in module.named_parameters()}
-        aliases = {
-            name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
-        }
     # Under mixed precision the export is the masters: the weights at full precision.
-    return _export_torch(_full_precision(state, mesh), path, mesh, hyperparams, aliases)
+    full = _full_precision(state, mesh)
+    return _export_torch(full, path, mesh, hyperparams, _aliases(module))
+
+
+def export_safetensors(
+    state: ShardedState,
+    path: str,
+    mesh: Mesh,
+    *,
+    module: nn.Module | None = None,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Writes the model's weights (and buffers) as one safetensors file, on rank 0.
+
+    Collective. Units are all-gathered one at a time and each leaf is written to its
+    place in the file as it arrives (the header, with every offset, is written first),
+    so no rank holds more than one unit's full tensors: a model larger than a rank
+    exports. The file loads with `safetensors.torch.load_file` (or Hugging Face
+    `from_pretrained`) into `model.load_state_dict`, and back into shards with
+    `fzero.init.from_file`. Under mixed precision the masters are written.
+
+    Args:
+      state: this rank's ShardedState.
+      path: the file rank 0 writes (atomically: temporary file, fsync, rename).
+      mesh: the mesh.
+      module: the model, if it ties weights: every name of a tied tensor is written (the
+        bytes repeated), so `load_state_dict(strict=True)` accepts the file.
+      dtype: the dtype weights are written in (e.g. torch.bfloat16); None keeps theirs.
+        Buffers keep their dtype.
+      metadata: string pairs for the header's `__metadata__` (e.g. {"format": "pt"}).
+    """
+    _check_state(state, mesh, "checkpoint.export_safetensors")
+    full = _full_precision(state, mesh)
+    _export_safetensors(full, path, mesh, _aliases(module), dtype, metadata)
+
+
+def _aliases(module: nn.Module | None) -> dict[str, str] | None:
+    """Tied weights: every name of a parameter -> the name its leaf has."""
+    if module is None:
+        return None
+    canonical = {id(p): name for name, p in module.named_parameters()}
+    return {name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._layout import ShardLayout
+from .._tensorfile import TensorFile
 from ._schema import CheckpointError, Entry, Schema, dtype_of
 
 FORMAT = "fzero-checkpoint"
@@ -227,9 +228,10 @@ def schema_from_json(d: dict[str, Any]) -> Schema:
 class FileSource:
     """A checkpoint directory as a `Source`: reads only the element ranges asked for.
 
-    Files are memory-mapped (`torch.load(mmap=True, weights_only=True)`), so a rank reads
-    the pages of the ranges it needs. Each file is checked (size, SHA-256) the first time
-    it is opened.
+    Each range is read from its file straight into the tensor that keeps it (no memory
+    map, whose touched pages would count in the rank's resident memory), so a rank
+    holds only what it loads. Each file is checked (size, SHA-256) the first time it is
+    opened, and its index read with `torch.load(map_location="meta", weights_only=True)`.
     """
 
     def __init__(self, directory: str, body: dict[str, Any]) -> None:
@@ -241,17 +243,19 @@ class FileSource:
             slot[0]: (k, slot[1]) for k, b in enumerate(self.buckets) for slot in b["slots"]
         }
         self.globals = {g: j for j, g in enumerate(self.schema.globals)}
-        self._open: dict[int, dict[str, torch.Tensor]] = {}
+        self._open: dict[int, TensorFile] = {}
 
     def close(self) -> None:
+        for f in self._open.values():
+            f.close()
         self._open.clear()
 
-    def _file(self, rank: int) -> dict[str, torch.Tensor]:
+    def _file(self, rank: int) -> TensorFile:
         if rank not in self._open:
             self._open[rank] = self._load(rank)
         return self._open[rank]
 
-    def _load(self, rank: int) -> dict[str, torch.Tensor]:
+    def _load(self, rank: int) -> TensorFile:
         info = self.body["files"][rank]
         path = os.path.join(self.dir, info["name"])
         who = f"{path} (written by rank {rank} of {self.world_size})"
@@ -264,39 +268,41 @@ class FileSource:
         if sha256(path) != info["sha256"]:
             raise CheckpointError(f"{who} is corrupted: its SHA-256 differs from the one saved")
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            data = TensorFile(path)
         except Exception as exc:
             # weights_only: a file that would run code when unpickled is refused here.
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise CheckpointError(
                 f"refusing to load {who}: not a plain tensor file ({type(exc).__name__}: {first})"
             ) from None
-        if not isinstance(data, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
-        ):
+        if not all(isinstance(k, str) for k in data.entries):
+            data.close()
             raise CheckpointError(f"{who} is not a fzero shard file (expected a dict of tensors)")
         return data
 
-    def _tensor(self, rank: int, key: str) -> torch.Tensor:
+    def _entry(self, rank: int, key: str) -> TensorFile:
         data = self._file(rank)
-        if key not in data:
+        if key not in data.entries:
             raise CheckpointError(
                 f"{os.path.join(self.dir, self.body['files'][rank]['name'])} lacks tensor {key!r}"
             )
-        return data[key]
+        return data
+
+    def _tensor(self, rank: int, key: str) -> torch.Tensor:
+        return self._entry(rank, key).tensor(key)
 
     def _range(self, key: str, k: int, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of saved bucket k's buffer `key`, from the files holding them."""
         n = self.buckets[k]["shard_numel"]
-        parts = []
+        out = torch.empty(max(hi - lo, 0), dtype=dtype_of(self.buckets[k]["dtype"]))
         for r in range(lo // n, (hi - 1) // n + 1) if hi > lo else ():
-            shard = self._tensor(r, key)
-            if shard.numel() != n:
+            data = self._entry(r, key)
+            e = data.entries[key]
+            if e.numel != n or e.dtype != out.dtype:
                 raise CheckpointError(f"tensor {key!r} of rank {r}'s file has the wrong size")
-            parts.append(shard[max(lo, r * n) - r * n : min(hi, (r + 1) * n) - r * n])
-        if not parts:
-            return torch.zeros(0, dtype=dtype_of(self.buckets[k]["dtype"]))
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            a, b = max(lo, r * n), min(hi, (r + 1) * n)
+            data.read(key, a - r * n, b - r * n, out[a - lo : b - lo])
+        return out
 
     def param(self, leaf: int, lo: int, hi: int) -> torch.Tensor:
         k, offset = self.where[leaf]

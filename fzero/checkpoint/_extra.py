@@ -16,7 +16,8 @@ import torch
 from .._gather import master_params
 from .._layout import build_layout
 from .._mesh import Mesh
-from .._precision import Precision, cast_params, compute_params, master_layout, needs_master
+from .._precision import Precision, cast_params, meta_like
+from .._precision import to_mixed as mixed
 from .._scale import DynamicLossScale, LossScaleState
 from .._shards import Shards
 from .._stages import stage_of
@@ -44,7 +45,7 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
     if stage_of(state.stage).shards_params:
         mlay = state.master.layout
         flay = build_layout(
-            cast_params(_like(lay), dtype), mesh.size, lay.kind, lay.units[1:], list(lay.frozen)
+            cast_params(meta_like(lay), dtype), mesh.size, lay.kind, lay.units[1:], list(lay.frozen)
         )
         bufs = tuple(
             p.to(dtype) if b.frozen else m
@@ -58,42 +59,12 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
     return ShardedState(params, state.opt_state, state.step, flay, state.stage, state.buffers)
 
 
-def _like(layout: Any) -> PyTree:
-    """Meta tensors of the layout's leaves (shapes and dtypes only)."""
-    leaves = [torch.empty(s, dtype=d, device="meta") for s, d in zip(layout.shapes, layout.dtypes)]
-    return tree_unflatten(layout.treedef, leaves)
-
-
 def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedState:
     """A full-precision loaded `state` as `shard_state(..., precision=)` would hold it:
     parameters cast to the compute dtype, the loaded values kept as masters."""
-    lay32, stage = state.layout, stage_of(state.stage)
-    full_like = _like(lay32) if stage.shards_params else state.params
-    cast = compute_params(full_like, precision, stage)
-    lay = build_layout(cast, mesh.size, lay32.kind, lay32.units[1:], list(lay32.frozen))
-    if not needs_master(precision, lay, stage):
-        return dataclasses.replace(state, precision=precision)
-    mlay, full32 = master_layout(lay, full_like, precision.master_dtype)
-    if stage.shards_params:
-        params: PyTree = Shards(
-            tuple(x.to(b.dtype) for x, b in zip(state.params.buffers, lay.buckets)), lay, mesh.rank
-        )
-        master: PyTree = Shards(
-            tuple(
-                x.new_empty(0) if b.frozen else x.to(m.dtype)
-                for x, b, m in zip(state.params.buffers, lay.buckets, mlay.buckets)
-            ),
-            mlay,
-            mesh.rank,
-        )
-    else:
-        params = lay.unflatten(lay.flatten(cast))
-        trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
-        master = (
-            Shards(mlay.shard(trainable, mesh.rank), mlay, mesh.rank)
-            if stage.shards_optimizer
-            else trainable
-        )
+    params, lay, master = mixed(
+        state.params, state.layout, stage_of(state.stage), precision, mesh.rank
+    )
     return dataclasses.replace(state, params=params, layout=lay, master=master, precision=precision)
 
 

@@ -1,17 +1,15 @@
-"""Consolidated export to, and import from, plain torch model and torch.optim state dicts."""
+"""Import from plain torch model and torch.optim state dicts; the order torch numbers leaves."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import optree
 import torch
 
-from .. import _comm
 from .._layout import ShardLayout, build_layout
 from .._mesh import Mesh
-from .._stages import STAGES, Stage, stage_of
+from .._stages import STAGES, stage_of
 from .._state import ShardedState, _frozen_leaves
 from .._tree import NAMESPACE, PyTree, leaf_paths, tree_flatten, tree_unflatten
 from ..optim import Optimizer
@@ -22,8 +20,6 @@ from ._schema import (
     Local,
     Schema,
     agree,
-    elem_slice,
-    local_view,
     merge,
     pieces_of,
     report,
@@ -59,162 +55,6 @@ def natural_order(layout: ShardLayout) -> list[int]:
 
     visit(tree_unflatten(layout.treedef, list(range(len(layout.paths)))))
     return out
-
-
-def _scalar_dtype() -> torch.dtype:
-    # torch.optim's own choice for its "step" tensors.
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def export_torch(
-    state: ShardedState,
-    path: str | None,
-    mesh: Mesh,
-    hyperparams: dict[str, Any] | None,
-    aliases: dict[str, str] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path."""
-    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
-    error, rep, local = None, None, None
-    try:
-        local = local_view(state.opt_state, lay, stage, rank)
-        rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
-    except Exception as exc:
-        error = exc
-    schema = merge(agree(error, rep, mesh, "checkpoint.export_torch"))
-    assert local is not None
-    pieces = _piece_values(local, schema, stage, mesh)
-    params, elems = _gather_leaves(state, local, schema, mesh)
-    error, out = None, None
-    if rank == 0:
-        try:
-            out = _to_torch(lay, schema, local, params, elems, pieces, hyperparams)
-            model_sd = out[0]
-            if state.buffers is not None:  # a plain state_dict holds buffers too
-                for name, buf in zip(leaf_paths(state.buffers), tree_flatten(state.buffers)[0]):
-                    model_sd[name] = buf.detach().clone()
-            for name, canonical in (aliases or {}).items():  # tied weights: every name
-                if name not in model_sd and canonical in model_sd:
-                    model_sd[name] = model_sd[canonical]
-            if path is not None:
-                _write_atomically(out, os.fspath(path))
-        except Exception as exc:
-            error = exc
-    agree(error, None, mesh, "checkpoint.export_torch")
-    return out
-
-
-def _gather_leaves(
-    state: ShardedState, local: Local, schema: Schema, mesh: Mesh
-) -> tuple[dict[int, torch.Tensor], dict[tuple[int, int], torch.Tensor]]:
-    """On rank 0: leaf -> parameter, (entry, leaf) -> elementwise optimizer state.
-
-    Bucket by bucket, unit by unit: a rank holds one bucket's full buffer at a time
-    besides rank 0's output. Replicated values (parameters at stages 0-2, all of stage 0's
-    optimizer state) are read where they are, without communication.
-    """
-    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
-    params: dict[int, torch.Tensor] = {}
-    elems: dict[tuple[int, int], torch.Tensor] = {}
-    replicated = None if stage.shards_params else tree_flatten(state.params)[0]
-    piece_of = {p.leaf: pi for pi, p in enumerate(local.pieces)}
-    for unit in lay.units:
-        for k in lay.unit_buckets(unit):
-            b = lay.buckets[k]
-            full = _comm.all_gather(state.params.buffers[k], mesh) if replicated is None else None
-            for s in b.slots if rank == 0 else ():
-                leaf = replicated[s.index] if full is None else full[s.offset : s.offset + s.numel]
-                params[s.index] = leaf.detach().reshape(s.shape).clone()
-            del full
-            for j, e in enumerate(schema.entries):
-                if b.frozen or e.kind != "elem":
-                    continue
-                key = (e.node, e.sub)
-                if not stage.shards_optimizer:
-                    values = dict(local.occ.get(key, ()))
-                    for s in b.slots if rank == 0 else ():
-                        if piece_of[s.index] in values:
-                            elems[j, s.index] = values[piece_of[s.index]].detach().clone()
-                    continue
-                lo = rank * b.shard_numel
-                shard = elem_slice(local, key, e, b, k, lo, lo + b.shard_numel)
-                full_e = _comm.all_gather(shard, mesh)
-                for s in b.slots if rank == 0 else ():
-                    cut = full_e[s.offset : s.offset + s.numel]
-                    elems[j, s.index] = cut.reshape(s.shape).clone()
-    return params, elems
-
-
-def _piece_values(
-    local: Local, schema: Schema, stage: Stage, mesh: Mesh
-) -> dict[tuple[int, str], torch.Tensor]:
-    """(entry, owner) -> per-piece value, on rank 0. These are small (steps, factors)."""
-    mine = {}
-    for j, e in enumerate(schema.entries):
-        if e.kind == "piece" and (stage.shards_optimizer or mesh.rank == 0):
-            for pi, value in local.occ.get((e.node, e.sub), ()):
-                mine[j, local.pieces[pi].owner] = value.detach().clone()
-    if not stage.shards_optimizer or not any(e.kind == "piece" for e in schema.entries):
-        return mine
-    return {k: v for part in _comm.all_gather_object(mine, mesh) for k, v in part.items()}
-
-
-def _to_torch(
-    lay: ShardLayout,
-    schema: Schema,
-    local: Local,
-    params: dict[int, torch.Tensor],
-    elems: dict[tuple[int, int], torch.Tensor],
-    pieces: dict[tuple[int, str], torch.Tensor],
-    hyperparams: dict[str, Any] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    order = natural_order(lay)
-    trainable = [i for i in order if not lay.frozen[i]]
-    model = {lay.paths[i]: params[i] for i in order}
-
-    def value(j: int, i: int) -> torch.Tensor:
-        e = schema.entries[j]
-        if e.kind == "elem":
-            return elems[j, i]
-        if (j, f"l{i}") in pieces:
-            return pieces[j, f"l{i}"]
-        if e.uniform:
-            return next(v for (jj, _), v in pieces.items() if jj == j).clone()
-        raise CheckpointError(
-            f"optimizer state {e.name!r} is kept per flat shard and differs between shards: "
-            "it has no per-parameter form (export from layout='tensor')"
-        )
-
-    count = int(local.globals["count"]) if "count" in local.globals else 0
-    states: dict[int, dict[str, Any]] = {}
-    for idx, i in enumerate(trainable):
-        if schema.kind in ("AdamState", "SgdState"):
-            names = _ADAM if schema.kind == "AdamState" else _SGD
-            st = {names[e.node]: value(j, i) for j, e in enumerate(schema.entries) if count}
-            if st and schema.kind == "AdamState":
-                st = {"step": torch.tensor(float(count), dtype=_scalar_dtype()), **st}
-        elif schema.nodes == ("",) and schema.kind in ("tuple", "dict", "list"):
-            st = {e.sub: value(j, i) for j, e in enumerate(schema.entries) if i in e.present}
-        else:
-            raise CheckpointError(
-                f"export_torch maps fzero.optim adam/adamw/sgd and from_torch states to "
-                f"torch.optim's format; this state is a {schema.kind}"
-            )
-        states[idx] = st
-    group = {**(hyperparams or {}), "params": list(range(len(trainable)))}
-    return model, {"state": states, "param_groups": [group]}
-
-
-def _write_atomically(obj: Any, path: str) -> None:
-    from ._disk import fsync_dir
-
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save({"model": obj[0], "optimizer": obj[1]}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 class DictSource:
