@@ -97,10 +97,10 @@ def export_torch(
         do not expose theirs, and torch's `Optimizer.load_state_dict` replaces a group's
         hyper-parameters by the saved ones, so pass the full set, e.g.
         `torch.optim.AdamW([torch.zeros(1)], lr=1e-2, weight_decay=0.1).defaults`.
-      module: the model, if it ties weights: every name of a tied parameter (e.g. both
-        "tok.weight" and "head.weight") then appears in the model dict, as in
-        `module.state_dict()`, so `load_state_dict(strict=True)` accepts it. The state's
-        buffers, if any, are always included.
+      module: the model, so the model dict names what `module.state_dict()` does: every
+        name of a tied parameter (e.g. both "tok.weight" and "head.weight"), and the
+        state's buffers less the non-persistent ones, so `load_state_dict(strict=True)`
+        accepts it. Without it, every buffer of the state is included.
 
     Returns:
       Without `path`, `(model_state_dict, optim_state_dict)` on rank 0; otherwise None.
@@ -108,7 +108,7 @@ def export_torch(
     _check_state(state, mesh, "checkpoint.export_torch")
     # Under mixed precision the export is the masters: the weights at full precision.
     full = _full_precision(state, mesh)
-    return _export_torch(full, path, mesh, hyperparams, _aliases(module))
+    return _export_torch(full, path, mesh, hyperparams, *_names(module))
 
 
 def export_safetensors(
@@ -133,20 +133,28 @@ def export_safetensors(
       state: this rank's ShardedState.
       path: the file rank 0 writes (atomically: temporary file, fsync, rename).
       mesh: the mesh.
-      module: the model, if it ties weights: every name of a tied tensor is written (the
-        bytes repeated), so `load_state_dict(strict=True)` accepts the file.
+      module: the model, so the file names what `module.state_dict()` does: every name of
+        a tied tensor (the bytes repeated), and no non-persistent buffer, so
+        `load_state_dict(strict=True)` accepts it. Without it, every buffer is written.
       dtype: the dtype weights are written in (e.g. torch.bfloat16); None keeps theirs.
         Buffers keep their dtype.
       metadata: string pairs for the header's `__metadata__` (e.g. {"format": "pt"}).
     """
     _check_state(state, mesh, "checkpoint.export_safetensors")
     full = _full_precision(state, mesh)
-    _export_safetensors(full, path, mesh, _aliases(module), dtype, metadata)
+    _export_safetensors(full, path, mesh, *_names(module), dtype, metadata)
 
 
-def _aliases(module: nn.Module | None) -> dict[str, str] | None:
-    """Tied weights: every name of a parameter -> the name its leaf has."""
+def _names(module: nn.Module | None) -> tuple[dict[str, str] | None, frozenset[str]]:
+    """What `module.state_dict()` would name: every name of a tied parameter (-> the name
+    its leaf has), and the buffers it leaves out (non-persistent ones)."""
     if module is None:
-        return None
+        return None, frozenset()
     canonical = {id(p): name for name, p in module.named_parameters()}
-    return {name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
+    aliases = {n: canonical[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+    transient = frozenset(
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in module.named_modules()
+        for b in m._non_persistent_buffers_set
+    )
+    return aliases, transient

@@ -41,8 +41,10 @@ def export_torch(
     mesh: Mesh,
     hyperparams: dict[str, Any] | None,
     aliases: dict[str, str] | None = None,
+    transient: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path."""
+    """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path,
+    `transient` names buffers left out (non-persistent)."""
     lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
     error, rep, local = None, None, None
     try:
@@ -58,7 +60,8 @@ def export_torch(
         model_sd, optim_sd = _to_torch(lay, schema, local, params, elems, pieces, hyperparams)
         if state.buffers is not None:  # a plain state_dict holds buffers too
             for name, buf in zip(leaf_paths(state.buffers), tree_flatten(state.buffers)[0]):
-                model_sd[name] = buf.detach().clone()
+                if name not in transient:
+                    model_sd[name] = buf.detach().clone()
         for name, canonical in (aliases or {}).items():  # tied weights: every name
             if name not in model_sd and canonical in model_sd:
                 model_sd[name] = model_sd[canonical]
@@ -250,6 +253,7 @@ def export_safetensors(
     path: str,
     mesh: Mesh,
     aliases: dict[str, str] | None,
+    transient: frozenset[str],
     dtype: torch.dtype | None,
     metadata: dict[str, str] | None,
 ) -> None:
@@ -270,7 +274,8 @@ def export_safetensors(
             buffers = {}
             if state.buffers is not None:
                 leaves = tree_flatten(state.buffers)[0]
-                buffers = dict(zip(leaf_paths(state.buffers), leaves))
+                named = zip(leaf_paths(state.buffers), leaves)
+                buffers = {n: b for n, b in named if n not in transient}
                 specs.update({n: (b.dtype, tuple(b.shape)) for n, b in buffers.items()})
             writer = safetensors_writer(os.fspath(path), specs, metadata or {})
             for n, b in buffers.items():
