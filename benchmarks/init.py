@@ -81,6 +81,14 @@ def rank(mesh: fzero.Mesh, work: str) -> dict[str, Any]:
         out[name] = (rise, time.perf_counter() - t0)
         return result
 
+    sgd = fzero.optim.sgd(1e-3)
+    measure(
+        "from_module, parameters only (plain SGD: no optimizer state)",
+        lambda: fzero.shard_state(
+            dict(meta.named_parameters()), sgd, mesh, stage=3, units=units(),
+            init=fzero.init.from_module(meta, seed=0),
+        ),
+    )  # fmt: skip
     state = measure("from_module", deferred(fzero.init.from_module(meta, seed=0)))
     measure("export_safetensors", lambda: fzero.checkpoint.export_safetensors(state, file, mesh))
     measure("from_file (safetensors)", deferred(fzero.init.from_file(file)))

@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)

@@ -1,6 +1,7 @@
 """Deferred init and streaming files: values equal to eager construction, files equal to
 what plain torch and safetensors write and read, memory bounded (measured on the ranks)."""
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -430,8 +431,9 @@ def setup_rise(mesh: fzero.Mesh, how: str, file: str) -> tuple[int, int]:
         params = dict(stack().named_parameters())
 
     def make() -> fzero.ShardedState:
-        if how == "load":
-            return fzero.checkpoint.load(file, mesh, fzero.optim.sgd(1e-2), params, stage=3)
+        if how.startswith("load"):
+            opt = fzero.optim.adam(1e-3) if how == "load-adam" else fzero.optim.sgd(1e-2)
+            return fzero.checkpoint.load(file, mesh, opt, params, stage=3)
         init = {"module": fzero.init.from_module(m), "file": fzero.init.from_file(file)}.get(how)
         return fzero.shard_state(
             params, fzero.optim.sgd(1e-2), mesh, stage=3, units=units, init=init
@@ -466,19 +468,59 @@ def test_setup_load_and_export_stay_within_shards_plus_two_units(tmp_path: Path)
     for setup, _ in run(world, setup_rise, "file", st_file):
         assert setup <= bound, (setup, bound)
 
-    def save(mesh: fzero.Mesh) -> None:
+    def save(mesh: fzero.Mesh, opt: Any, path: str) -> None:
         m = stack()
-        s = fzero.shard_state(
-            dict(m.named_parameters()),
-            fzero.optim.sgd(1e-2),
-            mesh,
-            stage=3,
-            units=[str(i) for i in range(DEPTH)],
-        )
-        fzero.checkpoint.save(s, ck_dir, mesh)
+        units = [str(i) for i in range(DEPTH)]
+        s = fzero.shard_state(dict(m.named_parameters()), opt, mesh, stage=3, units=units)
+        fzero.checkpoint.save(s, path, mesh)
 
-    run(world, save)
+    run(world, save, fzero.optim.sgd(1e-2), ck_dir)
     for setup, _ in run(world, setup_rise, "load", ck_dir):
         assert setup <= bound, (setup, bound)
+    # With Adam the moments load too (B per rank here), each into its place: once.
+    run(world, save, fzero.optim.adam(1e-3), ck_dir + "-adam")
+    for setup, _ in run(world, setup_rise, "load-adam", ck_dir + "-adam"):
+        assert setup <= bound + B, (setup, bound + B)
     for setup, _ in run(world, setup_rise, "eager", ""):  # the control fails the bound
         assert setup > B, (setup, B)
+
+
+# --- the example: torchrun, a capped address space, a safetensors export, plain torch ----
+
+
+def test_big_model_example_trains_exports_and_loads_in_plain_torch(tmp_path: Path) -> None:
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    script, out = root / "examples" / "big_model.py", tmp_path / "m.safetensors"
+    size = ["--vocab=256", "--width=64", "--layers=3", "--heads=4", "--seq=16"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--max-restarts=0",
+        str(script),
+        *size,
+        f"--out={out}",
+    ]
+    run_ = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run_.returncode == 0, run_.stdout[-2000:] + run_.stderr[-3000:]
+    assert "capped at 0.75" in run_.stdout and out.exists()
+    check = subprocess.run(
+        [sys.executable, str(script), *size, f"--check={out}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr[-3000:]
+    trained = re.search(r"(\d+) tensors trained", check.stdout)
+    assert trained and int(trained.group(1)) > 0, check.stdout

@@ -149,7 +149,9 @@ class _Filler:
                     f"optimizer state {node!r} of {self._name(piece)} is saved as "
                     f"{tuple(value.shape)} {value.dtype}, expected {tuple(like.shape)} {like.dtype}"
                 )
-            return value
+            # Into the freshly initialised tensor, not beside it: a load then never holds
+            # the optimizer state twice (zeros and saved values), only one piece extra.
+            return like.copy_(value)
         if isinstance(like, dict):
             out = dict(like)
             for j, e in enumerate(self.schema.entries):
