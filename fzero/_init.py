@@ -9,6 +9,7 @@ No rank ever holds the whole model, and no rank needs another's values.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
@@ -17,21 +18,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._tensorfile import TensorFile, _bytes
+from ._tensorfile import TensorFile, as_bytes
 
 # leaf path -> [(lo, hi, out)]: elements [lo, hi) of the flattened leaf go into `out`.
 Wants = dict[str, list[tuple[int, int, torch.Tensor]]]
 
 
-class Init:
+class Init(abc.ABC):
     """Makes or reads parameter and buffer values for `shard_state(..., init=)`."""
 
     device: torch.device
 
+    @abc.abstractmethod
     def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
         """Fills every range in `wants`; checks it can make every leaf of `likes` (meta
         tensors: paths, shapes, dtypes). Returns digests that every rank must agree on."""
-        raise NotImplementedError
 
 
 def deliver(path: str, value: torch.Tensor, wants: Wants, like: torch.Tensor, what: str) -> None:
@@ -49,7 +50,7 @@ def deliver(path: str, value: torch.Tensor, wants: Wants, like: torch.Tensor, wh
 
 
 def digest(value: torch.Tensor) -> str:
-    return hashlib.blake2b(_bytes(value.detach().cpu().contiguous()), digest_size=8).hexdigest()
+    return hashlib.blake2b(as_bytes(value.detach().cpu().contiguous()), digest_size=8).hexdigest()
 
 
 def _leaf_seed(seed: int, path: str) -> int:

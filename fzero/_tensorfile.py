@@ -56,7 +56,7 @@ class Entry:
         return n
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (any dtype, bfloat16 too)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -103,7 +103,7 @@ class TensorFile:
         return out
 
     def _readinto(self, offset: int, dst: torch.Tensor) -> None:
-        view, done = _bytes(dst), 0
+        view, done = as_bytes(dst), 0
         self._file.seek(offset)
         while done < len(view):
             n = self._file.readinto(view[done:])
@@ -184,7 +184,7 @@ class OffsetWriter:
         """Writes `values` as elements lo, lo+1, ... of tensor `key`."""
         offset, dtype = self.offsets[key]
         data = values.detach().reshape(-1).to("cpu", dtype).contiguous()
-        view, done = _bytes(data), 0
+        view, done = as_bytes(data), 0
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], offset + lo * dtype.itemsize + done)
 

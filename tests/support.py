@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,3 +183,16 @@ def peak_rss_rise() -> Iterator[dict[str, int]]:
     out = {"before": status()["VmRSS"]}
     yield out
     out["rise"] = status()["VmHWM"] - out["before"]
+
+
+def errors_on_every_rank(world_size: int, fn: Callable[[fzero.Mesh], Any]) -> list[str]:
+    """Runs `fn` on every rank; each rank must raise, and returns "Type: message" instead."""
+
+    def catch(mesh: fzero.Mesh) -> str:
+        try:
+            fn(mesh)
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    return run(world_size, catch)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from support import run
+from support import errors_on_every_rank, run
 
 import fzero
 from fzero import optim
@@ -47,19 +47,6 @@ def _loss(params: dict[str, Any], batch: torch.Tensor) -> torch.Tensor:
 
 def _batch() -> torch.Tensor:
     return torch.linspace(-1, 1, 8, dtype=F64).reshape(4, 2)
-
-
-def _errors_on_every_rank(world_size: int, fn: Callable[[fzero.Mesh], Any]) -> list[str]:
-    """Runs `fn` on every rank; each rank must raise, and returns "Type: message" instead."""
-
-    def catch(mesh: fzero.Mesh) -> str:
-        try:
-            fn(mesh)
-        except (TypeError, ValueError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "no error"
-
-    return run(world_size, catch)
 
 
 # --- params that are not a pytree of floating-point tensors ---------------------------------
@@ -100,7 +87,7 @@ def test_invalid_params_on_one_rank_raise_on_every_rank_naming_it() -> None:
         bad = torch.ones(2, 3, dtype=torch.int32) if mesh.rank == 1 else torch.ones(2, 3, dtype=F64)
         fzero.shard_state(_params(layers__0__w=bad), optim.sgd(lr=0.1), mesh, stage=1)
 
-    for message in _errors_on_every_rank(3, fn):
+    for message in errors_on_every_rank(3, fn):
         assert message.startswith("TypeError: shard_state: rank 1:"), message
         assert "'layers.0.w' has dtype torch.int32" in message
 
@@ -194,7 +181,7 @@ def test_ranks_with_different_params_fail_on_every_rank(
         params = rank2_params if mesh.rank == 2 else _params()
         fzero.shard_state(params, optim.adam(lr=0.1), mesh, stage=stage)
 
-    for message in _errors_on_every_rank(3, fn):
+    for message in errors_on_every_rank(3, fn):
         assert message == f"ValueError: shard_state: {expected}"
 
 
@@ -202,7 +189,7 @@ def test_ranks_asking_for_different_stages_fail_on_every_rank() -> None:
     def fn(mesh: fzero.Mesh) -> None:
         fzero.shard_state(_params(), optim.sgd(lr=0.1), mesh, stage=2 if mesh.rank == 1 else 0)
 
-    for message in _errors_on_every_rank(3, fn):
+    for message in errors_on_every_rank(3, fn):
         assert message == "ValueError: shard_state: rank 1 asked for stage 2, rank 0 for 0"
 
 
@@ -211,7 +198,7 @@ def test_ranks_asking_for_different_layouts_fail_on_every_rank() -> None:
         layout = "tensor" if mesh.rank == 1 else "flat"
         fzero.shard_state(_params(), optim.sgd(lr=0.1), mesh, stage=1, layout=layout)
 
-    for message in _errors_on_every_rank(2, fn):
+    for message in errors_on_every_rank(2, fn):
         assert message.startswith("ValueError: shard_state: rank 1"), message
         assert "'tensor'" in message and "'flat'" in message
 

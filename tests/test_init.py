@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from support import map_every_allocation, peak_rss_rise, run
+from support import errors_on_every_rank, map_every_allocation, peak_rss_rise, run
 from torch import nn
 from torch.func import functional_call
 
@@ -312,17 +312,6 @@ class LazyBuffer(nn.Linear):
         self.register_buffer("table", torch.arange(3.0), persistent=False)  # not in reset
 
 
-def errors(world: int, make: Any) -> list[str]:
-    def fn(mesh: fzero.Mesh) -> str:
-        try:
-            make(mesh)
-        except (ValueError, TypeError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "no error"
-
-    return run(world, fn)
-
-
 def test_bad_inits_fail_clearly_on_every_rank(tmp_path: Path) -> None:
     def meta(cls: type[nn.Module]) -> nn.Module:
         with torch.device("meta"):
@@ -338,7 +327,7 @@ def test_bad_inits_fail_clearly_on_every_rank(tmp_path: Path) -> None:
             init=fzero.init.from_module(m),
         )
 
-    for msg in errors(2, no_reset):
+    for msg in errors_on_every_rank(2, no_reset):
         assert "'<root>' (NoReset) owns ['scale']" in msg and "reset_parameters" in msg
 
     def fixed(mesh: fzero.Mesh) -> None:  # a per-type init mends it
@@ -349,7 +338,7 @@ def test_bad_inits_fail_clearly_on_every_rank(tmp_path: Path) -> None:
         )
         assert torch.equal(s.params["scale"], torch.full((3,), 2.0))
 
-    assert errors(2, fixed) == ["no error"] * 2
+    assert errors_on_every_rank(2, fixed) == ["no error"] * 2
 
     def unwritten(mesh: fzero.Mesh) -> None:
         m = meta(LazyBuffer)
@@ -362,13 +351,13 @@ def test_bad_inits_fail_clearly_on_every_rank(tmp_path: Path) -> None:
             init=fzero.init.from_module(m),
         )
 
-    for msg in errors(2, unwritten):
+    for msg in errors_on_every_rank(2, unwritten):
         assert "left 'table' unwritten" in msg
 
     def no_init(mesh: fzero.Mesh) -> None:
         fzero.shard_state({"w": torch.empty(3, device="meta")}, fzero.optim.sgd(), mesh, stage=3)
 
-    for msg in errors(2, no_init):
+    for msg in errors_on_every_rank(2, no_init):
         assert "'w' is on the meta device" in msg and "init=" in msg
 
     def rank_dependent(mesh: fzero.Mesh) -> None:
@@ -377,7 +366,7 @@ def test_bad_inits_fail_clearly_on_every_rank(tmp_path: Path) -> None:
             {"w": torch.empty(4, device="meta")}, fzero.optim.sgd(), mesh, stage=1, init=init
         )
 
-    for msg in errors(3, rank_dependent):
+    for msg in errors_on_every_rank(3, rank_dependent):
         assert "init made other values than rank 0's for 'w'" in msg
 
     save_file({"w": torch.zeros(4)}, str(tmp_path / "f.safetensors"))
@@ -392,7 +381,7 @@ def test_bad_inits_fail_clearly_on_every_rank(tmp_path: Path) -> None:
             init=fzero.init.from_file(tmp_path / "f.safetensors"),
         )
 
-    for msg in errors(2, missing_key):
+    for msg in errors_on_every_rank(2, missing_key):
         assert "has no tensor 'v'" in msg
 
     def wrong_shape(mesh: fzero.Mesh) -> None:
@@ -404,7 +393,7 @@ def test_bad_inits_fail_clearly_on_every_rank(tmp_path: Path) -> None:
             init=fzero.init.from_file(tmp_path / "f.safetensors"),
         )
 
-    for msg in errors(2, wrong_shape):
+    for msg in errors_on_every_rank(2, wrong_shape):
         assert "holds 'w' with shape (4,)" in msg
 
 
