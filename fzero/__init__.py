@@ -24,6 +24,7 @@ from ._memory import memory_report as memory_report
 from ._mesh import Mesh as Mesh
 from ._mesh import ProcessGroupMesh as ProcessGroupMesh
 from ._precision import Precision as Precision
+from ._quant import QuantizedComm as QuantizedComm
 from ._remat import remat as remat
 from ._scale import DynamicLossScale as DynamicLossScale
 from ._scale import LossScaleState as LossScaleState

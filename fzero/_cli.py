@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ._memory import estimate_memory
+from ._traffic import estimate_comm
 
 # What the ZeRO paper calls each stage (arXiv 1910.02054, Table 1: P_os, P_os+g, P_os+g+p).
 STAGE_NAMES = {0: "DDP", 1: "+optim", 2: "+grads", 3: "+params"}
@@ -173,6 +174,50 @@ def estimate_table(
     return lines
 
 
+def comm_table(args: argparse.Namespace) -> list[str]:
+    """Communication per rank per step, inside / across groups, by world size and stage."""
+    shape = (
+        f"groups of {args.shard_size} shard, the groups replicate"
+        if args.shard_size
+        else ("sharded over all ranks" + (f", hpZ groups of {args.hpz}" if args.hpz else ""))
+    )
+    quant = [name for name, on in (("qwZ", args.qwz), ("qgZ", args.qgz)) if on]
+    out = [
+        f"Communication per rank per step, inside / across groups ({shape}"
+        f"{'; ' + ' + '.join(quant) + ' int8' if quant else ''}; "
+        f"{args.comm_bytes:g} bytes per element otherwise):",
+    ]
+    heads = [f"stage {s}" for s in args.stages]
+    rows = []
+    for n in args.world_sizes:
+        if (args.shard_size and n % args.shard_size) or (args.hpz and n % args.hpz):
+            continue
+        cells = []
+        for s in args.stages:
+            t = estimate_comm(
+                args.params,
+                n,
+                s,
+                shard_size=args.shard_size,
+                hpz=args.hpz if s == 3 else None,
+                qwz=args.qwz,
+                qgz=args.qgz,
+                elem_bytes=args.comm_bytes,
+            )
+            cells.append(f"{human_bytes(t.inside, args.unit)} / {human_bytes(t.across, args.unit)}")
+        rows.append((n, cells))
+    widths = (
+        [max(len(h), *(len(c[i]) for _, c in rows)) for i, h in enumerate(heads)] if rows else []
+    )
+    out.append("world size  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths)))
+    out += [f"{n:>10,}  " + "  ".join(c.rjust(w) for c, w in zip(cs, widths)) for n, cs in rows]
+    out.append(
+        "ZeRO++ (arXiv 2306.10209): HSDP sends 2Ψ/S across groups; ZeRO-3 over every rank 3Ψ, "
+        "hpZ 2Ψ (its backward gathers stay inside), qwZ and qgZ carry 1 + 4/256 bytes an element."
+    )
+    return out
+
+
 def _estimate(args: argparse.Namespace) -> int:
     def b(x: float) -> str:
         return f"{x:g}"
@@ -196,6 +241,8 @@ def _estimate(args: argparse.Namespace) -> int:
         f"(params + grads + optimizer state{': mixed-precision Adam' if adam else ''})\n"
     )
     print("\n".join(lines))
+    if args.shard_size or args.hpz or args.qwz or args.qgz:  # the mesh shape was asked about
+        print("\n".join(["", *comm_table(args)]))
     print(
         "\nZeRO (arXiv 1910.02054, section 5): stage 1 shards the optimizer state, stage 2 also "
         "the\ngradients, stage 3 also the parameters. Activations and buffers are not counted."
@@ -321,6 +368,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--optim-bytes", type=_nonnegative_float, default=12.0, help="12: fp32 master + Adam"
     )
     est.add_argument("--unit", choices=["auto", *_UNITS], default="auto")
+    est.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="S",
+        help="a 2-D mesh: groups of S ranks shard, the groups replicate (HSDP)",
+    )
+    est.add_argument(
+        "--hpz",
+        type=int,
+        default=None,
+        metavar="K",
+        help="stage 3's backward gathers from a copy inside groups of K (hpZ)",
+    )
+    est.add_argument("--qwz", action="store_true", help="int8 parameter gathers (stage 3)")
+    est.add_argument("--qgz", action="store_true", help="int8 gradient reduce-scatters")
+    est.add_argument(
+        "--comm-bytes",
+        type=_nonnegative_float,
+        default=2.0,
+        help="bytes per element communicated (2: bf16)",
+    )
     sub.add_parser(
         "bench",
         add_help=False,  # --help goes to benchmarks/run.py, which owns the flags

@@ -28,7 +28,7 @@ def materialize(
     Collective: raises on every rank if any rank's init failed, made other values than
     rank 0's, or made values that overflow the precision's dtypes.
     """
-    rank, error, digests = mesh.rank, None, {}
+    rank, error, digests = mesh.shard_rank, None, {}
     flats: tuple[torch.Tensor, ...] = ()
     try:
         flats, buffers, digests = _fill(init, layout, rank, stage.shards_params, buffers)

@@ -78,6 +78,8 @@ class Engine:
                 layout,
                 self.inputs,
                 dtype=schedule.gather_dtype,
+                quant=schedule.quant_gather,
+                secondary=schedule.secondary,
                 prefetch=schedule.prefetch,
                 reshard=schedule.reshard,
                 order=order,

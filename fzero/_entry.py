@@ -43,6 +43,7 @@ class Call:
     held: list[torch.Tensor | None] = field(default_factory=list)
     followed: list[Any] = field(default_factory=list)  # weak references to dropped buffers
     refill: list[Any] = field(default_factory=list)  # (bucket position, full, work) in flight
+    secondary: list[torch.Tensor] = field(default_factory=list)  # hpZ: this rank's 1/k slices
     # An entry inside the backward (a checkpoint's recompute) is the twin of the forward's
     # latest entry of the unit: the same parameters, and no gradient of its own.
     twin: Call | None = None

@@ -87,10 +87,10 @@ def gather_params(params: PyTree, mesh: Mesh, *, unit: str | None = None) -> PyT
     if not isinstance(params, Shards):
         return params if unit is None else subtree(params, unit)
     layout = params.layout
-    if layout.world_size != mesh.size or params.rank != mesh.rank:
+    if layout.world_size != mesh.shard_size or params.rank != mesh.shard_rank:
         raise ValueError(
             f"shards of rank {params.rank} of {layout.world_size} cannot be gathered on "
-            f"rank {mesh.rank} of {mesh.size}"
+            f"rank {mesh.rank} (shard {mesh.shard_rank} of {mesh.shard_size})"
         )
     if unit is None:
         call = Call("", tuple(range(len(layout.buckets))))

@@ -12,6 +12,12 @@ the loss lets go of it (reference counting, as in JAX). The backward gathers it 
 (`unpack`), in one order on every rank (`regather_through`). Units entered before the
 forward (the root, containers, everything without just-in-time entry) stay gathered
 until their gradient is reduced.
+
+hpZ (`secondary`): as a resharded unit is gathered, each rank keeps its 1/k slice of the
+full buffer, and the backward gathers it again from those slices along the secondary
+axis (k ranks inside a group) instead of from the shards across the whole shard axis.
+qwZ (`quant`): the shards travel as int8 blocks; the secondary copy is cut from what
+the forward computed with, so the backward sees the same values.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _comm
 from ._entry import Call, in_backward
 from ._layout import ShardLayout
-from ._mesh import Mesh
+from ._mesh import Axis, Mesh
 from ._unit_ledger import UnitLedger
 
 
@@ -93,6 +99,8 @@ class Gathers:
         shards: tuple[torch.Tensor, ...],
         *,
         dtype: torch.dtype | None,
+        quant: int | None = None,
+        secondary: Axis | None = None,
         prefetch: bool,
         reshard: bool,
         order: list[str],
@@ -101,6 +109,7 @@ class Gathers:
     ) -> None:
         self.mesh, self.layout, self.shards = mesh, layout, shards
         self.dtype, self.prefetch, self.reshard = dtype, prefetch, reshard
+        self.quant, self.secondary = quant, secondary
         self.order = order  # just-in-time units in last step's call order (same on every rank)
         self.ledger = ledger
         self.before = before  # waits for the call check before a backward collective
@@ -120,6 +129,8 @@ class Gathers:
         if jit and self.reshard and not in_backward():
             # Followed, not held: the forward's references decide when it is freed.
             call.held = [None] * len(fulls)
+            if self.secondary is not None:
+                call.secondary = [self._slice(f) for f in fulls]
             call.followed = [weakref.ref(f) for f in fulls]
             for k, f in enumerate(fulls):
                 if f.numel():
@@ -142,8 +153,29 @@ class Gathers:
         self.before()  # a gather inside the backward (a recompute) comes after the check
         return [self._gather(i, unit) for i in self.layout.unit_buckets(unit)]
 
-    def _gather(self, i: int, unit: str) -> tuple[torch.Tensor, Any]:
-        full, work = _comm.all_gather_async(self.shards[i].detach(), self.mesh, dtype=self.dtype)
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/k of a gathered buffer, kept for the backward (hpZ)."""
+        ax = self.secondary
+        assert ax is not None
+        n = full.numel() // ax.size
+        return full.narrow(0, ax.rank * n, n).clone()
+
+    def _gather(
+        self, i: int, unit: str, call: Call | None = None, k: int = 0
+    ) -> tuple[torch.Tensor, Any]:
+        if call is not None and self.secondary is not None:
+            # hpZ: from the slices kept at the forward, inside the group; exact values
+            # (no quantization or dtype again: they are what the forward computed with).
+            part = call.secondary[k]
+            full, work = _comm.all_gather_async(part, self.secondary)
+        else:
+            full, work = _comm.all_gather_async(
+                self.shards[i].detach(),
+                self.mesh,
+                dtype=self.dtype,
+                quant=self.quant,
+                what=f"rank {self.mesh.rank}: the parameters of unit {unit!r}",
+            )
         if self.ledger is not None:
             counted = self.counted[full] = _Counted(self.ledger, unit, full)
             weakref.finalize(full, counted.close)
@@ -227,7 +259,9 @@ class Gathers:
             call = self.followed[self.turn]
             self.turn -= 1
             self.before()
-            call.refill = [(k, *self._gather(j, call.unit)) for k, j in enumerate(call.buckets)]
+            call.refill = [
+                (k, *self._gather(j, call.unit, call, k)) for k, j in enumerate(call.buckets)
+            ]
 
     def _wait(self, call: Call) -> None:
         for k, full, work in call.refill:
@@ -235,6 +269,7 @@ class Gathers:
                 work.wait()
             call.held[k] = full
         call.refill = []
+        call.secondary = []
 
     def release(self, call: Call) -> None:
         """Frees a call's parameters once its gradient is reduced: every op that used

@@ -35,7 +35,7 @@ def reduce_scatter_grads(
     _check_mesh(layout, mesh)
     flats = layout.flatten(grads, what="grads")
     call = Call("", tuple(range(len(layout.buckets))))
-    return Shards(Now(layout, mesh, dtype).close(call, flats), layout, mesh.rank)
+    return Shards(Now(layout, mesh, dtype).close(call, flats), layout, mesh.shard_rank)
 
 
 def all_reduce_grads(grads: PyTree, mesh: Mesh) -> PyTree:
@@ -68,9 +68,11 @@ def local_shard(tree: PyTree, layout: ShardLayout, mesh: Mesh) -> Shards:
       Shards with this rank's slice of every bucket.
     """
     _check_mesh(layout, mesh)
-    return Shards(layout.shard(tree, mesh.rank), layout, mesh.rank)
+    return Shards(layout.shard(tree, mesh.shard_rank), layout, mesh.shard_rank)
 
 
 def _check_mesh(layout: ShardLayout, mesh: Mesh) -> None:
-    if layout.world_size != mesh.size:
-        raise ValueError(f"layout is for {layout.world_size} ranks, the mesh has {mesh.size}")
+    if layout.world_size != mesh.shard_size:
+        raise ValueError(
+            f"layout is for {layout.world_size} ranks, the mesh shards over {mesh.shard_size}"
+        )

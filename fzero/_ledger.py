@@ -14,9 +14,10 @@ import torch
 class CommRecord(NamedTuple):
     """One collective: `elements` is its logical volume in the ZeRO paper's accounting."""
 
-    op: str  # "all_gather", "reduce_scatter", "all_reduce" or "broadcast"
+    op: str  # "all_gather", "reduce_scatter", "all_reduce", "all_to_all" or "broadcast"
     dtype: torch.dtype
     elements: int
+    axis: str = "world"  # the mesh axis it ran along (see `fzero.ProcessGroupMesh`)
     control: bool = False  # a step's few bytes of agreement between ranks, not its data
 
     @property
@@ -45,12 +46,26 @@ class CommLedger:
         """The records that move parameters, gradients or buffers (no `control` ones)."""
         return [r for r in self.records if not r.control]
 
-    def by_op(self) -> dict[str, int]:
-        """Logical bytes per `"op:dtype"`, e.g. `{"all_gather:float32": 4096}`."""
+    def by_op(self, data_only: bool = False) -> dict[str, int]:
+        """Logical bytes per `"op:dtype"`, e.g. `{"all_gather:float32": 4096}`; `data_only`
+        leaves the `control` records out."""
         out: dict[str, int] = {}
-        for r in self.records:
+        for r in self.data if data_only else self.records:
             key = f"{r.op}:{str(r.dtype).removeprefix('torch.')}"
             out[key] = out.get(key, 0) + r.nbytes
+        return out
+
+    def by_axis(self, data_only: bool = True) -> dict[str, int]:
+        """Logical bytes per mesh axis, e.g. `{"shard": 4096, "replica": 1024}`.
+
+        On a 2-D mesh (`shard_size=S`) "shard" bytes stay inside a group of S ranks and
+        "replica" (and "world") bytes cross groups; with hpZ (`reshard_after_forward=k`)
+        the backward's "secondary" gathers stay inside a group of k. `data_only` leaves
+        the `control` records out.
+        """
+        out: dict[str, int] = {}
+        for r in self.data if data_only else self.records:
+            out[r.axis] = out.get(r.axis, 0) + r.nbytes
         return out
 
     def clear(self) -> None:
@@ -92,11 +107,13 @@ def comm_ledger() -> Iterator[CommLedger]:
             _OPEN.remove(ledger)
 
 
-def record(op: str, dtype: torch.dtype, elements: int, control: bool = False) -> None:
+def record(
+    op: str, dtype: torch.dtype, elements: int, axis: str = "world", control: bool = False
+) -> None:
     """Adds one collective to every open ledger (called by `_comm` only)."""
     if not _OPEN or not elements:
         return
-    rec = CommRecord(op, dtype, int(elements), control)
+    rec = CommRecord(op, dtype, int(elements), axis, control)
     with _LOCK:
         for ledger in _OPEN:
             ledger.records.append(rec)

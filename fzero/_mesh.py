@@ -1,34 +1,83 @@
-"""Meshes: who the ranks are and which process group carries their collectives."""
+"""Meshes: who the ranks are, how they are arranged, and which process groups carry what.
+
+A mesh of N ranks may be two-dimensional: groups of `shard_size` = S consecutive ranks
+(a node, typically) shard the state among themselves, and the N / S groups hold
+replicas of it (FSDP2's HSDP). Three axes name the process groups collectives run on:
+
+| axis | ranks | carries |
+|---|---|---|
+| `world` | all N | data-parallel control: loss weights, agreement checks |
+| `shard` | the S of this rank's group | all-gathers of shards, reduce-scatters of gradients |
+| `replica` | the N / S holding this rank's shard | the all-reduce of a reduced shard |
+
+S = N (the default) is a one-dimensional mesh: the shard axis is the world and the
+replica axis has one rank. `mesh.rank` and `mesh.size` stay the data-parallel ones
+(which batch is this rank's); the layout of a state asks for `shard_rank`/`shard_size`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
+
+
+class Axis(NamedTuple):
+    """One axis of a mesh: a process group and this rank's place in it.
+
+    Attributes:
+      name: "world", "shard", "replica" or "secondary" (hpZ's in-group copy); the
+        communication ledger files bytes under it.
+      group: the process group (None: the default group).
+      rank: this rank's index along the axis.
+      size: the number of ranks along it.
+    """
+
+    name: str
+    group: Any
+    rank: int
+    size: int
+
+    def global_rank(self, r: int) -> int:
+        """The default group's rank of this axis's rank `r`."""
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
 
 
 @dataclass(frozen=True, eq=False)
 class ProcessGroupMesh:
     """The data-parallel ranks of a `torch.distributed` process group.
 
-    Every fzero collective goes over `group` (gloo on CPU, NCCL on GPU). Under torchrun:
-    `dist.init_process_group(...)` then `mesh = fzero.ProcessGroupMesh()`; `fzero.simulate`
-    builds one per simulated rank.
+    Every fzero collective goes over `group` or its sub-groups (gloo on CPU, NCCL on GPU).
+    Under torchrun: `dist.init_process_group(...)` then `mesh = fzero.ProcessGroupMesh()`;
+    `fzero.simulate` builds one per simulated rank.
 
     Args:
       group: the process group; None means the default (world) group.
+      shard_size: S, the number of consecutive ranks that shard the state among
+        themselves (a node); the N / S groups replicate it (hybrid sharding). None means
+        N: every rank shards. Must divide N and be the same on every rank (a ValueError
+        on every rank otherwise). Creating the sub-groups is collective: every rank of
+        `group` builds its mesh together.
 
     Attributes:
-      rank: this process's rank within `group`.
-      size: the number of ranks in `group`.
+      rank, size: this process's rank within `group`, and the number of ranks (N).
+      shard_rank, shard_size: its place in its group of S, and S.
+      replica_rank, replicas: which group it is in, and N / S.
     """
 
     group: Any = None
+    shard_size: int | None = None
     rank: int = field(init=False)
     size: int = field(init=False)
+    world: Axis = field(init=False, repr=False)
+    shard: Axis = field(init=False, repr=False)
+    replica: Axis = field(init=False, repr=False)
+    _secondary: dict[int, Axis] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        from . import _comm  # the one module that issues collectives
+
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "fzero.ProcessGroupMesh needs an initialised torch.distributed process group: "
@@ -38,17 +87,59 @@ class ProcessGroupMesh:
         rank = dist.get_rank(self.group)
         if rank < 0:
             raise ValueError("this process is not a member of the given process group")
-        object.__setattr__(self, "rank", rank)
-        object.__setattr__(self, "size", dist.get_world_size(self.group))
+        n = dist.get_world_size(self.group)
+        world = Axis("world", self.group, rank, n)
+        s = _comm.agree_shard_size(self.shard_size, world)
+        set_ = object.__setattr__
+        set_(self, "rank", rank)
+        set_(self, "size", n)
+        set_(self, "shard_size", s)
+        set_(self, "world", world)
+        set_(self, "_secondary", {})
+        if s == n:
+            set_(self, "shard", Axis("shard", self.group, rank, n))
+            set_(self, "replica", Axis("replica", None, 0, 1))
+        else:
+            shard_group, replica_group = _comm.new_axes(world, s)
+            set_(self, "shard", Axis("shard", shard_group, rank % s, s))
+            set_(self, "replica", Axis("replica", replica_group, rank // s, n // s))
 
     def __repr__(self) -> str:
-        return f"ProcessGroupMesh(rank={self.rank}, size={self.size}, backend={self.backend!r})"
+        shape = "" if self.replicas == 1 else f", shard_size={self.shard_size}"
+        return (
+            f"ProcessGroupMesh(rank={self.rank}, size={self.size}{shape}, backend={self.backend!r})"
+        )
+
+    @property
+    def shard_rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def replica_rank(self) -> int:
+        return self.replica.rank
+
+    @property
+    def replicas(self) -> int:
+        return self.replica.size
 
     @property
     def backend(self) -> str:
         """The process group's backend name ("gloo", "nccl", ...)."""
         return str(dist.get_backend(self.group))
 
+    def secondary(self, k: int) -> Axis:
+        """The axis of this rank's k consecutive ranks inside its shard group (hpZ's
+        secondary copy). Made on first use, collectively: every rank asks for the same k
+        in the same order (a step does, on its first call)."""
+        if k not in self._secondary:
+            from . import _comm
 
-# The protocol the rest of fzero relies on: `.rank`, `.size`, `.group`.
+            if k == self.shard_size:
+                self._secondary[k] = self.shard._replace(name="secondary")
+            else:
+                self._secondary[k] = _comm.new_secondary(self.shard, k)
+        return self._secondary[k]
+
+
+# The protocol the rest of fzero relies on: `.rank`, `.size`, `.group` and the axes.
 Mesh = ProcessGroupMesh

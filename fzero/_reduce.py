@@ -197,8 +197,15 @@ class Reductions:
     def _start(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
         self.before()
         # `g` is this step's own gradient buffer (from autograd or a fresh sum): owned.
-        reduce = _comm.all_reduce_async if self.s.all_reduce else _comm.reduce_scatter_async
-        return reduce(g, self.mesh, dtype=self.s.reduce_dtype, owned=True)
+        if self.s.all_reduce:
+            return _comm.all_reduce_async(g, self.mesh, dtype=self.s.reduce_dtype, owned=True)
+        return _comm.reduce_scatter_async(
+            g,
+            self.mesh,
+            dtype=self.s.reduce_dtype,
+            owned=True,
+            quant=self.s.quant_reduce,
+        )
 
     def _reduce_now(self, g: torch.Tensor) -> torch.Tensor:
         out, work = self._start(g)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from ._layout import ShardLayout
+from ._mesh import Axis
+from ._quant import QuantizedComm
 from ._stages import Stage
 
 
@@ -30,6 +32,8 @@ class Schedule:
         in the backward the unit whose backward comes next (stage 3).
       reshard: a just-in-time unit's gathered parameters live only while the forward
         holds them, and the backward gathers them again (stage 3).
+      secondary: hpZ: the axis the backward gathers a resharded unit along, from the
+        slices of it each rank kept (None: the shards, along the shard axis).
       all_reduce: gradients are all-reduced (stage 0), not reduce-scattered.
       bursts: leaf gradients are written straight into all-reduce buffers of
         `hold_bytes` (stage 0: an all-reduce of a concatenation is the concatenation of
@@ -41,6 +45,8 @@ class Schedule:
       check_calls: compare the units every rank called before the first reduction.
       gather_dtype: what parameters travel in (None: their own dtype).
       reduce_dtype: what gradients are reduced in (None: their own dtype).
+      quant_gather: qwZ: parameter gathers travel as int8 blocks of this many elements.
+      quant_reduce: qgZ: gradient reduce-scatters do.
     """
 
     hooked: Mapping[str, Any]
@@ -55,6 +61,9 @@ class Schedule:
     check_calls: bool
     gather_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    secondary: Axis | None = None
+    quant_gather: int | None = None
+    quant_reduce: int | None = None
 
 
 def plan(
@@ -67,6 +76,8 @@ def plan(
     prefetch: bool,
     reshard_after_forward: bool,
     overlap_reduce: bool,
+    secondary: Axis | None = None,
+    quantize: QuantizedComm | None = None,
     reduce_bucket_bytes: int,
     accumulate_locally: bool,
     comm_dtypes: tuple[torch.dtype | None, torch.dtype | None],
@@ -85,11 +96,13 @@ def plan(
     buckets = stage.grads == "buckets"
     all_reduce = stage.reduce == "all_reduce"
     in_flight = (len(layout.buckets) if buckets else 1) if overlap_reduce else 0
+    q = quantize
+    reshard = reshard_after_forward and gathers and bool(jit)
     return Schedule(
         hooked=hooked,
         jit=frozenset(jit),
         prefetch=prefetch and gathers,
-        reshard=reshard_after_forward and gathers and bool(jit),
+        reshard=reshard,
         all_reduce=all_reduce,
         bursts=all_reduce and not accumulate_locally,
         hold_bytes=reduce_bucket_bytes if buckets else 0,
@@ -98,4 +111,7 @@ def plan(
         check_calls=bool(jit) and world_size > 1,
         gather_dtype=comm_dtypes[0],
         reduce_dtype=comm_dtypes[1],
+        secondary=secondary if reshard else None,
+        quant_gather=q.block if q is not None and q.weights and gathers else None,
+        quant_reduce=q.block if q is not None and q.grads and not all_reduce else None,
     )

@@ -43,11 +43,14 @@ class Simulation:
       collective_timeout: seconds a collective may wait for its peers before failing;
         a mismatched collective (a bug) fails instead of hanging.
       timeout: seconds the whole run may take (None: no limit).
+      shard_size: the meshes' `shard_size` (groups of that many ranks shard, the groups
+        replicate; None: every rank shards).
     """
 
     world_size: int
     collective_timeout: float = 120.0
     timeout: float | None = None
+    shard_size: int | None = None
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
         """Runs `fn(mesh, *args, **kwargs)` on every rank; returns the results in rank order.
@@ -165,7 +168,14 @@ class Simulation:
         return [results[r] for r in range(n)]
 
 
-def simulate(world_size: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
+def simulate(
+    world_size: int,
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    shard_size: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Runs `fn(mesh, *args, **kwargs)` on `world_size` simulated ranks; no launcher needed.
 
     Each rank is a forked process with its own `ProcessGroupMesh` over gloo on 127.0.0.1,
@@ -177,6 +187,9 @@ def simulate(world_size: int, fn: Callable[..., Any], /, *args: Any, **kwargs: A
       world_size: number of ranks.
       fn: called as `fn(mesh, *args, **kwargs)` on every rank.
       *args: passed to `fn` (each rank gets its own copy, inherited through fork).
+      shard_size: a 2-D mesh (hybrid sharding): groups of `shard_size` consecutive ranks
+        shard, the groups replicate (`fzero.ProcessGroupMesh`); taken by `simulate`,
+        not passed to `fn`.
       **kwargs: passed to `fn`.
 
     Returns:
@@ -188,7 +201,7 @@ def simulate(world_size: int, fn: Callable[..., Any], /, *args: Any, **kwargs: A
       Use `Simulation(world_size, collective_timeout=..., timeout=...).run(fn, ...)` to
       choose the timeouts.
     """
-    return Simulation(world_size).run(fn, *args, **kwargs)
+    return Simulation(world_size, shard_size=shard_size).run(fn, *args, **kwargs)
 
 
 def _dump(kind: str, payload: Any) -> bytes:
@@ -224,9 +237,10 @@ def _rank_main(
                 rank=rank,
                 world_size=sim.world_size,
             )
+            mesh = ProcessGroupMesh(shard_size=sim.shard_size)
         except RuntimeError as exc:
             raise _MeshSetupError(f"gloo could not connect the ranks: {exc}") from exc
-        result = fn(ProcessGroupMesh(), *args, **kwargs)
+        result = fn(mesh, *args, **kwargs)
         data = _dump("ok", result)
     except BaseException as exc:
         tb = traceback.format_exc()

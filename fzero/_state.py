@@ -150,13 +150,13 @@ def shard_state(
     original = params
     try:
         frozen_leaves = _frozen_leaves(params, frozen)
-        lay = build_layout(params, mesh.size, layout, units, frozen_leaves)  # validates
+        lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves)  # validates
         check_init(params, init)
         if precision is not None and init is None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
             check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
             params = compute_params(params, precision, spec)
-            lay = build_layout(params, mesh.size, layout, units, frozen_leaves)
+            lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves)
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
@@ -175,7 +175,7 @@ def shard_state(
         del cast
         master = mlay.trainable(mlay.unflatten(mflats))
         if spec.shards_optimizer:
-            master = Shards(mlay.shard(master, mesh.rank), mlay, mesh.rank)
+            master = Shards(mlay.shard(master, mesh.shard_rank), mlay, mesh.shard_rank)
         del mflats
     held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master)
     return ShardedState(
@@ -190,7 +190,7 @@ def _shard_params(
     what it updates: the masters if there are any, else the parameters; all of the
     trainable tree, or this rank's pieces of it."""
     flats = tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params))
-    rank = mesh.rank
+    rank = mesh.shard_rank
     if stage.shards_params:
         own = tuple(
             f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone()
@@ -230,7 +230,7 @@ def _from_init(
     loss_scale: DynamicLossScale | None,
 ) -> ShardedState:
     """shard_state's body when values come from `init` (made in place, never broadcast)."""
-    rank = mesh.rank
+    rank = mesh.shard_rank
     flats, buffers = materialize(init, lay, mesh, stage, buffers, precision)
     held: PyTree = Shards(flats, lay, rank) if stage.shards_params else lay.unflatten(flats)
     opt_state = _init_optimizer(held, optimizer, stage, lay, rank, None)
@@ -366,12 +366,13 @@ def check_step_state(
         raise ValueError(
             f"this step is for units {list(units)}, the state has {list(state.layout.units[1:])}"
         )
-    if state.layout.world_size != mesh.size:
+    if state.layout.world_size != mesh.shard_size:
         raise ValueError(
-            f"the state is for {state.layout.world_size} ranks, the mesh has {mesh.size}"
+            f"the state is sharded over {state.layout.world_size} ranks, the mesh shards over "
+            f"{mesh.shard_size}"
         )
-    if isinstance(state.params, Shards) and state.params.rank != mesh.rank:
+    if isinstance(state.params, Shards) and state.params.rank != mesh.shard_rank:
         raise ValueError(
-            f"the state's shards belong to rank {state.params.rank} of {mesh.size}, this is "
-            f"rank {mesh.rank} of {mesh.size}"
+            f"the state's shards belong to shard {state.params.rank} of "
+            f"{mesh.shard_size}, this is rank {mesh.rank} (shard {mesh.shard_rank})"
         )

@@ -21,11 +21,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._comm import is_peer_failure
+from ._comm import all_reduce_sum, is_peer_failure
 from ._grads import local_shard
 from ._loss import BufferThread, ScaledLoss, sync_buffers
-from ._mesh import Mesh
+from ._mesh import Axis, Mesh
 from ._micro import Memory, leaf_grad, mean_grad, micro_batches
+from ._quant import QuantizedComm
 from ._replicated import full_buckets, own_slices
 from ._schedule import Schedule, plan
 from ._shards import Shards
@@ -59,6 +60,8 @@ class _Options:
     module: nn.Module | None
     just_in_time: bool
     reshard_after_forward: bool
+    secondary: Axis | None  # hpZ: where the backward gathers resharded units from
+    quantize: QuantizedComm | None
     prefetch: bool
     ledger: UnitLedger | None
     donate: bool
@@ -78,8 +81,9 @@ def sharded_step(
     units: Sequence[str] | None = None,
     module: nn.Module | None = None,
     just_in_time: bool = False,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     prefetch: bool = True,
+    quantize: QuantizedComm | None = None,
     ledger: UnitLedger | None = None,
     donate: bool = True,
     accumulate: str | None = None,
@@ -140,9 +144,19 @@ def sharded_step(
         and using them directly raises a ValueError. The same call check applies.
       reshard_after_forward: stage 3: a just-in-time unit's gathered parameters are freed
         once the forward lets go of them (autograd keeps handles, not the tensors) and
-        gathered again for its backward (less memory, one more all-gather).
+        gathered again for its backward (less memory, one more all-gather). An int k
+        (hpZ, FSDP2's int): before they are freed each rank keeps its 1/k of them, and
+        the backward gathers them from the k consecutive ranks of its group (k divides
+        the mesh's shard_size), so no backward all-gather leaves a group of k, for 1/k
+        of each unit held from its forward to its backward. Creating the groups is
+        collective: every rank builds the step with the same k.
       prefetch: stage 3: start gathering the next unit (in last step's order) while the
         current one computes, in forward and backward.
+      quantize: a `fzero.QuantizedComm` (ZeRO++): parameter all-gathers (stage 3, qwZ)
+        and gradient reduce-scatters (stages 1-3, qgZ) travel as int8 blocks with a
+        float32 scale each, a quarter of the bytes; the error bound is in `_quant`'s
+        docstring and the README. Off by default. Non-finite values raise a ValueError,
+        except gradients under a loss scaler, which arrive as NaN for the scaler to skip.
       ledger: a UnitLedger recording live full-unit bytes (for tests and benchmarks).
       donate: consume the state (like JAX's `donate_argnums`): parameters, shards and
         optimizer state are updated in place, so a step never holds a second copy of them;
@@ -186,11 +200,15 @@ def sharded_step(
         raise ValueError(f"reduce_bucket_bytes must be >= 0, got {reduce_bucket_bytes}")
     if buffer_sync not in ("broadcast", "mean", "local"):
         raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
+    _check_quantize(quantize, stage)
+    secondary = _secondary(reshard_after_forward, stage, mesh)
     opts = _Options(
         mesh,
         module,
         bool(just_in_time),
-        reshard_after_forward,
+        bool(reshard_after_forward),
+        secondary,
+        quantize,
         prefetch,
         ledger,
         donate,
@@ -315,8 +333,10 @@ def _train(
             full = [f if b.frozen else g for f, g, b in zip(local, flats, lay.buckets)]
             grads = lay.trainable(lay.unflatten(full))
         else:
-            grads = Shards(flats, lay, o.mesh.rank)
+            grads = Shards(flats, lay, o.mesh.shard_rank)
     tally = exchange.wait()
+    if o.quantize is not None and o.quantize.grads and state.scaler is None:
+        _check_finite(grads, o.mesh, state.step)
     factor = tally.factor(o.mesh.size, len(micro))
     if factor is None:  # no weight anywhere: nothing to update by
         return _Out(state.params, state.opt_state, state.master, False, tally)
@@ -328,6 +348,58 @@ def _train(
         return _Out(state.params, opt_state, master, False, tally)
     params = rebuild_params(stage, new, local, state, o.mesh, o.donate)
     return _Out(params, opt_state, master, True, tally)
+
+
+def _check_quantize(quantize: Any, stage: int) -> None:
+    if quantize is None:
+        return
+    if not isinstance(quantize, QuantizedComm):
+        raise TypeError(f"quantize must be a fzero.QuantizedComm, got {quantize!r}")
+    quantize.check()
+    if quantize.weights and stage != 3:
+        raise ValueError(
+            f"QuantizedComm(weights=True) quantizes stage 3's per-unit parameter all-gathers "
+            f"(qwZ); stage {stage} has none (its parameters are gathered once after the "
+            f"update, into the replicas the optimizer reads): use weights=False"
+        )
+    if quantize.grads and stage == 0:
+        raise ValueError(
+            "QuantizedComm(grads=True) quantizes gradient reduce-scatters (qgZ, stages 1-3); "
+            "stage 0 all-reduces: use stage >= 1 or grads=False"
+        )
+
+
+def _check_finite(grads: Any, mesh: Mesh, step: int) -> None:
+    """qgZ without a loss scaler: a non-finite gradient fails every rank, not one.
+
+    Int8 blocks carry inf or NaN as NaN to whichever rank owns them; that rank alone
+    would see it, so the ranks compare (one small all-reduce and a host sync per step).
+    """
+    if not isinstance(grads, Shards):
+        return
+    bad = float(any(not bool(torch.isfinite(g).all()) for g in grads.buffers))
+    flags = all_reduce_sum(torch.tensor([bad], dtype=torch.float64), mesh, control=True)
+    if flags.item():
+        raise ValueError(
+            f"rank {mesh.rank}: step {step}: the gradients hold inf or NaN after the quantized "
+            f"reduction (QuantizedComm(grads=True)) on {int(flags.item())} rank(s); without "
+            f"a loss scaler the step cannot skip it. Find the overflow, use a "
+            f"DynamicLossScale, or turn qgZ off"
+        )
+
+
+def _secondary(reshard: Any, stage: int, mesh: Mesh) -> Axis | None:
+    """hpZ's axis for an int `reshard_after_forward` (None for a bool)."""
+    if isinstance(reshard, bool):
+        return None
+    if not isinstance(reshard, int):
+        raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard!r}")
+    if stage != 3:
+        raise ValueError(
+            f"reshard_after_forward={reshard} (hpZ's secondary copy) is for stage 3, whose "
+            f"parameters are sharded; this step is stage {stage}"
+        )
+    return mesh.secondary(reshard)
 
 
 def _device(params: Any) -> torch.device | None:
@@ -350,7 +422,7 @@ def _target(stage: Stage, state: ShardedState, local: Any, o: _Options) -> Any:
     of the trainable tree, or this rank's shard of it). Stages 1-2, donating, update the
     rank's slice of the replicated buffers where it lies, so the gather after the update
     only fills the peers' slices; not donating, a copy of it."""
-    lay, rank = state.layout, o.mesh.rank
+    lay, rank = state.layout, o.mesh.shard_rank
     if state.master is not None:
         return state.master
     if stage.shards_params:
@@ -372,6 +444,8 @@ def _schedule(stage: Stage, o: _Options, memory: Memory, state: ShardedState) ->
         just_in_time=o.just_in_time,
         prefetch=o.prefetch,
         reshard_after_forward=o.reshard_after_forward,
+        secondary=o.secondary,
+        quantize=o.quantize,
         overlap_reduce=o.overlap_reduce,
         reduce_bucket_bytes=o.reduce_bucket_bytes,
         accumulate_locally=o.accumulate == "local",

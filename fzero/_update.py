@@ -181,7 +181,7 @@ def _regather(
     comm = tuple(gather_dtype or lay.buckets[i].dtype for i in live)
     if donate:
         gather_params_into(
-            Shards(tuple(shard.buffers[i] for i in live), lay, mesh.rank),
+            Shards(tuple(shard.buffers[i] for i in live), lay, mesh.shard_rank),
             mesh,
             tuple(full[i] for i in live),
             comm,

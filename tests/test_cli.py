@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,3 +129,49 @@ def test_bench_without_a_source_checkout(
     # fzero installed from a wheel: no benchmarks/ next to the package.
     monkeypatch.setattr(_cli, "__file__", str(tmp_path / "site-packages" / "fzero" / "_cli.py"))
     assert "benchmarks" in _error_line(capsys, ["bench", "--quick"], code=1)
+
+
+def test_estimate_prints_communication_per_axis(capsys: Any) -> None:
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "1000",
+                "--world-sizes",
+                "4",
+                "--stages",
+                "3",
+                "--shard-size",
+                "2",
+                "--comm-bytes",
+                "4",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    # HSDP stage 3: 3 x 4 kB inside a group (two gathers, a reduce-scatter), 2 x 2 kB across.
+    assert "groups of 2 shard, the groups replicate" in out and "12 KB / 4 KB" in out
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "1000",
+                "--world-sizes",
+                "4",
+                "--stages",
+                "3",
+                "--hpz",
+                "2",
+                "--qwz",
+                "--qgz",
+                "--comm-bytes",
+                "4",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "hpZ groups of 2; qwZ + qgZ int8" in out and "4 KB / 2.03 KB" in out

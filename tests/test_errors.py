@@ -256,13 +256,13 @@ def _state_of_the_other_rank(mesh: fzero.Mesh, opt: optim.Optimizer) -> fzero.Sh
         (
             _step_with(_state_for_three_ranks, stage=0),
             ValueError,
-            r"the state is for 3 ranks, the mesh has 2",
+            r"the state is sharded over 3 ranks, the mesh shards over 2",
         ),
         (
             _step_with(_state_of_the_other_rank, stage=3),
             ValueError,
             # Whatever catches it, the message must say whose shards these are and where.
-            r"shards belong to rank [01] of 2, this is rank [01] of 2",
+            r"shards belong to shard [01] of 2, this is rank [01] \(shard [01]\)",
         ),
         (
             _step_with(lambda mesh, opt: _params(), stage=0),

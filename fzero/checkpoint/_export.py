@@ -48,11 +48,12 @@ def export_torch(
     lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
     error, rep, local = None, None, None
     try:
-        local = local_view(state.opt_state, lay, stage, rank)
+        local = local_view(state.opt_state, lay, stage, mesh.shard_rank)
         rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
     except Exception as exc:
         error = exc
-    schema = merge(agree(error, rep, mesh, "checkpoint.export_torch"))
+    # The first group's reports (ranks 0..S-1, in shard order): the others hold copies.
+    schema = merge(agree(error, rep, mesh, "checkpoint.export_torch")[: mesh.shard_size])
     assert local is not None
     pieces = _piece_values(local, schema, stage, mesh)
 
@@ -180,7 +181,7 @@ def gather_leaves(
                         if piece_of[s.index] in values:
                             put_elem(j, s.index, values[piece_of[s.index]].detach())
                     continue
-                lo = rank * b.shard_numel
+                lo = mesh.shard_rank * b.shard_numel
                 shard = elem_slice(local, key, e, b, k, lo, lo + b.shard_numel)
                 full_e = _comm.all_gather(shard, mesh)
                 for s in b.slots if rank == 0 else ():
@@ -199,7 +200,8 @@ def _piece_values(
                 mine[j, local.pieces[pi].owner] = value.detach().clone()
     if not stage.shards_optimizer or not any(e.kind == "piece" for e in schema.entries):
         return mine
-    return {k: v for part in _comm.all_gather_object(mine, mesh) for k, v in part.items()}
+    parts = _comm.all_gather_object(mine, mesh)[: mesh.shard_size]  # the first group's
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def _to_torch(

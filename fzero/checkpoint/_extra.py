@@ -45,16 +45,20 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
     if stage_of(state.stage).shards_params:
         mlay = state.master.layout
         flay = build_layout(
-            cast_params(meta_like(lay), dtype), mesh.size, lay.kind, lay.units[1:], list(lay.frozen)
+            cast_params(meta_like(lay), dtype),
+            mesh.shard_size,
+            lay.kind,
+            lay.units[1:],
+            list(lay.frozen),
         )
         bufs = tuple(
             p.to(dtype) if b.frozen else m
             for p, m, b in zip(state.params.buffers, state.master.buffers, mlay.buckets)
         )
-        params: PyTree = Shards(bufs, flay, mesh.rank)
+        params: PyTree = Shards(bufs, flay, mesh.shard_rank)
     else:
         full = cast_params(master_params(state, mesh), dtype)  # frozen leaves cast up: exact
-        flay = build_layout(full, mesh.size, lay.kind, lay.units[1:], list(lay.frozen))
+        flay = build_layout(full, mesh.shard_size, lay.kind, lay.units[1:], list(lay.frozen))
         params = flay.unflatten(flay.flatten(full))
     return ShardedState(params, state.opt_state, state.step, flay, state.stage, state.buffers)
 
@@ -63,7 +67,7 @@ def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedSt
     """A full-precision loaded `state` as `shard_state(..., precision=)` would hold it:
     parameters cast to the compute dtype, the loaded values kept as masters."""
     params, lay, master = mixed(
-        state.params, state.layout, stage_of(state.stage), precision, mesh.rank
+        state.params, state.layout, stage_of(state.stage), precision, mesh.shard_rank
     )
     return dataclasses.replace(state, params=params, layout=lay, master=master, precision=precision)
 

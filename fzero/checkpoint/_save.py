@@ -40,11 +40,12 @@ from ._schema import (
 def check_state(state: Any, mesh: Mesh, what: str) -> None:
     if not isinstance(state, ShardedState):
         raise TypeError(f"{what} expects a ShardedState, got {type(state).__name__}")
-    if state.layout.world_size != mesh.size:
+    if state.layout.world_size != mesh.shard_size:
         raise ValueError(
-            f"{what}: the state is for {state.layout.world_size} ranks, the mesh has {mesh.size}"
+            f"{what}: the state is sharded over {state.layout.world_size} ranks, the mesh "
+            f"shards over {mesh.shard_size}"
         )
-    if isinstance(state.params, Shards) and state.params.rank != mesh.rank:
+    if isinstance(state.params, Shards) and state.params.rank != mesh.shard_rank:
         raise ValueError(f"{what}: the state's shards belong to rank {state.params.rank}")
 
 
@@ -73,12 +74,16 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     check_state(state, mesh, "checkpoint.save")
     extra, extra_body = extra_tensors(state), extra_metadata(state)
     state = full_precision(state, mesh)  # masters become the parameters saved
-    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
+    lay, stage, rank = state.layout, stage_of(state.stage), mesh.shard_rank
+    # On a 2-D mesh the first group (ranks 0..S-1, shard rank = rank) writes; the other
+    # groups hold copies of the same shards and only take part in the agreement, so the
+    # checkpoint is the one S ranks sharding alone would write, loadable on any mesh.
+    writes, s = mesh.replica_rank == 0, mesh.shard_size
     what = f"checkpoint.save({path!r})"
     # 1. rank 0 makes the temporary directory; every rank describes its optimizer state.
     error, tmp, rep, local = None, None, None, None
     try:
-        if rank == 0:
+        if mesh.rank == 0:
             tmp = disk.start(path)
         local = local_view(state.opt_state, lay, stage, rank)
         # Replicated optimizer state is the same on every rank: rank 0 speaks for all.
@@ -86,27 +91,28 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     except Exception as exc:
         error = exc
     everyone = agree(error, (tmp, rep), mesh, what)
-    tmp, schema = everyone[0][0], merge([r for _, r in everyone])
+    tmp, schema = everyone[0][0], merge([r for _, r in everyone[:s]])
     # 2. every rank writes (and fsyncs) its own file.
     error, info = None, None
     try:
         assert local is not None
-        tensors = _rank_tensors(state, local, schema, rank)
-        if rank == 0:
-            tensors.update(extra)
-        info = disk.write_tensors(os.path.join(path, tmp), disk.rank_file(rank, mesh.size), tensors)
-        del tensors
+        if writes:
+            tensors = _rank_tensors(state, local, schema, rank)
+            if rank == 0:
+                tensors.update(extra)
+            info = disk.write_tensors(os.path.join(path, tmp), disk.rank_file(rank, s), tensors)
+            del tensors
     except Exception as exc:
         error = exc
-    files = agree(error, info, mesh, what)
+    files = agree(error, info, mesh, what)[:s]
     # 3. rank 0 commits; the others wait, so no rank returns before the switch.
     error, name = None, None
-    if rank == 0:
+    if mesh.rank == 0:
         try:
             body = {
                 "format": disk.FORMAT,
                 "version": disk.VERSION,
-                "world_size": mesh.size,
+                "world_size": s,
                 "stage": stage.number,
                 "step": int(state.step),
                 "torch": torch.__version__,
@@ -196,10 +202,10 @@ def load(
     try:
         directory = disk.resolve(path)
         body = disk.read_metadata(directory)
-        lay = _target_layout(directory, body, params_like, mesh.size, layout, units, frozen)
+        lay = _target_layout(directory, body, params_like, mesh.shard_size, layout, units, frozen)
         src = disk.FileSource(directory, body)
         try:
-            state = build_state(src, lay, optimizer, spec, mesh.rank, body["step"])
+            state = build_state(src, lay, optimizer, spec, mesh.shard_rank, body["step"])
             state = dataclasses.replace(
                 state,
                 buffers=load_buffers(src, body, buffers_like),

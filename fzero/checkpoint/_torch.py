@@ -147,7 +147,7 @@ def import_torch(
             )
         leaves = [model_state_dict[p].detach() for p in paths]
         params = tree_unflatten(tree_flatten(like)[1], leaves)
-        lay = build_layout(params, mesh.size, layout, units, _frozen_leaves(params, frozen))
+        lay = build_layout(params, mesh.shard_size, layout, units, _frozen_leaves(params, frozen))
         order = [i for i in natural_order(lay) if not lay.frozen[i]]
         ids = [i for g in optim_state_dict["param_groups"] for i in g["params"]]
         if len(ids) != len(order):
@@ -156,7 +156,9 @@ def import_torch(
             )
         torch_states = {leaf: optim_state_dict["state"].get(i, {}) for i, leaf in zip(ids, order)}
         src, count = _from_torch(optimizer, lay, leaves, torch_states, step)
-        state = build_state(src, lay, optimizer, spec, mesh.rank, count if step is None else step)
+        state = build_state(
+            src, lay, optimizer, spec, mesh.shard_rank, count if step is None else step
+        )
     except Exception as exc:
         error = exc
     agree(error, None, mesh, "checkpoint.import_torch")

@@ -66,7 +66,8 @@ def global_sum(local: torch.Tensor) -> torch.Tensor:
         )
     from .._comm import all_reduce_sum
 
-    return all_reduce_sum(local, ctx.mesh)
+    # Over the shard axis only: on a 2-D mesh the other groups hold the same shards.
+    return all_reduce_sum(local, ctx.mesh.shard)
 
 
 def resolve_mask(mask: Any, params: Any) -> list[bool | torch.Tensor]:

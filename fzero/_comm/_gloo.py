@@ -1,0 +1,67 @@
+"""Gloo's collectives the fast way: an all-gather as one broadcast per rank, a reduce-scatter
+as point-to-point messages (gloo's own reduce-scatter is an all-reduce underneath)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._mesh import Axis
+from ._pending import _SumOnWait, _Works
+
+
+def _gather_by_broadcast(shard: torch.Tensor, out: torch.Tensor, axis: Axis) -> _Works:
+    # Gloo's all-gather copies the input into a fresh flat buffer of the full size, runs,
+    # then copies that buffer into the output: a full-size allocation and two copies per
+    # gather. One broadcast per rank straight into its slice of `out` moves the same bytes
+    # (each rank sends its shard to every peer) with neither; measured ~30% less time and
+    # CPU for 80 MB over 2 ranks. Every rank issues the broadcasts in rank order.
+    n = shard.numel()
+    own = out.narrow(0, axis.rank * n, n)
+    if own.data_ptr() != shard.data_ptr():  # the caller may have updated it in place
+        own.copy_(shard)
+    works = []
+    for r in range(axis.size):
+        part = out.narrow(0, r * n, n)
+        works.append(dist.broadcast(part, src=axis.global_rank(r), group=axis.group, async_op=True))
+    return _Works(works)
+
+
+# Tags for the point-to-point messages of reduce-scatters in flight, per process group:
+# every rank issues the same reductions in the same order, so counters agree across
+# ranks. Far from 0 so that a user's own send/recv (tag 0 by default) cannot match them.
+_TAG_BASE, _TAG_SPAN = 0x3F00_0000, 1 << 24
+_tags: dict[Any, int] = {}
+
+
+def _reduce_scatter_p2p(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> _SumOnWait:
+    # Gloo's reduce-scatter is an all-reduce underneath: every rank receives every slice
+    # reduced, twice the bytes a reduce-scatter needs. Sending slice j straight to rank j
+    # and summing what arrives moves (n-1)/n of the buffer per rank, the reduce-scatter's
+    # volume: measured ~30% less time than gloo's all-reduce for 80 MB over 2 ranks.
+    # `full` is only read, so the caller's buffer needs no copy whether owned or not; the
+    # lowest peer's slice lands in `out` itself, so at 2 ranks nothing else is allocated.
+    key = id(axis.group) if axis.group is not None else None
+    tag = _TAG_BASE + _tags.get(key, 0)
+    _tags[key] = (_tags.get(key, 0) + 1) % _TAG_SPAN
+    n = full.numel() // axis.size
+    first = 1 if axis.rank == 0 else 0
+    works, parts = [], []
+    for r in range(axis.size):
+        mine = full.narrow(0, r * n, n)
+        if r == axis.rank:
+            parts.append(mine)
+            continue
+        peer = axis.global_rank(r)
+        works.append(dist.isend(mine, dst=peer, group=axis.group, tag=tag))
+        got = out if r == first else full.new_empty(n)
+        works.append(dist.irecv(got, src=peer, group=axis.group, tag=tag))
+        if r != first:
+            parts.append(got)
+    return _SumOnWait(works, parts, out)
+
+
+def _is_gloo(axis: Axis) -> bool:
+    return dist.get_backend(axis.group) == "gloo"

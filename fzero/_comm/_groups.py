@@ -1,0 +1,113 @@
+"""Process groups: set-up and tear-down, the sub-groups of a 2-D mesh, and what a peer's
+failure looks like."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .._mesh import Axis
+
+
+def agree_shard_size(shard_size: Any, world: Axis) -> int:
+    """`shard_size` checked on every rank of `world` (None: all of them); a ValueError on
+    every rank when it does not divide the world or the ranks disagree on it."""
+    n = world.size
+    mine = n if shard_size is None else shard_size
+    if world.size > 1:
+        out: list[Any] = [None] * n
+        dist.all_gather_object(out, mine, group=world.group)
+        if len(set(map(repr, out))) > 1:
+            seen = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(out))
+            raise ValueError(
+                f"rank {world.rank}: the ranks disagree on the mesh's shard_size ({seen}); "
+                f"every rank must build its ProcessGroupMesh with the same shard_size"
+            )
+    if isinstance(mine, bool) or not isinstance(mine, int) or mine < 1 or n % mine:
+        raise ValueError(
+            f"rank {world.rank}: shard_size={mine!r} must be a positive int dividing the "
+            f"{n} ranks (groups of shard_size consecutive ranks shard, {n}/shard_size "
+            f"groups replicate)"
+        )
+    return mine
+
+
+def _new_group(ranks: list[int]) -> Any:
+    # Only the members build it (local synchronization): a mesh over a sub-group must not
+    # need every process of the job.
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def new_axes(world: Axis, s: int) -> tuple[Any, Any]:
+    """The process groups of a 2-D mesh for this rank: its group of `s` consecutive ranks
+    of `world` (the shard axis) and the ranks at its place in every group (replicas)."""
+    g, i = divmod(world.rank, s)
+    shard = _new_group([world.global_rank(g * s + j) for j in range(s)])
+    replica = _new_group([world.global_rank(h * s + i) for h in range(world.size // s)])
+    return shard, replica
+
+
+def new_secondary(shard: Axis, k: int) -> Axis:
+    """hpZ's axis: this rank's `k` consecutive ranks inside its `shard` group; every rank
+    of the group must ask for the same `k` (a ValueError on every rank otherwise)."""
+    out: list[Any] = [None] * shard.size
+    dist.all_gather_object(out, k, group=shard.group)
+    if len(set(map(repr, out))) > 1 or not isinstance(k, int) or k < 1 or shard.size % k:
+        raise ValueError(
+            f"rank {shard.rank}: reshard_after_forward={k!r} must be the same int dividing "
+            f"the {shard.size} ranks that shard on every rank (got {out})"
+        )
+    g, j = divmod(shard.rank, k)
+    group = _new_group([shard.global_rank(g * k + m) for m in range(k)])
+    return Axis("secondary", group, j, k)
+
+
+# What gloo and NCCL say when a peer never arrives or has gone (their errors are plain
+# RuntimeErrors as often as torch.distributed.DistError).
+_PEER_GONE = (
+    "timeout",
+    "timed out",
+    "closed by peer",
+    "connection reset",
+    "pair closure",
+    "broken pipe",
+    "nccl communicator was aborted",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because a peer is late, stuck or gone."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc).lower() for s in _PEER_GONE)
+
+
+def is_initialized() -> bool:
+    """Whether this process has a default process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(
+    backend: str,
+    timeout: float,
+    *,
+    store_file: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Starts the default process group: from torchrun's environment, or (`store_file`,
+    `rank`, `world_size`) from a file store that every rank of one machine shares."""
+    if store_file is None:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        return
+    store = dist.FileStore(store_file, world_size)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
+
+
+def destroy_process_group() -> None:
+    """Tears down the default process group."""
+    dist.destroy_process_group()

@@ -1,0 +1,69 @@
+"""Communication per step by mesh axis: the ZeRO and ZeRO++ formulas, for `fzero estimate`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Traffic(NamedTuple):
+    """Logical bytes one rank's collectives move per step (ZeRO's accounting: an
+    all-gather or reduce-scatter its full buffer once, an all-reduce twice).
+
+    Attributes:
+      inside: along axes that stay inside a group of `shard_size` ranks (a node).
+      across: along axes that cross groups.
+    """
+
+    inside: float
+    across: float
+
+
+def estimate_comm(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    shard_size: int | None = None,
+    hpz: int | None = None,
+    qwz: bool = False,
+    qgz: bool = False,
+    elem_bytes: float = 2,
+    block: int = 256,
+) -> Traffic:
+    """Bytes per rank per step inside and across groups of `shard_size` ranks.
+
+    Args:
+      num_params: Ψ.
+      world_size: N.
+      stage: 0-3.
+      shard_size: S; the state is sharded inside groups of S (HSDP). None: over all N,
+        whose collectives then all count as crossing groups, but hpZ's.
+      hpz: stage 3: the backward's gathers come from a secondary copy inside groups of
+        this many ranks (`reshard_after_forward=k`).
+      qwz, qgz: stage 3's parameter gathers, and gradient reduce-scatters (stages 1-3),
+        travel as int8 blocks of `block` with a 4-byte scale each.
+      elem_bytes: bytes per element otherwise (2 for bf16).
+
+    Returns:
+      `Traffic(inside, across)`.
+    """
+    if stage not in (0, 1, 2, 3) or world_size < 1:
+        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
+    q = 1 + 4 / block  # bytes per element as int8 blocks
+    gather = num_params * (q if qwz and stage == 3 else elem_bytes)
+    reduce = num_params * (q if qgz and stage > 0 else elem_bytes)
+    if shard_size is not None and shard_size < world_size:  # HSDP: 1/S crosses groups
+        s = shard_size
+        inside = 2 * num_params * elem_bytes if stage == 0 else reduce + gather
+        if stage == 3:
+            inside += gather  # the backward's gathers, from the shards
+        elif stage in (1, 2):
+            inside = reduce + num_params * elem_bytes  # gathers after the update
+        return Traffic(inside, 2 * (num_params / s) * (q if qgz and stage > 0 else elem_bytes))
+    # A 1-D mesh shards over all N ranks: its collectives span the nodes (ZeRO++'s view),
+    # except hpZ's backward gathers, inside groups of `hpz`.
+    if stage < 3:
+        return Traffic(0.0, 2 * num_params * elem_bytes if stage == 0 else reduce + gather)
+    if hpz:
+        return Traffic(num_params * elem_bytes, gather + reduce)  # regathered exact
+    return Traffic(0.0, 2 * gather + reduce)
