@@ -21,8 +21,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._comm import all_reduce_sum, is_peer_failure
+from ._comm import is_peer_failure
 from ._grads import local_shard
+from ._hybrid import check_finite, check_quantize, secondary_axis
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._mesh import Axis, Mesh
 from ._micro import Memory, leaf_grad, mean_grad, micro_batches
@@ -200,8 +201,8 @@ def sharded_step(
         raise ValueError(f"reduce_bucket_bytes must be >= 0, got {reduce_bucket_bytes}")
     if buffer_sync not in ("broadcast", "mean", "local"):
         raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
-    _check_quantize(quantize, stage)
-    secondary = _secondary(reshard_after_forward, stage, mesh)
+    check_quantize(quantize, stage)
+    secondary = secondary_axis(reshard_after_forward, stage, mesh)
     opts = _Options(
         mesh,
         module,
@@ -336,7 +337,7 @@ def _train(
             grads = Shards(flats, lay, o.mesh.shard_rank)
     tally = exchange.wait()
     if o.quantize is not None and o.quantize.grads and state.scaler is None:
-        _check_finite(grads, o.mesh, state.step)
+        check_finite(grads, o.mesh, state.step)
     factor = tally.factor(o.mesh.size, len(micro))
     if factor is None:  # no weight anywhere: nothing to update by
         return _Out(state.params, state.opt_state, state.master, False, tally)
@@ -348,58 +349,6 @@ def _train(
         return _Out(state.params, opt_state, master, False, tally)
     params = rebuild_params(stage, new, local, state, o.mesh, o.donate)
     return _Out(params, opt_state, master, True, tally)
-
-
-def _check_quantize(quantize: Any, stage: int) -> None:
-    if quantize is None:
-        return
-    if not isinstance(quantize, QuantizedComm):
-        raise TypeError(f"quantize must be a fzero.QuantizedComm, got {quantize!r}")
-    quantize.check()
-    if quantize.weights and stage != 3:
-        raise ValueError(
-            f"QuantizedComm(weights=True) quantizes stage 3's per-unit parameter all-gathers "
-            f"(qwZ); stage {stage} has none (its parameters are gathered once after the "
-            f"update, into the replicas the optimizer reads): use weights=False"
-        )
-    if quantize.grads and stage == 0:
-        raise ValueError(
-            "QuantizedComm(grads=True) quantizes gradient reduce-scatters (qgZ, stages 1-3); "
-            "stage 0 all-reduces: use stage >= 1 or grads=False"
-        )
-
-
-def _check_finite(grads: Any, mesh: Mesh, step: int) -> None:
-    """qgZ without a loss scaler: a non-finite gradient fails every rank, not one.
-
-    Int8 blocks carry inf or NaN as NaN to whichever rank owns them; that rank alone
-    would see it, so the ranks compare (one small all-reduce and a host sync per step).
-    """
-    if not isinstance(grads, Shards):
-        return
-    bad = float(any(not bool(torch.isfinite(g).all()) for g in grads.buffers))
-    flags = all_reduce_sum(torch.tensor([bad], dtype=torch.float64), mesh, control=True)
-    if flags.item():
-        raise ValueError(
-            f"rank {mesh.rank}: step {step}: the gradients hold inf or NaN after the quantized "
-            f"reduction (QuantizedComm(grads=True)) on {int(flags.item())} rank(s); without "
-            f"a loss scaler the step cannot skip it. Find the overflow, use a "
-            f"DynamicLossScale, or turn qgZ off"
-        )
-
-
-def _secondary(reshard: Any, stage: int, mesh: Mesh) -> Axis | None:
-    """hpZ's axis for an int `reshard_after_forward` (None for a bool)."""
-    if isinstance(reshard, bool):
-        return None
-    if not isinstance(reshard, int):
-        raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard!r}")
-    if stage != 3:
-        raise ValueError(
-            f"reshard_after_forward={reshard} (hpZ's secondary copy) is for stage 3, whose "
-            f"parameters are sharded; this step is stage {stage}"
-        )
-    return mesh.secondary(reshard)
 
 
 def _device(params: Any) -> torch.device | None:

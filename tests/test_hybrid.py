@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
+from fzero._traffic import estimate_comm
 
 UNITS = ["0", "2", "4"]
 STEPS = 3
@@ -207,7 +208,7 @@ def test_bytes_per_axis_follow_the_formulas() -> None:
         inside = (3 if stage == 3 else 2) * p * 8
         assert axes == {"shard": inside, "replica": 2 * (p // 2) * 8}, (stage, p, axes)
         # `fzero estimate`'s formula, on the padded count, says the same.
-        est = fzero._traffic.estimate_comm(p, 4, stage, shard_size=2, elem_bytes=8)
+        est = estimate_comm(p, 4, stage, shard_size=2, elem_bytes=8)
         assert est == (axes["shard"], axes["replica"])
 
 
