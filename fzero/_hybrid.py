@@ -39,8 +39,11 @@ def check_finite(grads: Any, mesh: Mesh, step: int) -> None:
     """
     if not isinstance(grads, Shards):
         return
-    bad = float(any(not bool(torch.isfinite(g).all()) for g in grads.buffers))
-    flags = all_reduce_sum(torch.tensor([bad], dtype=torch.float64), mesh, control=True)
+    # One flag for every buffer, so one host sync (below) rather than one per buffer.
+    bad = sum((~torch.isfinite(g)).any().double() for g in grads.buffers if g.numel())
+    flags = all_reduce_sum(
+        torch.as_tensor(bad, dtype=torch.float64).clamp(max=1).view(1), mesh, control=True
+    )
     if flags.item():
         raise ValueError(
             f"rank {mesh.rank}: step {step}: the gradients hold inf or NaN after the quantized "

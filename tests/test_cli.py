@@ -132,46 +132,11 @@ def test_bench_without_a_source_checkout(
 
 
 def test_estimate_prints_communication_per_axis(capsys: Any) -> None:
-    assert (
-        main(
-            [
-                "estimate",
-                "--params",
-                "1000",
-                "--world-sizes",
-                "4",
-                "--stages",
-                "3",
-                "--shard-size",
-                "2",
-                "--comm-bytes",
-                "4",
-            ]
-        )
-        == 0
-    )
+    base = "estimate --params 1000 --world-sizes 4 --stages 3 --comm-bytes 4".split()  # noqa: SIM905
+    assert main([*base, "--shard-size", "2"]) == 0
     out = capsys.readouterr().out
     # HSDP stage 3: 3 x 4 kB inside a group (two gathers, a reduce-scatter), 2 x 2 kB across.
     assert "groups of 2 shard, the groups replicate" in out and "12 KB / 4 KB" in out
-    assert (
-        main(
-            [
-                "estimate",
-                "--params",
-                "1000",
-                "--world-sizes",
-                "4",
-                "--stages",
-                "3",
-                "--hpz",
-                "2",
-                "--qwz",
-                "--qgz",
-                "--comm-bytes",
-                "4",
-            ]
-        )
-        == 0
-    )
+    assert main([*base, "--hpz", "2", "--qwz", "--qgz"]) == 0
     out = capsys.readouterr().out
     assert "hpZ groups of 2; qwZ + qgZ int8" in out and "4 KB / 2.03 KB" in out

@@ -59,12 +59,13 @@ def all_gather(
     mesh: Mesh | Axis,
     dtype: torch.dtype | None = None,
     quant: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Concatenation of every rank's 1-D `shard` along the shard axis, in rank order (a new
-    tensor). With `dtype`, the shards travel in that dtype (e.g. bfloat16, halving the
-    bytes) and come back in `shard`'s dtype, rounded through `dtype` even on one rank;
-    with `quant` (a block size) they travel as int8 blocks (see `all_gather_async`)."""
-    out, work = all_gather_async(shard, mesh, dtype=dtype, quant=quant)
+    """Concatenation of every rank's 1-D `shard` along the shard axis, in rank order (into
+    `out`, else a new tensor). With `dtype`, the shards travel in that dtype (e.g.
+    bfloat16, halving the bytes) and come back in `shard`'s dtype, rounded through
+    `dtype` even on one rank; with `quant` (a block size) they travel as int8 blocks (see `all_gather_async`)."""
+    out, work = all_gather_async(shard, mesh, out=out, dtype=dtype, quant=quant)
     if work is not None:
         work.wait()
     return out
@@ -182,9 +183,9 @@ def reduce_scatter_async(
         return out, _Then(work, lambda: _all_reduce_on(out, across))
 
 
-def _all_reduce_on(out: torch.Tensor, axis: Axis) -> Any:
+def _all_reduce_on(out: torch.Tensor, axis: Axis, control: bool = False) -> Any:
     """Starts summing `out` in place along `axis`."""
-    record("all_reduce", out.dtype, 2 * out.numel(), axis.name)
+    record("all_reduce", out.dtype, 2 * out.numel(), axis.name, control=control)
     return dist.all_reduce(out, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
 
 
@@ -247,19 +248,13 @@ def all_reduce_async(
         padded = torch.nn.functional.pad(out, (0, -n % s)) if n % s else out
         part, work = reduce_scatter_async(padded, mesh)  # summed across groups on wait
 
-        def gather_back() -> Any:
+        def gather_back() -> None:
             work.wait()
-            _gather_into(part, padded, mesh)
+            all_gather(part, mesh, out=padded)
             if padded is not out:
                 out.copy_(padded[:n])
 
         return out, _Then(None, gather_back)
-
-
-def _gather_into(part: torch.Tensor, padded: torch.Tensor, mesh: Mesh) -> None:
-    _, work = all_gather_async(part, mesh, out=padded)
-    if work is not None:
-        work.wait()
 
 
 def all_reduce_mean(
@@ -278,8 +273,7 @@ def all_reduce_sum(tensor: torch.Tensor, mesh: Mesh | Axis, control: bool = Fals
     axis = mesh if isinstance(mesh, Axis) else mesh.world
     out = tensor.detach().clone()
     if axis.size > 1 and out.numel():
-        record("all_reduce", out.dtype, 2 * out.numel(), axis.name, control=control)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=axis.group)
+        _all_reduce_on(out, axis, control).wait()
     return out
 
 
@@ -288,8 +282,7 @@ def all_reduce_sum_async(tensor: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor
     (work None on one rank). Not a gradient reduction: kept apart from those."""
     if mesh.size == 1:
         return tensor, None
-    record("all_reduce", tensor.dtype, 2 * tensor.numel(), "world", control=True)
-    return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
+    return tensor, _all_reduce_on(tensor, mesh.world, control=True)
 
 
 def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
