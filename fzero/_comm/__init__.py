@@ -64,7 +64,8 @@ def all_gather(
     """Concatenation of every rank's 1-D `shard` along the shard axis, in rank order (into
     `out`, else a new tensor). With `dtype`, the shards travel in that dtype (e.g.
     bfloat16, halving the bytes) and come back in `shard`'s dtype, rounded through
-    `dtype` even on one rank; with `quant` (a block size) they travel as int8 blocks (see `all_gather_async`)."""
+    `dtype` even on one rank; with `quant` (a block size) they travel as int8 blocks
+    (see `all_gather_async`)."""
     out, work = all_gather_async(shard, mesh, out=out, dtype=dtype, quant=quant)
     if work is not None:
         work.wait()
