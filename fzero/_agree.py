@@ -15,8 +15,6 @@ import hashlib
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-
 from . import _comm
 from ._mesh import Mesh
 
@@ -55,18 +53,16 @@ class Agreement(NamedTuple):
         )
 
 
-def start_agreement(
-    called: list[str], mesh: Mesh, device: torch.device | None, present: bool = True
-) -> Agreement:
+def start_agreement(called: list[str], mesh: Mesh, present: bool = True) -> Agreement:
     """Starts comparing this rank's unit calls (`called`, unit names in call order) with the
-    other ranks'; the exchanged tensor lives on `device` (the one the step's collectives
-    use). `present`: whether this rank ran a forward (False: it had no batch and followed
-    the units called last step)."""
+    other ranks' (host values on the control axis: checking them never waits for a GPU).
+    `present`: whether this rank ran a forward (False: it had no batch and followed the
+    units called last step)."""
     # A digest of the names, not Python's hash(): that one is salted per process.
     digest = hashlib.blake2b("\0".join(called).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True)
     values = [len(called), h, int(present)]
-    return Agreement(called, _comm.all_gather_ints_async(values, mesh, device))
+    return Agreement(called, _comm.all_gather_ints_async(values, mesh))
 
 
 class CallCheck:
@@ -77,8 +73,8 @@ class CallCheck:
         self.mesh = mesh
         self.pending: Agreement | None = None
 
-    def start(self, called: list[str], device: torch.device | None, present: bool = True) -> None:
-        self.pending = start_agreement(called, self.mesh, device, present)
+    def start(self, called: list[str], present: bool = True) -> None:
+        self.pending = start_agreement(called, self.mesh, present)
 
     def __call__(self) -> None:
         if self.pending is not None:

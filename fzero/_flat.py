@@ -110,7 +110,8 @@ def pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
     A frozen bucket whose leaves are None (a gradient tree) packs to an empty tensor.
     """
     if bucket.frozen and bucket.slots and leaves[bucket.slots[0].index] is None:
-        return torch.empty(0, dtype=bucket.dtype)
+        device = next((x.device for x in leaves if x is not None), None)
+        return torch.empty(0, dtype=bucket.dtype, device=device)
     parts, cursor = [], lo
     device = leaves[bucket.slots[0].index].device if bucket.slots else None
     for s in by_offset(bucket):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from ._stages import stage_of
 from ._state import ShardedState
-from ._tree import tree_nbytes
+from ._tree import device_of, tree_nbytes
 
 
 class MemoryEstimate(NamedTuple):
@@ -63,10 +65,25 @@ def estimate_memory(
 
 
 class MemoryReport(NamedTuple):
-    """Bytes one rank really holds in a ShardedState (tensor storages, each counted once)."""
+    """Bytes one rank really holds in a ShardedState (tensor storages, each counted once),
+    and, for a state on a CUDA device, what the caching allocator says of that device.
+
+    Attributes:
+      params: bytes of the parameters (stage 3: this rank's shards).
+      opt_state: bytes of the optimizer state, masters included.
+      device: the state's device.
+      allocated, peak_allocated, reserved: `torch.cuda.memory_allocated`,
+        `max_memory_allocated` (since the last `torch.cuda.reset_peak_memory_stats`) and
+        `memory_reserved` of that device: what a step really needs, gradients, gathered
+        units and communication buffers included. None off CUDA.
+    """
 
     params: int
     opt_state: int
+    device: torch.device | None = None
+    allocated: int | None = None
+    peak_allocated: int | None = None
+    reserved: int | None = None
 
     @property
     def total(self) -> int:
@@ -89,4 +106,12 @@ def memory_report(state: ShardedState) -> MemoryReport:
     # Master copies are optimizer state in ZeRO's accounting (12 bytes per parameter for
     # mixed-precision Adam: fp32 master, momentum and variance).
     opt = tree_nbytes((state.opt_state, state.master))
-    return MemoryReport(params=tree_nbytes(state.params), opt_state=opt)
+    device = device_of(state.params)
+    report = MemoryReport(tree_nbytes(state.params), opt, device)
+    if device is None or device.type != "cuda":
+        return report
+    return report._replace(
+        allocated=torch.cuda.memory_allocated(device),
+        peak_allocated=torch.cuda.max_memory_allocated(device),
+        reserved=torch.cuda.memory_reserved(device),
+    )

@@ -6,7 +6,8 @@ replicas of it (FSDP2's HSDP). Three axes name the process groups collectives ru
 
 | axis | ranks | carries |
 |---|---|---|
-| `world` | all N | data-parallel control: loss weights, agreement checks |
+| `world` | all N | data-parallel collectives over everyone (loss scaler flags) |
+| `control` | all N | host values (agreement checks, loss weights) on a CPU backend |
 | `shard` | the S of this rank's group | all-gathers of shards, reduce-scatters of gradients |
 | `replica` | the N / S holding this rank's shard | the all-reduce of a reduced shard |
 
@@ -27,8 +28,8 @@ class Axis(NamedTuple):
     """One axis of a mesh: a process group and this rank's place in it.
 
     Attributes:
-      name: "world", "shard", "replica" or "secondary" (hpZ's in-group copy); the
-        communication ledger files bytes under it.
+      name: "world", "shard", "replica", "control" or "secondary" (hpZ's in-group
+        copy); the communication ledger files bytes under it.
       group: the process group (None: the default group).
       rank: this rank's index along the axis.
       size: the number of ranks along it.
@@ -59,20 +60,30 @@ class ProcessGroupMesh:
         N: every rank shards. Must divide N and be the same on every rank (a ValueError
         on every rank otherwise). Creating the sub-groups is collective: every rank of
         `group` builds its mesh together.
+      device: where states, shards and buffers made for this mesh live (a checkpoint
+        loads onto it). None: the current CUDA device when the group runs CUDA tensors on
+        a GPU backend (NCCL), else the CPU. A group must have a backend for it: gloo
+        takes CPU and CUDA tensors (one GPU shared by simulated ranks), NCCL CUDA ones.
 
     Attributes:
       rank, size: this process's rank within `group`, and the number of ranks (N).
       shard_rank, shard_size: its place in its group of S, and S.
       replica_rank, replicas: which group it is in, and N / S.
+      device: the resolved `torch.device`.
+      world, shard, replica, control: the axes (see the module docstring); `control`
+        is over the world's ranks on a backend for CPU tensors (the world's own group
+        unless that is NCCL alone, then a gloo group beside it).
     """
 
     group: Any = None
     shard_size: int | None = None
+    device: Any = None
     rank: int = field(init=False)
     size: int = field(init=False)
     world: Axis = field(init=False, repr=False)
     shard: Axis = field(init=False, repr=False)
     replica: Axis = field(init=False, repr=False)
+    control: Axis = field(init=False, repr=False)
     _secondary: dict[int, Axis] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,8 +100,12 @@ class ProcessGroupMesh:
             raise ValueError("this process is not a member of the given process group")
         n = dist.get_world_size(self.group)
         world = Axis("world", self.group, rank, n)
-        s = _comm.agree_shard_size(self.shard_size, world)
+        device = _comm.mesh_device(self.group, self.device)
+        control = Axis("control", _comm.control_group(world), rank, n)
+        s = _comm.agree_shard_size(self.shard_size, control)
         set_ = object.__setattr__
+        set_(self, "device", device)
+        set_(self, "control", control)
         set_(self, "rank", rank)
         set_(self, "size", n)
         set_(self, "shard_size", s)
@@ -107,7 +122,8 @@ class ProcessGroupMesh:
     def __repr__(self) -> str:
         shape = "" if self.replicas == 1 else f", shard_size={self.shard_size}"
         return (
-            f"ProcessGroupMesh(rank={self.rank}, size={self.size}{shape}, backend={self.backend!r})"
+            f"ProcessGroupMesh(rank={self.rank}, size={self.size}{shape}, "
+            f"backend={self.backend!r}, device={str(self.device)!r})"
         )
 
     @property

@@ -24,8 +24,8 @@ class DynamicLossScale(NamedTuple):
     backoff_factor: float = 0.5
     growth_interval: int = 2000
 
-    def init(self) -> LossScaleState:
-        """The scaler state of step 0."""
+    def init(self, device: torch.device | str | None = None) -> LossScaleState:
+        """The scaler state of step 0, on `device` (the parameters'; None: the CPU)."""
         if not (self.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1):
             raise ValueError(
                 "DynamicLossScale needs init_scale > 0, growth_factor > 1 and "
@@ -34,8 +34,8 @@ class DynamicLossScale(NamedTuple):
         if self.growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
         return LossScaleState(
-            torch.tensor(float(self.init_scale), dtype=torch.float32),
-            torch.tensor(0, dtype=torch.int32),
+            torch.tensor(float(self.init_scale), dtype=torch.float32, device=device),
+            torch.tensor(0, dtype=torch.int32, device=device),
             self,
         )
 
@@ -51,17 +51,17 @@ class LossScaleState(NamedTuple):
         """The state after a step that did (or did not) find an inf/NaN gradient.
 
         torch.amp.GradScaler.update's rule, so a run matches one using it step for step.
+        Computed where the state lives, without reading it: on a GPU, no host sync.
         """
         c = self.config
         if found_inf:
             scale, tracker = self.scale * c.backoff_factor, torch.zeros_like(self.growth_tracker)
-        elif int(self.growth_tracker) + 1 == c.growth_interval:
-            grown = self.scale * c.growth_factor
-            scale = grown if torch.isfinite(grown) else self.scale
-            tracker = torch.zeros_like(self.growth_tracker)
-        else:
-            scale, tracker = self.scale.clone(), self.growth_tracker + 1
-        return LossScaleState(scale, tracker, c)
+            return LossScaleState(scale, tracker, c)
+        tracker = self.growth_tracker + 1
+        due = tracker == c.growth_interval
+        grown = self.scale * c.growth_factor
+        scale = torch.where(due & torch.isfinite(grown), grown, self.scale)
+        return LossScaleState(scale, torch.where(due, 0, tracker).to(tracker.dtype), c)
 
 
 def unscale_(grads: list[torch.Tensor], scale: torch.Tensor, mesh: Mesh) -> bool:
@@ -69,9 +69,10 @@ def unscale_(grads: list[torch.Tensor], scale: torch.Tensor, mesh: Mesh) -> bool
     inf or NaN (one all-reduce of one flag, so every rank takes the same branch)."""
     # GradScaler multiplies by the float32 reciprocal computed in double: the same bits.
     inv = scale.double().reciprocal().float()
-    bad = torch.zeros((), dtype=torch.float32)
+    bad = torch.zeros((), dtype=torch.float32, device=scale.device)
     for g in grads:
         if g.numel():
             g.mul_(inv.to(g.dtype))
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+    # The step's one host sync: every rank must know whether to skip the update.
     return bool(_comm.all_reduce_sum(bad, mesh).item() > 0)

@@ -27,7 +27,8 @@ from ._mesh import ProcessGroupMesh
 # parameters in place for the duration of a call, so threads sharing one module race and
 # compute gradients on each other's tensors. Forked processes each own a copy of the
 # module, and run the very code path torchrun runs (ProcessGroupMesh over gloo). Fork,
-# not spawn, so closures defined in a notebook need no pickling.
+# not spawn, so closures defined in a notebook need no pickling; but a forked child
+# cannot use CUDA once its parent has initialised it, so then the ranks are spawned.
 
 
 class RankFailure(RuntimeError):
@@ -45,12 +46,20 @@ class Simulation:
       timeout: seconds the whole run may take (None: no limit).
       shard_size: the meshes' `shard_size` (groups of that many ranks shard, the groups
         replicate; None: every rank shards).
+      device: the meshes' `device` (e.g. "cuda": the ranks share one GPU, their tensors
+        travel over gloo; None: the CPU). Parameters made on a GPU work either way; the
+        mesh's device is where `checkpoint.load` builds a state by default.
+
+    Ranks are forked, so `fn` may be a closure from a notebook. If this process has
+    already initialised CUDA (a forked child could not use it) they are spawned instead,
+    and `fn` and its arguments must be picklable: defined at module level.
     """
 
     world_size: int
     collective_timeout: float = 120.0
     timeout: float | None = None
     shard_size: int | None = None
+    device: Any = None
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
         """Runs `fn(mesh, *args, **kwargs)` on every rank; returns the results in rank order.
@@ -78,7 +87,10 @@ class Simulation:
         raise AssertionError("unreachable")
 
     def _run_once(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> list[Any]:
-        ctx = mp.get_context("fork")
+        method = "spawn" if torch.cuda.is_initialized() else "fork"
+        if method == "spawn":
+            _check_picklable(fn, args, kwargs)
+        ctx = mp.get_context(method)
         store_dir = tempfile.mkdtemp(prefix="fzero-sim-")
         conns, procs = [], []
         try:
@@ -237,7 +249,7 @@ def _rank_main(
                 rank=rank,
                 world_size=sim.world_size,
             )
-            mesh = ProcessGroupMesh(shard_size=sim.shard_size)
+            mesh = ProcessGroupMesh(shard_size=sim.shard_size, device=sim.device)
         except RuntimeError as exc:
             raise _MeshSetupError(f"gloo could not connect the ranks: {exc}") from exc
         result = fn(mesh, *args, **kwargs)
@@ -263,6 +275,18 @@ def _rank_main(
 
 
 _SETUP_ATTEMPTS = 3
+
+
+def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(
+            "fzero.simulate: CUDA is already initialised in this process, and a forked rank "
+            "cannot use it, so the ranks are spawned; fn and its arguments must then be "
+            f"picklable (defined at module level, not in a notebook cell): {exc}. Or make "
+            "the CUDA tensors inside fn, before this process touches CUDA"
+        ) from exc
 
 
 class _MeshSetupError(RuntimeError):

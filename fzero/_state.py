@@ -26,7 +26,7 @@ from ._precision import (
 from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._stages import Stage, stage_of
-from ._tree import NAMESPACE, PyTree, leaf_paths, tree_flatten
+from ._tree import NAMESPACE, PyTree, device_of, leaf_paths, tree_flatten
 from .optim import Optimizer
 
 
@@ -166,7 +166,7 @@ def shard_state(
     state_buffers = _replicate_buffers(buffers, mesh)
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
-    scaler = None if loss_scale is None else loss_scale.init()
+    scaler = None if loss_scale is None else loss_scale.init(device_of(params))
     master = None
     if needs_master(precision, lay, spec):
         assert precision is not None
@@ -240,7 +240,7 @@ def _from_init(
     state_buffers = _replicate_buffers(buffers, mesh)
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
-    scaler = None if loss_scale is None else loss_scale.init()
+    scaler = None if loss_scale is None else loss_scale.init(device_of(flats))
     return ShardedState(
         held, opt_state, 0, lay, stage.number, state_buffers, master, scaler, precision
     )

@@ -33,7 +33,7 @@ from ._schedule import Schedule, plan
 from ._shards import Shards
 from ._stages import Stage, stage_of
 from ._state import ShardedState, check_step_state
-from ._tree import PyTree, tree_flatten
+from ._tree import PyTree, device_of
 from ._unit_ledger import UnitLedger
 from ._update import apply_update, rebuild_params
 from ._weight import Exchange, Tally, Weighed
@@ -310,7 +310,7 @@ def _train(
     local = None if stage.shards_params else full_buckets(state.params, lay)
     target = _target(stage, state, local, o)  # what this rank's optimizer updates
     micro = micro_batches(batch, o, memory)
-    exchange = Exchange(o.mesh, _device(state.params))
+    exchange = Exchange(o.mesh, device_of(state.params))
     present = any(mb is not None for mb in micro)
 
     def after_forward() -> None:
@@ -349,11 +349,6 @@ def _train(
         return _Out(state.params, opt_state, master, False, tally)
     params = rebuild_params(stage, new, local, state, o.mesh, o.donate)
     return _Out(params, opt_state, master, True, tally)
-
-
-def _device(params: Any) -> torch.device | None:
-    leaves = params.buffers if isinstance(params, Shards) else tree_flatten(params)[0]
-    return leaves[0].device if leaves else None
 
 
 def _stalled(exc: Exception, state: ShardedState, mesh: Mesh) -> RuntimeError:

@@ -84,13 +84,13 @@ class TensorFile:
         if hi <= lo:
             return
         if e.stride is not None:  # a view into a larger storage: read the span, then cut
-            span = torch.empty(e.span, dtype=e.dtype)
+            span = torch.empty(e.span, dtype=e.dtype, device="cpu")
             self._readinto(e.offset, span)
             full = torch.as_strided(span, e.shape, e.stride)
             out.copy_(full.reshape(-1)[lo:hi])
             return
         direct = out.dtype == e.dtype and out.device.type == "cpu" and out.is_contiguous()
-        dst = out if direct else torch.empty(hi - lo, dtype=e.dtype)
+        dst = out if direct else torch.empty(hi - lo, dtype=e.dtype, device="cpu")
         self._readinto(e.offset + lo * e.dtype.itemsize, dst)
         if not direct:
             out.copy_(dst)
@@ -98,7 +98,7 @@ class TensorFile:
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor `name`, read into new memory."""
         e = self.entries[name]
-        out = torch.empty(e.shape, dtype=e.dtype)
+        out = torch.empty(e.shape, dtype=e.dtype, device="cpu")
         self.read(name, 0, e.numel, out.view(-1))
         return out
 

@@ -35,6 +35,14 @@ def _entry_name(entry: Any) -> str:
     return str(entry)
 
 
+def device_of(tree: PyTree) -> torch.device | None:
+    """The device of `tree`'s first tensor leaf (None: it has none)."""
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
 def leaf_paths(tree: PyTree) -> list[str]:
     """Dotted path of every leaf, in flatten order.
 

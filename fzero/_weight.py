@@ -86,7 +86,7 @@ def _weight_value(weight: Any, rank: int) -> float:
 class Tally(NamedTuple):
     """The step's sums over every rank and micro-batch."""
 
-    total: float  # sum of totals (scalar losses: of the losses)
+    total: torch.Tensor  # 0-d float64 on the loss's device: sum of totals (or of losses)
     weight: float  # sum of weights (scalar losses: micro-batches that had data)
     pairs: int  # calls that returned (total, weight)
     scalars: int  # calls that returned a scalar
@@ -101,37 +101,53 @@ class Tally(NamedTuple):
 
     def loss(self) -> torch.Tensor:
         """The global weighted mean loss (0 when nothing had weight)."""
-        return torch.tensor(self.total / self.weight if self.weight else 0.0, dtype=torch.float64)
+        return self.total / self.weight if self.weight else torch.zeros_like(self.total)
 
 
 class Exchange:
-    """The all-reduce of one step's sums, started behind the backward, read before the
-    update."""
+    """The all-reduces of one step's sums, started behind the backward, read before the
+    update.
+
+    The weights, call counts and presence flags are host values and travel from the CPU
+    on the control axis, so reading them never waits for the GPU. The losses' total stays
+    on its device (a GPU's tensor is summed by NCCL, and the step returns it unread). On
+    the CPU, with one group for both, they travel as one vector.
+    """
 
     def __init__(self, mesh: Mesh, device: torch.device | None) -> None:
         self.mesh, self.device = mesh, device
         self.pending: tuple[torch.Tensor, Any] | None = None
+        self.total: tuple[torch.Tensor, Any] | None = None
 
     def start(self, weighed: Weighed, present: bool) -> None:
-        totals = [t.double().cpu() for t in weighed.totals]  # a handful of 0-d tensors
-        sums = [
-            float(sum(totals, torch.zeros((), dtype=torch.float64))),
-            math.fsum(weighed.weights),
-            float(weighed.pairs),
-            float(weighed.scalars),
-        ]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for t in weighed.totals:  # a left fold in call order, as one process sums them
+            total = total.to(t.device) + t.double()
         flags = [0.0] * self.mesh.size
         flags[self.mesh.rank] = float(present)
-        vec = torch.tensor(sums + flags, dtype=torch.float64, device=self.device)
-        self.pending = _comm.all_reduce_sum_async(vec, self.mesh)
+        host = [math.fsum(weighed.weights), float(weighed.pairs), float(weighed.scalars)]
+        vec = torch.tensor(host + flags, dtype=torch.float64, device="cpu")
+        world, control = self.mesh.world, self.mesh.control
+        if total.device.type == "cpu" and control.group is world.group:
+            self.pending = _comm.all_reduce_sum_async(torch.cat([vec, total[None]]), control)
+            return
+        self.pending = _comm.all_reduce_sum_async(vec, control)
+        self.total = _comm.all_reduce_sum_async(total, world)
 
     def wait(self) -> Tally:
         assert self.pending is not None, "Exchange.wait before start"
         out, work = self.pending
         if work is not None:
             work.wait()
-        v = out.cpu().tolist()
-        tally = Tally(v[0], v[1], int(v[2]), int(v[3]), tuple(f > 0 for f in v[4:]))
+        n = self.mesh.size
+        if self.total is None:
+            total = out[3 + n]
+        else:
+            total, work = self.total
+            if work is not None:
+                work.wait()  # on a GPU: the current stream waits, the host does not
+        v = out[: 3 + n].tolist()
+        tally = Tally(total, v[0], int(v[1]), int(v[2]), tuple(f > 0 for f in v[3:]))
         if tally.pairs and tally.scalars:
             raise ValueError(
                 f"rank {self.mesh.rank}: loss_fn returned (total, weight) {tally.pairs} times "

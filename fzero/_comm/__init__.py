@@ -17,10 +17,13 @@ from .._ledger import record
 from .._mesh import Axis, Mesh
 from ._gloo import _gather_by_broadcast, _is_gloo, _reduce_scatter_p2p
 from ._groups import agree_shard_size as agree_shard_size
+from ._groups import backend_for as backend_for
+from ._groups import control_group as control_group
 from ._groups import destroy_process_group as destroy_process_group
 from ._groups import init_process_group as init_process_group
 from ._groups import is_initialized as is_initialized
 from ._groups import is_peer_failure as is_peer_failure
+from ._groups import mesh_device as mesh_device
 from ._groups import new_axes as new_axes
 from ._groups import new_secondary as new_secondary
 from ._pending import _CastOnWait, _Dequantize, _SumArrived, _Then
@@ -111,7 +114,7 @@ def all_gather_async(
                 out.copy_(shard.repeat(axis.size))
             return out, None
         record("all_gather", out.dtype, out.numel(), axis.name)
-        if _is_gloo(axis):
+        if _is_gloo(axis, shard):
             return out, _gather_by_broadcast(shard, out, axis)
         return out, _all_gather_single(out, shard, group=axis.group, async_op=True)
 
@@ -171,7 +174,7 @@ def reduce_scatter_async(
         else:
             record("reduce_scatter", full.dtype, full.numel(), axis.name)
             out = full.new_empty(full.numel() // axis.size)
-            if _is_gloo(axis):
+            if _is_gloo(axis, full):
                 work = _reduce_scatter_p2p(full, out, axis)
             else:
                 work = _reduce_scatter_single(
@@ -278,12 +281,13 @@ def all_reduce_sum(tensor: torch.Tensor, mesh: Mesh | Axis, control: bool = Fals
     return out
 
 
-def all_reduce_sum_async(tensor: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, Any]:
-    """Starts summing small metadata `tensor` over ranks in place; returns `(tensor, work)`
-    (work None on one rank). Not a gradient reduction: kept apart from those."""
-    if mesh.size == 1:
+def all_reduce_sum_async(tensor: torch.Tensor, axis: Axis) -> tuple[torch.Tensor, Any]:
+    """Starts summing small metadata `tensor` along `axis` in place; returns
+    `(tensor, work)` (work None on one rank). Not a gradient reduction: kept apart from
+    those. Host values go along `mesh.control` (a CPU tensor: no wait for the GPU)."""
+    if axis.size == 1:
         return tensor, None
-    return tensor, _all_reduce_on(tensor, mesh.world, control=True)
+    return tensor, _all_reduce_on(tensor, axis, control=True)
 
 
 def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
@@ -298,19 +302,18 @@ def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
     return tensor
 
 
-def all_gather_ints_async(
-    values: list[int], mesh: Mesh, device: torch.device | None = None
-) -> Callable[[], list[list[int]]]:
+def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[list[int]]]:
     """Starts gathering every rank's short list of int64 `values` (the same length on every
-    rank, sent from `device`); the returned function waits and gives them in rank order.
-    One small all-gather (not `all_gather_async`, which on gloo broadcasts once per rank),
-    for checks that run every step behind other work."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    rank); the returned function waits and gives them in rank order. One small all-gather
+    (not `all_gather_async`, which on gloo broadcasts once per rank), for checks that run
+    every step behind other work. Sent from the CPU on the control axis, so waiting for
+    it never waits for the GPU's queue."""
+    mine = torch.tensor(values, dtype=torch.int64, device="cpu")
     if mesh.size == 1:
         return lambda: [values]
     out = [torch.empty_like(mine) for _ in range(mesh.size)]
-    record("all_gather", mine.dtype, mine.numel() * mesh.size, "world", control=True)
-    work = dist.all_gather(out, mine, group=mesh.group, async_op=True)
+    record("all_gather", mine.dtype, mine.numel() * mesh.size, "control", control=True)
+    work = dist.all_gather(out, mine, group=mesh.control.group, async_op=True)
 
     def wait() -> list[list[int]]:
         work.wait()
@@ -320,9 +323,10 @@ def all_gather_ints_async(
 
 
 def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
-    """Every rank's picklable `obj`, in rank order (small metadata only)."""
+    """Every rank's picklable `obj`, in rank order (small metadata only; on the control
+    axis, from the CPU)."""
     if mesh.size == 1:
         return [obj]
     out: list[Any] = [None] * mesh.size
-    dist.all_gather_object(out, obj, group=mesh.group)
+    dist.all_gather_object(out, obj, group=mesh.control.group)
     return out

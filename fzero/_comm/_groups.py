@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._mesh import Axis
@@ -34,10 +35,67 @@ def agree_shard_size(shard_size: Any, world: Axis) -> int:
     return mine
 
 
-def _new_group(ranks: list[int]) -> Any:
+def _new_group(ranks: list[int], backend: str | None = None) -> Any:
     # Only the members build it (local synchronization): a mesh over a sub-group must not
     # need every process of the job.
-    return dist.new_group(ranks, use_local_synchronization=True)
+    return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+
+
+def backend_for(group: Any, device: torch.device) -> str | None:
+    """The backend `group` runs collectives of `device`'s tensors on ("gloo", "nccl", ...),
+    or None if it has none for that device type.
+
+    What the group really does for that device, not its name: a mixed group
+    ("cpu:gloo,cuda:nccl") sends CPU tensors to gloo and CUDA tensors to NCCL, and plain
+    "gloo" takes CUDA tensors too (staged through the host).
+    """
+    pg = group if group is not None else dist.group.WORLD
+    get = getattr(pg, "_get_backend", None)  # torch >= 2.0; the string below otherwise
+    if get is not None:
+        try:
+            name = get(device).name()
+        except RuntimeError:  # "No backend type associated with device type ..."
+            return None
+        return str(name).lower()
+    spec = str(dist.get_backend(group)).lower()
+    if ":" not in spec:  # one backend for every device type it supports
+        return spec if spec != "nccl" or device.type == "cuda" else None
+    pairs = dict(part.split(":", 1) for part in spec.split(","))
+    return pairs.get(device.type)
+
+
+def mesh_device(group: Any, device: Any) -> torch.device:
+    """The device a mesh's tensors live on: `device` if given (checked against what the
+    group supports), else the current CUDA device when the group runs CUDA tensors on a
+    GPU backend (NCCL), else the CPU."""
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: torch sees no CUDA device on this machine")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if backend_for(group, dev) is None:
+            raise ValueError(
+                f"device={device!r}: the process group (backend {dist.get_backend(group)!r}) "
+                f"has no backend for {dev.type} tensors"
+            )
+        return dev
+    if torch.cuda.is_available() and backend_for(group, torch.device("cuda")) not in (
+        None,
+        "gloo",
+    ):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def control_group(world: Axis) -> Any:
+    """A group over `world`'s ranks that carries CPU tensors: agreement checks and loss
+    weights are a few host values, and sending them from the CPU (gloo) keeps the host
+    from waiting for the GPU. `world`'s own group when it has a CPU backend (gloo, or a
+    mixed "cpu:gloo,cuda:nccl"), else a new gloo group (collective over `world`)."""
+    if world.size == 1 or backend_for(world.group, torch.device("cpu")) is not None:
+        return world.group
+    return _new_group([world.global_rank(r) for r in range(world.size)], backend="gloo")
 
 
 def new_axes(world: Axis, s: int) -> tuple[Any, Any]:

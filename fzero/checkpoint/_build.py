@@ -58,9 +58,12 @@ def assemble(
     lo: int,
     hi: int,
     dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Elements [lo, hi) of `bucket`'s padded flat buffer, read leaf by leaf (zero padding)."""
-    out = torch.zeros(hi - lo, dtype=dtype)
+    """Elements [lo, hi) of `bucket`'s padded flat buffer, read leaf by leaf (zero padding),
+    on `device` (None: the CPU): each read range is copied there as it arrives, so the
+    host never holds the whole buffer."""
+    out = torch.zeros(hi - lo, dtype=dtype, device=device)
     for s in bucket.slots:
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
         if a < b:
@@ -69,9 +72,15 @@ def assemble(
 
 
 def build_state(
-    src: Source, layout: ShardLayout, optimizer: Optimizer, stage: Stage, rank: int, step: int
+    src: Source,
+    layout: ShardLayout,
+    optimizer: Optimizer,
+    stage: Stage,
+    rank: int,
+    step: int,
+    device: torch.device | None = None,
 ) -> ShardedState:
-    """This rank's ShardedState under `layout` and `stage`, filled from `src`.
+    """This rank's ShardedState under `layout` and `stage`, filled from `src`, on `device`.
 
     A stage that shards parameters reads only this rank's slice of every bucket; the
     others hold full parameters anyway. Optimizer state is built by `optimizer.init` for
@@ -80,30 +89,37 @@ def build_state(
     """
     if stage.shards_params:
         buffers = tuple(
-            assemble(src.param, b, rank * b.shard_numel, (rank + 1) * b.shard_numel, b.dtype)
+            assemble(
+                src.param, b, rank * b.shard_numel, (rank + 1) * b.shard_numel, b.dtype, device
+            )
             for b in layout.buckets
         )
         params: Any = Shards(buffers, layout, rank)
         pieces_in: Any = params.pieces()
     else:
-        flats = tuple(assemble(src.param, b, 0, b.full_numel, b.dtype) for b in layout.buckets)
+        flats = tuple(
+            assemble(src.param, b, 0, b.full_numel, b.dtype, device) for b in layout.buckets
+        )
         params = layout.unflatten(flats)
         trainable = layout.trainable(params)
         if not stage.shards_optimizer:
             pieces_in = trainable
         else:
             pieces_in = Shards(layout.shard(trainable, rank), layout, rank).pieces()
-    target = optimizer.init(pieces_in)
+    target = optimizer.init(pieces_in)  # on the parameters' device
     pieces = pieces_of(layout, stage, rank)
-    opt_state = _Filler(src, layout, pieces).fill(target, piece_spec(layout, stage, len(pieces)))
+    filler = _Filler(src, layout, pieces, device)
+    opt_state = filler.fill(target, piece_spec(layout, stage, len(pieces)))
     return ShardedState(params, opt_state, step, layout, stage.number)
 
 
 class _Filler:
     """Replaces every tensor of a freshly initialised optimizer state with saved values."""
 
-    def __init__(self, src: Source, layout: ShardLayout, pieces: list[Piece]) -> None:
-        self.src, self.layout, self.pieces = src, layout, pieces
+    def __init__(
+        self, src: Source, layout: ShardLayout, pieces: list[Piece], device: torch.device | None
+    ) -> None:
+        self.src, self.layout, self.pieces, self.device = src, layout, pieces, device
         self.schema = src.schema
 
     def fill(self, target: Any, spec: Any) -> Any:
@@ -136,7 +152,7 @@ class _Filler:
                 f"optimizer state {path!r} is saved as {tuple(value.shape)} {value.dtype}, "
                 f"this optimizer keeps {tuple(like.shape)} {like.dtype}"
             )
-        return value.clone()
+        return value.to(like.device, copy=True)
 
     def _piece_state(self, node: str, like: Any, piece: Piece) -> Any:
         if isinstance(like, torch.Tensor):
@@ -156,7 +172,7 @@ class _Filler:
             out = dict(like)
             for j, e in enumerate(self.schema.entries):
                 if e.node == node and self._present(e, piece):
-                    out[e.sub] = self._value(j, piece, required=False)
+                    out[e.sub] = self._value(j, piece, required=False).to(self.device)
             return out
         raise CheckpointError(f"cannot fill optimizer state of type {type(like).__name__}")
 
@@ -191,7 +207,7 @@ class _Filler:
             if leaf >= 0:
                 return self.src.elem(j, leaf, 0, piece.hi - piece.lo).to(dtype).reshape(piece.shape)
             read = lambda i, a, b: self.src.elem(j, i, a, b)  # noqa: E731
-            return assemble(read, bucket, piece.lo, piece.hi, dtype)
+            return assemble(read, bucket, piece.lo, piece.hi, dtype, self.device)
         value = self.src.piece(j, leaf) if leaf >= 0 else None
         if value is not None:
             return value.clone()

@@ -66,8 +66,12 @@ def start(path: str) -> str:
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
-    """`t`, copied if it is a view: torch.save writes the whole storage a view belongs to."""
+    """`t`, copied if it is a view: torch.save writes the whole storage a view belongs to.
+    A device tensor is copied to the host (its view's bytes only): the files then load on
+    any machine, a CPU-only one too."""
     t = t.detach()
+    if t.device.type != "cpu":
+        return t.cpu()
     whole = t.is_contiguous() and t.storage_offset() == 0
     return t if whole and t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
@@ -294,7 +298,7 @@ class FileSource:
     def _range(self, key: str, k: int, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of saved bucket k's buffer `key`, from the files holding them."""
         n = self.buckets[k]["shard_numel"]
-        out = torch.empty(max(hi - lo, 0), dtype=dtype_of(self.buckets[k]["dtype"]))
+        out = torch.empty(max(hi - lo, 0), dtype=dtype_of(self.buckets[k]["dtype"]), device="cpu")
         for r in range(lo // n, (hi - 1) // n + 1) if hi > lo else ():
             data = self._entry(r, key)
             e = data.entries[key]

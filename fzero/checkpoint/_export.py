@@ -137,7 +137,7 @@ class _Fakes(dict):
     def __missing__(self, key: Any) -> torch.Tensor:
         shape, dtype = self.spec(key)
         with self.mode:  # shapes and dtypes, no memory: torch_writer reserves the bytes
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device="cpu")
         self[key] = t
         return t
 
@@ -237,7 +237,8 @@ def _to_torch(
             names = _ADAM if schema.kind == "AdamState" else _SGD
             st = {names[e.node]: value(j, i) for j, e in enumerate(schema.entries) if count}
             if st and schema.kind == "AdamState":
-                st = {"step": torch.tensor(float(count), dtype=_scalar_dtype()), **st}
+                step = torch.tensor(float(count), dtype=_scalar_dtype(), device="cpu")
+                st = {"step": step, **st}
         elif schema.nodes == ("",) and schema.kind in ("tuple", "dict", "list"):
             st = {e.sub: value(j, i) for j, e in enumerate(schema.entries) if i in e.present}
         else:

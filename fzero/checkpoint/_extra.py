@@ -102,14 +102,16 @@ def extra_metadata(state: ShardedState) -> dict[str, Any]:
     return body
 
 
-def load_buffers(src: Any, body: dict[str, Any], buffers_like: PyTree) -> PyTree:
-    """The saved buffers, in `buffers_like`'s structure (or a dict by path)."""
+def load_buffers(
+    src: Any, body: dict[str, Any], buffers_like: PyTree, device: torch.device | None = None
+) -> PyTree:
+    """The saved buffers, in `buffers_like`'s structure (or a dict by path), on `device`."""
     saved = body.get("buffers")
     if saved is None:
         if buffers_like is not None:
             raise CheckpointError("buffers_like was given, but the checkpoint holds no buffers")
         return None
-    values = [src._tensor(0, f"b{j}").clone() for j in range(len(saved))]
+    values = [src._tensor(0, f"b{j}").to(device, copy=True) for j in range(len(saved))]
     if buffers_like is None:
         return {e["path"]: v for e, v in zip(saved, values)}
     paths = leaf_paths(buffers_like)
@@ -121,15 +123,18 @@ def load_buffers(src: Any, body: dict[str, Any], buffers_like: PyTree) -> PyTree
 
 
 def load_scaler(
-    src: Any, body: dict[str, Any], loss_scale: DynamicLossScale | None
+    src: Any,
+    body: dict[str, Any],
+    loss_scale: DynamicLossScale | None,
+    device: torch.device | None = None,
 ) -> LossScaleState | None:
-    """The saved scaler state, under `loss_scale`'s rules if given (else the saved ones);
-    a fresh one if the checkpoint has none and `loss_scale` is given."""
+    """The saved scaler state on `device`, under `loss_scale`'s rules if given (else the
+    saved ones); a fresh one if the checkpoint has none and `loss_scale` is given."""
     saved = body.get("scaler")
     if saved is None:
-        return None if loss_scale is None else loss_scale.init()
+        return None if loss_scale is None else loss_scale.init(device)
     config = loss_scale if loss_scale is not None else DynamicLossScale(**saved)
     config.init()  # validates
-    scale = src._tensor(0, "scale").clone()
-    growth = src._tensor(0, "growth").clone()
+    scale = src._tensor(0, "scale").to(device, copy=True)
+    growth = src._tensor(0, "growth").to(device, copy=True)
     return LossScaleState(scale, growth, config)

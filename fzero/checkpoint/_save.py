@@ -163,6 +163,7 @@ def load(
     precision: Any = None,
     loss_scale: Any = None,
     buffers_like: PyTree = None,
+    device: Any = None,
 ) -> ShardedState:
     """Loads a checkpoint onto `mesh`, at any world size, stage and layout (collective).
 
@@ -186,10 +187,13 @@ def load(
         growth count are kept. None keeps the saved rules (if the run had a scaler).
       buffers_like: the structure of the saved buffers (e.g. `dict(model.named_buffers())`;
         values ignored); None rebuilds them as a dict by path.
+      device: where the state is built (None: `mesh.device`, the current GPU under NCCL).
+        Files are read through the host range by range, each copied to the device as it
+        is read: the host never holds a whole bucket of them.
 
     Returns:
       This rank's ShardedState, with the saved step; parameters and optimizer state hold
-      the saved values bitwise, on the CPU.
+      the saved values bitwise, on `device`.
 
     Raises:
       CheckpointError: on every rank, naming the file or leaf: no committed checkpoint,
@@ -204,12 +208,13 @@ def load(
         body = disk.read_metadata(directory)
         lay = _target_layout(directory, body, params_like, mesh.shard_size, layout, units, frozen)
         src = disk.FileSource(directory, body)
+        dev = mesh.device if device is None else torch.device(device)
         try:
-            state = build_state(src, lay, optimizer, spec, mesh.shard_rank, body["step"])
+            state = build_state(src, lay, optimizer, spec, mesh.shard_rank, body["step"], dev)
             state = dataclasses.replace(
                 state,
-                buffers=load_buffers(src, body, buffers_like),
-                scaler=load_scaler(src, body, loss_scale),
+                buffers=load_buffers(src, body, buffers_like, dev),
+                scaler=load_scaler(src, body, loss_scale, dev),
             )
             if precision is not None:
                 state = to_mixed(state, precision, mesh)

@@ -285,7 +285,7 @@ def elem_slice(
     """Elements [lo, hi) of bucket k's flat buffer of elementwise entry `key` (zeros where
     this rank has no value: padding, or leaves it does not own)."""
     dtype = bucket.dtype if entry.dtype == "param" else dtype_of(entry.dtype)
-    out = torch.zeros(hi - lo, dtype=dtype)
+    out = torch.zeros(hi - lo, dtype=dtype, device="cpu")
     for j, value in local.occ.get(key, ()):
         p = local.pieces[j]
         a, b = max(lo, p.lo), min(hi, p.hi)

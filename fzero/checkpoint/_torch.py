@@ -103,6 +103,7 @@ def import_torch(
     units: Any = None,
     frozen: Any = None,
     step: int | None = None,
+    device: Any = None,
 ) -> ShardedState:
     """Builds a ShardedState from a plain model state dict and a torch.optim state dict.
 
@@ -127,6 +128,7 @@ def import_torch(
       step: the number of updates already applied. Adam's is read from its "step"; torch's
         SGD keeps none, so by default it is 1 if momentum buffers exist, else 0 (it only
         matters to learning-rate schedules).
+      device: where the state is built (None: `mesh.device`).
 
     Returns:
       This rank's ShardedState.
@@ -156,8 +158,9 @@ def import_torch(
             )
         torch_states = {leaf: optim_state_dict["state"].get(i, {}) for i, leaf in zip(ids, order)}
         src, count = _from_torch(optimizer, lay, leaves, torch_states, step)
+        dev = mesh.device if device is None else torch.device(device)
         state = build_state(
-            src, lay, optimizer, spec, mesh.shard_rank, count if step is None else step
+            src, lay, optimizer, spec, mesh.shard_rank, count if step is None else step, dev
         )
     except Exception as exc:
         error = exc
@@ -194,7 +197,7 @@ def _from_torch(
                     raise CheckpointError(f"torch state of {lay.paths[i]!r} lacks {names[node]!r}")
                 value = st[names[node]] if st else torch.zeros_like(leaves[i])
                 per_leaf[i][node, ""] = value.detach().to(leaves[i].dtype)
-        glob = {"count": torch.tensor(count, dtype=torch.int64)}
+        glob = {"count": torch.tensor(count, dtype=torch.int64, device="cpu")}
     elif nodes == [""] and not globals_:
         for i, st in states.items():
             bad = [k for k, v in st.items() if not isinstance(v, torch.Tensor)]

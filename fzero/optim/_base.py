@@ -155,8 +155,10 @@ def zeros_like_tree(params: Params) -> Params:
 
 def zero_count() -> torch.Tensor:
     """Returns a fresh step counter: a 0-d int64 CPU tensor equal to 0."""
-    # A tensor (not a python int) so the count is checkpointed like every other state leaf.
-    return torch.zeros((), dtype=torch.int64)
+    # A tensor (not a python int) so the count is checkpointed like every other state leaf;
+    # on the CPU whatever the parameters' device (as torch.optim's "step"), because every
+    # update reads it (the bias corrections, a schedule): on a GPU that read would sync.
+    return torch.zeros((), dtype=torch.int64, device="cpu")
 
 
 def decay_flags(mask: Any, params: Params, n: int, weight_decay: float) -> list[Any]:
@@ -181,5 +183,7 @@ def masked_factor(factor: float, flag: Any, p: torch.Tensor) -> Any:
         return factor
     # torch.where in p's dtype rounds `factor` exactly as p.mul_(factor) would.
     return torch.where(
-        flag.bool(), torch.tensor(factor, dtype=p.dtype), torch.tensor(1.0, dtype=p.dtype)
+        flag.bool(),
+        torch.tensor(factor, dtype=p.dtype, device=p.device),
+        torch.tensor(1.0, dtype=p.dtype, device=p.device),
     )

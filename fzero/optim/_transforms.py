@@ -48,20 +48,27 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
 
     def init(params: Params) -> ClipState:
-        return ClipState(torch.zeros((), dtype=torch.float64))
+        return ClipState(torch.zeros((), dtype=torch.float64, device=_device_of(params)))
 
     @torch.no_grad()
     def update(grads: Grads, state: ClipState, params: Params) -> tuple[Grads, ClipState]:
         leaves = optree.tree_leaves(grads)
-        local = torch.zeros((), dtype=torch.float64)
+        # Summed where the gradients are (a GPU's, all-reduced by NCCL): nothing is read
+        # back to the host, so clipping costs no sync.
+        local = torch.zeros((), dtype=torch.float64, device=_device_of(grads))
         for g in leaves:
-            local = local + g.detach().double().pow(2).sum().cpu()
+            local = local + g.detach().double().pow(2).sum()
         norm = global_sum(local).sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        clipped = optree.tree_map(lambda g: g * coef.to(g.dtype).to(g.device), grads)
+        clipped = optree.tree_map(lambda g: g * coef.to(g.device, g.dtype), grads)
         return clipped, ClipState(norm)
 
     return GradientTransformation(init, update)
+
+
+def _device_of(tree: Any) -> torch.device | None:
+    leaves = optree.tree_leaves(tree)
+    return leaves[0].device if leaves else None
 
 
 def chain(*parts: Any) -> Optimizer:
