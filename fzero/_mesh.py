@@ -60,10 +60,12 @@ class ProcessGroupMesh:
         N: every rank shards. Must divide N and be the same on every rank (a ValueError
         on every rank otherwise). Creating the sub-groups is collective: every rank of
         `group` builds its mesh together.
-      device: where states, shards and buffers made for this mesh live (a checkpoint
-        loads onto it). None: the current CUDA device when the group runs CUDA tensors on
-        a GPU backend (NCCL), else the CPU. A group must have a backend for it: gloo
-        takes CPU and CUDA tensors (one GPU shared by simulated ranks), NCCL CUDA ones.
+      device: the mesh's device: where `checkpoint.load` builds a state unless told
+        otherwise (`shard_state` keeps the parameters' own device). None: the current
+        CUDA device (`torch.cuda.set_device(local_rank)` first) when the group runs CUDA
+        tensors on a GPU backend (NCCL), else the CPU. The group must have a backend for
+        it: gloo takes CPU and CUDA tensors (one GPU shared by simulated ranks), NCCL
+        CUDA ones; a ValueError otherwise.
 
     Attributes:
       rank, size: this process's rank within `group`, and the number of ranks (N).
