@@ -120,9 +120,10 @@ class Exchange:
         self.total: tuple[torch.Tensor, Any] | None = None
 
     def start(self, weighed: Weighed, present: bool) -> None:
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        where = weighed.totals[0].device if weighed.totals else self.device
+        total = torch.zeros((), dtype=torch.float64, device=where)
         for t in weighed.totals:  # a left fold in call order, as one process sums them
-            total = total.to(t.device) + t.double()
+            total = total + t.double()
         flags = [0.0] * self.mesh.size
         flags[self.mesh.rank] = float(present)
         host = [math.fsum(weighed.weights), float(weighed.pairs), float(weighed.scalars)]

@@ -50,18 +50,10 @@ def backend_for(group: Any, device: torch.device) -> str | None:
     "gloo" takes CUDA tensors too (staged through the host).
     """
     pg = group if group is not None else dist.group.WORLD
-    get = getattr(pg, "_get_backend", None)  # torch >= 2.0; the string below otherwise
-    if get is not None:
-        try:
-            name = get(device).name()
-        except RuntimeError:  # "No backend type associated with device type ..."
-            return None
-        return str(name).lower()
-    spec = str(dist.get_backend(group)).lower()
-    if ":" not in spec:  # one backend for every device type it supports
-        return spec if spec != "nccl" or device.type == "cuda" else None
-    pairs = dict(part.split(":", 1) for part in spec.split(","))
-    return pairs.get(device.type)
+    try:  # ProcessGroup's per-device-type backend (torch >= 2.0; fzero needs 2.5)
+        return str(pg._get_backend(device).name()).lower()
+    except RuntimeError:  # "No backend type associated with device type ..."
+        return None
 
 
 def mesh_device(group: Any, device: Any) -> torch.device:
@@ -80,10 +72,8 @@ def mesh_device(group: Any, device: Any) -> torch.device:
                 f"has no backend for {dev.type} tensors"
             )
         return dev
-    if torch.cuda.is_available() and backend_for(group, torch.device("cuda")) not in (
-        None,
-        "gloo",
-    ):
+    gpu_backend = torch.cuda.is_available() and backend_for(group, torch.device("cuda"))
+    if gpu_backend and gpu_backend != "gloo":  # gloo takes CUDA tensors, but by the host
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

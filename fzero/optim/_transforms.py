@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from .._tree import device_of
 from ._base import Grads, Optimizer, OptState, Params
 from ._context import global_sum
 
@@ -48,14 +49,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
 
     def init(params: Params) -> ClipState:
-        return ClipState(torch.zeros((), dtype=torch.float64, device=_device_of(params)))
+        return ClipState(torch.zeros((), dtype=torch.float64, device=device_of(params)))
 
     @torch.no_grad()
     def update(grads: Grads, state: ClipState, params: Params) -> tuple[Grads, ClipState]:
         leaves = optree.tree_leaves(grads)
         # Summed where the gradients are (a GPU's, all-reduced by NCCL): nothing is read
         # back to the host, so clipping costs no sync.
-        local = torch.zeros((), dtype=torch.float64, device=_device_of(grads))
+        local = torch.zeros((), dtype=torch.float64, device=device_of(grads))
         for g in leaves:
             local = local + g.detach().double().pow(2).sum()
         norm = global_sum(local).sqrt()
@@ -64,11 +65,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return clipped, ClipState(norm)
 
     return GradientTransformation(init, update)
-
-
-def _device_of(tree: Any) -> torch.device | None:
-    leaves = optree.tree_leaves(tree)
-    return leaves[0].device if leaves else None
 
 
 def chain(*parts: Any) -> Optimizer:
