@@ -1,11 +1,18 @@
-"""Stage 0's gradient bursts: several units' gradients in one buffer, one all-reduce each.
+"""Gradient bursts: several units' gradients in one buffer, reduced by one collective.
 
 DDP's reducer keeps its gradient buckets contiguous so that `bucket_cap_mb` of gradients
 cost one collective. fzero's unit gradients arrive one unit at a time during the
-backward; at stage 0 each is written straight into the current burst buffer (divided by
-the mesh size on the way in), and the burst is all-reduced in place once it holds
-`reduce_bucket_bytes`. Each collective costs a round trip however small it is: on gloo,
-twelve 1.8 MB all-reduces take ~15 % longer than one of 21 MB.
+backward; at stages 0-1 each leaf's gradient is written straight into the current burst
+buffer (divided by the mesh size on the way in), and the burst is reduced in place once
+it holds `reduce_bucket_bytes`. Each collective costs a round trip however small it is:
+on gloo, twelve 1.8 MB all-reduces take ~15 % longer than one of 21 MB.
+
+An all-reduce of a concatenation is the concatenation of the all-reduces, so stage 0's
+burst is the buckets end to end. A reduce-scatter hands rank r the r-th slice of its
+input, so stage 1's burst is laid out by rank: R rows (R ranks on the shard axis), and
+each bucket takes the same columns of every row, its slice r in row r. Rank r then
+receives the r-th slice of every bucket in the burst as one contiguous row, and pasting
+the gradients there costs what pasting them end to end does.
 """
 
 from __future__ import annotations
@@ -19,65 +26,81 @@ from ._layout import ShardLayout
 
 @dataclass
 class Burst:
-    """One buffer, filled from the front with bucket gradients, reduced as one."""
+    """One buffer of `rows` rows, filled column-wise from the front, reduced as one."""
 
     buffer: torch.Tensor
-    used: int = 0
-    parts: list[tuple[int, int, str]] = field(default_factory=list)  # (bucket, start, unit)
+    rows: int = 1
+    used: int = 0  # columns filled (elements per row)
+    parts: list[tuple[int, int, str]] = field(default_factory=list)  # (bucket, column, unit)
 
-    def take(self, bucket: int, numel: int, unit: str) -> torch.Tensor | None:
-        """The next `numel` elements, for `bucket` of `unit`; None if they do not fit."""
-        if self.used + numel > self.buffer.numel():
+    @property
+    def width(self) -> int:
+        return self.buffer.numel() // self.rows
+
+    def take(self, bucket: int, columns: int, unit: str) -> torch.Tensor | None:
+        """The next `columns` columns of every row (`[rows, columns]`), for `bucket` of
+        `unit`; None if they do not fit."""
+        if self.used + columns > self.width:
             return None
         self.parts.append((bucket, self.used, unit))
-        self.used += numel
-        return self.buffer[self.used - numel : self.used]
+        self.used += columns
+        return self.buffer.view(self.rows, self.width)[:, self.used - columns : self.used]
 
     @property
     def filled(self) -> torch.Tensor:
-        return self.buffer[: self.used]
+        """The filled columns of every row, row after row, as one 1-D tensor: a view when
+        the rows are full or there is one row, else a copy (a burst closed early because
+        the next bucket did not fit)."""
+        if self.rows == 1:
+            return self.buffer[: self.used]
+        return self.buffer.view(self.rows, self.width)[:, : self.used].reshape(-1)
 
 
 class Bursts:
     """The bursts of one step on one rank, one open per dtype.
 
-    A new burst's buffer holds `hold_bytes`, or the gradients still to come this step
-    if fewer (so a model smaller than one burst allocates only itself), or the bucket
-    asking for it if larger.
+    A new burst holds `hold_bytes`, or the gradients still to come this step if fewer (so
+    a model smaller than one burst allocates only itself), or the bucket asking for it if
+    larger. `rows`: 1 for all-reduces, the shard axis's size for reduce-scatters.
     """
 
     def __init__(
-        self, hold_bytes: int, layout: ShardLayout, reduce_dtype: torch.dtype | None
+        self, hold_bytes: int, layout: ShardLayout, reduce_dtype: torch.dtype | None, rows: int
     ) -> None:
-        self.hold_bytes = hold_bytes
-        self.left: dict[torch.dtype, int] = {}  # elements of each dtype not yet written
+        self.hold_bytes, self.rows = hold_bytes, rows
+        self.left: dict[torch.dtype, int] = {}  # columns of each dtype not yet written
         for b in layout.buckets:
             if not b.frozen:
                 dtype = reduce_dtype or b.dtype
-                self.left[dtype] = self.left.get(dtype, 0) + b.full_numel
+                self.left[dtype] = self.left.get(dtype, 0) + b.full_numel // rows
         self.open: dict[torch.dtype, Burst] = {}
 
     def take(
         self, bucket: int, numel: int, dtype: torch.dtype, device: torch.device, unit: str
     ) -> tuple[torch.Tensor, Burst | None]:
-        """Room for one bucket's gradient, and the burst it closed to make room (if any)."""
+        """Room (`[rows, numel / rows]`) for one bucket's `numel`-element gradient, and the
+        burst it closed to make room (if any)."""
+        columns = numel // self.rows
         closed = None
         burst = self.open.get(dtype)
-        view = burst.take(bucket, numel, unit) if burst is not None else None
+        view = burst.take(bucket, columns, unit) if burst is not None else None
         if view is None:
             closed = self.open.pop(dtype, None)
-            cap = self.hold_bytes // dtype.itemsize
-            size = max(numel, min(cap, self.left.get(dtype, 0)))
-            burst = self.open[dtype] = Burst(torch.empty(size, dtype=dtype, device=device))
-            view = burst.take(bucket, numel, unit)
+            cap = self.hold_bytes // dtype.itemsize // self.rows
+            width = max(columns, min(cap, self.left.get(dtype, 0)))
+            buffer = torch.empty(width * self.rows, dtype=dtype, device=device)
+            burst = self.open[dtype] = Burst(buffer, self.rows)
+            view = burst.take(bucket, columns, unit)
             assert view is not None
-        self.left[dtype] = self.left.get(dtype, 0) - numel
+        self.left[dtype] = self.left.get(dtype, 0) - columns
         return view, closed
 
     def full(self) -> list[Burst]:
         """Closes and returns the open bursts holding at least `hold_bytes`."""
         done = [
-            b for b in self.open.values() if b.used * b.buffer.element_size() >= self.hold_bytes
+            b
+            for b in self.open.values()
+            if b.used * b.rows * b.buffer.element_size() >= self.hold_bytes
         ]
         for b in done:
             del self.open[b.buffer.dtype]

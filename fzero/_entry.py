@@ -58,7 +58,7 @@ class Engine(Protocol):
     """What a node asks of whoever runs it."""
 
     layout: ShardLayout
-    leaf_grads: bool  # hand out the unit's leaves and take their gradients (stage 0 bursts)
+    leaf_grads: bool  # hand out the unit's leaves and take their gradients (bursts)
 
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The full flat buffers of `call`'s buckets."""

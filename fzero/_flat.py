@@ -4,7 +4,7 @@ one, packing leaves into a new one."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,30 +76,48 @@ def cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
 def paste(
     bucket: Bucket, grads: Sequence[torch.Tensor | None], out: torch.Tensor, divisor: int = 1
 ) -> torch.Tensor:
-    """Writes `bucket`'s full flat gradient into the 1-D `out` and returns it: the leaves'
-    gradients `grads` (by offset, as `cut` cuts them; None: zero) divided by `divisor`,
-    zero padding.
+    """Writes `bucket`'s full flat gradient into `out` and returns it: the leaves' gradients
+    `grads` (by offset, as `cut` cuts them; None: zero) divided by `divisor`, zero padding.
+
+    `out` is the flat buffer (1-D), or its rows (2-D `[R, n]`, `R * n` the bucket's full
+    size, rows apart in memory): row r takes elements `[r n, (r + 1) n)`, the slice rank r
+    of the shard axis reduces, so a reduce-scatter burst can lay several buckets out rank
+    by rank (`_burst`). A leaf that straddles rows is written in pieces.
 
     The division rides on the copy (DDP's reducer does the same): a pass over the gradient
     that assembling it costs anyway. A division into a wider `out` (bfloat16 gradients, a
     float32 reduction) is done there, so it rounds in the wider dtype.
     """
+    rows = out.view(1, -1) if out.dim() == 1 else out
+    n = rows.shape[1]
+
+    def spans(lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+        # Flat elements [lo, hi) as (destination, its first and last flat element + 1).
+        while lo < hi:
+            r, c = divmod(lo, n)
+            end = min(hi, (r + 1) * n)
+            yield rows[r, c : c + end - lo], lo, end
+            lo = end
+
     cursor = 0
     for s, g in zip(by_offset(bucket), grads, strict=True):
-        if s.offset > cursor:
-            out[cursor : s.offset].zero_()
-        dst = out[s.offset : s.offset + s.numel].view(s.shape)
-        if g is None:
+        for dst, _, _ in spans(cursor, s.offset):
             dst.zero_()
-        elif divisor == 1:
-            dst.copy_(g)
-        elif g.dtype == dst.dtype:
-            torch.div(g, divisor, out=dst)
-        else:
-            dst.copy_(g).div_(divisor)
+        flat = None if g is None else g.reshape(-1)
+        for dst, lo, hi in spans(s.offset, s.offset + s.numel):
+            if flat is None:
+                dst.zero_()
+                continue
+            src = flat[lo - s.offset : hi - s.offset]
+            if divisor == 1:
+                dst.copy_(src)
+            elif src.dtype == dst.dtype:
+                torch.div(src, divisor, out=dst)
+            else:
+                dst.copy_(src).div_(divisor)
         cursor = s.offset + s.numel
-    if cursor < out.numel():
-        out[cursor:].zero_()
+    for dst, _, _ in spans(cursor, rows.shape[0] * n):
+        dst.zero_()
     return out
 
 

@@ -46,21 +46,55 @@ def gather_params_into(
     mesh: Mesh,
     out: tuple[torch.Tensor, ...],
     dtypes: tuple[torch.dtype, ...] | None = None,
+    burst_bytes: int = 0,
 ) -> None:
     """All-gathers `shards` into the existing full flat buffers `out`, in place (no autograd).
 
     The donating stages 1-2 refill the replicated parameters where they live instead of
     allocating a second full copy next to the old one. `dtypes`: what each buffer travels
     in (mixed precision: master shards cast down to the gather dtype); default `out`'s.
+    `burst_bytes`: consecutive buffers of one dtype and device travel together, as one
+    collective of up to this many bytes (`_comm.all_gather_many_async`; a larger buffer
+    alone), which holds a burst's worth of staging buffers while it runs; 0 gathers each
+    buffer by itself, straight into place.
     """
     dtypes = dtypes or tuple(o.dtype for o in out)
-    works = [
-        _comm.all_gather_async(s.to(d), mesh, out=o, dtype=d)[1]
-        for s, o, d in zip(shards.buffers, out, dtypes)
-    ]
+    works = []
+    for group in _bursts(shards.buffers, out, dtypes, burst_bytes):
+        s, o, d = (list(x) for x in zip(*group))
+        if len(group) == 1:
+            works.append(_comm.all_gather_async(s[0].to(d[0]), mesh, out=o[0], dtype=d[0])[1])
+        else:  # finished before the next starts: one burst's staging buffers at a time
+            _comm.all_gather_many_async(s, o, mesh, d[0]).wait()
     for work in works:
         if work is not None:
             work.wait()
+
+
+def _bursts(
+    shards: tuple[torch.Tensor, ...],
+    out: tuple[torch.Tensor, ...],
+    dtypes: tuple[torch.dtype, ...],
+    burst_bytes: int,
+) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]]:
+    """(shard, full buffer, dtype) in order, grouped into runs of one dtype and device of
+    at most `burst_bytes` of full buffers (a larger buffer alone)."""
+    groups: list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]] = []
+    size = 0
+    for s, o, d in zip(shards, out, dtypes):
+        nbytes = o.numel() * d.itemsize
+        last = groups[-1][-1] if groups else None
+        if (
+            last is None
+            or last[2] != d
+            or last[1].device != o.device
+            or size + nbytes > burst_bytes
+        ):
+            groups.append([])
+            size = 0
+        groups[-1].append((s, o, d))
+        size += nbytes
+    return groups
 
 
 def gather_params(params: PyTree, mesh: Mesh, *, unit: str | None = None) -> PyTree:

@@ -5,10 +5,11 @@ complete. The reduction is the stage's (`Stage.reduce`): an all-reduce (stage 0,
 rank keeps the mean) or a reduce-scatter (stages 1-3, a rank keeps its slice of the
 mean). How reductions are held and overlapped is the `Schedule`'s:
 
-- `bursts` (stage 0): leaf gradients are written, divided by the world size, straight
-  into a buffer of `hold_bytes`, all-reduced as one collective once full (DDP's buckets);
-- `hold_bytes` (stages 0-1): complete unit gradients wait until that many bytes are
-  ready, then their reductions start together;
+- `bursts` (stages 0-1): leaf gradients are written, divided by the world size, straight
+  into a buffer of `hold_bytes`, reduced as one collective once full (DDP's buckets; at
+  stage 1 laid out rank by rank, `_burst`);
+- `hold_bytes`: without bursts (local accumulation, qgZ), complete unit gradients wait
+  until that many bytes are ready, then their reductions start together;
 - `in_flight`: how many reductions may run while the backward goes on; `drain` (stage 1)
   finishes the burst in flight when the next unit's gradient arrives.
 
@@ -59,9 +60,10 @@ class Reductions:
         self.acc, self.final = acc, final
         self.before = before  # waits for the call check before the first collective
         self.release = release  # frees a call's gathered parameters once reduced
+        rows = 1 if schedule.all_reduce else mesh.shard.size
         self.bursts = (
-            Bursts(schedule.hold_bytes, layout, schedule.reduce_dtype)
-            if (schedule.bursts)
+            Bursts(schedule.hold_bytes, layout, schedule.reduce_dtype, rows)
+            if schedule.bursts
             else None
         )
         self.ordered: list[Call] = []  # the forward's calls, in call order
@@ -69,8 +71,8 @@ class Reductions:
         self.next = -1  # the next call (`order`) to reduce
         self.held: list[tuple[int, torch.Tensor, str]] = []  # (bucket, full gradient, unit)
         self.held_bytes = 0
-        # (bucket, out, work, full gradient, unit, whether `out` still needs dividing)
-        self.inflight: list[tuple[int, torch.Tensor, Any, torch.Tensor, str, bool]] = []
+        # (bucket, out, work, full gradient's bytes, unit, whether `out` still needs dividing)
+        self.inflight: list[tuple[int, torch.Tensor, Any, int, str, bool]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> shard gradient (sum of parts)
         self.extra: dict[int, torch.Tensor] = {}  # bucket -> zeros reduced after the backward
 
@@ -128,9 +130,12 @@ class Reductions:
         b = self.layout.buckets[i]
         return torch.zeros(b.full_numel, dtype=b.dtype, device=self.devices[i])
 
-    # -- stage 0: leaf gradients into all-reduce buffers -----------------------------------
+    # -- stages 0-1: leaf gradients into burst buffers -------------------------------------
     def _into_bursts(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> None:
         assert self.bursts is not None
+        if self.s.drain:
+            while self.inflight:
+                self._finish_oldest()
         lay = self.layout
         leaf_bucket = lay.unit_leaf_buckets(call.unit)
         for i in call.buckets:
@@ -143,7 +148,7 @@ class Reductions:
             if closed is not None:
                 self._issue_burst(closed)
             paste(b, part, view, self.mesh.size)
-            self._log(call.unit, view.numel() * view.element_size())
+            self._log(call.unit, b.full_numel * view.element_size())
         call.reduced = True
         for burst in self.bursts.full():
             self._issue_burst(burst)
@@ -152,13 +157,17 @@ class Reductions:
 
     def _issue_burst(self, burst: Burst) -> None:
         self.before()
-        # Owned and already in the reduce dtype: reduced in place, so each part's view of
-        # the buffer holds that bucket's mean once the work is done.
-        flat, work = _comm.all_reduce_async(burst.filled, self.mesh, owned=True)
+        # Owned, already divided and in the reduce dtype. An all-reduce runs in place, so
+        # each part's columns hold that bucket's mean once the work is done; a
+        # reduce-scatter returns this rank's row, each part's columns its slice.
+        if self.s.all_reduce:
+            out, work = _comm.all_reduce_async(burst.filled, self.mesh, owned=True)
+        else:
+            out, work = _comm.reduce_scatter_async(burst.filled, self.mesh, owned=True)
         ends = [start for _, start, _ in burst.parts[1:]] + [burst.used]
+        size = burst.rows * burst.buffer.element_size()
         for (i, start, unit), end in zip(burst.parts, ends):
-            view = flat[start:end]
-            self.inflight.append((i, view, work, view, unit, False))
+            self.inflight.append((i, out[start:end], work, (end - start) * size, unit, False))
 
     # -- unit gradients: held, then reduced ------------------------------------------------
     def _take(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -190,7 +199,7 @@ class Reductions:
         """Starts the reductions of every held gradient, oldest first."""
         for i, g, unit in self.held:
             out, work = self._start(g)
-            self.inflight.append((i, out, work, g, unit, True))
+            self.inflight.append((i, out, work, g.numel() * g.element_size(), unit, True))
         self.held.clear()
         self.held_bytes = 0
 
@@ -214,13 +223,13 @@ class Reductions:
         return out.div_(self.mesh.size) if self.mesh.size > 1 else out
 
     def _finish_oldest(self) -> None:
-        i, out, work, g, unit, divide = self.inflight.pop(0)
+        i, out, work, nbytes, unit, divide = self.inflight.pop(0)
         if work is not None:
             work.wait()  # a burst's parts share one work: waiting again returns at once
         if divide and self.mesh.size > 1:  # the mean; one rank's sum is already it
             out.div_(self.mesh.size)
         self.reduced[i] = self.reduced[i] + out if i in self.reduced else out
-        self._log(unit, -g.numel() * g.element_size())
+        self._log(unit, -nbytes)
 
     # -- after the backward ----------------------------------------------------------------
     def finish(self) -> None:

@@ -35,11 +35,12 @@ class Schedule:
       secondary: hpZ: the axis the backward gathers a resharded unit along, from the
         slices of it each rank kept (None: the shards, along the shard axis).
       all_reduce: gradients are all-reduced (stage 0), not reduce-scattered.
-      bursts: leaf gradients are written straight into all-reduce buffers of
-        `hold_bytes` (stage 0: an all-reduce of a concatenation is the concatenation of
-        the all-reduces, so buckets of several units cost one collective, as in DDP).
-      hold_bytes: complete gradients are held until this many bytes are ready, then
-        their reductions start together.
+      bursts: leaf gradients are written straight into reduction buffers of
+        `hold_bytes`, so buckets of several units cost one collective, as in DDP (stage
+        0: end to end, all-reduced; stage 1: rank by rank, reduce-scattered; `_burst`).
+      hold_bytes: how many bytes of gradients a burst holds before its reduction starts;
+        without bursts, complete gradients are held until this many bytes are ready,
+        then their reductions start together.
       in_flight: how many reductions may run while the backward goes on.
       drain: finish the reductions in flight when the next gradient arrives.
       check_calls: compare the units every rank called before the first reduction.
@@ -98,13 +99,16 @@ def plan(
     in_flight = (len(layout.buckets) if buckets else 1) if overlap_reduce else 0
     q = quantize
     reshard = reshard_after_forward and gathers and bool(jit)
+    quant_reduce = q.block if q is not None and q.grads and not all_reduce else None
     return Schedule(
         hooked=hooked,
         jit=frozenset(jit),
         prefetch=prefetch and gathers,
         reshard=reshard,
         all_reduce=all_reduce,
-        bursts=all_reduce and not accumulate_locally,
+        # Local accumulation sums whole unit gradients across micro-batches, and qgZ
+        # quantizes unit by unit: both reduce held gradients instead.
+        bursts=buckets and not accumulate_locally and quant_reduce is None,
         hold_bytes=reduce_bucket_bytes if buckets else 0,
         in_flight=in_flight,
         drain=buckets and not all_reduce,
@@ -113,5 +117,5 @@ def plan(
         reduce_dtype=comm_dtypes[1],
         secondary=secondary if reshard else None,
         quant_gather=q.block if q is not None and q.weights and gathers else None,
-        quant_reduce=q.block if q is not None and q.grads and not all_reduce else None,
+        quant_reduce=quant_reduce,
     )

@@ -181,11 +181,14 @@ def sharded_step(
         about this many bytes, as DDP's `bucket_cap_mb` (default 25 MiB, DDP's too): a
         few large bursts of communication instead of one per unit, which on CPU cores
         shared between compute and communication threads is faster (see benchmarks/).
-        Stage 0, as DDP, writes the units' gradients into one buffer of at most this
-        size (a larger unit gets its own) and all-reduces each buffer as one collective;
-        stage 1 waits until at least this many bytes of unit gradients are ready, then
-        starts their reduce-scatters together. 0 starts each unit's reduction as soon as
-        it is complete. Stages 2-3 never hold (their memory bound).
+        As DDP, the units' gradients are written into one buffer of at most this size
+        (a larger unit gets its own), reduced as one collective: all-reduced at stage
+        0, reduce-scattered at stage 1 (laid out rank by rank); with local accumulation
+        or qgZ, stage 1 waits until this many bytes of unit gradients are ready and
+        starts their reduce-scatters together. 0 starts each unit's reduction as soon
+        as it is complete. Stages 2-3 never hold (their memory bound). Stages 1-2 also
+        gather the updated shards in bursts of up to this many bytes, one collective
+        each (DeepSpeed's `allgather_bucket_size`).
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
@@ -335,6 +338,7 @@ def _train(
             grads = lay.trainable(lay.unflatten(full))
         else:
             grads = Shards(flats, lay, o.mesh.shard_rank)
+        del flats  # held by `grads` alone, which lets go of them before the gather
     tally = exchange.wait()
     if o.quantize is not None and o.quantize.grads and state.scaler is None:
         check_finite(grads, o.mesh, state.step)
@@ -347,7 +351,8 @@ def _train(
     master = None if state.master is None else new
     if not applied:  # nothing changed anywhere: no gather either
         return _Out(state.params, opt_state, master, False, tally)
-    params = rebuild_params(stage, new, local, state, o.mesh, o.donate)
+    del grads  # used: the gather below has the memory they held
+    params = rebuild_params(stage, new, local, state, o.mesh, o.donate, o.reduce_bucket_bytes)
     return _Out(params, opt_state, master, True, tally)
 
 

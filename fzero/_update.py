@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from ._comm import all_gather
 from ._gather import gather_params_into
 from ._mesh import Mesh
 from ._scale import unscale_
@@ -93,14 +92,21 @@ def _check_like(grads: PyTree, params: PyTree) -> None:
 
 
 def rebuild_params(
-    stage: Stage, new: Any, local: Any, state: Any, mesh: Mesh, donate: bool
+    stage: Stage,
+    new: Any,
+    local: Any,
+    state: Any,
+    mesh: Mesh,
+    donate: bool,
+    burst_bytes: int = 0,
 ) -> PyTree:
     """The parameters after a step's update: the updated shards all-gathered (where the
-    stage replicates parameters and shards the optimizer), the masters cast down, or the
-    update itself. `local`: the replicated full buffers the step ran on."""
+    stage replicates parameters and shards the optimizer; buckets together in bursts of
+    up to `burst_bytes`), the masters cast down, or the update itself. `local`: the
+    replicated full buffers the step ran on."""
     lay = state.layout
     if stage.regathers:
-        return _regather(new, local, state, mesh, donate)
+        return _regather(new, local, state, mesh, donate, burst_bytes)
     if state.master is None:
         return new if stage.shards_params else lay.merge(state.params, new)
     if not stage.shards_params:
@@ -164,7 +170,12 @@ def _cast_tree(master: PyTree, state: Any, donate: bool) -> PyTree:
 
 
 def _regather(
-    shard: Shards, local: tuple[torch.Tensor, ...], state: Any, mesh: Mesh, donate: bool
+    shard: Shards,
+    local: tuple[torch.Tensor, ...],
+    state: Any,
+    mesh: Mesh,
+    donate: bool,
+    burst_bytes: int,
 ) -> PyTree:
     """Stages 1-2: every rank's updated shard, all-gathered into the full parameters.
 
@@ -179,14 +190,14 @@ def _regather(
     live = [i for i, b in enumerate(lay.buckets) if not b.frozen]
     gather_dtype = None if state.precision is None else state.precision.gather_dtype
     comm = tuple(gather_dtype or lay.buckets[i].dtype for i in live)
-    if donate:
-        gather_params_into(
-            Shards(tuple(shard.buffers[i] for i in live), lay, mesh.shard_rank),
-            mesh,
-            tuple(full[i] for i in live),
-            comm,
-        )
-    else:
-        for i, c in zip(live, comm):
-            full[i] = all_gather(shard.buffers[i].to(c), mesh).to(lay.buckets[i].dtype)
+    targets = tuple(full[i] if donate else torch.empty_like(full[i]) for i in live)
+    gather_params_into(
+        Shards(tuple(shard.buffers[i] for i in live), lay, mesh.shard_rank),
+        mesh,
+        targets,
+        comm,
+        burst_bytes,
+    )
+    for i, t in zip(live, targets):
+        full[i] = t
     return lay.unflatten(full)

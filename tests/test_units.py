@@ -184,9 +184,9 @@ def test_reduce_buckets_train_like_one_process_and_hold_reductions(
 ) -> None:
     # Stages 0-1 gather complete unit gradients into bursts of `reduce_bucket_bytes`:
     # with 0 every reduction starts inside the backward, as soon as its unit is done;
-    # with 25 MiB (more than this model has) all of them start after it. Stage 1 starts
-    # one reduction per unit; stage 0 one all-reduce per burst, whose buffer the units'
-    # gradients are written into.
+    # with 25 MiB (more than this model has) all of them start after it. Each burst is
+    # one collective (an all-reduce at stage 0, a reduce-scatter at stage 1), whose
+    # buffer the units' gradients are written into.
     case = make_case([4, 6, 6, 3], n, seed=3)
     expected = reference(case)
     units = ["layers.0", "layers.1", "layers.2", "unused"]
@@ -225,9 +225,9 @@ def test_reduce_buckets_train_like_one_process_and_hold_reductions(
             assert len(inside) == units_run and all(inside)
         if bucket == 300:  # layers 2 and 1 inside; layer 0 and the root held to the end
             assert 0 < sum(inside) < len(inside)
-            assert len(inside) == (units_run if stage == 1 else 3 * steps)
-        if bucket == 25 * 2**20:  # everything after the backward: one burst at stage 0
-            assert len(inside) == (units_run if stage == 1 else steps) and not any(inside)
+            assert len(inside) == 3 * steps
+        if bucket == 25 * 2**20:  # everything after the backward: one burst
+            assert len(inside) == steps and not any(inside)
 
 
 def test_reduce_bucket_bytes_is_checked() -> None:

@@ -119,6 +119,50 @@ def all_gather_async(
         return out, _all_gather_single(out, shard, group=axis.group, async_op=True)
 
 
+def all_gather_many_async(
+    shards: list[torch.Tensor], outs: list[torch.Tensor], mesh: Mesh | Axis, dtype: torch.dtype
+) -> Any:
+    """Starts one all-gather of several 1-D shards into their full buffers `outs` (each
+    `outs[i]` the concatenation of every rank's `shards[i]`, cast to its dtype), all
+    travelling in `dtype`; returns what to `wait()` on.
+
+    One collective instead of one per buffer: the shards are packed end to end, gathered
+    into one buffer of a row per rank, and each row's pieces copied into place on wait.
+    The copies cost a pass over the buffers; a collective costs a round trip between
+    every pair of ranks (on gloo, socket writes and thread wake-ups on both sides), which
+    for a model's worth of small buckets costs more. This rank's own piece is not copied
+    back where `outs` already holds it (a donated shard updated in place).
+    """
+    axis = _over(mesh)
+    with _plain_tensors():
+        widths = [s.numel() for s in shards]
+        own = torch.empty(sum(widths), dtype=dtype, device=shards[0].device)
+        at = 0
+        for s, w in zip(shards, widths):
+            own[at : at + w].copy_(_unwrap(s).detach().reshape(-1))
+            at += w
+        rows, work = all_gather_async(own, axis)
+        grid = rows.view(axis.size, -1)
+
+        def unpack() -> None:
+            at = 0
+            for s, o, w in zip(shards, outs, widths):
+                full = o.view(axis.size, w)
+                if o.narrow(0, axis.rank * w, w).data_ptr() == s.data_ptr():
+                    for r in range(axis.size):  # this rank's row is in place already
+                        if r != axis.rank:
+                            full[r].copy_(grid[r, at : at + w])
+                else:
+                    full.copy_(grid[:, at : at + w])
+                at += w
+            # Freed now, not whenever the backend's worker thread lets go of its work
+            # (which holds them too): the next burst, or step, may need the memory.
+            for staging in (own, rows):
+                staging.untyped_storage().resize_(0)
+
+        return _Then(work, unpack)
+
+
 def reduce_scatter_mean(
     full: torch.Tensor, mesh: Mesh, dtype: torch.dtype | None = None
 ) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Bursts: several buckets in one collective, each way.
+
+Stage 1's gradients are written rank by rank into one buffer per burst and
+reduce-scattered as one; stages 1-2 gather the updated shards of a burst of buckets as
+one all-gather. Checked against buffers built by hand and one-process `torch.optim`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from support import run
+from test_layout import trees
+from test_units import make_case, reference, train
+
+import fzero
+from fzero._flat import by_offset, paste
+from fzero._layout import build_layout
+
+
+@given(trees(), st.integers(1, 6), st.sampled_from(["flat", "tensor"]), st.data())
+def test_paste_lays_a_bucket_out_rank_by_rank(tree: dict, n: int, kind: str, data: Any) -> None:
+    # The reference is the bucket's flat gradient built by hand (each leaf's gradient at
+    # its offset, divided, zeros elsewhere), cut into n rows; the burst's rows are wider
+    # than the bucket's columns, and the columns around them must stay untouched.
+    layout = build_layout(tree, n, kind)
+    divisor = data.draw(st.sampled_from([1, 3]))
+    for bucket in layout.buckets:
+        grads = [
+            None if data.draw(st.booleans()) else torch.randn(s.shape, dtype=bucket.dtype)
+            for s in by_offset(bucket)
+        ]
+        flat = torch.zeros(bucket.full_numel, dtype=bucket.dtype)
+        for s, g in zip(by_offset(bucket), grads):
+            if g is not None:
+                flat[s.offset : s.offset + s.numel] = g.reshape(-1) / divisor
+        lead, trail = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+        rows = torch.full((n, lead + bucket.shard_numel + trail), float("nan"), dtype=bucket.dtype)
+        columns = rows[:, lead : lead + bucket.shard_numel]
+        paste(bucket, grads, columns, divisor)
+        assert torch.equal(columns, flat.view(n, bucket.shard_numel))
+        assert rows[:, :lead].isnan().all() and rows[:, lead + bucket.shard_numel :].isnan().all()
+        line = torch.full((bucket.full_numel + 2,), float("nan"), dtype=bucket.dtype)
+        paste(bucket, grads, line[1:-1], divisor)  # the 1-D form: the buffer end to end
+        assert torch.equal(line[1:-1], flat) and line[[0, -1]].isnan().all()
+
+
+def _gather_many(mesh: fzero.Mesh) -> list[torch.Tensor]:
+    # Three buffers: one whose own slice already holds the shard (a donated update in
+    # place), one that does not, one cast on the way (float64 shards into float32 full
+    # buffers, travelling in float32).
+    sizes = [3, 1, 4]
+    shards = [
+        torch.arange(k, dtype=torch.float64) + 10 * mesh.rank + 100 * i for i, k in enumerate(sizes)
+    ]
+    outs = [torch.zeros(k * mesh.size, dtype=torch.float64) for k in sizes[:2]]
+    outs.append(torch.zeros(sizes[2] * mesh.size, dtype=torch.float32))
+    outs[0][mesh.rank * 3 : mesh.rank * 3 + 3] = shards[0]
+    shards[0] = outs[0][mesh.rank * 3 : mesh.rank * 3 + 3]  # in place
+    fzero._comm.all_gather_many_async(shards[:2], outs[:2], mesh, torch.float64).wait()
+    fzero._comm.all_gather_many_async(shards[2:], outs[2:], mesh, torch.float32).wait()
+    return outs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_all_gather_many_fills_every_buffer_in_rank_order(n: int) -> None:
+    sizes = [3, 1, 4]
+    expected = [
+        torch.cat([torch.arange(k, dtype=torch.float64) + 10 * r + 100 * i for r in range(n)])
+        for i, k in enumerate(sizes)
+    ]
+    for outs in run(n, _gather_many):
+        for got, want in zip(outs, expected):
+            assert torch.equal(got, want.to(got.dtype))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("bucket", [0, 400, 25 * 2**20])
+@pytest.mark.parametrize("donate", [True, False])
+def test_updated_shards_travel_in_bursts_and_train_like_one_process(
+    stage: int, bucket: int, donate: bool
+) -> None:
+    # With 0 each bucket is gathered by itself; with 400 bytes a few buckets at a time
+    # (never more than 400 bytes of full buffers in one collective); with 25 MiB all of
+    # them (four trainable buckets: three layers and the root) in one.
+    case = make_case([4, 6, 6, 3], 3, seed=4)
+    expected = reference(case)
+    units = ["layers.0", "layers.1", "layers.2"]
+    original = fzero._comm.all_gather_many_async
+
+    def traced(mesh: fzero.Mesh) -> Any:
+        calls: list[tuple[int, int]] = []  # (buffers, full bytes) per burst
+
+        def spy(shards: list, outs: list, m: Any, dtype: torch.dtype) -> Any:
+            calls.append((len(outs), sum(o.numel() for o in outs) * dtype.itemsize))
+            return original(shards, outs, m, dtype)
+
+        fzero._comm.all_gather_many_async = spy  # in this rank's own (forked) process
+        out = train(
+            mesh,
+            case,
+            units,
+            stage,
+            module=case["model"],
+            reduce_bucket_bytes=bucket,
+            donate=donate,
+        )
+        return out, calls
+
+    steps = case["xs"].shape[0]
+    for (params, _ledger, layout), calls in run(3, traced):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{bucket=}")
+        trainable = sum(not b.frozen for b in layout.buckets)
+        if bucket == 0:
+            assert calls == []
+        elif bucket == 400:
+            assert calls and all(k > 1 and nbytes <= 400 for k, nbytes in calls)
+        else:
+            assert calls == [(trainable, calls[0][1])] * steps
