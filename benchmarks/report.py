@@ -172,11 +172,13 @@ def functional_cost(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, A
 
 
 def interleaved(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
-                warmup: int) -> list[str]:
-    """Issue 7's stage 0 and stage 1 targets, each pair of configurations stepped in turn."""
+                warmup: int, world_size: int) -> list[str]:
+    """Issue 7's stage 0 and stage 1 targets and issue 16's against DDP, each pair of
+    configurations stepped in turn."""
     out = _compare_head("reference")
     names = {"ddp": "DDP", "zero": "ZeroRedundancyOptimizer"}
-    for ref_cfg, fz_cfg, bound in configs.INTERLEAVED_PAIRS:
+    for ref_cfg, fz_cfg, bounds in configs.INTERLEAVED_PAIRS:
+        bound = configs.pair_bound(bounds, world_size)
         scale = "" if bound == 1 else f"{bound:g} × "
         target = f"stage {fz_cfg[-1]} ≤ {scale}{names.get(ref_cfg, ref_cfg)}"
         for model, label, runs in _launches(refs, fast, f"interleaved:{ref_cfg}+{fz_cfg}",

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + "\n".join(report.bounds_table(rows)))
     print("\n" + "\n".join(report.targets(rows)))
     print("\n" + "\n".join(report.functional_cost(refs, args.fast_refs, warmup)))
-    print("\n" + "\n".join(report.interleaved(refs, args.fast_refs, warmup)))
+    print("\n" + "\n".join(report.interleaved(refs, args.fast_refs, warmup, args.world_size)))
     print(f"\nwrote {args.out} and {png} ({elapsed:.0f} s)")
 
 
@@ -184,12 +184,14 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "`torch.optim.Adam`) and fzero stage 0 alternating step by step in one process "
               f"on the whole batch, in {args.launches} fresh launch(es).", "",
               *report.functional_cost(refs, args.fast_refs, warmup), "",
-              "Stage 0 and stage 1, stepped in turn: fzero stage 0 with DDP, and fzero stage "
-              "1 with ZeroRedundancyOptimizer, each pair built side by side in two rank "
-              f"processes of its own, in {args.launches} fresh launch(es). The targets above "
-              "time each configuration in its own processes, one after another, where "
-              "run-to-run drift exceeds the few percent these two targets are about; this "
-              "table is the verdict for them.", "",
+              "Stepped in turn: fzero stage 0 with DDP and fzero stage 1 with "
+              "ZeroRedundancyOptimizer (issue 7), fzero stages 1-3 with DDP (issue 16: "
+              "stages 1-2 ≤ 1.05 × DDP; stage 3, resharding, ≤ 1.10 × DDP at world size 2, "
+              "≤ 1.25 × at 4), each pair built side by side in two rank processes of its "
+              f"own, in {args.launches} fresh launch(es). The targets above time each "
+              "configuration in its own processes, one after another, where run-to-run "
+              "drift exceeds the few percent these targets are about; this table is the "
+              "verdict for them.", "",
               "Why launches and page faults: on this machine a page fault costs ~3 µs, and "
               "whether glibc trims the freed top of the heap (so the next allocation there "
               "faults its pages back in) depends on where a process's allocations land, which "
@@ -202,7 +204,7 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "process: there the others' allocations kept fzero stage 0's gradients at the "
               "heap top, ~10k faults per step on the Linear stack against 3 beside DDP "
               "alone.)", "",
-              *report.interleaved(refs, args.fast_refs, warmup), ""]
+              *report.interleaved(refs, args.fast_refs, warmup, args.world_size), ""]
     lines += ["## How to read this", "", *_NOTES, ""]
     failed = [r for r in rows if r.error]
     if failed:
