@@ -63,7 +63,15 @@ def _gather_many(mesh: fzero.Mesh) -> list[torch.Tensor]:
     shards[0] = outs[0][mesh.rank * 3 : mesh.rank * 3 + 3]  # in place
     fzero._comm.all_gather_many_async(shards[:2], outs[:2], mesh, torch.float64).wait()
     fzero._comm.all_gather_many_async(shards[2:], outs[2:], mesh, torch.float32).wait()
-    return outs
+    # In place but travelling narrower: every rank's copy, its own included, is rounded
+    # through float32, so the replicas agree.
+    third = torch.zeros(2 * mesh.size, dtype=torch.float64)
+    own = third[mesh.rank * 2 : mesh.rank * 2 + 2]
+    own.copy_(torch.tensor([1 / 3, 2 / 3], dtype=torch.float64) + mesh.rank)
+    fzero._comm.all_gather_many_async(
+        [own, shards[1]], [third, outs[1]], mesh, torch.float32
+    ).wait()
+    return [*outs, third]
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -73,7 +81,10 @@ def test_all_gather_many_fills_every_buffer_in_rank_order(n: int) -> None:
         torch.cat([torch.arange(k, dtype=torch.float64) + 10 * r + 100 * i for r in range(n)])
         for i, k in enumerate(sizes)
     ]
+    thirds = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64) + torch.arange(n)[:, None]
+    expected.append(thirds.reshape(-1).float().double())
     for outs in run(n, _gather_many):
+        assert len(outs) == len(expected)
         for got, want in zip(outs, expected):
             assert torch.equal(got, want.to(got.dtype))
 

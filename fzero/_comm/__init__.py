@@ -131,7 +131,7 @@ def all_gather_many_async(
     The copies cost a pass over the buffers; a collective costs a round trip between
     every pair of ranks (on gloo, socket writes and thread wake-ups on both sides), which
     for a model's worth of small buckets costs more. This rank's own piece is not copied
-    back where `outs` already holds it (a donated shard updated in place).
+    back where `outs` already holds it in `dtype` (a donated shard updated in place).
     """
     axis = _over(mesh)
     with _plain_tensors():
@@ -145,15 +145,14 @@ def all_gather_many_async(
         grid = rows.view(axis.size, -1)
 
         def unpack() -> None:
-            at = 0
+            at, r = 0, axis.rank
             for s, o, w in zip(shards, outs, widths):
-                full = o.view(axis.size, w)
-                if o.narrow(0, axis.rank * w, w).data_ptr() == s.data_ptr():
-                    for r in range(axis.size):  # this rank's row is in place already
-                        if r != axis.rank:
-                            full[r].copy_(grid[r, at : at + w])
-                else:
-                    full.copy_(grid[:, at : at + w])
+                full, part = o.view(axis.size, w), grid[:, at : at + w]
+                if o.dtype == dtype and o.narrow(0, r * w, w).data_ptr() == s.data_ptr():
+                    full[:r].copy_(part[:r])  # this rank's row is in place already
+                    full[r + 1 :].copy_(part[r + 1 :])
+                else:  # narrower in transit: all rows come back rounded, as peers see them
+                    full.copy_(part)
                 at += w
             # Freed now, not whenever the backend's worker thread lets go of its work
             # (which holds them too): the next burst, or step, may need the memory.
