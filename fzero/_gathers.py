@@ -249,9 +249,10 @@ class Gathers:
         only), and collectives pair up by the order they start in. A backward that needs a
         unit only moves the sequence on; what no backward asked for is gathered at the end
         (`settle`). Gathers and reductions are separate sequences: gloo matches them
-        separately (broadcasts by the group's collective count, reduce-scatters by their
-        own message tags), so how the two interleave may differ between ranks. (NCCL
-        orders every operation of a communicator: it will need them on two.)
+        separately (broadcasts by the shard group's collective count, reduce-scatters by
+        the twin group's or by their own message tags, `Axis.twin`), so how the two
+        interleave may differ between ranks. (NCCL orders every operation of a
+        communicator: it will need them on two.)
         """
         if self.turn is None:
             self.turn = len(self.followed) - 1

@@ -11,6 +11,10 @@ replicas of it (FSDP2's HSDP). Three axes name the process groups collectives ru
 | `shard` | the S of this rank's group | all-gathers of shards, reduce-scatters of gradients |
 | `replica` | the N / S holding this rank's shard | the all-reduce of a reduced shard |
 
+On gloo the shard axis has a twin: a second group over the same ranks that carries its
+reductions as collectives (`Axis.twin`), apart from the gathers, which a stage-3 backward
+interleaves with them in an order that may differ between ranks.
+
 S = N (the default) is a one-dimensional mesh: the shard axis is the world and the
 replica axis has one rank. `mesh.rank` and `mesh.size` stay the data-parallel ones
 (which batch is this rank's); the layout of a state asks for `shard_rank`/`shard_size`.
@@ -33,12 +37,17 @@ class Axis(NamedTuple):
       group: the process group (None: the default group).
       rank: this rank's index along the axis.
       size: the number of ranks along it.
+      twin: a second gloo group over the same ranks, for reductions that run as gloo
+        collectives (None: there are none, they pair by their own message tags). Gloo
+        pairs a group's collectives by the order they start in, and a stage-3 backward
+        may start a re-gather and a reduction in either order on different ranks.
     """
 
     name: str
     group: Any
     rank: int
     size: int
+    twin: Any = None
 
     def global_rank(self, r: int) -> int:
         """The default group's rank of this axis's rank `r`."""
@@ -114,12 +123,13 @@ class ProcessGroupMesh:
         set_(self, "world", world)
         set_(self, "_secondary", {})
         if s == n:
-            set_(self, "shard", Axis("shard", self.group, rank, n))
+            shard = Axis("shard", self.group, rank, n)
             set_(self, "replica", Axis("replica", None, 0, 1))
         else:
             shard_group, replica_group = _comm.new_axes(world, s)
-            set_(self, "shard", Axis("shard", shard_group, rank % s, s))
+            shard = Axis("shard", shard_group, rank % s, s)
             set_(self, "replica", Axis("replica", replica_group, rank // s, n // s))
+        set_(self, "shard", shard._replace(twin=_comm.twin_group(shard)))
 
     def __repr__(self) -> str:
         shape = "" if self.replicas == 1 else f", shard_size={self.shard_size}"

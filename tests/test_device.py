@@ -158,9 +158,9 @@ def on_a_mixed_backend_group(mesh: fzero.Mesh, case: Case) -> Any:
     group = dist.new_group(list(range(mesh.size)), backend="cpu:gloo")
     sub = fzero.ProcessGroupMesh(group)
     fast = []
-    real = fzero._comm._gather_by_broadcast, fzero._comm._reduce_scatter_p2p
+    real = fzero._comm._gather_by_broadcast, fzero._comm._reduce_scatter_gloo
     fzero._comm._gather_by_broadcast = lambda *a: fast.append("ag") or real[0](*a)
-    fzero._comm._reduce_scatter_p2p = lambda *a: fast.append("rs") or real[1](*a)
+    fzero._comm._reduce_scatter_gloo = lambda *a: fast.append("rs") or real[1](*a)
     opt = fzero.optim.chain(fzero.optim.clip_by_global_norm(MAX_NORM), fzero.optim.adam(lr=0.05))
     state = fzero.shard_state(case.params, opt, sub, stage=3, units=["layers.0"])
     step = fzero.sharded_step(pair_loss, opt, sub, stage=3, units=["layers.0"])

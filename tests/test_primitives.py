@@ -54,18 +54,28 @@ def _rank_buffers(rank: int, sizes: list[int], dtype: torch.dtype) -> list[torch
     return [torch.randn(k, generator=g, dtype=torch.float64).to(dtype) for k in sizes]
 
 
+# Gloo's two reduce-scatters: one all-to-all (up to a byte bound), or point-to-point
+# messages (above it); the bound moved so that test-sized buffers take either.
+GLOO_PATHS = {"all-to-all": 1 << 30, "messages": 0}
+
+
+@pytest.mark.parametrize("path", list(GLOO_PATHS))
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_reductions_in_flight_sum_every_rank_in_rank_order(n: int, dtype: torch.dtype) -> None:
+def test_reductions_in_flight_sum_every_rank_in_rank_order(
+    n: int, dtype: torch.dtype, path: str
+) -> None:
     # Several reduce-scatters started before any is waited on (stage 1's bursts), waited
     # newest first: each must pair with the same reduction on every peer (gloo sends them
-    # as tagged point-to-point messages), leave its input unwritten, and give exactly the
-    # left fold over ranks 0..n-1 of this rank's slice, the order one process would add in.
+    # as one all-to-all each, or as tagged point-to-point messages), leave its input
+    # unwritten, and give exactly the left fold over ranks 0..n-1 of this rank's slice,
+    # the order one process would add in.
     sizes = [6 * n, 2 * n, 40 * n]
 
     def fn(mesh: fzero.Mesh) -> Any:
         from fzero import _comm
 
+        _comm._gloo._ALL_TO_ALL_MAX_BYTES = GLOO_PATHS[path]
         fulls = _rank_buffers(mesh.rank, sizes, dtype)
         kept = [f.clone() for f in fulls]
         started = [_comm.reduce_scatter_async(f, mesh) for f in fulls]
@@ -86,9 +96,41 @@ def test_reductions_in_flight_sum_every_rank_in_rank_order(n: int, dtype: torch.
             assert torch.equal(out, want), f"rank {rank}, buffer {k}: not the rank-order sum"
 
 
+@pytest.mark.parametrize("path", list(GLOO_PATHS))
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_reduction_and_a_gather_pair_up_whichever_a_rank_starts_first(n: int, path: str) -> None:
+    # A stage-3 backward may start a unit's re-gather before a reduction on one rank and
+    # after it on another (each rank's graph decides when it needs the unit). Gloo pairs
+    # a group's collectives by the order they start in: a reduction run as a collective on
+    # the group the gathers use would pair with a peer's broadcast of the same size here,
+    # and both would come back silently wrong.
+    def fn(mesh: fzero.Mesh) -> Any:
+        from fzero import _comm
+
+        _comm._gloo._ALL_TO_ALL_MAX_BYTES = GLOO_PATHS[path]
+        full = torch.arange(4.0 * n, dtype=torch.float64) * (mesh.rank + 1)
+        shard = torch.full((4,), 100.0 + mesh.rank, dtype=torch.float64)
+        if mesh.rank == 0:
+            out, reduced = _comm.reduce_scatter_async(full, mesh)
+            gathered, work = _comm.all_gather_async(shard, mesh)
+        else:
+            gathered, work = _comm.all_gather_async(shard, mesh)
+            out, reduced = _comm.reduce_scatter_async(full, mesh)
+        work.wait()
+        reduced.wait()
+        return out, gathered
+
+    total = sum(range(1, n + 1))
+    want_gathered = torch.cat([torch.full((4,), 100.0 + r, dtype=torch.float64) for r in range(n)])
+    for rank, (out, gathered) in enumerate(run(n, fn)):
+        assert torch.equal(out, torch.arange(4.0 * rank, 4.0 * rank + 4) * total)
+        assert torch.equal(gathered, want_gathered)
+
+
 def test_reductions_on_a_subgroup_mesh_stay_within_it() -> None:
     # Two meshes of 2 ranks in a world of 4: point-to-point messages address peers by
-    # global rank, and each group's reductions pair only with its own members'.
+    # global rank, each group's all-to-alls run on its own twin group, and each group's
+    # reductions pair only with its own members'.
     def fn(world: fzero.Mesh) -> Any:
         import torch.distributed as dist
 

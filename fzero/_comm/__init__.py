@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import _quant
 from .._ledger import record
 from .._mesh import Axis, Mesh
-from ._gloo import _gather_by_broadcast, _is_gloo, _reduce_scatter_p2p
+from ._gloo import _gather_by_broadcast, _is_gloo, _reduce_scatter_gloo
 from ._groups import agree_shard_size as agree_shard_size
 from ._groups import backend_for as backend_for
 from ._groups import control_group as control_group
@@ -26,6 +26,7 @@ from ._groups import is_peer_failure as is_peer_failure
 from ._groups import mesh_device as mesh_device
 from ._groups import new_axes as new_axes
 from ._groups import new_secondary as new_secondary
+from ._groups import twin_group as twin_group
 from ._pending import _CastOnWait, _Dequantize, _SumArrived, _Then
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
@@ -168,8 +169,9 @@ def reduce_scatter_mean(
     """This rank's slice of the mean over all ranks of the 1-D `full` (a new tensor).
 
     SUM then divide, rather than ReduceOp.AVG: older gloo rejects AVG, and NCCL's AVG is
-    not available for every dtype. On gloo it runs as point-to-point messages (see
-    `reduce_scatter_async`). With `dtype` the reduction (and the result) is in that dtype.
+    not available for every dtype. On gloo it runs as an all-to-all or as point-to-point
+    messages (see `reduce_scatter_async`). With `dtype` the reduction (and the result) is
+    in that dtype.
     """
     with _plain_tensors():
         out, work = reduce_scatter_async(full, mesh, dtype)
@@ -199,8 +201,9 @@ def reduce_scatter_async(
     inf or NaN arrive as NaN, as an unquantized sum carries them (the step checks).
 
     On gloo, whose own reduce-scatter is an all-reduce underneath (twice the bytes), each
-    rank sends every peer that peer's slice and sums the slices it receives: the
-    reduce-scatter's volume, and `full` is never written.
+    rank sends every peer that peer's slice and sums the slices it receives, in rank
+    order: the reduce-scatter's volume, and `full` is never written. Up to 8 MiB that is
+    one all-to-all on the shard axis's twin group, beyond it point-to-point messages.
     """
     axis, across = mesh.shard, mesh.replica
     with _plain_tensors():
@@ -218,7 +221,7 @@ def reduce_scatter_async(
             record("reduce_scatter", full.dtype, full.numel(), axis.name)
             out = full.new_empty(full.numel() // axis.size)
             if _is_gloo(axis, full):
-                work = _reduce_scatter_p2p(full, out, axis)
+                work = _reduce_scatter_gloo(full, out, axis)
             else:
                 work = _reduce_scatter_single(
                     out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=True
@@ -239,7 +242,9 @@ def _all_reduce_on(out: torch.Tensor, axis: Axis, control: bool = False) -> Any:
 def _all_to_all(rows: torch.Tensor, axis: Axis) -> tuple[torch.Tensor, Any]:
     got = torch.empty_like(rows)
     record("all_to_all", rows.dtype, rows.numel(), axis.name)
-    return got, dist.all_to_all_single(got, rows, group=axis.group, async_op=True)
+    # A reduction: on the twin group where there is one, apart from the gathers.
+    group = axis.twin if axis.twin is not None and _is_gloo(axis, rows) else axis.group
+    return got, dist.all_to_all_single(got, rows, group=group, async_op=True)
 
 
 def _reduce_scatter_quantized(

@@ -88,6 +88,14 @@ def control_group(world: Axis) -> Any:
     return _new_group([world.global_rank(r) for r in range(world.size)], backend="gloo")
 
 
+def twin_group(axis: Axis) -> Any:
+    """A second group over `axis`'s ranks for its gloo reductions (`Axis.twin`), or None
+    where it has no gloo backend for CPU tensors or one rank (collective over `axis`)."""
+    if axis.size == 1 or backend_for(axis.group, torch.device("cpu")) != "gloo":
+        return None
+    return _new_group([axis.global_rank(r) for r in range(axis.size)], backend="gloo")
+
+
 def new_axes(world: Axis, s: int) -> tuple[Any, Any]:
     """The process groups of a 2-D mesh for this rank: its group of `s` consecutive ranks
     of `world` (the shard axis) and the ranks at its place in every group (replicas)."""

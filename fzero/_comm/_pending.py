@@ -53,6 +53,26 @@ class _SumOnWait(_Works):
         self.works, self.parts = [], []  # the sent slices and the received ones can go
 
 
+class _SumRows(_Works):
+    """An all-to-all reduce-scatter in flight: on wait, the rows received (every rank's
+    slice for this one, its own included, in rank order) summed left to right into `out`,
+    the fold `_SumOnWait` computes."""
+
+    def __init__(self, work: Any, rows: torch.Tensor, out: torch.Tensor) -> None:
+        super().__init__([work])
+        self.rows: torch.Tensor | None = rows
+        self.out = out
+
+    def wait(self) -> None:
+        super().wait()
+        if self.rows is None:
+            return
+        rows, self.rows, self.works = self.rows, None, []
+        torch.add(rows[0], rows[1], out=self.out)
+        for row in rows[2:]:
+            self.out.add_(row)
+
+
 class _Then:
     """A collective in flight, then more communication once it is done (the second half
     of a hierarchical reduction, run by `wait`). Waiting twice is waiting once."""
