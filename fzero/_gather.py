@@ -71,6 +71,16 @@ def gather_params_into(
             work.wait()
 
 
+# A full buffer of more than this many bytes is gathered alone, straight into place, and
+# with the others in flight: a burst copies its buffers twice (packed in, then out of the
+# grid) and runs one burst at a time, which beyond about a megabyte costs more than the
+# collectives it saves. Measured stepped in turn, stage 1 against ZeroRedundancyOptimizer
+# on the Linear stack of 4 MB buffers at 2 ranks, 6 launches in both orders: 1.04-1.11
+# (median 1.07) with those buffers packed into 25 MiB bursts, 0.96-1.05 (1.00) alone; on
+# the GPT at 4 ranks (2.4 MB blocks) the same within the noise.
+_PACK_MAX_BYTES = 1 << 20
+
+
 def _bursts(
     shards: tuple[torch.Tensor, ...],
     out: tuple[torch.Tensor, ...],
@@ -78,12 +88,17 @@ def _bursts(
     burst_bytes: int,
 ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]]:
     """(shard, full buffer, dtype) in order, grouped into runs of one dtype and device of
-    at most `burst_bytes` of full buffers (a larger buffer alone)."""
+    at most `burst_bytes` of full buffers (a buffer of more than `_PACK_MAX_BYTES`, or
+    `burst_bytes`, alone)."""
     groups: list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]] = []
     size = 0
     for s, o, d in zip(shards, out, dtypes):
         nbytes = o.numel() * d.itemsize
         last = groups[-1][-1] if groups else None
+        if nbytes > _PACK_MAX_BYTES:
+            groups.append([(s, o, d)])
+            size = burst_bytes  # nothing joins it
+            continue
         if (
             last is None
             or last[2] != d

@@ -132,3 +132,28 @@ def test_updated_shards_travel_in_bursts_and_train_like_one_process(
             assert calls and all(k > 1 and nbytes <= 400 for k, nbytes in calls)
         else:
             assert calls == [(trainable, calls[0][1])] * steps
+
+
+def test_a_buffer_above_the_pack_bound_is_gathered_alone() -> None:
+    # Packing copies a buffer into the burst and out of it again: beyond the bound (here
+    # 200 bytes) a buffer travels by itself, straight into place. Layer 0's 240 bytes of
+    # float64 go alone; layers 1 and 2 (112 and 48 bytes) still travel together.
+    case = make_case([4, 6, 2, 2], 3, seed=5)
+    expected = reference(case)
+    original = fzero._comm.all_gather_many_async
+
+    def traced(mesh: fzero.Mesh) -> Any:
+        largest: list[int] = []  # per burst: its largest full buffer's bytes
+
+        def spy(shards: list, outs: list, m: Any, dtype: torch.dtype) -> Any:
+            largest.append(max(o.numel() for o in outs) * dtype.itemsize)
+            return original(shards, outs, m, dtype)
+
+        fzero._comm.all_gather_many_async = spy
+        fzero._gather._PACK_MAX_BYTES = 200
+        units = ["layers.0", "layers.1", "layers.2"]
+        return train(mesh, case, units, 1, module=case["model"]), largest
+
+    for (params, _ledger, _layout), largest in run(3, traced):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+        assert largest and max(largest) <= 200
