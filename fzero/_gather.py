@@ -53,10 +53,11 @@ def gather_params_into(
     The donating stages 1-2 refill the replicated parameters where they live instead of
     allocating a second full copy next to the old one. `dtypes`: what each buffer travels
     in (mixed precision: master shards cast down to the gather dtype); default `out`'s.
-    `burst_bytes`: consecutive buffers of one dtype and device travel together, as one
-    collective of up to this many bytes (`_comm.all_gather_many_async`; a larger buffer
-    alone), which holds a burst's worth of staging buffers while it runs; 0 gathers each
-    buffer by itself, straight into place.
+    `burst_bytes`: consecutive buffers of one dtype and device, each of at most 1 MiB
+    (`_PACK_MAX_BYTES`), travel together as one collective of up to this many bytes
+    (`_comm.all_gather_many_async`), which holds a burst's worth of staging buffers while
+    it runs; larger buffers, and every buffer with 0, are gathered by themselves, straight
+    into place.
     """
     dtypes = dtypes or tuple(o.dtype for o in out)
     works = []
@@ -88,27 +89,28 @@ def _bursts(
     burst_bytes: int,
 ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]]:
     """(shard, full buffer, dtype) in order, grouped into runs of one dtype and device of
-    at most `burst_bytes` of full buffers (a buffer of more than `_PACK_MAX_BYTES`, or
-    `burst_bytes`, alone)."""
+    at most `burst_bytes` of full buffers; a buffer of more than `_PACK_MAX_BYTES` (or
+    `burst_bytes`) is a group of its own."""
     groups: list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]] = []
-    size = 0
+    size, packing = 0, False  # the open group's bytes; whether more may join it
     for s, o, d in zip(shards, out, dtypes):
         nbytes = o.numel() * d.itemsize
+        small = nbytes <= _PACK_MAX_BYTES
         last = groups[-1][-1] if groups else None
-        if nbytes > _PACK_MAX_BYTES:
-            groups.append([(s, o, d)])
-            size = burst_bytes  # nothing joins it
-            continue
-        if (
-            last is None
-            or last[2] != d
-            or last[1].device != o.device
-            or size + nbytes > burst_bytes
-        ):
+        joins = (
+            small
+            and packing
+            and last is not None
+            and last[2] == d
+            and last[1].device == o.device
+            and size + nbytes <= burst_bytes
+        )
+        if not joins:
             groups.append([])
             size = 0
         groups[-1].append((s, o, d))
         size += nbytes
+        packing = small
     return groups
 
 

@@ -187,8 +187,8 @@ def sharded_step(
         or qgZ, stage 1 waits until this many bytes of unit gradients are ready and
         starts their reduce-scatters together. 0 starts each unit's reduction as soon
         as it is complete. Stages 2-3 never hold (their memory bound). Stages 1-2 also
-        gather the updated shards in bursts of up to this many bytes, one collective
-        each (DeepSpeed's `allgather_bucket_size`).
+        gather the updated shards of buckets up to 1 MiB in bursts of up to this many
+        bytes, one collective each (DeepSpeed's `allgather_bucket_size`).
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
