@@ -5,6 +5,13 @@ enters the unit (its node is created *now*, just in time) and swaps the full vie
 the submodule for its forward; a forward hook puts back what was there
 (functional_call's placeholders) and tells the engine the unit's forward is over
 (`leave`), so a resharding step frees its parameters right there.
+
+A forward that never reaches its forward hook leaves its swap for the end of the
+micro-batch to undo: torch's non-reentrant checkpoint stops a recompute as soon as it has
+the tensors it needs (mid-forward, past the pre-hook). The module then gets its own
+parameters back, not views of buffers the step frees. Only slots still holding the views
+are touched: a loss that raises inside a submodule unwinds through `functional_call`,
+which has put the module's own parameters back already.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ class ModuleHooks:
     def __init__(self, engine: _Enters, hooked: Mapping[str, tuple[nn.Module, Slots]]) -> None:
         self.engine, self.hooked = engine, hooked
         self.handles: list[Any] = []
-        self.swapped: dict[str, list[list[tuple[nn.Module, str, Any]]]] = {}
+        # Per unit, a stack of swaps: (module, attribute, what was there, the view put in).
+        self.swapped: dict[str, list[list[tuple[nn.Module, str, Any, Any]]]] = {}
 
     def __enter__(self) -> ModuleHooks:
         for unit, (sub, _) in self.hooked.items():
@@ -44,21 +52,28 @@ class ModuleHooks:
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
+        # Swaps whose forward hook never ran, newest first, so the oldest (what was there
+        # before the micro-batch) is what stays.
+        for stack in self.swapped.values():
+            while stack:
+                for owner, name, old, view in reversed(stack.pop()):
+                    if owner._parameters.get(name) is view:
+                        owner._parameters[name] = old
 
     def _pre(self, unit: str) -> Any:
         def hook(sub: nn.Module, args: Any) -> None:
             views = self.engine.enter(unit)
-            old = []
+            swaps = []
             for path, owner, name in self.hooked[unit][1]:
-                old.append((owner, name, owner._parameters[name]))
+                swaps.append((owner, name, owner._parameters[name], views[path]))
                 owner._parameters[name] = views[path]
-            self.swapped.setdefault(unit, []).append(old)
+            self.swapped.setdefault(unit, []).append(swaps)
 
         return hook
 
     def _post(self, unit: str) -> Any:
         def hook(sub: nn.Module, args: Any, output: Any) -> None:
-            for owner, name, old in reversed(self.swapped[unit].pop()):
+            for owner, name, old, _ in reversed(self.swapped[unit].pop()):
                 owner._parameters[name] = old
             self.engine.leave(unit)
 

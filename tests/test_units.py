@@ -142,6 +142,46 @@ def test_shared_and_checkpointed_units(stage: int, reshard: bool) -> None:
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("how", ["checkpoint", "raise"])
+def test_the_module_gets_its_own_parameters_back_after_every_step(stage: int, how: str) -> None:
+    # A unit's pre-hook swaps views of the step's buffers into its submodule; its forward
+    # hook puts the module's own back. Some forwards never reach that hook: torch's
+    # non-reentrant checkpoint stops its recompute once it has what it needs (inside
+    # layer 1's forward here), and a loss may raise inside a unit.
+    case = make_case([3, 4, 4, 2], 2, seed=3, remat=1 if how == "checkpoint" else -1)
+    model = case["model"]
+
+    def fn(mesh: fzero.Mesh) -> list[str]:
+        own = {(n, k): p for n, m in model.named_modules() for k, p in m._parameters.items()}
+        if how == "raise":
+
+            def boom(x: torch.Tensor) -> torch.Tensor:
+                raise RuntimeError("boom inside layer 1")
+
+            model.layers[1].forward = boom
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+        def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+            return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+        opt = fzero.optim.adam(lr=0.05)
+        units = [f"layers.{i}" for i in range(3)]
+        state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
+        sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+        for t in range(2):
+            try:
+                state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
+            except RuntimeError as exc:
+                assert how == "raise" and "boom" in str(exc)
+        now = {(n, k): p for n, m in model.named_modules() for k, p in m._parameters.items()}
+        return [f"{n}.{k}" for (n, k), p in now.items() if p is not own[(n, k)]]
+
+    for swapped in run(2, fn):
+        assert swapped == [], f"left holding the step's views instead of its own: {swapped}"
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stage3_holds_at_most_two_units_and_one_unit_of_gradients(
