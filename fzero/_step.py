@@ -32,7 +32,7 @@ from ._replicated import full_buckets, own_slices
 from ._schedule import Schedule, plan
 from ._shards import Shards
 from ._stages import Stage, stage_of
-from ._state import ShardedState, check_step_state
+from ._state import ShardedState, check_step_state, mark_consumed
 from ._tree import PyTree, device_of
 from ._unit_ledger import UnitLedger
 from ._update import apply_update, rebuild_params
@@ -271,6 +271,8 @@ def sharded_step(
             scaler,
             state.precision,
         )
+        if donate:
+            mark_consumed(state)
         return new, loss
 
     return step

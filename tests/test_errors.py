@@ -279,6 +279,23 @@ def test_step_rejects_a_state_it_was_not_built_for(
         run(2, fn)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_donated_state_given_to_a_step_again_is_refused(stage: int) -> None:
+    # The first step updated its buffers in place: a second step from it would train on
+    # the updated values under the old step count. A pure step (donate=False) may.
+    def fn(mesh: fzero.Mesh, donate: bool) -> int:
+        opt = optim.adam(lr=0.1)
+        state = fzero.shard_state(_params(), opt, mesh, stage=stage)
+        step = fzero.sharded_step(_loss, opt, mesh, stage=stage, donate=donate)
+        step(state, _batch())
+        again, _ = step(state, _batch())
+        return again.step
+
+    assert run(2, fn, False) == [1, 1]
+    with pytest.raises(ValueError, match=r"rank \d: this state \(step 0\) was already donated"):
+        run(2, fn, True)
+
+
 # --- primitives given pieces that do not fit --------------------------------------------------
 
 
