@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from ._memory import estimate_memory
+from ._quantities import (
+    UNITS,
+    format_count,
+    human_bytes,
+    int_list,
+    nonnegative_float,
+    parse_count,
+    positive_int,
+)
 from ._traffic import estimate_comm
 
 # What the ZeRO paper calls each stage (arXiv 1910.02054, Table 1: P_os, P_os+g, P_os+g+p).
 STAGE_NAMES = {0: "DDP", 1: "+optim", 2: "+grads", 3: "+params"}
-_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40})
 
 
 class UsageError(ValueError):
@@ -36,92 +40,6 @@ def fail(message: str, code: int = 2, hint: str = "") -> NoReturn:
     """Prints `fzero: error: message` as one line on stderr and exits with `code`."""
     print(f"fzero: error: {message}" + (f" ({hint})" if hint else ""), file=sys.stderr)
     raise SystemExit(code)
-
-
-def parse_count(text: str) -> int:
-    """A parameter count such as `7.5e9`, `7.5B`, `350M`, `1.3T` or `125_000_000`.
-
-    Args:
-      text: a number with an optional K / M / B (or G) / T suffix, case-insensitive.
-
-    Returns:
-      The count, rounded to an integer.
-    """
-    match = re.fullmatch(
-        r"\s*([0-9][0-9_]*\.?[0-9_]*(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", text, re.I
-    )
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"invalid parameter count {text!r} (examples: 7.5e9, 7.5B, 350M)"
-        )
-    count = float(match[1].replace("_", "")) * _SUFFIXES[match[2].lower()]
-    if not math.isfinite(count) or count < 1:
-        raise argparse.ArgumentTypeError(f"parameter count must be at least 1, got {text!r}")
-    return round(count)
-
-
-def format_count(n: int) -> str:
-    """A parameter count the way papers write it: 7.5B, 350M, 1.3T, 12,345."""
-    for suffix, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6)):
-        if n >= scale:
-            return f"{n / scale:.4g}{suffix}"
-    return f"{n:,}"
-
-
-def _int_list(lo: int, hi: int | None = None) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated ints in [lo, hi]."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated integers, got {text!r}"
-            ) from None
-        bad = [v for v in values if v < lo or (hi is not None and v > hi)]
-        if bad:
-            span = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-            raise argparse.ArgumentTypeError(f"values must be {span}, got {bad[0]}")
-        return values
-
-    return parse
-
-
-def _at_least(cast: Callable[[str], float], lo: float) -> Callable[[str], float]:
-    """An argparse type: one finite number parsed by `cast`, at least `lo`."""
-
-    def parse(text: str) -> float:
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (math.isfinite(value) and value >= lo):
-            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive_int = _at_least(int, 1)
-_nonnegative_float = _at_least(float, 0)
-
-
-def human_bytes(n: float, unit: str = "auto") -> str:
-    """`n` bytes with three significant digits in decimal units (the ZeRO paper's GB).
-
-    Args:
-      n: bytes.
-      unit: "auto" (the largest decimal unit that keeps the value >= 1) or a key of
-        B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
-
-    Returns:
-      For example "31.4 GB".
-    """
-    if unit == "auto":
-        unit = next((u for u in ("TB", "GB", "MB", "KB") if n >= _UNITS[u]), "B")
-    value = n / _UNITS[unit]
-    text = f"{value:.3g}" if value < 1000 else f"{value:,.0f}"
-    return f"{text} {unit}"
 
 
 def estimate_table(
@@ -321,10 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="train a small GPT at every stage and compare with one process"
     )
     demo.add_argument(
-        "--world-size", type=_positive_int, default=None, help="ranks (default 4 simulated)"
+        "--world-size", type=positive_int, default=None, help="ranks (default 4 simulated)"
     )
-    demo.add_argument("--steps", type=_positive_int, default=30)
-    demo.add_argument("--micro-batch", type=_positive_int, default=4)
+    demo.add_argument("--steps", type=positive_int, default=30)
+    demo.add_argument("--micro-batch", type=positive_int, default=4)
     demo.add_argument(
         "--stage",
         type=int,
@@ -359,15 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--params", type=parse_count, default=parse_count("7.5B"), help="7.5B (default), 1.3e9"
     )
     est.add_argument(
-        "--world-sizes", type=_int_list(1), default=[1, 4, 16, 64, 256, 1024], metavar="N,..."
+        "--world-sizes", type=int_list(1), default=[1, 4, 16, 64, 256, 1024], metavar="N,..."
     )
-    est.add_argument("--stages", type=_int_list(0, 3), default=[0, 1, 2, 3], metavar="S,...")
-    est.add_argument("--param-bytes", type=_nonnegative_float, default=2.0)
-    est.add_argument("--grad-bytes", type=_nonnegative_float, default=2.0)
+    est.add_argument("--stages", type=int_list(0, 3), default=[0, 1, 2, 3], metavar="S,...")
+    est.add_argument("--param-bytes", type=nonnegative_float, default=2.0)
+    est.add_argument("--grad-bytes", type=nonnegative_float, default=2.0)
     est.add_argument(
-        "--optim-bytes", type=_nonnegative_float, default=12.0, help="12: fp32 master + Adam"
+        "--optim-bytes", type=nonnegative_float, default=12.0, help="12: fp32 master + Adam"
     )
-    est.add_argument("--unit", choices=["auto", *_UNITS], default="auto")
+    est.add_argument("--unit", choices=["auto", *UNITS], default="auto")
     est.add_argument(
         "--shard-size",
         type=int,
@@ -386,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--qgz", action="store_true", help="int8 gradient reduce-scatters")
     est.add_argument(
         "--comm-bytes",
-        type=_nonnegative_float,
+        type=nonnegative_float,
         default=2.0,
         help="bytes per element communicated (2: bf16)",
     )

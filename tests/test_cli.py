@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from fzero import _cli
-from fzero._cli import main, parse_count
+from fzero._cli import main
+from fzero._quantities import parse_count
 
 
 def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 2) -> str:
