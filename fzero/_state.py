@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 
 from . import _comm
 from ._deferred import check_init, materialize
+from ._donation import check_live
 from ._init import Init
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
@@ -349,19 +349,6 @@ def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
     return f"tree structure {otdef} vs {tdef}"
 
 
-# States a donating step has consumed. Their buffers were updated in place and belong to
-# the state that step returned: a second step from one would train on those values under
-# the old step count (Adam's bias correction, schedules), silently. JAX deletes a donated
-# array for the same reason. Held weakly: a consumed state is forgotten once dropped.
-_consumed: dict[int, weakref.ref[ShardedState]] = {}
-
-
-def mark_consumed(state: ShardedState) -> None:
-    """Records that a donating step has taken `state` (see `check_step_state`)."""
-    key = id(state)
-    _consumed[key] = weakref.ref(state, lambda _: _consumed.pop(key, None))
-
-
 def check_step_state(
     state: ShardedState, stage: int, layout: str | None, units: Sequence[str] | None, mesh: Mesh
 ) -> None:
@@ -370,13 +357,7 @@ def check_step_state(
         raise TypeError(
             f"step expects the ShardedState from shard_state, got {type(state).__name__}"
         )
-    ref = _consumed.get(id(state))
-    if ref is not None and ref() is state:
-        raise ValueError(
-            f"rank {mesh.rank}: this state (step {state.step}) was already donated to a step, "
-            "which updated its buffers in place: pass the state that step returned, or make "
-            "the step with donate=False to keep states reusable"
-        )
+    check_live(state, mesh.rank, "step")
     if state.stage != stage:
         raise ValueError(
             f"this step is for stage {stage}, the state was built for stage {state.stage}"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ._comm import is_peer_failure
+from ._donation import mark_consumed
 from ._grads import local_shard
 from ._hybrid import check_finite, check_quantize, secondary_axis
 from ._loss import BufferThread, ScaledLoss, sync_buffers
@@ -32,7 +33,7 @@ from ._replicated import full_buckets, own_slices
 from ._schedule import Schedule, plan
 from ._shards import Shards
 from ._stages import Stage, stage_of
-from ._state import ShardedState, check_step_state, mark_consumed
+from ._state import ShardedState, check_step_state
 from ._tree import PyTree, device_of
 from ._unit_ledger import UnitLedger
 from ._update import apply_update, rebuild_params

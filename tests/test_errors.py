@@ -280,20 +280,28 @@ def test_step_rejects_a_state_it_was_not_built_for(
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_donated_state_given_to_a_step_again_is_refused(stage: int) -> None:
+def test_a_donated_state_given_to_a_step_or_a_checkpoint_again_is_refused(
+    stage: int, tmp_path: Any
+) -> None:
     # The first step updated its buffers in place: a second step from it would train on
-    # the updated values under the old step count. A pure step (donate=False) may.
-    def fn(mesh: fzero.Mesh, donate: bool) -> int:
+    # the updated values under the old step count, and a checkpoint of it would pair them
+    # with that count. A pure step (donate=False) leaves states reusable.
+    def fn(mesh: fzero.Mesh, donate: bool, then: str) -> int:
         opt = optim.adam(lr=0.1)
         state = fzero.shard_state(_params(), opt, mesh, stage=stage)
         step = fzero.sharded_step(_loss, opt, mesh, stage=stage, donate=donate)
         step(state, _batch())
+        if then == "save":
+            fzero.checkpoint.save(state, str(tmp_path / "ckpt"), mesh)
+            return state.step
         again, _ = step(state, _batch())
         return again.step
 
-    assert run(2, fn, False) == [1, 1]
-    with pytest.raises(ValueError, match=r"rank \d: this state \(step 0\) was already donated"):
-        run(2, fn, True)
+    assert run(2, fn, False, "step") == [1, 1]
+    assert run(2, fn, False, "save") == [0, 0]
+    for then, what in (("step", "step"), ("save", "checkpoint.save")):
+        with pytest.raises(ValueError, match=rf"rank \d: {what}: this state \(step 0\) was"):
+            run(2, fn, True, then)
 
 
 # --- primitives given pieces that do not fit --------------------------------------------------

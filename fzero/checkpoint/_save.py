@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._donation import check_live
 from .._layout import ShardLayout, build_layout
 from .._mesh import Mesh
 from .._shards import Shards
@@ -40,6 +41,7 @@ from ._schema import (
 def check_state(state: Any, mesh: Mesh, what: str) -> None:
     if not isinstance(state, ShardedState):
         raise TypeError(f"{what} expects a ShardedState, got {type(state).__name__}")
+    check_live(state, mesh.rank, what)  # its buffers hold a later step's values
     if state.layout.world_size != mesh.shard_size:
         raise ValueError(
             f"{what}: the state is sharded over {state.layout.world_size} ranks, the mesh "
