@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +17,26 @@ from ._tree import PyTree, tree_flatten, tree_unflatten
 # user's loss may still use torch.func freely (functional_call, vmap, ...): it is only
 # differentiated by the eager engine, on fresh leaf tensors, so nothing the caller holds
 # is modified and the step stays a pure function of (state, batch).
+
+
+@contextlib.contextmanager
+def differentiating(what: str, rank: int | None = None) -> Iterator[None]:
+    """Gradients on for a computation that differentiates itself, whatever the caller's mode.
+
+    A step takes its own gradients, as `torch.func.grad` does: under a caller's
+    `torch.no_grad()` the loss would otherwise record nothing, and the step would apply a
+    zero update without a word. Inference mode cannot be left that way (its tensors
+    cannot be saved for backward), so it is refused.
+    """
+    if torch.is_inference_mode_enabled():
+        where = "" if rank is None else f"rank {rank}: "
+        raise RuntimeError(
+            f"{where}{what} differentiates its loss and cannot run under "
+            "torch.inference_mode() (tensors made there cannot be saved for backward); call "
+            "it outside (torch.no_grad() is fine: gradients are turned on inside)"
+        )
+    with torch.enable_grad():
+        yield
 
 
 def check_loss(out: Any, what: str = "loss_fn", rank: int | None = None) -> torch.Tensor:
@@ -41,6 +62,9 @@ def value_and_grad(
 ) -> tuple[torch.Tensor, PyTree | None]:
     """`fn(tree, *args)` and its gradient with respect to every leaf of `tree`.
 
+    Gradients are taken whatever the caller's grad mode, as `torch.func.grad` does (a
+    `torch.no_grad()` around the call does not turn them off); inference mode is refused.
+
     Args:
       fn: returns a real scalar tensor.
       tree: the pytree to differentiate by (its tensors are not modified).
@@ -56,11 +80,12 @@ def value_and_grad(
     leaves, treedef = tree_flatten(tree)
     frozen = [False] * len(leaves) if frozen is None else list(frozen)
     inputs = [x.detach() if f else x.detach().requires_grad_() for x, f in zip(leaves, frozen)]
-    out = check_loss(fn(tree_unflatten(treedef, inputs), *args), what, rank)
-    if not out.requires_grad:
-        return out.detach(), None
-    live = [x for x, f in zip(inputs, frozen) if not f]
-    found = iter(torch.autograd.grad(out, live, allow_unused=True))
+    with differentiating("value_and_grad", rank):
+        out = check_loss(fn(tree_unflatten(treedef, inputs), *args), what, rank)
+        if not out.requires_grad:
+            return out.detach(), None
+        live = [x for x, f in zip(inputs, frozen) if not f]
+        found = iter(torch.autograd.grad(out, live, allow_unused=True))
     grads = []
     for x, f in zip(inputs, frozen):
         g = None if f else next(found)

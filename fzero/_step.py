@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ._autodiff import differentiating
 from ._comm import is_peer_failure
 from ._donation import mark_consumed
 from ._grads import local_shard
@@ -225,7 +226,7 @@ def sharded_step(
     memory = Memory()
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
-        with _collector_paused():
+        with _collector_paused(), differentiating("sharded_step", mesh.rank):
             return _step(state, batch)
 
     def _step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:

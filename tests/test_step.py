@@ -75,3 +75,43 @@ def test_meshes_over_subgroups_train_their_own_model() -> None:
                 **tolerance(torch.float64),
                 what=f"rank {world_rank}, stage {stage}",
             )
+
+
+def _train_in_mode(mesh: fzero.Mesh, case: Case, stage: int, mode: str) -> Any:
+    opt = fzero.optim.adamw(lr=_schedule, weight_decay=0.1)
+    state = fzero.shard_state(case.params, opt, mesh, stage=stage, units=["layers.1"])
+    step = fzero.sharded_step(mlp_loss, opt, mesh, stage=stage)
+    around = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for t in range(case.xs.shape[0]):
+        with around():
+            state, _ = step(state, case.micro_batch(t, mesh.rank))
+    return fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_called_under_no_grad_still_trains_like_torch(stage: int, n: int) -> None:
+    # A step takes its own gradients, as torch.func.grad does. Under the caller's
+    # no_grad the loss used to record nothing and the step applied a zero update.
+    case = _case(n)
+    expected = _reference(case)
+    for params in run(n, _train_in_mode, case, stage, "no_grad"):
+        fzero.assert_trees_close(params, expected, **tolerance(torch.float64), what=f"{stage=}")
+
+
+def test_a_step_called_under_inference_mode_is_refused() -> None:
+    with pytest.raises(RuntimeError, match=r"rank \d: sharded_step .* torch.inference_mode"):
+        run(2, _train_in_mode, _case(2), 3, "inference_mode")
+
+
+def test_value_and_grad_under_no_grad_differentiates() -> None:
+    case = _case(1)
+    batch = case.micro_batch(0, 0)
+    with torch.no_grad():
+        value, grads = fzero.value_and_grad(mlp_loss, case.params, batch)
+    leaves, treedef = fzero._tree.tree_flatten(case.params)
+    tensors = [x.detach().clone().requires_grad_() for x in leaves]
+    loss = mlp_loss(fzero._tree.tree_unflatten(treedef, tensors), batch)
+    expected = torch.autograd.grad(loss, tensors)
+    assert torch.equal(value, loss.detach())
+    fzero.assert_trees_close(grads, fzero._tree.tree_unflatten(treedef, list(expected)))
