@@ -126,7 +126,8 @@ def gather_params(params: PyTree, mesh: Mesh, *, unit: str | None = None) -> PyT
     Args:
       params: `state.params` at any stage: `Shards` (stage 3, or gradients from
         `reduce_scatter_grads`), or an already replicated full tree (stages 0-2), which is
-        returned as it is.
+        returned as it is: the state's own buffers, which a donating step updates in
+        place (clone what you keep across steps; no copy is made of a whole model).
       mesh: the mesh the shards live on.
       unit: gather only this unit's buckets (a path prefix of the layout's units) and
         return its part of the tree, as `fzero.gathered` does; None: everything.
