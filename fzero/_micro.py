@@ -127,10 +127,18 @@ def micro_batches(batch: Any, o: Any, memory: Memory) -> list[Any]:
                 "micro-batches of the last step, and there was none: pass [None] * M"
             )
         return [None] * memory.micro
-    if not isinstance(batch, (list, tuple)) or not batch:
+    if not isinstance(batch, list) or not batch:
+        # Not a tuple: (x, y) is what one micro-batch looks like, and taken for two
+        # micro-batches x and y it may even run, training on the wrong data.
+        hint = (
+            " (a tuple reads as one micro-batch's fields, such as (x, y): pass [batch], or "
+            "a list of micro-batches)"
+            if isinstance(batch, tuple)
+            else ""
+        )
         raise TypeError(
             f"with accumulate={o.accumulate!r} a step takes a non-empty list of micro-batches, "
-            f"got {type(batch).__name__}"
+            f"got {type(batch).__name__}{hint}"
         )
     memory.micro = len(batch)
     return list(batch)

@@ -113,15 +113,17 @@ def test_accumulate_wants_a_list_of_micro_batches() -> None:
 
     params = make_params([2, 2], torch.float64, 0)
 
-    def fn(mesh: fzero.Mesh) -> None:
+    def fn(mesh: fzero.Mesh, batch: Any) -> None:
         opt = fzero.optim.sgd(lr=0.1)
         state = fzero.shard_state(params, opt, mesh, stage=0)
-        fzero.sharded_step(mlp_loss, opt, mesh, stage=0, accumulate="local")(
-            state, (torch.zeros(1, 2, dtype=torch.float64),) * 0
-        )
+        fzero.sharded_step(mlp_loss, opt, mesh, stage=0, accumulate="local")(state, batch)
 
-    with pytest.raises(TypeError, match="non-empty list of micro-batches"):
-        run(1, fn)
+    with pytest.raises(TypeError, match="non-empty list of micro-batches, got list"):
+        run(1, fn, [])
+    # One micro-batch's (x, y), which read as two micro-batches x and y would run here.
+    xy = (torch.zeros(2, 2, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"got tuple \(a tuple reads as one micro-batch"):
+        run(1, fn, xy)
     with pytest.raises(ValueError, match="accumulate must be"):
         fzero.sharded_step(mlp_loss, fzero.optim.sgd(), None, stage=0, accumulate="ddp")
 
