@@ -29,6 +29,7 @@ from ._shards import Shards
 from ._stages import Stage, stage_of
 from ._tree import NAMESPACE, PyTree, device_of, leaf_paths, tree_flatten
 from .optim import Optimizer
+from .optim._base import check_slices
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,8 @@ def shard_state(
     try:
         frozen_leaves = _frozen_leaves(params, frozen)
         lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves)  # validates
+        if spec.shards_optimizer:
+            check_slices(optimizer, lay.kind)  # `_agree` names shard_state and the rank
         check_init(params, init)
         if precision is not None and init is None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")

@@ -14,6 +14,7 @@ from ._shards import Shards
 from ._stages import Stage
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_map
 from .optim import Optimizer
+from .optim._base import check_slices
 from .optim._context import ShardContext, shard_context
 
 
@@ -61,6 +62,8 @@ def sharded_update(
             "rank (use reduce_scatter_grads or local_shard)"
         )
     lay = params.layout
+    who = "sharded_update" if mesh is None else f"rank {mesh.rank}: sharded_update"
+    check_slices(optimizer, lay.kind, who)
     ctx = ShardContext(mesh, True, lay.piece_segments(params.rank), lay.world_size)
     with shard_context(ctx):
         new_pieces, new_state = update(grads.pieces(), opt_state, params.pieces())

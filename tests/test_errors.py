@@ -383,3 +383,32 @@ def test_process_group_mesh_needs_an_initialised_process_group() -> None:
     assert not dist.is_initialized()  # simulate initialises gloo only in its ranks
     with pytest.raises(RuntimeError, match=r"init_process_group.*fzero\.simulate"):
         fzero.ProcessGroupMesh()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_that_needs_whole_tensors_is_refused_on_flat_shards(stage: int) -> None:
+    # Adafactor's factored moments (and its RMS) are of whole tensors: on flat slices of
+    # buckets it stepped silently differently from torch. layout="tensor" is right.
+    opt = optim.from_torch(torch.optim.Adafactor, lr=0.01)
+
+    def make(mesh: fzero.Mesh) -> None:
+        fzero.shard_state(_params(), opt, mesh, stage=stage)
+
+    def update(mesh: fzero.Mesh) -> None:
+        state = fzero.shard_state(_params(), optim.sgd(lr=0.1), mesh, stage=stage)
+        shards = fzero.local_shard(_params(), state.layout, mesh)
+        fzero.sharded_update(opt, shards, shards, opt.init(shards.pieces()), mesh=mesh)
+
+    with pytest.raises(ValueError, match=r"shard_state: rank \d: from_torch\(Adafactor\) up"):
+        run(2, make)
+    flat = r"rank \d: sharded_update: from_torch\(Adafactor\) .*layout='tensor'"
+    with pytest.raises(ValueError, match=flat):
+        run(2, update)
+
+
+def test_an_optimizer_that_needs_whole_tensors_trains_like_torch_on_whole_tensors() -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = [[torch.randn(4, 2, generator=g, dtype=F64) for _ in range(2)] for _ in range(3)]
+    fzero.testing.assert_stages_equivalent(
+        _loss, _params(), batches, (torch.optim.Adafactor, {"lr": 0.01}), layout="tensor"
+    )

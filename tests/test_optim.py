@@ -436,3 +436,36 @@ def test_from_torch_rejects_non_optimizers(bad: Any) -> None:
 def test_from_torch_rejects_lbfgs_clearly() -> None:
     with pytest.raises(ValueError, match="closure"):
         optim.from_torch(torch.optim.LBFGS, lr=1.0)
+
+
+# --- optimizers that must see whole tensors -------------------------------------------------
+
+
+class _Lamb(torch.optim.Optimizer):
+    """A trust-ratio SGD (LAMB's idea): each tensor's step is scaled by ||w|| / ||g||."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / (p.grad.norm() + 1e-12)
+                    p.add_(p.grad, alpha=-group["lr"] * float(ratio))
+
+
+class _MySgd(torch.optim.SGD):
+    """An elementwise subclass torch does not list: found elementwise by trying it."""
+
+
+def test_from_torch_says_which_optimizers_need_whole_tensors() -> None:
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.RMSprop, _MySgd):
+        assert optim.from_torch(cls, lr=0.1).whole_tensors is None, cls
+    for cls in (torch.optim.Adafactor, _Lamb):
+        opt = optim.from_torch(cls, lr=0.1)
+        assert opt.whole_tensors is not None and cls.__name__ in opt.whole_tensors
+        # chain keeps the verdict of the optimizer it ends in
+        assert optim.chain(optim.clip_by_global_norm(1.0), opt).whole_tensors is not None
+    assert optim.adamw(lr=0.1).whole_tensors is None

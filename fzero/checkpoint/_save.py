@@ -16,6 +16,7 @@ from .._stages import stage_of
 from .._state import ShardedState, _frozen_leaves
 from .._tree import PyTree, leaf_paths, tree_flatten
 from ..optim import Optimizer
+from ..optim._base import check_slices
 from . import _disk as disk
 from ._build import build_state
 from ._extra import (
@@ -213,6 +214,8 @@ def load(
         dev = mesh.device if device is None else torch.device(device)
         try:
             state = build_state(src, lay, optimizer, spec, mesh.shard_rank, body["step"], dev)
+            if spec.shards_optimizer:  # after the state, whose misfit names the leaf
+                check_slices(optimizer, lay.kind, "checkpoint.load")
             state = dataclasses.replace(
                 state,
                 buffers=load_buffers(src, body, buffers_like, dev),

@@ -35,11 +35,37 @@ class Optimizer(NamedTuple):
     them into ``params`` and ``state`` and returns those: the donating form, used by
     ``fzero.sharded_step`` so a step never holds two copies of the optimizer state.
     It is None for optimizers that cannot update in place.
+
+    ``whole_tensors`` is None for an elementwise optimizer: each element's update
+    depends only on its own gradient, state and value (and on global scalars such as a
+    clipping norm), so it may run on any slice of a tensor. Otherwise it says why the
+    optimizer must see whole tensors (Adafactor's factored moments, a trust ratio over
+    the tensor): the flat layout cuts tensors across ranks at stages 1-3, so such an
+    optimizer needs ``layout="tensor"`` there (``shard_state`` checks).
     """
 
     init: Callable[[Params], OptState]
     update: Callable[[Grads, OptState, Params], tuple[Params, OptState]]
     update_: Callable[[Grads, OptState, Params], tuple[Params, OptState]] | None = None
+    whole_tensors: str | None = None
+
+
+def check_slices(optimizer: Optimizer, layout: str, where: str = "") -> None:
+    """Raises a ValueError if `optimizer` must see whole tensors (``whole_tensors``) and a
+    `layout` of kind "flat" would hand it slices of buckets (stages 1-3).
+
+    Args:
+      optimizer: the optimizer to check.
+      layout: the layout's kind, "flat" or "tensor".
+      where: who asks, to start the message with (empty: the caller adds it).
+    """
+    if optimizer.whole_tensors is not None and layout == "flat":
+        raise ValueError(
+            f"{where + ': ' if where else ''}{optimizer.whole_tensors}, and with the flat "
+            "layout the optimizer of "
+            "stages 1-3 steps flat slices of buckets that cut tensors apart; use "
+            "layout='tensor' (each rank updates whole tensors, in their shapes) or stage 0"
+        )
 
 
 def from_inplace(

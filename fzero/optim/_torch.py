@@ -10,6 +10,54 @@ import torch
 
 from ._base import Grads, Optimizer, OptState, Params, flatten_as, from_inplace
 
+# torch's optimizers whose update is elementwise (per element: its gradient, state and
+# value, and step counts): any slice of a tensor updates as it would within the tensor.
+_ELEMENTWISE = frozenset(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
+        "RMSprop", "Rprop", "ASGD",
+    )
+    if hasattr(torch.optim, name)
+)  # fmt: skip
+
+
+def _whole_tensors(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Any:
+    """None if `optimizer_cls` updates elementwise, else why it needs whole tensors.
+
+    Classes outside torch's known elementwise ones are tried: two steps on a 3 x 5
+    tensor, and on the same values cut into two flat pieces, with the same gradients.
+    Adafactor (factored second moments, an RMS over the tensor) and trust-ratio
+    optimizers disagree; an elementwise one gives the same values.
+    """
+    if optimizer_cls in _ELEMENTWISE:
+        return None
+    name = f"from_torch({optimizer_cls.__name__})"
+    try:
+        same = _steps_slices_alike(optimizer_cls, kwargs)
+    except Exception as exc:  # it cannot step a small float64 tensor: assume the worst
+        return f"{name} could not be checked for elementwise updates ({exc})"
+    return None if same else f"{name} updates a tensor by more than its elements"
+
+
+def _steps_slices_alike(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> bool:
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    grads = [torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(2)]
+    whole = start.clone()
+    pieces = [start.reshape(-1)[:7].clone(), start.reshape(-1)[7:].clone()]
+    opt_whole, opt_pieces = optimizer_cls([whole], **kwargs), optimizer_cls(pieces, **kwargs)
+    with torch.no_grad():
+        for grad in grads:
+            whole.grad = grad.clone()
+            pieces[0].grad, pieces[1].grad = (
+                grad.reshape(-1)[:7].clone(),
+                grad.reshape(-1)[7:].clone(),
+            )
+            opt_whole.step()
+            opt_pieces.step()
+    return torch.allclose(torch.cat(pieces), whole.reshape(-1), rtol=1e-9, atol=1e-12)
+
 
 def _check_optimizer_cls(optimizer_cls: type[torch.optim.Optimizer]) -> None:
     """Rejects classes that are not optimizers or whose ``step`` requires a closure."""
@@ -49,7 +97,10 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
 
     Args:
       optimizer_cls: a ``torch.optim.Optimizer`` subclass whose ``step`` works
-        without a closure (SGD, Adam, AdamW, Adagrad, RMSprop, Adafactor, ...).
+        without a closure (SGD, Adam, AdamW, Adagrad, RMSprop, Adafactor, ...). One whose
+        update of a tensor is not elementwise (Adafactor; found by trying a class torch
+        does not list as elementwise on two slices of a small tensor) gets
+        ``whole_tensors`` set: at stages 1-3 it needs ``layout="tensor"``.
       **kwargs: hyper-parameters forwarded to ``optimizer_cls``.
 
     Returns:
@@ -99,4 +150,4 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
         # The tensors were updated in place: `params` now holds the new values.
         return params, spec.unflatten([dict(s) for s in new_state])
 
-    return Optimizer(init, from_inplace(update_), update_)
+    return Optimizer(init, from_inplace(update_), update_, _whole_tensors(optimizer_cls, kwargs))

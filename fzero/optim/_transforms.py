@@ -101,4 +101,4 @@ def chain(*parts: Any) -> Optimizer:
         return update
 
     inplace = run(optimizer.update_) if optimizer.update_ is not None else None
-    return Optimizer(init, run(optimizer.update), inplace)
+    return Optimizer(init, run(optimizer.update), inplace, optimizer.whole_tensors)
