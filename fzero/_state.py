@@ -108,7 +108,8 @@ def shard_state(
       mesh: the data-parallel mesh (`ProcessGroupMesh` or a rank of `simulate`).
       stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
       layout: "flat" (default: flat buffers split evenly, any shapes) or "tensor" (whole
-        tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor).
+        tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor,
+        which stages 1-3 refuse on "flat": see `Optimizer.whole_tensors`).
       units: parameter-path prefixes gathered and reduced as separate flat buffers (see
         `fzero.units.by_module` / `by_size`); parameters in no unit form the root unit.
       bucket_bytes: instead of `units`, group parameters into units of about this many
