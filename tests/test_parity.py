@@ -1,5 +1,8 @@
 """Every stage, layout and optimizer trains exactly like one process on the whole batch."""
 
+from typing import Any
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -73,16 +76,29 @@ def test_tensor_layout_makes_per_tensor_optimizers_exact() -> None:
         )
 
 
-def test_flat_layout_is_not_exact_for_per_tensor_optimizers() -> None:
-    # The documented limitation: Adafactor factors each 2-D matrix's second moment by rows
-    # and columns, and a rank holding a 1-D slice of the flattened matrix cannot.
+def test_flat_layout_refuses_per_tensor_optimizers_whose_slices_train_differently() -> None:
+    # Adafactor factors each 2-D matrix's second moment by rows and columns, and a rank
+    # holding a 1-D slice of the flattened matrix cannot: shard_state refuses it. The same
+    # Adafactor told it is elementwise trains, and lands away from torch: the refusal
+    # guards a real difference.
     import support
 
     support.OPTIMIZERS["torch_adafactor"] = (None, torch.optim.Adafactor, {"lr": 0.01})
     case = _adafactor_case("flat")
-    expected = train_reference(case)
+    with pytest.raises(ValueError, match=r"from_torch\(Adafactor\) .*layout='tensor'"):
+        run(3, train_fzero, case)
+
+    def as_if_elementwise(**kwargs: Any) -> fzero.optim.Optimizer:
+        return fzero.optim.from_torch(torch.optim.Adafactor, **kwargs)._replace(whole_tensors=None)
+
+    support.OPTIMIZERS["adafactor_unchecked"] = (
+        as_if_elementwise,
+        torch.optim.Adafactor,
+        {"lr": 0.01},
+    )
+    case.optimizer = "adafactor_unchecked"
     params, _ = run(3, train_fzero, case)[0]
-    assert fzero._tree.max_abs_diff(params, expected) > 1e-6
+    assert fzero._tree.max_abs_diff(params, train_reference(case)) > 1e-6
 
 
 def test_losses_are_each_ranks_own_micro_batch_loss() -> None:

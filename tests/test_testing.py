@@ -346,18 +346,19 @@ def test_fails_on_a_loss_that_differs_on_rank_1() -> None:
         assert f"stage {stage}, rank 0: leaf 'layers.0." in str(info.value)
 
 
-def test_flat_layout_fails_for_adafactor_in_the_sharded_stages_only() -> None:
+def test_flat_layout_refuses_adafactor_in_the_sharded_stages_only() -> None:
     # Adafactor is per tensor (its step scales with the tensor's RMS; a matrix's second
     # moment is factored by rows and columns): exact on whole tensors (stage 0, or
-    # layout="tensor"), not on a rank's slice of the flat buffer.
+    # layout="tensor"); a rank's slice of the flat buffer is refused before training.
     params = make_params([4, 6, 3], torch.float64, seed=3)
     batches = _mlp_batches([4, 6, 3], 3, steps=2)
     adafactor = (torch.optim.Adafactor, {"lr": 0.01})
-    with pytest.raises(AssertionError) as info:
-        testing.assert_stages_equivalent(mlp_loss, params, batches, adafactor, layout="flat")
-    message = str(info.value)
-    assert "3 of 4 ZeRO stages" in message and "stage 0" not in message
-    assert all(f"stage {s}, rank 0: leaf" in message for s in (1, 2, 3))
+    for stage in (1, 2, 3):
+        with pytest.raises(ValueError, match=r"from_torch\(Adafactor\) .*layout='tensor'"):
+            testing.assert_stages_equivalent(
+                mlp_loss, params, batches, adafactor, stages=(stage,), layout="flat"
+            )
+    testing.assert_stages_equivalent(mlp_loss, params, batches, adafactor, stages=(0,))
     testing.assert_stages_equivalent(mlp_loss, params, batches, adafactor, layout="tensor")
 
 
