@@ -29,6 +29,7 @@ from ._gathers import Gathers, Handle, Replica
 from ._hooks import ModuleHooks
 from ._layout import ShardLayout
 from ._mesh import Mesh
+from ._placeholder import Placeholder
 from ._reduce import Reductions
 from ._schedule import Schedule
 from ._stages import Stage
@@ -154,7 +155,7 @@ class Engine:
 
     def params(self) -> PyTree:
         """The tree the loss receives: units entered before the forward as views of their
-        full parameters, just-in-time units as meta placeholders (used anywhere but where
+        full parameters, just-in-time units as `Placeholder`s (used anywhere but where
         they enter, they fail loudly instead of training on stale values)."""
         lay = self.layout
         leaves: list[Any] = [None] * len(lay.paths)
@@ -167,8 +168,8 @@ class Engine:
                 continue
             for i in lay.unit_buckets(unit):
                 for s in lay.buckets[i].slots:
-                    leaves[s.index] = torch.empty(
-                        s.shape, dtype=lay.buckets[i].dtype, device="meta"
+                    leaves[s.index] = Placeholder(
+                        s.shape, lay.buckets[i].dtype, path=s.path, unit=unit, rank=self.mesh.rank
                     )
                     self.marks.setdefault(unit, (s.index, leaves[s.index]))
         return tree_unflatten(lay.treedef, leaves)
@@ -230,18 +231,6 @@ class Engine:
                 if loss is not None and loss.requires_grad:  # gradients arrive via reductions
                     leaves = [self.inputs[i] for i in trainable]
                     torch.autograd.grad(loss, leaves, allow_unused=True)
-        except (RuntimeError, NotImplementedError) as exc:
-            # torch's own words ("Tensor on device meta ...") differ by op and arrive in
-            # forward or backward; say what actually went wrong.
-            if self.s.jit and "meta" in str(exc):
-                raise ValueError(
-                    f"rank {mesh.rank}: a parameter of a just-in-time unit "
-                    f"({', '.join(sorted(self.s.jit))}) was used where the loss only has "
-                    "a placeholder for it: with module=, outside its submodule's forward; "
-                    "with just_in_time=True, without fzero.gathered(params, unit). Use it "
-                    "there, or leave its unit out of units= (e.g. in the root)"
-                ) from exc
-            raise
         finally:
             ACTIVE.reset(token)
         self.source.regather_rest()

@@ -77,6 +77,26 @@ def test_tied_weights_sum_both_uses_like_torch(stage: int, hooked: bool) -> None
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_weight_tied_out_of_its_hooked_unit_fails_loudly(stage: int) -> None:
+    # "tok" a unit entered by its hook: the head (outside it) holds the shared weight's
+    # placeholder. torch's linear without bias reads a meta weight's missing data as
+    # memory, so meta placeholders trained on garbage here, silently (NaN at stage 0).
+    def fn(mesh: fzero.Mesh) -> None:
+        model, tokens = make(mesh.size)
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        opt = fzero.optim.adamw(lr=0.05)
+        state = fzero.shard_state(params, opt, mesh, stage=stage, units=["tok", "blocks.0"])
+        step = fzero.sharded_step(
+            lambda p, b: loss(model, p, b), opt, mesh, stage=stage, module=model
+        )
+        step(state, tokens[0][2 * mesh.rank : 2 * mesh.rank + 2])
+
+    named = r"'tok.weight' of the just-in-time unit 'tok' was used \(by aten\.\w+\)"
+    with pytest.raises(ValueError, match=named):
+        run(2, fn)
+
+
 def export_and_reimport(mesh: fzero.Mesh) -> Any:
     model, tokens = make()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
