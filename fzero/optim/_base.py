@@ -62,9 +62,9 @@ def check_slices(optimizer: Optimizer, layout: str, where: str = "") -> None:
     if optimizer.whole_tensors is not None and layout == "flat":
         raise ValueError(
             f"{where + ': ' if where else ''}{optimizer.whole_tensors}, and with the flat "
-            "layout the optimizer of "
-            "stages 1-3 steps flat slices of buckets that cut tensors apart; use "
-            "layout='tensor' (each rank updates whole tensors, in their shapes) or stage 0"
+            "layout the optimizer of stages 1-3 steps flat slices of buckets that cut tensors "
+            "apart; use layout='tensor' (each rank updates whole tensors, in their shapes) or "
+            "stage 0"
         )
 
 
