@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from ._tree import tree_flatten
 
 
 class Placeholder(torch.Tensor):
@@ -34,7 +35,7 @@ class Placeholder(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        used = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, Placeholder))
+        used = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Placeholder))
         raise ValueError(
             f"rank {used.rank}: the parameter {used.path!r} of the just-in-time unit "
             f"{used.unit!r} was used (by aten.{func.overloadpacket.__name__}) where the loss "

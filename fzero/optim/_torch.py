@@ -45,15 +45,13 @@ def _steps_slices_alike(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict
     start = torch.randn(3, 5, generator=g, dtype=torch.float64)
     grads = [torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(2)]
     whole = start.clone()
-    pieces = [start.reshape(-1)[:7].clone(), start.reshape(-1)[7:].clone()]
+    pieces = [p.clone() for p in start.reshape(-1).split([7, 8])]  # cut across a row
     opt_whole, opt_pieces = optimizer_cls([whole], **kwargs), optimizer_cls(pieces, **kwargs)
     with torch.no_grad():
         for grad in grads:
             whole.grad = grad.clone()
-            pieces[0].grad, pieces[1].grad = (
-                grad.reshape(-1)[:7].clone(),
-                grad.reshape(-1)[7:].clone(),
-            )
+            for p, part in zip(pieces, grad.reshape(-1).split([7, 8]), strict=True):
+                p.grad = part.clone()
             opt_whole.step()
             opt_pieces.step()
     return torch.allclose(torch.cat(pieces), whole.reshape(-1), rtol=1e-9, atol=1e-12)
