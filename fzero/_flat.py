@@ -4,9 +4,10 @@ one, packing leaves into a new one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,9 +44,72 @@ class Bucket:
         """Real (unpadded) elements."""
         return sum(s.numel for s in self.slots)
 
+    @cached_property
+    def ordered(self) -> tuple[Slot, ...]:
+        """The slots by offset: the order `cut` hands out leaves and `paste` takes them."""
+        return tuple(sorted(self.slots, key=lambda s: s.offset))
 
-def by_offset(bucket: Bucket) -> list[Slot]:
-    return sorted(bucket.slots, key=lambda s: s.offset)
+    @cached_property
+    def _rows(self) -> dict[int, tuple[Row, ...]]:
+        return {}  # rows of each width asked for (`rows`); a step asks for the same ones
+
+    def rows(self, n: int, total: int) -> tuple[Row, ...]:
+        """The flat buffer of `total` elements (at least the slots' extent) cut into rows
+        of `n` elements, each row into pieces that lie in one slot or in padding."""
+        key = n if total == self.full_numel else -1
+        got = self._rows.get(key)
+        if got is None:
+            got = _rows_of(self.ordered, n, total)
+            if key != -1:
+                self._rows[key] = got
+        return got
+
+
+class Row(NamedTuple):
+    """One row of a flat buffer cut for a bucket: `torch.split` sizes, and per piece the
+    position of its slot in `Bucket.ordered` (-1: padding) and the slot's elements."""
+
+    sizes: tuple[int, ...]
+    owners: tuple[tuple[int, int, int], ...]  # (slot position, first, last + 1)
+
+
+def _rows_of(slots: tuple[Slot, ...], n: int, total: int) -> tuple[Row, ...]:
+    # Every boundary: slot starts and ends, and row ends.
+    pieces: list[tuple[int, int, int, int]] = []  # (start, end, slot position, its start)
+    cursor = 0
+    for k, s in enumerate(slots):
+        if s.offset > cursor:
+            pieces.append((cursor, s.offset, -1, cursor))
+        pieces.append((s.offset, s.offset + s.numel, k, s.offset))
+        cursor = s.offset + s.numel
+    if total > cursor:
+        pieces.append((cursor, total, -1, cursor))
+    rows: list[Row] = []
+    sizes: list[int] = []
+    owners: list[tuple[int, int, int]] = []
+    row_end = n
+    for lo, hi, k, base in pieces:
+        if lo == hi:  # a zero-size leaf: an empty piece of the row it falls in
+            sizes.append(0)
+            owners.append((k, 0, 0))
+        while lo < hi:
+            end = min(hi, row_end)
+            sizes.append(end - lo)
+            owners.append((k, lo - base, end - base))
+            lo = end
+            if lo == row_end:
+                rows.append(Row(tuple(sizes), tuple(owners)))
+                sizes, owners, row_end = [], [], row_end + n
+    if sizes and (any(sizes) or not rows):
+        rows.append(Row(tuple(sizes), tuple(owners)))
+    elif sizes:  # empty leaves after the last full row belong to it
+        last = rows[-1]
+        rows[-1] = Row(last.sizes + tuple(sizes), last.owners + tuple(owners))
+    return tuple(rows)
+
+
+def by_offset(bucket: Bucket) -> tuple[Slot, ...]:
+    return bucket.ordered
 
 
 def cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
@@ -55,22 +119,11 @@ def cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
     the size of the whole buffer, so a unit of P leaves would cost P buffer-sized fills;
     split's backward assembles one gradient for all of them.
     """
-    slots = by_offset(bucket)
-    sizes: list[int] = []
-    kept: list[Slot | None] = []
-    cursor = 0
-    for s in slots:
-        if s.offset > cursor:  # padding between ranks' segments ("tensor" layout)
-            sizes.append(s.offset - cursor)
-            kept.append(None)
-        sizes.append(s.numel)
-        kept.append(s)
-        cursor = s.offset + s.numel
-    if flat.numel() > cursor:
-        sizes.append(flat.numel() - cursor)
-        kept.append(None)
-    parts = torch.split(flat, sizes) if sizes else ()
-    return [(s, p.view(s.shape)) for s, p in zip(kept, parts) if s is not None]
+    slots = bucket.ordered
+    rows = bucket.rows(flat.numel(), flat.numel())  # one row; none if nothing to cut
+    row = rows[0] if rows else Row((), ())
+    parts = torch.split(flat, row.sizes) if row.sizes else ()
+    return [(slots[k], p.view(slots[k].shape)) for (k, _, _), p in zip(row.owners, parts) if k >= 0]
 
 
 def paste(
@@ -84,41 +137,47 @@ def paste(
     of the shard axis reduces, so a reduce-scatter burst can lay several buckets out rank
     by rank (`_burst`). A leaf that straddles rows is written in pieces.
 
-    The division rides on the copy (DDP's reducer does the same): a pass over the gradient
-    that assembling it costs anyway. A division into a wider `out` (bfloat16 gradients, a
-    float32 reduction) is done there, so it rounds in the wider dtype.
+    The division rides on the copy of a large leaf (DDP's reducer does the same): a pass
+    over the gradient that assembling it costs anyway. Small leaves are copied, then
+    divided, each as one call over all of them: a model's biases and norms are hundreds of
+    leaves, where a call per leaf cost more than the copies. Both round alike (a copy is
+    exact). A division into a wider `out` (bfloat16 gradients, a float32 reduction) is
+    done there, so it rounds in the wider dtype.
     """
     rows = out.view(1, -1) if out.dim() == 1 else out
-    n = rows.shape[1]
-
-    def spans(lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int]]:
-        # Flat elements [lo, hi) as (destination, its first and last flat element + 1).
-        while lo < hi:
-            r, c = divmod(lo, n)
-            end = min(hi, (r + 1) * n)
-            yield rows[r, c : c + end - lo], lo, end
-            lo = end
-
-    cursor = 0
-    for s, g in zip(by_offset(bucket), grads, strict=True):
-        for dst, _, _ in spans(cursor, s.offset):
-            dst.zero_()
-        flat = None if g is None else g.reshape(-1)
-        for dst, lo, hi in spans(s.offset, s.offset + s.numel):
+    zeros: list[torch.Tensor] = []
+    small_dst: list[torch.Tensor] = []
+    small_src: list[torch.Tensor] = []
+    flats: list[torch.Tensor | None] = [None if g is None else g.reshape(-1) for g in grads]
+    if len(flats) != len(bucket.slots):
+        raise ValueError(f"paste: {len(flats)} gradients for {len(bucket.slots)} leaves")
+    for r, row in enumerate(bucket.rows(rows.shape[1], rows.numel())):
+        for dst, (k, lo, hi) in zip(torch.split(rows[r], row.sizes), row.owners):
+            flat = None if k < 0 else flats[k]
             if flat is None:
-                dst.zero_()
+                zeros.append(dst)
                 continue
-            src = flat[lo - s.offset : hi - s.offset]
-            if divisor == 1:
+            src = flat if lo == 0 and hi == flat.numel() else flat[lo:hi]
+            if hi - lo <= _SMALL:
+                small_dst.append(dst)
+                small_src.append(src)
+            elif divisor == 1:
                 dst.copy_(src)
             elif src.dtype == dst.dtype:
                 torch.div(src, divisor, out=dst)
             else:
                 dst.copy_(src).div_(divisor)
-        cursor = s.offset + s.numel
-    for dst, _, _ in spans(cursor, rows.shape[0] * n):
-        dst.zero_()
+    if zeros:
+        torch._foreach_zero_(zeros)
+    if small_dst:
+        torch._foreach_copy_(small_dst, small_src)
+        if divisor != 1:
+            torch._foreach_div_(small_dst, divisor)
     return out
+
+
+# Leaves (or pieces of them) of at most this many elements are pasted together (`paste`).
+_SMALL = 1 << 15
 
 
 @torch.no_grad()  # packing copies values; autograd history (params that require grad) stays out

@@ -7,6 +7,8 @@ one all-gather. Checked against buffers built by hand and one-process `torch.opt
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,28 +27,59 @@ from fzero._layout import build_layout
 @given(trees(), st.integers(1, 6), st.sampled_from(["flat", "tensor"]), st.data())
 def test_paste_lays_a_bucket_out_rank_by_rank(tree: dict, n: int, kind: str, data: Any) -> None:
     # The reference is the bucket's flat gradient built by hand (each leaf's gradient at
-    # its offset, divided, zeros elsewhere), cut into n rows; the burst's rows are wider
-    # than the bucket's columns, and the columns around them must stay untouched.
+    # its offset, divided in the buffer's dtype, zeros elsewhere), cut into n rows; the
+    # burst's rows are wider than the bucket's columns, and the columns around them must
+    # stay untouched. Leaves go through both of paste's ways (one call for all small
+    # leaves, one per large leaf) as the threshold drawn puts them; gradients narrower
+    # than the buffer (bfloat16 into float32) are divided after widening.
     layout = build_layout(tree, n, kind)
     divisor = data.draw(st.sampled_from([1, 3]))
+    small = data.draw(st.sampled_from([0, 2, 1 << 15]))
+    narrow = data.draw(st.booleans())
     for bucket in layout.buckets:
+        dtype = torch.float32 if narrow and bucket.dtype == torch.float64 else bucket.dtype
         grads = [
-            None if data.draw(st.booleans()) else torch.randn(s.shape, dtype=bucket.dtype)
+            None if data.draw(st.booleans()) else torch.randn(s.shape, dtype=dtype)
             for s in by_offset(bucket)
         ]
         flat = torch.zeros(bucket.full_numel, dtype=bucket.dtype)
         for s, g in zip(by_offset(bucket), grads):
             if g is not None:
-                flat[s.offset : s.offset + s.numel] = g.reshape(-1) / divisor
+                flat[s.offset : s.offset + s.numel] = g.reshape(-1).to(bucket.dtype) / divisor
         lead, trail = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
         rows = torch.full((n, lead + bucket.shard_numel + trail), float("nan"), dtype=bucket.dtype)
         columns = rows[:, lead : lead + bucket.shard_numel]
-        paste(bucket, grads, columns, divisor)
+        line = torch.full((bucket.full_numel + 2,), float("nan"), dtype=bucket.dtype)
+        with _small_leaves(small):
+            paste(bucket, grads, columns, divisor)
+            paste(bucket, grads, line[1:-1], divisor)  # the 1-D form: the buffer end to end
         assert torch.equal(columns, flat.view(n, bucket.shard_numel))
         assert rows[:, :lead].isnan().all() and rows[:, lead + bucket.shard_numel :].isnan().all()
-        line = torch.full((bucket.full_numel + 2,), float("nan"), dtype=bucket.dtype)
-        paste(bucket, grads, line[1:-1], divisor)  # the 1-D form: the buffer end to end
         assert torch.equal(line[1:-1], flat) and line[[0, -1]].isnan().all()
+
+
+@contextlib.contextmanager
+def _small_leaves(elements: int) -> Iterator[None]:
+    saved, fzero._flat._SMALL = fzero._flat._SMALL, elements
+    try:
+        yield
+    finally:
+        fzero._flat._SMALL = saved
+
+
+def test_paste_of_transposed_and_straddling_gradients_matches_by_hand() -> None:
+    # Non-contiguous gradients (a transposed weight's), and leaves that straddle rows,
+    # above and below the small-leaf threshold.
+    tree = {"a": torch.randn(3, 5), "b": torch.randn(40, 1000), "c": torch.randn(7)}
+    layout = build_layout(tree, 3, "flat")
+    (bucket,) = layout.buckets
+    grads = [torch.randn(s.shape[::-1]).t() for s in by_offset(bucket)]
+    flat = torch.zeros(bucket.full_numel)
+    for s, g in zip(by_offset(bucket), grads):
+        flat[s.offset : s.offset + s.numel] = g.reshape(-1) / 3
+    out = torch.full((3, bucket.shard_numel), float("nan"))
+    paste(bucket, grads, out, 3)
+    assert torch.equal(out, flat.view(3, -1))
 
 
 def _gather_many(mesh: fzero.Mesh) -> list[torch.Tensor]:
