@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -12,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fzero import optim
+from fzero.optim import _adam
 
 SHAPES = [(), (1,), (0,), (3, 5), (2, 1, 4)]
 FLOATS = [torch.float32, torch.float64]
@@ -138,6 +140,23 @@ def test_sgd_matches_torch(
             assert_bitwise(buf, ref.state[p]["momentum_buffer"])
 
 
+# How Adam batches small leaves (`fzero.optim._adam`): its defaults, every leaf alone, and
+# groups of at most 8 elements (a tree splits into several).
+GROUPINGS = {"default": None, "alone": (-1, 1), "split": (1 << 14, 8)}
+
+
+@contextlib.contextmanager
+def grouping(name: str) -> Iterator[None]:
+    saved = (_adam._SMALL, _adam._GROUP)
+    if GROUPINGS[name] is not None:
+        _adam._SMALL, _adam._GROUP = GROUPINGS[name]
+    try:
+        yield
+    finally:
+        _adam._SMALL, _adam._GROUP = saved
+
+
+@pytest.mark.parametrize("group", sorted(GROUPINGS))
 @pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize(
@@ -157,6 +176,7 @@ def test_adam_matches_torch(
     ref_cls: type[torch.optim.Optimizer],
     amsgrad: bool,
     maximize: bool,
+    group: str,
     skeleton: Any,
     seed: int,
     dtype: torch.dtype,
@@ -173,9 +193,10 @@ def test_adam_matches_torch(
         "amsgrad": amsgrad,
         "maximize": maximize,
     }
-    _, state, ref_params, ref = run_both(
-        make(**hp), ref_cls, dict(hp, foreach=False), skeleton, seed, dtype
-    )
+    with grouping(group):
+        _, state, ref_params, ref = run_both(
+            make(**hp), ref_cls, dict(hp, foreach=False), skeleton, seed, dtype
+        )
     assert int(state.count) == STEPS
     assert (state.nu_max is None) != amsgrad
     for i, p in enumerate(ref_params):
@@ -338,10 +359,11 @@ def test_complex_adam_matches_torch(
     run_both(make(**hp), ref_cls, dict(hp, foreach=False), {"z": (3, 2)}, 0, torch.complex64)
 
 
+@pytest.mark.parametrize("group", sorted(GROUPINGS))
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("donate", [False, True])
 def test_adam_over_mixed_dtypes_sizes_and_strides_matches_torch(
-    amsgrad: bool, donate: bool
+    amsgrad: bool, donate: bool, group: str
 ) -> None:
     # Adam writes every leaf's denominator into one buffer per dtype and device, sized for
     # the largest leaf: leaves of other dtypes, smaller sizes after larger ones, a
@@ -370,7 +392,8 @@ def test_adam_over_mixed_dtypes_sizes_and_strides_matches_torch(
             p.grad = g.clone()
         ref.step()
         update = opt.update_ if donate else opt.update
-        params, state = update(grads, state, params)
+        with grouping(group):
+            params, state = update(grads, state, params)
     for mine, theirs in zip(params.values(), ref_params, strict=True):
         assert_bitwise(mine, theirs)
 

@@ -1,4 +1,5 @@
-"""Adam and AdamW, bitwise-equal to ``torch.optim.Adam``/``AdamW`` with ``foreach=False``."""
+"""Adam and AdamW, bitwise-equal to ``torch.optim.Adam``/``AdamW`` with ``foreach=False``
+(on the CPU, where it is tested): large leaves op by op, small ones a group at a time."""
 
 from __future__ import annotations
 
@@ -77,10 +78,18 @@ def _adam(
         leaves, _, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
         nu_max_l = rest[0] if amsgrad else [None] * len(leaves)
         decay = decay_flags(mask, params, len(leaves), weight_decay)
-        scratch = _Scratch(nu_l)
+        groups, large = _grouped(leaves, decay)
+        scratch = _Scratch([nu_l[i] for i in large], [[nu_l[i] for i in g] for g in groups])
 
-        # The very in-place ops of torch's single-tensor Adam, on the given tensors.
-        for p, g, m, v, v_max, d in zip(leaves, g_l, mu_l, nu_l, nu_max_l, decay, strict=True):
+        def one(
+            p: torch.Tensor,
+            g: torch.Tensor,
+            m: torch.Tensor,
+            v: torch.Tensor,
+            v_max: torch.Tensor | None,
+            d: Any,
+        ) -> None:
+            # The very in-place ops of torch's single-tensor Adam, on the given tensors.
             g = -g if maximize else g
             if d is not False:
                 if decoupled:
@@ -100,6 +109,37 @@ def _adam(
             torch.sqrt(v_max if amsgrad else v, out=denom)
             denom.div_(bias_correction2_sqrt).add_(eps)
             p.addcdiv_(m, denom, value=-step_size)
+
+        def many(idx: list[int]) -> None:
+            # The same ops, each one call over a group of small real leaves sharing a
+            # decay flag; on the CPU torch runs a list op leaf by leaf with the very
+            # kernels above (bitwise the same), without a Python call per leaf and op.
+            p, m, v = [leaves[i] for i in idx], [mu_l[i] for i in idx], [nu_l[i] for i in idx]
+            g = [g_l[i] for i in idx]
+            g = torch._foreach_neg(g) if maximize else g
+            if decay[idx[0]] is True:
+                if decoupled:
+                    torch._foreach_mul_(p, 1 - step_lr * weight_decay)
+                else:
+                    g = torch._foreach_add(g, p, alpha=weight_decay)
+            torch._foreach_lerp_(m, g, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            top = v
+            if amsgrad:
+                top = [nu_max_l[i] for i in idx]
+                torch._foreach_maximum_(top, v)
+            denom = scratch.split_like(v)
+            torch._foreach_copy_(denom, top)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(p, m, denom, value=-step_size)
+
+        for idx in groups:
+            many(idx)
+        for i in large:
+            one(leaves[i], g_l[i], mu_l[i], nu_l[i], nu_max_l[i], decay[i])
         state.count.add_(1)
         return params, state
 
@@ -107,32 +147,73 @@ def _adam(
 
 
 class _Scratch:
-    """One buffer per dtype and device, as large as the largest second moment, that
-    every leaf's denominator is written into in turn.
+    """One buffer per dtype and device, as large as the largest second moment (or group of
+    them), that every leaf's denominator is written into in turn.
 
     torch's single-tensor Adam allocates two temporaries per leaf (the square root, then
     its quotient). Under glibc's default trimming a freed buffer at the top of the heap is
     returned to the OS, so each such allocation may fault its pages in afresh: on a stack
     of 4 MB leaves that was ~38k page faults, about a third of the step, in some launches.
-    Writing into one buffer computes the very same values (the same kernels, `out=` and
-    in place) with one allocation per step.
+    Writing into one buffer computes the very same values (the same kernels, into a
+    buffer or in place) with one allocation per step.
     """
 
-    def __init__(self, moments: list[torch.Tensor]) -> None:
+    def __init__(self, moments: list[torch.Tensor], groups: list[list[torch.Tensor]]) -> None:
         self._sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for v in moments:
             r = torch.view_as_real(v) if v.is_complex() else v
-            key = (r.dtype, r.device)
-            self._sizes[key] = max(self._sizes.get(key, 0), r.numel())
+            self._need(r, r.numel())
+        for group in groups:
+            self._need(group[0], sum(v.numel() for v in group))
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def like(self, v: torch.Tensor) -> torch.Tensor:
-        """A contiguous tensor of `v`'s shape, dtype and device over the shared buffer."""
+    def _need(self, v: torch.Tensor, numel: int) -> None:
+        key = (v.dtype, v.device)
+        self._sizes[key] = max(self._sizes.get(key, 0), numel)
+
+    def _buffer(self, v: torch.Tensor) -> torch.Tensor:
         key = (v.dtype, v.device)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.empty(self._sizes[key], dtype=v.dtype, device=v.device)
-        return buf[: v.numel()].view(v.shape)
+        return buf
+
+    def like(self, v: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of `v`'s shape, dtype and device over the shared buffer."""
+        return self._buffer(v)[: v.numel()].view(v.shape)
+
+    def split_like(self, vs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors shaped as `vs` (one dtype and device) side by side in the buffer."""
+        sizes = [v.numel() for v in vs]
+        parts = torch.split(self._buffer(vs[0])[: sum(sizes)], sizes)
+        return [part.view(v.shape) for part, v in zip(parts, vs)]
+
+
+# Leaves of at most this many elements are updated in groups (`_grouped`), where a call per
+# leaf and op costs more than the arithmetic; a group holds at most `_GROUP` elements, so
+# its denominators stay a small buffer.
+_SMALL, _GROUP = 1 << 14, 1 << 20
+
+
+def _grouped(leaves: list[torch.Tensor], decay: list[Any]) -> tuple[list[list[int]], list[int]]:
+    """The small real leaves, in groups of one dtype, device and decay flag (True or
+    False; a per-element mask goes leaf by leaf), and the positions of all the others."""
+    groups: dict[Any, list[list[int]]] = {}
+    filled: dict[Any, int] = {}  # elements in each key's last group
+    large: list[int] = []
+    for i, (p, d) in enumerate(zip(leaves, decay)):
+        n = p.numel()
+        if n > _SMALL or p.is_complex() or not isinstance(d, bool):
+            large.append(i)
+            continue
+        key = (p.dtype, p.device, d)
+        runs = groups.setdefault(key, [[]])
+        if runs[-1] and filled[key] + n > _GROUP:
+            runs.append([])
+            filled[key] = 0
+        runs[-1].append(i)
+        filled[key] = filled.get(key, 0) + n
+    return [run for runs in groups.values() for run in runs], large
 
 
 def adam(
