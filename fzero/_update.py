@@ -82,8 +82,10 @@ def _check_like(grads: PyTree, params: PyTree) -> None:
             f"sharded_update: grads and params differ in structure (leaves only "
             f"in one of them: {extra[:5]})"
         )
-    for path, g, p in zip(leaf_paths(params), g_leaves, p_leaves):
+    for k, (g, p) in enumerate(zip(g_leaves, p_leaves)):
         if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
+            # Paths only for the message: naming every leaf costs a walk of the tree.
+            path = leaf_paths(params)[k]
             got = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
             raise ValueError(
                 f"sharded_update: grads leaf {path!r} is {got}, params have "

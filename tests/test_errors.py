@@ -412,3 +412,20 @@ def test_an_optimizer_that_needs_whole_tensors_trains_like_torch_on_whole_tensor
     fzero.testing.assert_stages_equivalent(
         _loss, _params(), batches, (torch.optim.Adafactor, {"lr": 0.01}), layout="tensor"
     )
+
+
+def test_sharded_update_of_a_full_tree_names_the_mismatched_grads_leaf() -> None:
+    # Stage 0's trees: a gradient of the wrong shape or dtype, or a tree of another
+    # structure, is refused by name before the optimizer sees it.
+    params, opt = _params(), optim.adam(lr=0.1)
+    state = opt.init(params)
+    bad_shape = _params(layers__1__w=torch.ones(1, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"grads leaf 'layers\.1\.w' is \(1, 3\) torch\.float64"):
+        fzero.sharded_update(opt, params, bad_shape, state)
+    bad_dtype = _params(scale=torch.tensor(1.0, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"grads leaf 'scale' is \(\) torch\.float32"):
+        fzero.sharded_update(opt, params, bad_dtype, state)
+    missing = _params()
+    del missing["scale"]
+    with pytest.raises(ValueError, match=r"differ in structure .*'scale'"):
+        fzero.sharded_update(opt, params, missing, state)
