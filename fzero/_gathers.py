@@ -64,6 +64,16 @@ class Replica:
         pass
 
 
+def _forget(by_storage: dict[int, tuple[Call, int]], key: int, entry: tuple[Call, int]) -> None:
+    """A followed buffer's Python object is gone: forgets its address, unless the address
+    now belongs to another buffer. A buffer freed by `drop` can outlive its memory (a view
+    keeps it), and the allocator hands that address to the next gather; forgetting the
+    address then would make autograd save that gather's parameters outright, and `drop`
+    free them under it."""
+    if by_storage.get(key) is entry:
+        del by_storage[key]
+
+
 class Handle(NamedTuple):
     """What autograd saves of a resharded unit's parameter: no tensor, only where it is."""
 
@@ -135,8 +145,8 @@ class Gathers:
             for k, f in enumerate(fulls):
                 if f.numel():
                     key = f.untyped_storage().data_ptr()
-                    self.by_storage[key] = (call, k)
-                    weakref.finalize(f, self.by_storage.pop, key, None)
+                    entry = self.by_storage[key] = (call, k)
+                    weakref.finalize(f, _forget, self.by_storage, key, entry)
             self.followed.append(call)
         else:
             # Held until the unit's gradient is reduced; a checkpoint's recompute (inside

@@ -494,3 +494,65 @@ def test_a_stage3_unit_of_another_size_skipped_on_some_ranks_fails_fast() -> Non
     with pytest.raises((fzero.RankFailure, ValueError, RuntimeError)):
         run(3, _called_differently, 3, 2)
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_resharded_unit_at_a_freed_units_address_trains_like_one_process(prefetch: bool) -> None:
+    # Gloo's worker thread lets go of a finished gather's buffer when it gets round to it,
+    # so a buffer `drop` freed can outlive its memory, and the allocator hands its address
+    # to a later unit's gather. When the old buffer object finally died it used to forget
+    # that address, now the later unit's: its parameters were then saved for the backward
+    # outright and freed under it ("storage of size 0"; intermittent on models of many
+    # equal small units). Here every gathered buffer is held two gathers longer, as the
+    # backend might, so the reuse happens every time.
+    import fzero._gathers as gathers_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(24, 24) for _ in range(8))).double()
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(3, 4, 24, generator=g, dtype=torch.float64)
+    ys = torch.randn(3, 4, 24, generator=g, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=0.05, foreach=False)
+    for t in range(3):
+        opt_ref.zero_grad()
+        ((ref(xs[t]) - ys[t]) ** 2).mean().backward()
+        opt_ref.step()
+    expected = {k: v.detach() for k, v in ref.named_parameters()}
+
+    def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+        real_gather, real_open = gathers_module._comm.all_gather_async, gathers_module.Gathers.open
+        backend: list[torch.Tensor] = []
+
+        def gather(*args: Any, **kwargs: Any) -> Any:
+            out, work = real_gather(*args, **kwargs)
+            backend.append(out)
+            return out, work
+
+        def open_(self: Any, call: Any, jit: bool) -> Any:
+            fulls = real_open(self, call, jit)
+            del backend[:-2]  # the backend lets go of the older buffers only now
+            return fulls
+
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+        def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+            return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+        opt = fzero.optim.adam(lr=0.05)
+        units = fzero.units.by_module(model, nn.Linear)
+        state = fzero.shard_state(params, opt, mesh, stage=3, units=units)
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=model, prefetch=prefetch)
+        sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+        gathers_module._comm.all_gather_async, gathers_module.Gathers.open = gather, open_
+        try:
+            for t in range(3):
+                state, _ = step(state, (xs[t, sl], ys[t, sl]))
+        finally:
+            gathers_module._comm.all_gather_async = real_gather
+            gathers_module.Gathers.open = real_open
+        return fzero.gather_params(state.params, mesh)
+
+    for params in run(2, fn):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what="stage 3")
+        assert not torch.equal(params["0.weight"], model[0].weight.detach())
