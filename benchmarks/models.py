@@ -1,4 +1,5 @@
-"""The two benchmark models, their data and losses: a GPT-like decoder and a Linear stack."""
+"""The benchmark models, their data and losses: a GPT-like decoder, a Linear stack, and a
+deep stack of small residual blocks (hundreds of small leaves)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ class LinearStack(nn.Module):
             if k < len(self.layers) - 1:
                 x = torch.relu(x)
         return x
+
+
+class NormBlock(nn.Module):
+    """A small residual block, x + tanh(W LayerNorm(x) + b): four leaves, three of them
+    vectors, as a deep narrow model's norms and biases are."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,18 @@ def spec(name: str, quick: bool) -> Spec:
         return Spec("linear", f"Linear stack ({depth} x Linear({width}, {width}) + ReLU, "
                     f"micro-batch {micro})", build_stack, nn.Linear, (),
                     _dense_batches(width), micro, F.mse_loss)
-    raise ValueError(f"unknown model {name!r}: choose gpt or linear")
+    if name == "deep":
+        # Full: 100 blocks of width 64 -> 426,400 parameters in 400 leaves, where the cost
+        # of a step is per leaf and per unit rather than per byte.
+        width, depth, micro = (16, 6, 4) if quick else (64, 100, 16)
+
+        def build_deep() -> nn.Module:
+            return nn.Sequential(*(NormBlock(width) for _ in range(depth)))
+
+        return Spec("deep", f"deep stack ({depth} x [LayerNorm({width}) + Linear({width}, "
+                    f"{width}) + tanh, residual], micro-batch {micro})", build_deep, NormBlock,
+                    (), _dense_batches(width), micro, F.mse_loss)
+    raise ValueError(f"unknown model {name!r}: choose gpt, linear or deep")
 
 
 def build_model(s: Spec) -> nn.Module:

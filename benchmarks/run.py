@@ -48,7 +48,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "(default 20, or 4 with --quick); the first 3 are warm-up")
     p.add_argument("--launches", type=int, default=None, help="fresh process launches for "
                    "the stepped-in-turn comparisons (default 3, or 1 with --quick)")
-    p.add_argument("--models", default="gpt,linear")
+    p.add_argument("--models", default="gpt,linear", help="comma-separated subset of: "
+                   "gpt, linear, deep (hundreds of small leaves; not in the default run)")
     p.add_argument("--configs", default=",".join(c.name for c in configs.CONFIGS),
                    help="comma-separated subset of: "
                         + ", ".join(c.name for c in configs.CONFIGS))
