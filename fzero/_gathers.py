@@ -66,10 +66,10 @@ class Replica:
 
 def _forget(by_storage: dict[int, tuple[Call, int]], key: int, entry: tuple[Call, int]) -> None:
     """A followed buffer's Python object is gone: forgets its address, unless the address
-    now belongs to another buffer. A buffer freed by `drop` can outlive its memory (a view
-    keeps it), and the allocator hands that address to the next gather; forgetting the
-    address then would make autograd save that gather's parameters outright, and `drop`
-    free them under it."""
+    now belongs to another buffer. A buffer freed by `drop` can outlive its memory (gloo's
+    worker thread may still hold the finished gather), and the allocator hands that
+    address to a later gather; forgetting the address then would make autograd save that
+    gather's parameters outright, and `drop` free them under it."""
     if by_storage.get(key) is entry:
         del by_storage[key]
 
