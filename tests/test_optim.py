@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fzero import optim
-from fzero.optim import _adam
+from fzero.optim import _base
 
 SHAPES = [(), (1,), (0,), (3, 5), (2, 1, 4)]
 FLOATS = [torch.float32, torch.float64]
@@ -107,6 +107,23 @@ def run_both(
 SGD_BRANCHES = [(0.0, 0.0, False), (0.9, 0.0, False), (0.5, 0.3, False), (0.9, 0.0, True)]
 
 
+# How Adam and SGD batch small leaves (`fzero.optim._base.grouped`): the defaults, every
+# leaf alone, and groups of at most 8 elements (a tree splits into several).
+GROUPINGS = {"default": None, "alone": (-1, 1), "split": (1 << 14, 8)}
+
+
+@contextlib.contextmanager
+def grouping(name: str) -> Iterator[None]:
+    saved = (_base._SMALL, _base._GROUP)
+    if GROUPINGS[name] is not None:
+        _base._SMALL, _base._GROUP = GROUPINGS[name]
+    try:
+        yield
+    finally:
+        _base._SMALL, _base._GROUP = saved
+
+
+@pytest.mark.parametrize("group", sorted(GROUPINGS))
 @pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize(("momentum", "dampening", "nesterov"), SGD_BRANCHES)
 @given(skeleton=skeletons, seed=seeds, dtype=dtypes, lr=lrs, weight_decay=decays)
@@ -115,6 +132,7 @@ def test_sgd_matches_torch(
     dampening: float,
     nesterov: bool,
     maximize: bool,
+    group: str,
     skeleton: Any,
     seed: int,
     dtype: torch.dtype,
@@ -129,31 +147,16 @@ def test_sgd_matches_torch(
         "nesterov": nesterov,
         "maximize": maximize,
     }
-    _, state, ref_params, ref = run_both(
-        optim.sgd(**hp), torch.optim.SGD, dict(hp, foreach=False), skeleton, seed, dtype
-    )
+    with grouping(group):
+        _, state, ref_params, ref = run_both(
+            optim.sgd(**hp), torch.optim.SGD, dict(hp, foreach=False), skeleton, seed, dtype
+        )
     assert int(state.count) == STEPS
     if momentum == 0:
         assert state.momentum is None
     else:
         for buf, p in zip(optree.tree_leaves(state.momentum), ref_params, strict=True):
             assert_bitwise(buf, ref.state[p]["momentum_buffer"])
-
-
-# How Adam batches small leaves (`fzero.optim._adam`): its defaults, every leaf alone, and
-# groups of at most 8 elements (a tree splits into several).
-GROUPINGS = {"default": None, "alone": (-1, 1), "split": (1 << 14, 8)}
-
-
-@contextlib.contextmanager
-def grouping(name: str) -> Iterator[None]:
-    saved = (_adam._SMALL, _adam._GROUP)
-    if GROUPINGS[name] is not None:
-        _adam._SMALL, _adam._GROUP = GROUPINGS[name]
-    try:
-        yield
-    finally:
-        _adam._SMALL, _adam._GROUP = saved
 
 
 @pytest.mark.parametrize("group", sorted(GROUPINGS))

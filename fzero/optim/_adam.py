@@ -15,6 +15,7 @@ from ._base import (
     decay_flags,
     flatten_as,
     from_inplace,
+    grouped,
     masked_factor,
     resolve_lr,
     validate_beta,
@@ -78,7 +79,7 @@ def _adam(
         leaves, _, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
         nu_max_l = rest[0] if amsgrad else [None] * len(leaves)
         decay = decay_flags(mask, params, len(leaves), weight_decay)
-        groups, large = _grouped(leaves, decay)
+        groups, large = grouped(leaves, decay)
         scratch = _Scratch([nu_l[i] for i in large], [[nu_l[i] for i in g] for g in groups])
 
         def one(
@@ -187,33 +188,6 @@ class _Scratch:
         sizes = [v.numel() for v in vs]
         parts = torch.split(self._buffer(vs[0])[: sum(sizes)], sizes)
         return [part.view(v.shape) for part, v in zip(parts, vs)]
-
-
-# Leaves of at most this many elements are updated in groups (`_grouped`), where a call per
-# leaf and op costs more than the arithmetic; a group holds at most `_GROUP` elements, so
-# its denominators stay a small buffer.
-_SMALL, _GROUP = 1 << 14, 1 << 20
-
-
-def _grouped(leaves: list[torch.Tensor], decay: list[Any]) -> tuple[list[list[int]], list[int]]:
-    """The small real leaves, in groups of one dtype, device and decay flag (True or
-    False; a per-element mask goes leaf by leaf), and the positions of all the others."""
-    groups: dict[Any, list[list[int]]] = {}
-    filled: dict[Any, int] = {}  # elements in each key's last group
-    large: list[int] = []
-    for i, (p, d) in enumerate(zip(leaves, decay)):
-        n = p.numel()
-        if n > _SMALL or p.is_complex() or not isinstance(d, bool):
-            large.append(i)
-            continue
-        key = (p.dtype, p.device, d)
-        runs = groups.setdefault(key, [[]])
-        if runs[-1] and filled[key] + n > _GROUP:
-            runs.append([])
-            filled[key] = 0
-        runs[-1].append(i)
-        filled[key] = filled.get(key, 0) + n
-    return [run for runs in groups.values() for run in runs], large
 
 
 def adam(

@@ -213,3 +213,42 @@ def masked_factor(factor: float, flag: Any, p: torch.Tensor) -> Any:
         torch.tensor(factor, dtype=p.dtype, device=p.device),
         torch.tensor(1.0, dtype=p.dtype, device=p.device),
     )
+
+
+# Leaves of at most this many elements are updated in groups (`grouped`), where a call per
+# leaf and op costs more than the arithmetic; a group holds at most `_GROUP` elements, so
+# its temporaries stay small.
+_SMALL, _GROUP = 1 << 14, 1 << 20
+
+
+def grouped(leaves: list[torch.Tensor], decay: list[Any]) -> tuple[list[list[int]], list[int]]:
+    """The small real leaves, in groups of one dtype, device and decay flag (True or
+    False; a per-element mask goes leaf by leaf), and the positions of all the others.
+
+    Elementwise optimizers update each group with torch's list ops (`torch._foreach_*`):
+    on the CPU they run the single-tensor kernels leaf by leaf, so the values are bitwise
+    those of the loop, without a Python call per leaf and op.
+
+    Args:
+      leaves: the parameter leaves.
+      decay: per leaf, as `decay_flags` gives.
+
+    Returns:
+      `(groups, large)`: lists of leaf positions per group, and the other positions.
+    """
+    groups: dict[Any, list[list[int]]] = {}
+    filled: dict[Any, int] = {}  # elements in each key's last group
+    large: list[int] = []
+    for i, (p, d) in enumerate(zip(leaves, decay)):
+        n = p.numel()
+        if n > _SMALL or p.is_complex() or not isinstance(d, bool):
+            large.append(i)
+            continue
+        key = (p.dtype, p.device, d)
+        runs = groups.setdefault(key, [[]])
+        if runs[-1] and filled[key] + n > _GROUP:
+            runs.append([])
+            filled[key] = 0
+        runs[-1].append(i)
+        filled[key] = filled.get(key, 0) + n
+    return [run for runs in groups.values() for run in runs], large

@@ -1,4 +1,5 @@
-"""Stochastic gradient descent, bitwise-equal to ``torch.optim.SGD(foreach=False)``."""
+"""Stochastic gradient descent, bitwise-equal to ``torch.optim.SGD(foreach=False)`` (on the
+CPU, where it is tested): large leaves op by op, small ones a group at a time."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ._base import (
     decay_flags,
     flatten_as,
     from_inplace,
+    grouped,
     resolve_lr,
     validate_lr,
     validate_non_negative,
@@ -85,7 +87,23 @@ def sgd(
         buf_leaves = rest[0] if rest else [None] * len(leaves)
         decay = decay_flags(mask, params, len(leaves), weight_decay)
 
-        for p, g, buf, d in zip(leaves, grad_leaves, buf_leaves, decay, strict=True):
+        groups, large = grouped(leaves, decay)
+        for idx in groups:  # the same ops, each one list op over the group (`grouped`)
+            ps, d_ps = [leaves[i] for i in idx], [grad_leaves[i] for i in idx]
+            d_ps = torch._foreach_neg(d_ps) if maximize else d_ps
+            if decay[idx[0]] is True:
+                d_ps = torch._foreach_add(d_ps, ps, alpha=weight_decay)
+            if momentum != 0:
+                bufs = [buf_leaves[i] for i in idx]
+                if count == 0:
+                    torch._foreach_copy_(bufs, d_ps)
+                else:
+                    torch._foreach_mul_(bufs, momentum)
+                    torch._foreach_add_(bufs, d_ps, alpha=1 - dampening)
+                d_ps = torch._foreach_add(d_ps, bufs, alpha=momentum) if nesterov else bufs
+            torch._foreach_add_(ps, d_ps, alpha=-step_lr)
+        for i in large:
+            p, g, buf, d = leaves[i], grad_leaves[i], buf_leaves[i], decay[i]
             d_p = -g if maximize else g
             if d is not False:
                 d_p = d_p.add(p if d is True else p * d, alpha=weight_decay)
