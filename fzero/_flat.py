@@ -50,18 +50,15 @@ class Bucket:
         return tuple(sorted(self.slots, key=lambda s: s.offset))
 
     @cached_property
-    def _rows(self) -> dict[int, tuple[Row, ...]]:
-        return {}  # rows of each width asked for (`rows`); a step asks for the same ones
+    def _rows(self) -> dict[tuple[int, int], tuple[Row, ...]]:
+        return {}  # (row width, total) -> rows (`rows`); a step asks for the same ones
 
     def rows(self, n: int, total: int) -> tuple[Row, ...]:
         """The flat buffer of `total` elements (at least the slots' extent) cut into rows
         of `n` elements, each row into pieces that lie in one slot or in padding."""
-        key = n if total == self.full_numel else -1
-        got = self._rows.get(key)
+        got = self._rows.get((n, total))
         if got is None:
-            got = _rows_of(self.ordered, n, total)
-            if key != -1:
-                self._rows[key] = got
+            got = self._rows[(n, total)] = _rows_of(self.ordered, n, total)
         return got
 
 
@@ -106,10 +103,6 @@ def _rows_of(slots: tuple[Slot, ...], n: int, total: int) -> tuple[Row, ...]:
         last = rows[-1]
         rows[-1] = Row(last.sizes + tuple(sizes), last.owners + tuple(owners))
     return tuple(rows)
-
-
-def by_offset(bucket: Bucket) -> tuple[Slot, ...]:
-    return bucket.ordered
 
 
 def cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
@@ -191,7 +184,7 @@ def pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
         return torch.empty(0, dtype=bucket.dtype, device=device)
     parts, cursor = [], lo
     device = leaves[bucket.slots[0].index].device if bucket.slots else None
-    for s in by_offset(bucket):
+    for s in bucket.ordered:
         a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
         if a >= b:
             continue

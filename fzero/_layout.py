@@ -23,7 +23,7 @@ from typing import Any
 import optree
 import torch
 
-from ._flat import Bucket, Slot, by_offset, cut, pack
+from ._flat import Bucket, Slot, cut, pack
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
 
 KINDS = ("flat", "tensor")
@@ -142,7 +142,7 @@ class ShardLayout:
     @functools.cached_property
     def _unit_paths(self) -> dict[str, tuple[str, ...]]:
         return {
-            u: tuple(s.path for i in idx for s in by_offset(self.buckets[i]))
+            u: tuple(s.path for i in idx for s in self.buckets[i].ordered)
             for u, idx in self._unit_index.items()
         }
 

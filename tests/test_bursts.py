@@ -20,7 +20,7 @@ from test_layout import trees
 from test_units import make_case, reference, train
 
 import fzero
-from fzero._flat import by_offset, paste
+from fzero._flat import paste
 from fzero._layout import build_layout
 
 
@@ -40,10 +40,10 @@ def test_paste_lays_a_bucket_out_rank_by_rank(tree: dict, n: int, kind: str, dat
         dtype = torch.float32 if narrow and bucket.dtype == torch.float64 else bucket.dtype
         grads = [
             None if data.draw(st.booleans()) else torch.randn(s.shape, dtype=dtype)
-            for s in by_offset(bucket)
+            for s in bucket.ordered
         ]
         flat = torch.zeros(bucket.full_numel, dtype=bucket.dtype)
-        for s, g in zip(by_offset(bucket), grads):
+        for s, g in zip(bucket.ordered, grads):
             if g is not None:
                 flat[s.offset : s.offset + s.numel] = g.reshape(-1).to(bucket.dtype) / divisor
         lead, trail = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
@@ -73,9 +73,9 @@ def test_paste_of_transposed_and_straddling_gradients_matches_by_hand() -> None:
     tree = {"a": torch.randn(3, 5), "b": torch.randn(40, 1000), "c": torch.randn(7)}
     layout = build_layout(tree, 3, "flat")
     (bucket,) = layout.buckets
-    grads = [torch.randn(s.shape[::-1]).t() for s in by_offset(bucket)]
+    grads = [torch.randn(s.shape[::-1]).t() for s in bucket.ordered]
     flat = torch.zeros(bucket.full_numel)
-    for s, g in zip(by_offset(bucket), grads):
+    for s, g in zip(bucket.ordered, grads):
         flat[s.offset : s.offset + s.numel] = g.reshape(-1) / 3
     out = torch.full((3, bucket.shard_numel), float("nan"))
     paste(bucket, grads, out, 3)
