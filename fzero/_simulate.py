@@ -75,18 +75,9 @@ class Simulation:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if sys.platform == "win32":
             raise RuntimeError("fzero.simulate forks its ranks, which Windows cannot do")
-        # Gloo's mesh setup on 127.0.0.1 occasionally fails with "connection closed by
-        # peer" when many process groups come and go quickly; that is infrastructure, not
-        # the caller's code, so the whole simulation is started afresh (fn has not run).
-        for attempt in range(_SETUP_ATTEMPTS):
-            try:
-                return self._run_once(fn, args, kwargs)
-            except _MeshSetupError:
-                if attempt == _SETUP_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+        return self._launch(fn, args, kwargs)
 
-    def _run_once(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> list[Any]:
+    def _launch(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> list[Any]:
         method = "spawn" if torch.cuda.is_initialized() else "fork"
         if method == "spawn":
             _check_picklable(fn, args, kwargs)
@@ -236,6 +227,7 @@ def _rank_main(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
+    parent = os.getppid()
     # GNU OpenMP is not fork-safe: a child of a parent that already ran a multi-threaded
     # op hangs in its first parallel region unless it drops to one thread first.
     torch.set_num_threads(1)
@@ -261,20 +253,25 @@ def _rank_main(
             pickle.loads(exc_bytes)
         except Exception:
             exc_bytes = None
-        conn.send_bytes(_dump("err", (exc_bytes, f"{type(exc).__name__}: {exc}", tb)))
-        # Stay alive with sockets open until the parent kills us: peers blocked in a
-        # collective then keep waiting instead of racing to report "connection closed",
-        # so the error the caller sees is this one, the cause.
-        while True:
-            time.sleep(60)
+        data = _dump("err", (exc_bytes, f"{type(exc).__name__}: {exc}", tb))
     conn.send_bytes(data)
     conn.close()
+    _linger(parent)
+
+
+def _linger(parent: int) -> None:
+    """Keeps this rank's sockets open until the parent, holding every rank's word, kills it.
+
+    A rank that exits as soon as it is done closes its sockets under peers still inside
+    gloo: one still connecting the mesh (a quick `fn` on the other ranks: about one run in
+    five at three ranks) or blocked in a collective after this rank failed would report
+    "connection closed by peer" instead of its own result or the cause.
+    """
+    while os.getppid() == parent:  # an orphan (the parent was killed) leaves on its own
+        time.sleep(0.05)
     # Skip atexit handlers and buffered-IO flushes inherited from the parent (pytest,
     # Jupyter): they belong to the parent process.
     os._exit(0)
-
-
-_SETUP_ATTEMPTS = 3
 
 
 def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
