@@ -35,10 +35,28 @@ def agree_shard_size(shard_size: Any, world: Axis) -> int:
     return mine
 
 
-def _new_group(ranks: list[int], backend: str | None = None) -> Any:
+def _new_group(ranks: list[int], parent: Axis, backend: str | None = None) -> Any:
+    """A group over `ranks` (global) with `parent`'s timeout."""
     # Only the members build it (local synchronization): a mesh over a sub-group must not
-    # need every process of the job.
-    return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+    # need every process of the job. And it waits as long as the user's group does, not
+    # torch's default for new groups (30 minutes): a peer that stops calling a collective
+    # must fail the others within the timeout the user chose.
+    return dist.new_group(
+        ranks, backend=backend, timeout=timeout_of(parent.group), use_local_synchronization=True
+    )
+
+
+def timeout_of(group: Any) -> timedelta | None:
+    """How long `group`'s collectives wait for a peer, or None where torch does not say."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:  # private but stable since torch 2.0: every c10d backend has options._timeout
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 def backend_for(group: Any, device: torch.device) -> str | None:
@@ -85,7 +103,7 @@ def control_group(world: Axis) -> Any:
     mixed "cpu:gloo,cuda:nccl"), else a new gloo group (collective over `world`)."""
     if world.size == 1 or backend_for(world.group, torch.device("cpu")) is not None:
         return world.group
-    return _new_group([world.global_rank(r) for r in range(world.size)], backend="gloo")
+    return _new_group([world.global_rank(r) for r in range(world.size)], world, backend="gloo")
 
 
 def twin_group(axis: Axis) -> Any:
@@ -93,15 +111,15 @@ def twin_group(axis: Axis) -> Any:
     where it has no gloo backend for CPU tensors or one rank (collective over `axis`)."""
     if axis.size == 1 or backend_for(axis.group, torch.device("cpu")) != "gloo":
         return None
-    return _new_group([axis.global_rank(r) for r in range(axis.size)], backend="gloo")
+    return _new_group([axis.global_rank(r) for r in range(axis.size)], axis, backend="gloo")
 
 
 def new_axes(world: Axis, s: int) -> tuple[Any, Any]:
     """The process groups of a 2-D mesh for this rank: its group of `s` consecutive ranks
     of `world` (the shard axis) and the ranks at its place in every group (replicas)."""
     g, i = divmod(world.rank, s)
-    shard = _new_group([world.global_rank(g * s + j) for j in range(s)])
-    replica = _new_group([world.global_rank(h * s + i) for h in range(world.size // s)])
+    shard = _new_group([world.global_rank(g * s + j) for j in range(s)], world)
+    replica = _new_group([world.global_rank(h * s + i) for h in range(world.size // s)], world)
     return shard, replica
 
 
@@ -116,7 +134,7 @@ def new_secondary(shard: Axis, k: int) -> Axis:
             f"the {shard.size} ranks that shard on every rank (got {out})"
         )
     g, j = divmod(shard.rank, k)
-    group = _new_group([shard.global_rank(g * k + m) for m in range(k)])
+    group = _new_group([shard.global_rank(g * k + m) for m in range(k)], shard)
     return Axis("secondary", group, j, k)
 
 
