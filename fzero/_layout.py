@@ -295,7 +295,7 @@ def build_layout(
         raise ValueError(f"layout must be one of {KINDS}, got {kind!r}")
     leaves, treedef = tree_flatten(params)
     paths = leaf_paths(params)
-    _check_leaves(paths, leaves)
+    check_leaves(paths, leaves)
     names = _check_units(units, paths)
     frozen = [False] * len(leaves) if frozen is None else list(frozen)
     if len(frozen) != len(leaves):
@@ -348,7 +348,9 @@ def _check_units(units: Sequence[str] | None, paths: list[str]) -> tuple[str, ..
     return names
 
 
-def _check_leaves(paths: list[str], leaves: list[Any]) -> None:
+def check_leaves(paths: list[str], leaves: list[Any]) -> None:
+    """Raises naming the first leaf that is not a dense floating-point tensor, or if the
+    leaves are none or live on several devices."""
     if not leaves:
         raise ValueError("params has no leaves: expected a pytree of floating-point tensors")
     devices = set()

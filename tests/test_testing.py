@@ -387,6 +387,10 @@ def test_bad_arguments_raise() -> None:
         )
     with pytest.raises(ValueError, match="batches is empty"):
         testing.assert_stages_equivalent(mlp_loss, params, [], torch.optim.SGD)
+    # Named before the reference trains (torch's own error would not name the leaf).
+    counted = {**params, "count": torch.tensor([3])}
+    with pytest.raises(TypeError, match=r"leaf 'count' has dtype torch\.int64, expected a float"):
+        testing.assert_stages_equivalent(mlp_loss, counted, batches, torch.optim.SGD)
 
 
 def _bf16_case() -> tuple[Any, list]:
