@@ -53,15 +53,16 @@ def gather_params_into(
     The donating stages 1-2 refill the replicated parameters where they live instead of
     allocating a second full copy next to the old one. `dtypes`: what each buffer travels
     in (mixed precision: master shards cast down to the gather dtype); default `out`'s.
-    `burst_bytes`: consecutive buffers of one dtype and device, each of at most 1 MiB
-    (`_PACK_MAX_BYTES`), travel together as one collective of up to this many bytes
-    (`_comm.all_gather_many_async`), which holds a burst's worth of staging buffers while
-    it runs; larger buffers, and every buffer with 0, are gathered by themselves, straight
-    into place.
+    `burst_bytes`: consecutive buffers of one dtype and device (at two ranks, each of at
+    most 1 MiB: `_PACK_MAX_BYTES`) travel together as one collective of up to this many
+    bytes (`_comm.all_gather_many_async`), which holds a burst's worth of staging buffers
+    while it runs; larger buffers, and every buffer with 0, are gathered by themselves,
+    straight into place.
     """
     dtypes = dtypes or tuple(o.dtype for o in out)
     works = []
-    for group in _bursts(shards.buffers, out, dtypes, burst_bytes):
+    pack_max = _PACK_MAX_BYTES if mesh.shard_size <= 2 else burst_bytes
+    for group in _bursts(shards.buffers, out, dtypes, burst_bytes, pack_max):
         s, o, d = (list(x) for x in zip(*group))
         if len(group) == 1:
             works.append(_comm.all_gather_async(s[0].to(d[0]), mesh, out=o[0], dtype=d[0])[1])
@@ -78,7 +79,11 @@ def gather_params_into(
 # collectives it saves. Measured stepped in turn, stage 1 against ZeroRedundancyOptimizer
 # on the Linear stack of 4 MB buffers at 2 ranks, 6 launches in both orders: 1.04-1.11
 # (median 1.07) with those buffers packed into 25 MiB bursts, 0.96-1.05 (1.00) alone; on
-# the GPT at 4 ranks (2.4 MB blocks) the same within the noise.
+# the GPT at 4 ranks (2.4 MB blocks) the same within the noise. The bound holds at two
+# ranks only: a lone gather costs a collective per rank on gloo (one broadcast each), so
+# with more ranks packing wins. Stepped in turn with DDP, GPT at 4 ranks, 3 launches,
+# default allocator: stage 1 1.08 / 1.08 / 1.08 with the bound, 0.98 / 0.99 / 1.01
+# without; stage 2 1.09 / 1.08 / 1.05 against 1.01 / 1.04 / 1.03.
 _PACK_MAX_BYTES = 1 << 20
 
 
@@ -87,15 +92,16 @@ def _bursts(
     out: tuple[torch.Tensor, ...],
     dtypes: tuple[torch.dtype, ...],
     burst_bytes: int,
+    pack_max: int,
 ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]]:
     """(shard, full buffer, dtype) in order, grouped into runs of one dtype and device of
-    at most `burst_bytes` of full buffers; a buffer of more than `_PACK_MAX_BYTES` (or
-    `burst_bytes`) is a group of its own."""
+    at most `burst_bytes` of full buffers; a buffer of more than `pack_max` (or
+    `burst_bytes`) bytes is a group of its own."""
     groups: list[list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]] = []
     size, packing = 0, False  # the open group's bytes; whether more may join it
     for s, o, d in zip(shards, out, dtypes):
         nbytes = o.numel() * d.itemsize
-        small = nbytes <= _PACK_MAX_BYTES
+        small = nbytes <= pack_max
         last = groups[-1][-1] if groups else None
         joins = (
             small
