@@ -75,9 +75,6 @@ class Simulation:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if sys.platform == "win32":
             raise RuntimeError("fzero.simulate forks its ranks, which Windows cannot do")
-        return self._launch(fn, args, kwargs)
-
-    def _launch(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> list[Any]:
         method = "spawn" if torch.cuda.is_initialized() else "fork"
         if method == "spawn":
             _check_picklable(fn, args, kwargs)
@@ -243,7 +240,7 @@ def _rank_main(
             )
             mesh = ProcessGroupMesh(shard_size=sim.shard_size, device=sim.device)
         except RuntimeError as exc:
-            raise _MeshSetupError(f"gloo could not connect the ranks: {exc}") from exc
+            raise RuntimeError(f"gloo could not connect the ranks: {exc}") from exc
         result = fn(mesh, *args, **kwargs)
         data = _dump("ok", result)
     except BaseException as exc:
@@ -284,10 +281,6 @@ def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
             f"picklable (defined at module level, not in a notebook cell): {exc}. Or make "
             "the CUDA tensors inside fn, before this process touches CUDA"
         ) from exc
-
-
-class _MeshSetupError(RuntimeError):
-    """Gloo failed to connect the simulated ranks (before `fn` ran)."""
 
 
 def _receive(conn: Any) -> tuple[str, Any] | None:
