@@ -6,6 +6,7 @@ from . import optim as optim
 from . import testing as testing
 from . import units as units
 from ._autodiff import value_and_grad as value_and_grad
+from ._forward import sharded_forward as sharded_forward
 from ._gather import gather_params as gather_params
 from ._gather import master_params as master_params
 from ._gathered import gathered as gathered

@@ -1,4 +1,5 @@
-"""The engine: one step's units on one rank, for one micro-batch.
+"""The engine: one step's units on one rank, for one micro-batch (or one forward without
+gradients, `sharded_forward`: the same entries, then everything freed, nothing reduced).
 
 Every stage is the same program. The loss receives the parameter tree; each unit's
 parameters enter it through the per-unit primitive (`_entry.enter`): before the forward,
@@ -104,6 +105,7 @@ class Engine:
         self.calls: list[Call] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order
         self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf
+        self.what = "step"  # what the user called, for messages
 
     # -- what a unit's node asks of the engine (`_entry.Engine`) ---------------------------
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -241,6 +243,49 @@ class Engine:
             self.order[:] = self.seen
         return (None if loss is None else loss.detach()), self.reductions.result(self.inputs)
 
+    def forward(self, fn: Callable[[PyTree, Any], Any], batch: Any) -> Any:
+        """`fn(params, batch)` without gradients (`fzero.sharded_forward`): units enter
+        as in a step's forward and each is freed as soon as the forward is done with it;
+        nothing is gathered again. `batch` None: this rank has no data and enters, for
+        the others' gathers, the units the last forward called; it returns None."""
+        out, self.what = None, "forward"
+        token = ACTIVE.set(self)
+        try:
+            with torch.no_grad(), ModuleHooks(self, self.s.hooked):
+                if batch is None:
+                    self._follow()
+                else:
+                    out = fn(self.params(), batch)
+            if self.s.check_calls:  # the gathers paired by order: say if they could not
+                called = [c.unit for c in self.calls if c.unit in self.s.jit]
+                self.check.start(called, present=batch is not None)
+                self.check()
+        finally:
+            ACTIVE.reset(token)
+        out = self._unaliased(out)
+        self.source.end_forward(self.calls)
+        if self.s.jit:
+            self.order[:] = self.seen
+        return out
+
+    def _unaliased(self, out: Any) -> Any:
+        """`out` with copies of its tensors that share memory with gathered parameters (a
+        forward returning a weight, or a view of one): that memory is freed next."""
+        gathered = set()
+        for call in self.calls:
+            refs = [*(h for h in call.held if h is not None), *(r() for r in call.followed)]
+            gathered |= {t.untyped_storage().data_ptr() for t in refs if t is not None}
+        if not gathered:
+            return out
+
+        def own(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in gathered:
+                return x.clone()
+            return x
+
+        leaves, treedef = tree_flatten(out)
+        return tree_unflatten(treedef, [own(x) for x in leaves])
+
     def _follow(self) -> None:
         """The forward of a rank without data: the units every rank enters before the
         forward, then the just-in-time units in the order the step called them last time
@@ -250,10 +295,10 @@ class Engine:
         self.params()
         if self.s.jit and not self.followable:
             raise ValueError(
-                f"rank {self.mesh.rank}: step(state, None) on the first step of a step "
-                "function with just-in-time units (module= or just_in_time=True): a rank "
-                "without data enters the units the step called last time, and there was no "
-                "last time. Give every rank a batch on the first step"
+                f"rank {self.mesh.rank}: {self.what}(state, None) on the first call of a "
+                f"{self.what} function with just-in-time units (module= or just_in_time="
+                f"True): a rank without data enters the units the {self.what} called last "
+                "time, and there was no last time. Give every rank a batch on the first call"
             )
         for unit in list(self.order) if self.s.jit else ():
             self.enter(unit)

@@ -63,6 +63,9 @@ class Replica:
     def settle(self) -> None:
         pass
 
+    def end_forward(self, calls: list[Call]) -> None:
+        pass
+
 
 def _forget(by_storage: dict[int, tuple[Call, int]], key: int, entry: tuple[Call, int]) -> None:
     """A followed buffer's Python object is gone: forgets its address, unless the address
@@ -297,6 +300,15 @@ class Gathers:
         this rank's backward did not ask for, which a peer's backward may be waiting in."""
         if self.followed:
             self.regather_through(0)
+
+    def end_forward(self, calls: list[Call]) -> None:
+        """A forward without a backward (`sharded_forward`) is over: frees what it
+        gathered, and finishes the gathers started ahead for a unit it never called."""
+        for call in calls:
+            self.drop(call)
+            self.release(call)
+        self.followed = []
+        self.settle()
 
     def settle(self) -> None:
         """After the backward: finishes and frees the re-gathers, and drops gathers that

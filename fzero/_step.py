@@ -226,7 +226,7 @@ def sharded_step(
     memory = Memory()
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
-        with _collector_paused(), differentiating("sharded_step", mesh.rank):
+        with collector_paused(), differentiating("sharded_step", mesh.rank):
             return _step(state, batch)
 
     def _step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
@@ -281,7 +281,7 @@ def sharded_step(
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector is paused for the duration of a step.
 
     A step's Python objects (views, calls, its engine) are freed by reference counting,

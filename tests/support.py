@@ -98,6 +98,16 @@ def cases(
     return Case(make_params(dims, dtype, seed), xs, ys, n, opt, draw(stages), draw(layouts))
 
 
+def dims_and_units() -> Any:
+    """MLP layer widths, and any subset of its layers ("layers.i") as units."""
+    return st.lists(st.integers(1, 5), min_size=2, max_size=5).flatmap(
+        lambda dims: st.tuples(
+            st.just(dims),
+            st.lists(st.sampled_from([f"layers.{i}" for i in range(len(dims) - 1)]), unique=True),
+        )
+    )
+
+
 def train_reference(case: Case) -> dict[str, Any]:
     """Plain torch.optim on one process over the concatenated batch: the ground truth."""
     leaves, treedef = fzero._tree.tree_flatten(case.params)

@@ -6,7 +6,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import Case, make_optimizer, make_params, mlp_loss, run, tolerance, train_reference
+from support import (
+    Case,
+    dims_and_units,
+    make_optimizer,
+    make_params,
+    mlp_loss,
+    run,
+    tolerance,
+    train_reference,
+)
 
 import fzero
 
@@ -42,12 +51,7 @@ def make_case(dims: list[int], n: int, stage: int, layout: str, seed: int) -> Ca
 
 @settings(max_examples=24)
 @given(
-    st.lists(st.integers(1, 5), min_size=2, max_size=5).flatmap(
-        lambda dims: st.tuples(
-            st.just(dims),
-            st.lists(st.sampled_from([f"layers.{i}" for i in range(len(dims) - 1)]), unique=True),
-        )
-    ),
+    dims_and_units(),
     st.integers(1, 4),
     st.sampled_from([0, 1, 2, 3]),
     st.sampled_from(["flat", "tensor"]),

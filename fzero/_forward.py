@@ -1,0 +1,121 @@
+"""sharded_forward: a forward without gradients over a sharded state (evaluation, generation).
+
+The forward half of a step: at stage 3 the engine enters each unit as training does (up
+front, through module hooks, or through `fzero.gathered`) and frees it as soon as the
+forward is done with it, so a rank holds its shards and a few units, never the model.
+There is no backward, so nothing is gathered again. Stages 0-2 hold the parameters
+replicated: the function runs on them, with no communication at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._engine import Engine
+from ._mesh import Mesh
+from ._micro import Memory
+from ._schedule import plan
+from ._stages import stage_of
+from ._state import ShardedState, check_step_state
+from ._step import collector_paused
+from ._tree import PyTree, tree_map
+
+Forward = Callable[[ShardedState, Any], Any]
+
+
+def sharded_forward(
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    module: nn.Module | None = None,
+    just_in_time: bool = False,
+    prefetch: bool = True,
+) -> Forward:
+    """A forward without gradients: `forward(state, batch) -> fn(params, batch)`.
+
+    For evaluation and generation at any stage without gathering the whole model. At
+    stage 3 a unit's parameters enter `fn` as they do a step's loss (`sharded_step`'s
+    `module=` and `just_in_time=` mean the same here) and are freed as soon as the
+    forward is done with them (after their submodule's forward, or once `fn` lets go of
+    what `fzero.gathered` returned), while the next unit's gather is prefetched: a rank
+    holds its shards and a few units at a time. Without `module=` or `just_in_time`,
+    every unit is gathered before `fn` runs, and freed when it returns. Stages 0-2 run
+    `fn` on the replicated parameters, with no communication.
+
+    `fn` runs under `torch.no_grad()`; the state is read, never changed. A state with
+    buffers calls `fn(params, buffers, batch)` with copies of them (in-place updates,
+    such as a BatchNorm's in train mode, are not kept). At stage 3 every rank must call
+    `forward` the same number of times, its units in the same order (checked after each
+    call, as in a step); a rank without data passes `batch=None`, enters the units the
+    last call entered, and gets None. Tensors `fn` returns that share memory with gathered
+    parameters are copied before those are freed.
+
+    Args:
+      fn: `(params, batch) -> anything` (`(params, buffers, batch)` with buffers), params
+        being the full tree, as a step's loss receives it.
+      mesh: the mesh the state was sharded over.
+      module: the module `fn` calls through `torch.func.functional_call`, whose unit
+        submodules are hooked so that each unit enters as its submodule runs.
+      just_in_time: every unit but the root enters only when `fn` asks for it with
+        `fzero.gathered(params, unit)`.
+      prefetch: stage 3: start gathering the unit that came next last call as a unit
+        enters.
+
+    Returns:
+      `forward(state, batch) -> fn's result` (None for `batch=None` at stage 3).
+    """
+    memory = Memory()
+
+    def forward(state: ShardedState, batch: Any) -> Any:
+        check_step_state(state, state.stage, None, None, mesh)
+        call: Callable[[PyTree, Any], Any] = fn
+        if state.buffers is not None:
+            buffers = tree_map(lambda b: b.detach().clone(), state.buffers)
+
+            def call(params: PyTree, batch: Any) -> Any:
+                return fn(params, buffers, batch)
+
+        stage = stage_of(state.stage)
+        if not stage.shards_params:
+            if batch is None:
+                return None
+            with torch.no_grad():
+                return call(state.params, batch)
+        lay = state.layout
+        prec = state.precision
+        schedule = plan(
+            stage,
+            lay,
+            mesh.size,
+            memory.hooked_units(lay, module),
+            just_in_time=just_in_time,
+            prefetch=prefetch,
+            reshard_after_forward=True,
+            overlap_reduce=False,
+            reduce_bucket_bytes=0,
+            accumulate_locally=False,
+            comm_dtypes=(None if prec is None else prec.gather_dtype, None),
+        )
+        engine = Engine(
+            stage,
+            schedule,
+            lay,
+            mesh,
+            state.params.buffers,
+            None,
+            ledger=None,
+            order=memory.order,
+            acc=None,
+            final=True,
+            followable=memory.followable,
+        )
+        with collector_paused():
+            out = engine.forward(call, batch)
+        memory.followable = True
+        return out
+
+    return forward
