@@ -10,8 +10,10 @@ threads and kernels), so an allocation that would hold the
 whole model (an eager construction, a broadcast of it, an unsharded export) fails with
 an out-of-memory error instead of passing unnoticed. Stage 3 at 4 ranks with plain SGD
 keeps a quarter of the parameters and, during a step, a quarter of the gradients and
-two units' full tensors: well under the cap. The export is written unit by unit on
-rank 0. `--check` then loads the file with plain torch and safetensors, outside the cap.
+two units' full tensors: well under the cap. After training, the held-out loss is
+evaluated under the cap too (`fzero.sharded_forward`: a unit at a time, as the step's
+forward), and the export is written unit by unit on rank 0. `--check` then loads the
+file with plain torch and safetensors, outside the cap, and evaluates the same batch.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def tokens(args: argparse.Namespace, step: int, batch: int) -> torch.Tensor:
     return torch.randint(args.vocab, (batch, args.seq + 1), generator=g)
 
 
+def held_out(args: argparse.Namespace) -> torch.Tensor:
+    return tokens(args, 10_000, 4)  # a step number training never reaches
+
+
 def loss_of(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
@@ -122,10 +128,10 @@ def check(args: argparse.Namespace) -> None:
     start = {k: v.detach().clone() for k, v in build(args).state_dict().items()}
     model.load_state_dict(load_file(args.check), strict=True)  # every key, right shapes
     moved = sum(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
-    batch = tokens(args, 10_000, 4)
+    batch = held_out(args)
     with torch.no_grad():
         loss = loss_of(model(batch[:, :-1]), batch).item()
-    print(f"plain torch loaded {args.check}: {moved} tensors trained, held-out loss {loss:.4f}")
+    print(f"plain torch loaded {args.check}: {moved} tensors trained, held-out loss {loss:.6f}")
 
 
 def main() -> None:
@@ -161,6 +167,14 @@ def main() -> None:
         state, loss = step(state, tokens(args, t, mesh.size * args.micro_batch)[mine])
         if mesh.rank == 0:
             print(f"step {t}  loss {loss.item():.4f}", flush=True)
+
+    def eval_fn(params: dict, buffers: dict, batch: torch.Tensor) -> torch.Tensor:
+        return loss_of(functional_call(model, (params, buffers), (batch[:, :-1],)), batch)
+
+    evaluate = fzero.sharded_forward(eval_fn, mesh, module=model)
+    held = evaluate(state, held_out(args))  # every rank the same batch: the same loss
+    if mesh.rank == 0:
+        print(f"held-out loss {held.item():.6f} (sharded_forward, under the cap)", flush=True)
     fzero.checkpoint.export_safetensors(state, args.out, mesh, module=model)
     if mesh.rank == 0:
         peak = next(

@@ -51,8 +51,9 @@ def sharded_forward(
     such as a BatchNorm's in train mode, are not kept). At stage 3 every rank must call
     `forward` the same number of times, its units in the same order (checked after each
     call, as in a step); a rank without data passes `batch=None`, enters the units the
-    last call entered, and gets None. Tensors `fn` returns that share memory with gathered
-    parameters are copied before those are freed.
+    last call entered, and gets None. Tensors `fn` returns that share memory with
+    parameters gathered for the whole call (up front, or through `fzero.gathered`) are
+    copied before those are freed; a module hook frees its unit as the submodule returns.
 
     Args:
       fn: `(params, batch) -> anything` (`(params, buffers, batch)` with buffers), params

@@ -513,3 +513,8 @@ def test_big_model_example_trains_exports_and_loads_in_plain_torch(tmp_path: Pat
     assert check.returncode == 0, check.stderr[-3000:]
     trained = re.search(r"(\d+) tensors trained", check.stdout)
     assert trained and int(trained.group(1)) > 0, check.stdout
+    # The sharded evaluation under the cap against plain torch on the exported file.
+    sharded = re.search(r"held-out loss ([\d.]+) \(sharded_forward", run_.stdout)
+    plain = re.search(r"held-out loss ([\d.]+)$", check.stdout.strip())
+    assert sharded and plain, run_.stdout + check.stdout
+    assert abs(float(sharded.group(1)) - float(plain.group(1))) < 1e-5, (sharded, plain)
