@@ -36,15 +36,17 @@ def predict(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
 def train_then_predict(
     mesh: fzero.Mesh, case: Case, units: list[str], held_out: torch.Tensor, **options: Any
 ) -> list[Any]:
-    """Trains with sharded_step, then predicts on `held_out` three times: this rank's half
-    of it, the other half, and (rank 1 of several) nothing at all on the last call."""
+    """Trains with sharded_step (predicting between steps), then predicts on `held_out`
+    three times: this rank's half of it, the other half, and (rank 1 of several) nothing
+    at all on the last call."""
     opt = make_optimizer(case.optimizer)
     state = fzero.shard_state(case.params, opt, mesh, stage=case.stage, units=units)
     step = fzero.sharded_step(mlp_loss, opt, mesh, stage=case.stage)
-    for t in range(case.xs.shape[0]):
-        state, _ = step(state, case.micro_batch(t, mesh.rank))
     forward = fzero.sharded_forward(predict, mesh, **options)
     halves = held_out.chunk(2)
+    for t in range(case.xs.shape[0]):
+        state, _ = step(state, case.micro_batch(t, mesh.rank))
+        forward(state, halves[0])  # between steps: the next step trains as it would have
     outs = [forward(state, halves[mesh.rank % 2]), forward(state, halves[(mesh.rank + 1) % 2])]
     outs.append(forward(state, None if mesh.rank == 1 else held_out))
     assert all(not o.requires_grad for o in outs if o is not None)
