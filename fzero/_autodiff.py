@@ -91,3 +91,15 @@ def value_and_grad(
         g = None if f else next(found)
         grads.append(None if f else torch.zeros_like(x) if g is None else g)
     return out.detach(), tree_unflatten(treedef, grads)
+
+
+def sparse_gradient(rank: int, leaf: str | None = None) -> TypeError:
+    """The error for a sparse gradient in a step (torch's own, from a view's backward,
+    names no cause)."""
+    what = "a sparse gradient" if leaf is None else f"leaf {leaf!r} has a sparse gradient"
+    return TypeError(
+        f"rank {rank}: {what} (nn.Embedding or nn.EmbeddingBag with sparse=True, or "
+        "F.embedding(..., sparse=True)); fzero reduces gradients in dense flat buffers, so "
+        "build the embedding with sparse=False (the same update for SGD: ZeRO has no "
+        "counterpart of DDP's sparse all-reduce)"
+    )

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ._agree import CallCheck
-from ._autodiff import check_loss
+from ._autodiff import check_loss, sparse_gradient
 from ._entry import Call, enter, in_backward
 from ._gathered import ACTIVE
 from ._gathers import Gathers, Handle, Replica
@@ -232,7 +232,12 @@ class Engine:
                     after_forward()
                 if loss is not None and loss.requires_grad:  # gradients arrive via reductions
                     leaves = [self.inputs[i] for i in trainable]
-                    torch.autograd.grad(loss, leaves, allow_unused=True)
+                    try:
+                        torch.autograd.grad(loss, leaves, allow_unused=True)
+                    except RuntimeError as exc:
+                        if "sparse" not in str(exc).lower():
+                            raise
+                        raise sparse_gradient(mesh.rank) from exc
         finally:
             ACTIVE.reset(token)
         self.source.regather_rest()

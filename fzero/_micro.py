@@ -13,14 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._autodiff import value_and_grad
+from ._autodiff import sparse_gradient, value_and_grad
 from ._engine import Engine
 from ._hooks import hookable_units
 from ._layout import ShardLayout
 from ._schedule import Schedule
 from ._stages import Stage
 from ._state import ShardedState
-from ._tree import PyTree, tree_map
+from ._tree import PyTree, tree_flatten, tree_map
 
 LossFn = Callable[[PyTree, Any], Any]
 
@@ -105,6 +105,10 @@ def leaf_grad(loss_fn: LossFn, micro: list[Any], o: Any, state: ShardedState) ->
         grads = None
         if mb is not None:
             _, grads = value_and_grad(loss_fn, state.params, mb, rank=0, frozen=lay.frozen)
+            # Refused here too, though one rank could apply them: as on any other mesh.
+            for path, g in zip(lay.paths, tree_flatten(grads)[0] if grads is not None else []):
+                if g is not None and g.layout != torch.strided:
+                    raise sparse_gradient(0, path)
         grads = tree_map(torch.zeros_like, trainable) if grads is None else lay.trainable(grads)
         if o.accumulate != "local":
             grads = rounded(grads)

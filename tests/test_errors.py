@@ -429,3 +429,42 @@ def test_sharded_update_of_a_full_tree_names_the_mismatched_grads_leaf() -> None
     del missing["scale"]
     with pytest.raises(ValueError, match=r"differ in structure .*'scale'"):
         fzero.sharded_update(opt, params, missing, state)
+
+
+class _SparseEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = torch.nn.Embedding(10, 4, sparse=True)
+        self.h = torch.nn.Linear(4, 2)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.h(self.e(i))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_sparse_gradient_is_refused_naming_the_cause(
+    world_size: int, stage: int, hooked: bool
+) -> None:
+    # Without the check: "reshape is not implemented for sparse tensors" from a view's
+    # backward at every stage on 2 ranks, an Adam kernel's dispatch error on one.
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = _SparseEmbedding().double()
+
+    def go(mesh: fzero.Mesh) -> None:
+        opt = optim.adam(lr=0.1)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        state = fzero.shard_state(params, opt, mesh, stage=stage, units=["e", "h"])
+
+        def loss_fn(p: dict, batch: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, p, (batch,)).square().mean()
+
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model if hooked else None)
+        step(state, torch.tensor([1, 2, 3]))
+
+    for message in errors_on_every_rank(world_size, go):
+        assert message.startswith("TypeError: rank ") and "sparse gradient" in message, message
+        assert "sparse=False" in message
