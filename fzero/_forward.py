@@ -4,20 +4,22 @@ The forward half of a step: at stage 3 the engine enters each unit as training d
 front, through module hooks, or through `fzero.gathered`) and frees it as soon as the
 forward is done with it, so a rank holds its shards and a few units, never the model.
 There is no backward, so nothing is gathered again. Stages 0-2 hold the parameters
-replicated: the function runs on them, with no communication at all.
+replicated: the units enter as the replicas, with no communication at all (through the
+engine all the same, so a parameter used outside its unit fails at every stage alike).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from ._engine import Engine
 from ._mesh import Mesh
 from ._micro import Memory
+from ._replicated import full_buckets
 from ._schedule import plan
 from ._stages import stage_of
 from ._state import ShardedState, check_step_state
@@ -80,14 +82,7 @@ def sharded_forward(
             def call(params: PyTree, batch: Any) -> Any:
                 return fn(params, buffers, batch)
 
-        stage = stage_of(state.stage)
-        if not stage.shards_params:
-            if batch is None:
-                return None
-            with torch.no_grad():
-                return call(state.params, batch)
-        lay = state.layout
-        prec = state.precision
+        stage, lay, prec = stage_of(state.stage), state.layout, state.precision
         schedule = plan(
             stage,
             lay,
@@ -101,18 +96,25 @@ def sharded_forward(
             accumulate_locally=False,
             comm_dtypes=(None if prec is None else prec.gather_dtype, None),
         )
+        local = None
+        if not stage.shards_params:
+            # Replicas: nothing is communicated, so nothing can pair wrongly to check for.
+            # The engine still enters the units, so that a parameter used outside its unit
+            # fails here as it does at stage 3 (and in a step at any stage).
+            schedule = dataclasses.replace(schedule, check_calls=False)
+            local = full_buckets(state.params, lay)
         engine = Engine(
             stage,
             schedule,
             lay,
             mesh,
-            state.params.buffers,
-            None,
+            local if local is not None else state.params.buffers,
+            local,
             ledger=None,
             order=memory.order,
             acc=None,
             final=True,
-            followable=memory.followable,
+            followable=memory.followable or local is not None,
         )
         with collector_paused():
             out = engine.forward(call, batch)

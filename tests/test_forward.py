@@ -303,3 +303,33 @@ def test_mixed_precision_predicts_in_the_compute_dtype(stage: int) -> None:
     for rank, out in enumerate(run(2, _half_predict, stage, x)):
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, expected[rank::2])
+
+
+class _Bypass(nn.Module):
+    """Calls its second unit's forward directly, so that unit's hooks never fire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b.forward(torch.tanh(self.a(x)))
+
+
+def _bypassing(mesh: fzero.Mesh, stage: int) -> None:
+    torch.manual_seed(0)
+    model = _Bypass().double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = fzero.shard_state(params, fzero.optim.sgd(lr=0.1), mesh, stage=stage, units=["a", "b"])
+    forward = fzero.sharded_forward(
+        lambda p, x: functional_call(model, p, (x,)), mesh, module=model
+    )
+    forward(state, torch.ones(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_unit_used_outside_its_hooks_fails_alike_at_every_stage(stage: int) -> None:
+    # As in a step: stages 0-2 could compute with their replicas, but code that runs
+    # there would then fail at stage 3.
+    with pytest.raises(ValueError, match=r"'b.weight' of the just-in-time unit 'b' was used"):
+        run(2, _bypassing, stage)
