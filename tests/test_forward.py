@@ -333,3 +333,41 @@ def test_a_unit_used_outside_its_hooks_fails_alike_at_every_stage(stage: int) ->
     # there would then fail at stage 3.
     with pytest.raises(ValueError, match=r"'b.weight' of the just-in-time unit 'b' was used"):
         run(2, _bypassing, stage)
+
+
+def _distill(mesh: fzero.Mesh, stage: int, teacher: dict, student: dict, xs: torch.Tensor) -> Any:
+    units = ["layers.0", "layers.1", "layers.2"]
+    sgd = fzero.optim.sgd(lr=0.1)
+    frozen = fzero.shard_state(teacher, sgd, mesh, stage=3, units=units)
+    teach = fzero.sharded_forward(predict, mesh, just_in_time=True)
+
+    def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return ((predict(p, x) - teach(frozen, x)) ** 2).mean()
+
+    state = fzero.shard_state(student, sgd, mesh, stage=stage, units=units)
+    step = fzero.sharded_step(loss_fn, sgd, mesh, stage=stage, just_in_time=True)
+    for t in range(xs.shape[0]):
+        state, _ = step(state, xs[t].chunk(mesh.size)[mesh.rank])
+    return fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_sharded_teacher_inside_a_students_step_trains_like_one_process(stage: int) -> None:
+    # Distillation with both models sharded: the teacher's forward (its gathers and call
+    # check) runs inside the student's forward, between the student's own gathers.
+    teacher = make_params([3, 5, 5, 2], torch.float64, seed=1)
+    student = make_params([3, 4, 4, 2], torch.float64, seed=2)
+    xs = torch.randn(3, 4, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    leaves, treedef = fzero._tree.tree_flatten(student)
+    tensors = [x.clone().requires_grad_() for x in leaves]
+    opt = torch.optim.SGD(tensors, lr=0.1)
+    for x in xs:
+        opt.zero_grad()
+        with torch.no_grad():
+            target = predict(teacher, x)
+        ((predict(fzero._tree.tree_unflatten(treedef, tensors), x) - target) ** 2).mean().backward()
+        opt.step()
+    expected = fzero._tree.tree_unflatten(treedef, [t.detach() for t in tensors])
+    assert not torch.equal(expected["layers"][0]["w"], student["layers"][0]["w"])
+    for got in run(2, _distill, stage, teacher, student, xs):
+        fzero.assert_trees_close(got, expected, **tolerance(torch.float64), what=f"stage {stage}")
