@@ -25,6 +25,7 @@ from ._stages import stage_of
 from ._state import ShardedState, check_step_state
 from ._step import collector_paused
 from ._tree import PyTree, tree_map
+from ._unit_ledger import UnitLedger
 
 Forward = Callable[[ShardedState, Any], Any]
 
@@ -36,6 +37,7 @@ def sharded_forward(
     module: nn.Module | None = None,
     just_in_time: bool = False,
     prefetch: bool = True,
+    ledger: UnitLedger | None = None,
 ) -> Forward:
     """A forward without gradients: `forward(state, batch) -> fn(params, batch)`.
 
@@ -67,6 +69,7 @@ def sharded_forward(
         `fzero.gathered(params, unit)`.
       prefetch: stage 3: start gathering the unit that came next last call as a unit
         enters.
+      ledger: a UnitLedger recording live full-unit bytes (for tests and notebooks).
 
     Returns:
       `forward(state, batch) -> fn's result` (None for `batch=None` at stage 3).
@@ -110,7 +113,7 @@ def sharded_forward(
             mesh,
             local if local is not None else state.params.buffers,
             local,
-            ledger=None,
+            ledger=ledger,
             order=memory.order,
             acc=None,
             final=True,
