@@ -371,3 +371,19 @@ def test_a_sharded_teacher_inside_a_students_step_trains_like_one_process(stage:
     assert not torch.equal(expected["layers"][0]["w"], student["layers"][0]["w"])
     for got in run(2, _distill, stage, teacher, student, xs):
         fzero.assert_trees_close(got, expected, **tolerance(torch.float64), what=f"stage {stage}")
+
+
+def _hybrid_predict(mesh: fzero.Mesh, x: torch.Tensor) -> torch.Tensor:
+    params = make_params([3, 4, 4, 2], torch.float64, seed=0)
+    units = ["layers.0", "layers.1", "layers.2"]
+    state = fzero.shard_state(params, fzero.optim.sgd(lr=0.1), mesh, stage=3, units=units)
+    return fzero.sharded_forward(predict, mesh, just_in_time=True)(state, x[mesh.rank :: 4])
+
+
+def test_a_hybrid_mesh_predicts_as_one_process() -> None:
+    # 4 ranks, shards over 2: each unit is gathered from the rank's own pair.
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    expected = predict(make_params([3, 4, 4, 2], torch.float64, seed=0), x)
+    simulation = fzero.Simulation(4, shard_size=2, collective_timeout=30, timeout=120)
+    for rank, out in enumerate(simulation.run(_hybrid_predict, x)):
+        torch.testing.assert_close(out, expected[rank::4], **tolerance(torch.float64))
