@@ -274,12 +274,15 @@ class Engine:
         return out
 
     def _unaliased(self, out: Any) -> Any:
-        """`out` with copies of its tensors that share memory with gathered parameters (a
-        forward returning a weight, or a view of one): that memory is freed next."""
-        gathered = set()
+        """`out` with copies of its tensors that share memory with the parameters (a
+        forward returning a weight, or a view of one): gathered ones are freed next, and
+        replicas are the state's own buffers, which a donating step updates in place."""
+        refs: list[torch.Tensor | None] = []
+        if isinstance(self.source, Replica):
+            refs += self.source.local
         for call in self.calls:
-            refs = [*(h for h in call.held if h is not None), *(r() for r in call.followed)]
-            gathered |= {t.untyped_storage().data_ptr() for t in refs if t is not None}
+            refs += [*(h for h in call.held if h is not None), *(r() for r in call.followed)]
+        gathered = {t.untyped_storage().data_ptr() for t in refs if t is not None}
         if not gathered:
             return out
 

@@ -55,9 +55,10 @@ def sharded_forward(
     such as a BatchNorm's in train mode, are not kept). At stage 3 every rank must call
     `forward` the same number of times, its units in the same order (checked after each
     call, as in a step); a rank without data passes `batch=None`, enters the units the
-    last call entered, and gets None. Tensors `fn` returns that share memory with
-    parameters gathered for the whole call (up front, or through `fzero.gathered`) are
-    copied before those are freed; a module hook frees its unit as the submodule returns.
+    last call entered, and gets None. Tensors `fn` returns that share memory with the
+    parameters are copies: at stage 3 that memory is freed as the forward ends, at stages
+    0-2 it is the state's, which a donating step updates in place (a module hook frees
+    its unit at stage 3 as soon as the submodule returns, before any copy).
 
     Args:
       fn: `(params, batch) -> anything` (`(params, buffers, batch)` with buffers), params

@@ -212,24 +212,29 @@ def test_a_stage_3_forward_holds_a_few_units_not_the_model(entry: str) -> None:
 # --- what it returns and refuses ------------------------------------------------------------
 
 
-def _returns_weights(mesh: fzero.Mesh) -> Any:
+def _returns_weights(mesh: fzero.Mesh, stage: int) -> Any:
     params = make_params([3, 4, 2], torch.float64, seed=0)
-    state = fzero.shard_state(
-        params, fzero.optim.sgd(lr=0.1), mesh, stage=3, units=["layers.0", "layers.1"]
-    )
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=["layers.0", "layers.1"])
 
     def fn(p: dict, _: Any) -> Any:
         w = fzero.gathered(p, "layers.1")["w"]
         return {"w": w, "wt": w.t(), "b0": fzero.gathered(p, "layers.0")["b"], "n": 3}
 
     forward = fzero.sharded_forward(fn, mesh, just_in_time=True)
-    return forward(state, 0), forward(state, 0)
+    first, second = forward(state, 0), forward(state, 0)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, stage=stage)  # donates: updates in place
+    batch = (torch.ones(1, 3, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64))
+    step(state, batch)
+    return first, second
 
 
-def test_tensors_sharing_gathered_memory_are_returned_as_copies() -> None:
-    # The gathered buffers are freed as the forward ends: what fn returns of them must live.
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tensors_sharing_parameter_memory_are_returned_as_copies(stage: int) -> None:
+    # Stage 3's gathered buffers are freed as the forward ends, and stages 0-2's replicas
+    # are updated in place by the next (donating) step: what fn returned must not change.
     params = make_params([3, 4, 2], torch.float64, seed=0)
-    for first, second in run(2, _returns_weights):
+    for first, second in run(2, _returns_weights, stage):
         for out in (first, second):
             assert torch.equal(out["w"], params["layers"][1]["w"])
             assert torch.equal(out["wt"], params["layers"][1]["w"].t())
