@@ -105,7 +105,6 @@ class Engine:
         self.calls: list[Call] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order
         self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf
-        self.what = "step"  # what the user called, for messages
 
     # -- what a unit's node asks of the engine (`_entry.Engine`) ---------------------------
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -222,7 +221,7 @@ class Engine:
             with ModuleHooks(self, self.s.hooked):
                 with self._saved_tensors():
                     if batch is None:
-                        self._follow()
+                        self._follow("step")
                     else:
                         loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
                 if self.s.check_calls:  # a rank-dependent branch may have skipped a unit
@@ -253,12 +252,12 @@ class Engine:
         as in a step's forward and each is freed as soon as the forward is done with it;
         nothing is gathered again. `batch` None: this rank has no data and enters, for
         the others' gathers, the units the last forward called; it returns None."""
-        out, self.what = None, "forward"
+        out = None
         token = ACTIVE.set(self)
         try:
             with torch.no_grad(), ModuleHooks(self, self.s.hooked):
                 if batch is None:
-                    self._follow()
+                    self._follow("forward")
                 else:
                     out = fn(self.params(), batch)
             if self.s.check_calls:  # the gathers paired by order: say if they could not
@@ -294,7 +293,7 @@ class Engine:
         leaves, treedef = tree_flatten(out)
         return tree_unflatten(treedef, [own(x) for x in leaves])
 
-    def _follow(self) -> None:
+    def _follow(self, what: str) -> None:
         """The forward of a rank without data: the units every rank enters before the
         forward, then the just-in-time units in the order the step called them last time
         (the call check confirms the others called the same). Nothing is computed; the
@@ -303,9 +302,9 @@ class Engine:
         self.params()
         if self.s.jit and not self.followable:
             raise ValueError(
-                f"rank {self.mesh.rank}: {self.what}(state, None) on the first call of a "
-                f"{self.what} function with just-in-time units (module= or just_in_time="
-                f"True): a rank without data enters the units the {self.what} called last "
+                f"rank {self.mesh.rank}: {what}(state, None) on the first call of a "
+                f"{what} function with just-in-time units (module= or just_in_time="
+                f"True): a rank without data enters the units the {what} called last "
                 "time, and there was no last time. Give every rank a batch on the first call"
             )
         for unit in list(self.order) if self.s.jit else ():

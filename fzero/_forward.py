@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from ._engine import Engine
+from ._loss import copied
 from ._mesh import Mesh
 from ._micro import Memory
 from ._replicated import full_buckets
@@ -24,7 +25,7 @@ from ._schedule import plan
 from ._stages import stage_of
 from ._state import ShardedState, check_step_state
 from ._step import collector_paused
-from ._tree import PyTree, tree_map
+from ._tree import PyTree
 from ._unit_ledger import UnitLedger
 
 Forward = Callable[[ShardedState, Any], Any]
@@ -81,7 +82,7 @@ def sharded_forward(
         check_step_state(state, state.stage, None, None, mesh)
         call: Callable[[PyTree, Any], Any] = fn
         if state.buffers is not None:
-            buffers = tree_map(lambda b: b.detach().clone(), state.buffers)
+            buffers = copied(state.buffers)
 
             def call(params: PyTree, batch: Any) -> Any:
                 return fn(params, buffers, batch)

@@ -15,6 +15,12 @@ from ._tree import PyTree, tree_map
 LossFn = Callable[[PyTree, Any], torch.Tensor]
 
 
+def copied(buffers: PyTree) -> PyTree:
+    """Detached copies of a state's buffers, for a loss (or forward) that may update them
+    in place, as functional_call does with BatchNorm's statistics."""
+    return tree_map(lambda b: b.detach().clone(), buffers)
+
+
 class BufferThread:
     """`loss_fn(params, buffers, batch) -> (loss, new_buffers)` as a loss of (params, batch).
 
@@ -24,7 +30,7 @@ class BufferThread:
 
     def __init__(self, loss_fn: Callable[..., Any], buffers: PyTree) -> None:
         self.loss_fn = loss_fn
-        self.buffers = tree_map(lambda b: b.detach().clone(), buffers)
+        self.buffers = copied(buffers)
 
     def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
         out = self.loss_fn(params, self.buffers, batch)
