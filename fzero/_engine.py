@@ -84,6 +84,7 @@ class Engine:
                 secondary=schedule.secondary,
                 prefetch=schedule.prefetch,
                 reshard=schedule.reshard,
+                keep_last=schedule.keep_last,
                 order=order,
                 ledger=ledger,
                 before=self.check,

@@ -101,6 +101,8 @@ def sharded_forward(
             accumulate_locally=False,
             comm_dtypes=(None if prec is None else prec.gather_dtype, None),
         )
+        # No backward follows to need the forward's last units: free them all as it goes.
+        schedule = dataclasses.replace(schedule, keep_last=0)
         local = None
         if not stage.shards_params:
             # Replicas: nothing is communicated, so nothing can pair wrongly to check for.

@@ -11,7 +11,8 @@ forward hook runs (`drop`), or, for a unit a pure loss took with `fzero.gathered
 the loss lets go of it (reference counting, as in JAX). The backward gathers it again
 (`unpack`), in one order on every rank (`regather_through`). Units entered before the
 forward (the root, containers, everything without just-in-time entry) stay gathered
-until their gradient is reduced.
+until their gradient is reduced, and so do the forward's last calls (`keep_last`): the
+backward starts with them, so freeing them would only gather them again at once.
 
 hpZ (`secondary`): as a resharded unit is gathered, each rank keeps its 1/k slice of the
 full buffer, and the backward gathers it again from those slices along the secondary
@@ -116,6 +117,7 @@ class Gathers:
         secondary: Axis | None = None,
         prefetch: bool,
         reshard: bool,
+        keep_last: int = 0,
         order: list[str],
         ledger: UnitLedger | None,
         before: Callable[[], None],
@@ -124,6 +126,9 @@ class Gathers:
         self.dtype, self.prefetch, self.reshard = dtype, prefetch, reshard
         self.quant, self.secondary = quant, secondary
         self.order = order  # just-in-time units in last step's call order (same on every rank)
+        self.keep_last = keep_last  # the forward's last calls stay gathered (`Schedule`)
+        self.entered = 0  # just-in-time calls the forward has made
+        self.kept: list[Call] = []  # calls that `keep_last` exempts from resharding
         self.ledger = ledger
         self.before = before  # waits for the call check before a backward collective
         self.pending: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # started ahead
@@ -139,7 +144,8 @@ class Gathers:
             if work is not None:
                 work.wait()
         fulls = tuple(full for full, _ in started)
-        if jit and self.reshard and not in_backward():
+        forward = jit and self.reshard and not in_backward()
+        if forward and self._reshards():
             # Followed, not held: the forward's references decide when it is freed.
             call.held = [None] * len(fulls)
             if self.secondary is not None:
@@ -155,7 +161,16 @@ class Gathers:
             # Held until the unit's gradient is reduced; a checkpoint's recompute (inside
             # the backward) needs them until the unit's own backward.
             call.held = list(fulls)
+            if forward:
+                self.kept.append(call)
         return fulls
+
+    def _reshards(self) -> bool:
+        """Whether the forward's next just-in-time call is resharded: all but the last
+        `keep_last` of as many calls as last step made (the first step: every one). Every
+        rank decides alike, so their sequences of re-gathers pair up."""
+        self.entered += 1
+        return not self.order or len(self.order) - self.entered >= self.keep_last
 
     def again(self, call: Call) -> tuple[torch.Tensor, ...]:
         """`call`'s full parameters once more, inside the backward (for a recompute): held,
@@ -294,6 +309,9 @@ class Gathers:
             if full is not None:
                 self._free(full)
         call.held = [None] * len(call.held)
+        if self.prefetch and self.followed and any(c is call for c in self.kept):
+            # The backward is past a kept call: the newest resharded one is next.
+            self.regather_through(len(self.followed) - 1)
 
     def regather_rest(self) -> None:
         """Before the end of the backward waits for any reduction: starts the re-gathers

@@ -32,6 +32,11 @@ class Schedule:
         in the backward the unit whose backward comes next (stage 3).
       reshard: a just-in-time unit's gathered parameters live only while the forward
         holds them, and the backward gathers them again (stage 3).
+      keep_last: with `reshard`, how many just-in-time calls at the end of the forward (as
+        many as last step made) stay gathered into the backward instead: its first gathers
+        would fetch exactly these again at once (the last, and with `prefetch` the one
+        before it), so keeping them saves their bytes at no cost in peak memory (FSDP2
+        exempts its root alike; DeepSpeed calls it reuse distance).
       secondary: hpZ: the axis the backward gathers a resharded unit along, from the
         slices of it each rank kept (None: the shards, along the shard axis).
       all_reduce: gradients are all-reduced (stage 0), not reduce-scattered.
@@ -63,6 +68,7 @@ class Schedule:
     gather_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     secondary: Axis | None = None
+    keep_last: int = 0
     quant_gather: int | None = None
     quant_reduce: int | None = None
 
@@ -116,6 +122,7 @@ def plan(
         gather_dtype=comm_dtypes[0],
         reduce_dtype=comm_dtypes[1],
         secondary=secondary if reshard else None,
+        keep_last=(2 if prefetch else 1) if reshard else 0,
         quant_gather=q.block if q is not None and q.weights and gathers else None,
         quant_reduce=quant_reduce,
     )

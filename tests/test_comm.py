@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
@@ -13,18 +13,27 @@ import fzero
 
 
 class Net(nn.Module):
-    """Two unit layers and a root parameter (the root unit is gathered once per step)."""
+    """Four unit layers and a root parameter (the root unit is gathered once per step)."""
 
     def __init__(self, d_in: int, d_hidden: int) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(d_in, d_hidden), nn.Tanh(), nn.Linear(d_hidden, 3))
+        h = d_hidden
+        self.layers = nn.Sequential(
+            nn.Linear(d_in, h),
+            nn.Tanh(),
+            nn.Linear(h, h),
+            nn.Tanh(),
+            nn.Linear(h, h),
+            nn.Tanh(),
+            nn.Linear(h, 3),
+        )
         self.scale = nn.Parameter(torch.ones(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x) * self.scale
 
 
-UNITS = ["layers.0", "layers.2"]
+UNITS = ["layers.0", "layers.2", "layers.4", "layers.6"]
 
 
 def volumes(
@@ -62,25 +71,34 @@ def volumes(
     return per_step[1:], padded, lay.numel
 
 
-@settings(max_examples=6)
+@settings(max_examples=8)
 @given(
     n=st.integers(2, 4),
     dims=st.tuples(st.integers(1, 9), st.integers(1, 9)),
     stage=st.integers(0, 3),
     reshard=st.booleans(),
+    prefetch=st.booleans(),
 )
-def test_each_stage_moves_the_zero_volume(n: int, dims: tuple, stage: int, reshard: bool) -> None:
-    """Stages 0-2 move 2Ψ per step, stage 3 3Ψ when it reshards after the forward (less
-    the root unit, which is gathered once and kept, as in FSDP) and 2Ψ when it keeps."""
-    opts = {"hooks": True, "reshard_after_forward": reshard} if stage == 3 else {}
+@example(n=2, dims=(3, 4), stage=3, reshard=True, prefetch=True)
+@example(n=3, dims=(3, 4), stage=3, reshard=True, prefetch=False)
+def test_each_stage_moves_the_zero_volume(
+    n: int, dims: tuple, stage: int, reshard: bool, prefetch: bool
+) -> None:
+    """Stages 0-2 move 2Ψ per step, stage 3 3Ψ when it reshards after the forward and 2Ψ
+    when it keeps. Resharding gathers again neither the root unit (gathered once and kept,
+    as in FSDP) nor the forward's last unit (with prefetch its last two), which stay
+    gathered for the backward that starts with them."""
+    opts = {"hooks": True, "reshard_after_forward": reshard, "prefetch": prefetch}
+    opts = opts if stage == 3 else {}
     steps, padded, numel = fzero.simulate(n, volumes, dims, stage, **opts)[0]
     psi = sum(padded.values())
     assert numel <= psi < numel + n * len(padded)  # padding: < n elements per buffer
+    regathered = sum(padded[u] for u in UNITS[: -2 if prefetch else -1])
     expected = {
         0: {"all_reduce": 2 * psi},
         1: {"reduce_scatter": psi, "all_gather": psi},
         2: {"reduce_scatter": psi, "all_gather": psi},
-        3: {"reduce_scatter": psi, "all_gather": 2 * psi - padded[""] if reshard else psi},
+        3: {"reduce_scatter": psi, "all_gather": psi + (regathered if reshard else 0)},
     }[stage]
     assert steps == [expected, expected]
 

@@ -185,7 +185,8 @@ def test_hsdp_any_units_any_shape(shape: tuple[int, int], splits: list[str], sta
 def test_bytes_per_axis_follow_the_formulas() -> None:
     """Per step, with P the padded elements of the parameters (bytes b each) and S ranks
     sharding: stages 0-2 move 2P inside the group and 2P/S across; stage 3 with
-    resharding 3P inside and 2P/S across (an all-reduce counts twice, ZeRO's way)."""
+    resharding 3P inside, less the units it keeps gathered for the backward, and 2P/S
+    across (an all-reduce counts twice, ZeRO's way)."""
     model = _model(3, (5, 16, 16, 3))
 
     def fn(mesh: fzero.Mesh) -> list[Any]:
@@ -194,22 +195,26 @@ def test_bytes_per_axis_follow_the_formulas() -> None:
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
             opt = fzero.optim.sgd(lr=0.1)
             state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
-            p = sum(b.full_numel for b in state.layout.buckets)
+            lay = state.layout
+            p = sum(b.full_numel for b in lay.buckets)
+            # Stage 3 keeps the forward's last two units gathered into the backward.
+            kept = sum(lay.buckets[i].full_numel for u in UNITS[-2:] for i in lay.unit_buckets(u))
             loss = _module_loss(model)
             step = fzero.sharded_step(loss, opt, mesh, stage=stage, module=model)
             x = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
             state, _ = step(state, x)  # warm: the first step is like the others anyway
             with fzero.comm_ledger() as ledger:
                 state, _ = step(state, x)
-            out.append((stage, p, ledger.by_axis()))
+            out.append((stage, p, kept if stage == 3 else 0, ledger.by_axis()))
         return out
 
-    for stage, p, axes in fzero.Simulation(4, collective_timeout=30, shard_size=2).run(fn)[0]:
-        inside = (3 if stage == 3 else 2) * p * 8
+    for stage, p, kept, axes in fzero.Simulation(4, collective_timeout=30, shard_size=2).run(fn)[0]:
+        inside = ((3 if stage == 3 else 2) * p - kept) * 8
         assert axes == {"shard": inside, "replica": 2 * (p // 2) * 8}, (stage, p, axes)
-        # `fzero estimate`'s formula, on the padded count, says the same.
+        # `fzero estimate`'s formula, on the padded count, says the same but for the units
+        # kept (it knows no units: ZeRO's count, every unit gathered again).
         est = estimate_comm(p, 4, stage, shard_size=2, elem_bytes=8)
-        assert est == (axes["shard"], axes["replica"])
+        assert est == (axes["shard"] + kept * 8, axes["replica"])
 
 
 def test_checkpoint_moves_between_1d_and_2d_meshes(tmp_path: Any) -> None:
