@@ -201,13 +201,17 @@ class CommCounter:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.bytes: dict[str, int] = {}
+        self.first: dict[str, int] = {}  # the first step's (stage 3 regathers every unit)
+        self.last: dict[str, int] = {}  # the latest step's
         self.grads_full = 0  # full gradient bytes reduced in the last step
         self.grads_shard = 0  # this rank's share of them
 
     def add(self, ledger: fzero.CommLedger) -> None:
         # The data only: a step's control bytes (weights, call check) are not Ψ.
         ledger = fzero.CommLedger(ledger.data)
-        for k, v in ledger.by_op().items():
+        self.last = ledger.by_op()
+        self.first = self.first or self.last
+        for k, v in self.last.items():
             self.bytes[k] = self.bytes.get(k, 0) + v
         # A reduce-scatter's volume is its full input; an all-reduce's is counted twice.
         # Gradient reductions are the big ones (flags and norms are one element).
@@ -263,6 +267,8 @@ def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
         return {
             "psi": lay.numel,
             "comm_per_step": {k: v / max(steps[0], 1) for k, v in comm.bytes.items()},
+            "comm_first_step": comm.first,
+            "comm_last_step": comm.last,
             "ledger_peak_params": ledger.peak_params,
             "ledger_peak_grads": ledger.peak_grads,
             "largest_unit_bytes": max(unit_bytes.values()),
