@@ -7,12 +7,16 @@ silently when the sizes match. Each rank sends 24 bytes (the call count, a hash 
 sequence and whether it had a batch) after its forward; the answer is read before the
 backward's first collective, so the exchange runs behind the backward of the last unit
 called.
+
+The same exchange carries one flag per unit, which every rank gets OR-ed over the ranks:
+at stage 3, which resharded units some rank's backward may use the parameters of, so that
+every rank gathers again the same ones (`_gathers`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from . import _comm
@@ -24,12 +28,17 @@ class Agreement(NamedTuple):
 
     called: list[str]
     wait: Callable[[], list[list[int]]]
+    flags: int  # how many flags follow the three values
 
-    def check(self, mesh: Mesh) -> None:
-        """Raises ValueError on every rank, naming each rank's calls, if they differ."""
+    def check(self, mesh: Mesh) -> list[bool]:
+        """Raises ValueError on every rank, naming each rank's calls, if they differ;
+        returns the flags, each OR-ed over the ranks."""
         everyone = self.wait()
         if all(e[:2] == everyone[0][:2] for e in everyone):
-            return
+            words = [0] * len(everyone[0][3:])
+            for e in everyone:
+                words = [a | b for a, b in zip(words, e[3:])]
+            return [bool(words[k // _BITS] >> (k % _BITS) & 1) for k in range(self.flags)]
         calls = _comm.all_gather_object(self.called, mesh)
         said = "; ".join(
             f"rank {r}: {', '.join(map(repr, c)) or 'none'}" for r, c in enumerate(calls)
@@ -53,16 +62,25 @@ class Agreement(NamedTuple):
         )
 
 
-def start_agreement(called: list[str], mesh: Mesh, present: bool = True) -> Agreement:
+_BITS = 62  # flags per int64 word, clear of the sign bit
+
+
+def start_agreement(
+    called: list[str], mesh: Mesh, present: bool = True, flags: Sequence[bool] = ()
+) -> Agreement:
     """Starts comparing this rank's unit calls (`called`, unit names in call order) with the
     other ranks' (host values on the control axis: checking them never waits for a GPU).
     `present`: whether this rank ran a forward (False: it had no batch and followed the
-    units called last step)."""
+    units called last step). `flags`: as many on every rank (one per unit of the layout),
+    OR-ed over the ranks by the check."""
     # A digest of the names, not Python's hash(): that one is salted per process.
     digest = hashlib.blake2b("\0".join(called).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True)
-    values = [len(called), h, int(present)]
-    return Agreement(called, _comm.all_gather_ints_async(values, mesh))
+    words = [0] * -(-len(flags) // _BITS)
+    for k, f in enumerate(flags):
+        words[k // _BITS] |= int(f) << (k % _BITS)
+    values = [len(called), h, int(present), *words]
+    return Agreement(called, _comm.all_gather_ints_async(values, mesh), len(flags))
 
 
 class CallCheck:
@@ -72,11 +90,15 @@ class CallCheck:
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
         self.pending: Agreement | None = None
+        self.flags: list[bool] | None = None  # OR-ed over the ranks, once checked
 
-    def start(self, called: list[str], present: bool = True) -> None:
-        self.pending = start_agreement(called, self.mesh, present)
+    def start(self, called: list[str], present: bool = True, flags: Sequence[bool] = ()) -> None:
+        self.pending = start_agreement(called, self.mesh, present, flags)
 
-    def __call__(self) -> None:
+    def __call__(self) -> list[bool] | None:
+        """Waits for the check (raising if the ranks' calls differ); returns the flags
+        OR-ed over the ranks, or None if no check was started."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending.check(self.mesh)
+            self.flags = pending.check(self.mesh)
+        return self.flags

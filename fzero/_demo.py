@@ -189,8 +189,9 @@ def run_demo(
         f" parameter,\n{2 * nbytes} B of moments) and bytes sent per step (2Ψ elements at stages"
         " 0-2, 3Ψ at stage 3,\nZeRO section 7). Measured bytes add < world-size elements of"
         " padding per unit and the\noptimizer's 8-byte step counter; stage 3 gathers its root"
-        " unit (the final norm) only once,\nand from the second step keeps the forward's last"
-        " two units gathered for the backward."
+        " unit (the final norm) only once,\ndoes not gather again the embeddings (their backward"
+        " needs no weights), and from the\nsecond step keeps the forward's last two units"
+        " gathered for the backward."
     )
     return rows
 

@@ -227,7 +227,7 @@ class Engine:
                         loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
                 if self.s.check_calls:  # a rank-dependent branch may have skipped a unit
                     called = [c.unit for c in self.calls if c.unit in self.s.jit]
-                    self.check.start(called, present=batch is not None)
+                    self.check.start(called, batch is not None, self.source.flags())
                 if after_forward is not None:
                     after_forward()
                 if loss is not None and loss.requires_grad:  # gradients arrive via reductions

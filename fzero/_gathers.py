@@ -14,6 +14,13 @@ forward (the root, containers, everything without just-in-time entry) stay gathe
 until their gradient is reduced, and so do the forward's last calls (`keep_last`): the
 backward starts with them, so freeing them would only gather them again at once.
 
+A resharded unit whose parameters no rank's autograd saved (an embedding's backward needs
+only the indices; a first layer's input needs no gradient) is not gathered again: each
+rank flags the units it saved a handle to (`pack`), or entered where other saved-tensor
+hooks than the step's are on top (a checkpointed region, whose recompute may enter them
+again), and the call check ORs the flags over the ranks (`_agree`), so that every rank
+gathers again the same units.
+
 hpZ (`secondary`): as a resharded unit is gathered, each rank keeps its 1/k slice of the
 full buffer, and the backward gathers it again from those slices along the secondary
 axis (k ranks inside a group) instead of from the shards across the whole shard axis.
@@ -66,6 +73,9 @@ class Replica:
 
     def end_forward(self, calls: list[Call]) -> None:
         pass
+
+    def flags(self) -> list[bool]:
+        return []
 
 
 def _forget(by_storage: dict[int, tuple[Call, int]], key: int, entry: tuple[Call, int]) -> None:
@@ -120,7 +130,7 @@ class Gathers:
         keep_last: int = 0,
         order: list[str],
         ledger: UnitLedger | None,
-        before: Callable[[], None],
+        before: Callable[[], list[bool] | None],
     ) -> None:
         self.mesh, self.layout, self.shards = mesh, layout, shards
         self.dtype, self.prefetch, self.reshard = dtype, prefetch, reshard
@@ -131,6 +141,8 @@ class Gathers:
         self.kept: list[Call] = []  # calls that `keep_last` exempts from resharding
         self.ledger = ledger
         self.before = before  # waits for the call check before a backward collective
+        self.needed: set[str] = set()  # units whose parameters this rank's backward may use
+        self.agreed: set[str] | None = None  # the same, OR-ed over the ranks by the check
         self.pending: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # started ahead
         self.followed: list[Call] = []  # resharded calls, in forward order
         self.turn: int | None = None  # the next of them to gather again, in the backward
@@ -146,6 +158,8 @@ class Gathers:
         fulls = tuple(full for full, _ in started)
         forward = jit and self.reshard and not in_backward()
         if forward and self._reshards():
+            if not self._hooks_on_top():
+                self.needed.add(call.unit)
             # Followed, not held: the forward's references decide when it is freed.
             call.held = [None] * len(fulls)
             if self.secondary is not None:
@@ -171,6 +185,16 @@ class Gathers:
         rank decides alike, so their sequences of re-gathers pair up."""
         self.entered += 1
         return not self.order or len(self.order) - self.entered >= self.keep_last
+
+    def _hooks_on_top(self) -> bool:
+        """Whether the saved-tensor hooks autograd uses now are the step's own (`pack`)."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        return top is not None and (top(False) or (None,))[0] == self.pack
+
+    def flags(self) -> list[bool]:
+        """For the call check to OR over the ranks: per unit of the layout, whether this
+        rank's backward may use its parameters (none without resharding)."""
+        return [u in self.needed for u in self.layout.units] if self.reshard else []
 
     def again(self, call: Call) -> tuple[torch.Tensor, ...]:
         """`call`'s full parameters once more, inside the backward (for a recompute): held,
@@ -246,6 +270,7 @@ class Gathers:
         if found is None:
             return t
         call, k = found
+        self.needed.add(call.unit)
         return Handle(call, k, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad)
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -263,16 +288,43 @@ class Gathers:
             self.regather_through(i)
             self._wait(call)
             if self.prefetch:  # the unit whose backward comes next
-                self.regather_through(i - 1)
+                self._regather_next(i)
             held = call.held[k]
-        assert held is not None
+        if held is None:
+            raise RuntimeError(
+                f"rank {self.mesh.rank}: the backward asked for the parameters of unit "
+                f"{call.unit!r}, which no rank's forward saved for it, so it was not "
+                "gathered again. Saved-tensor hooks of your own inside the loss hide what "
+                "autograd saves from fzero: install them around the step instead"
+            )
         return held
+
+    def _agreed(self) -> set[str]:
+        """The units some rank's backward may use the parameters of (see the module)."""
+        if self.agreed is None:
+            flags = self.before()
+            self.agreed = (
+                self.needed
+                if flags is None
+                else {u for u, f in zip(self.layout.units, flags, strict=True) if f}
+            )
+        return self.agreed
+
+    def _regather_next(self, i: int) -> None:
+        """Starts gathering again the newest resharded call below `followed[i]` that a
+        backward may use (and skips the ones between, which none does)."""
+        agreed = self._agreed()
+        for j in range(i - 1, -1, -1):
+            if self.followed[j].unit in agreed:
+                self.regather_through(j)
+                return
 
     def regather_through(self, i: int) -> None:
         """Starts gathering resharded calls again, newest first, down to `followed[i]`.
 
-        Every resharded call is gathered again exactly once per backward, in this one
-        order on every rank: whether a rank's backward needs a unit (or needs it early)
+        Every resharded call of a unit some rank's backward may use (`_agreed`, known
+        once the call check is in) is gathered again exactly once per backward, in this
+        one order on every rank: whether a rank's backward needs a unit (or needs it early)
         depends on its graph, which may differ between ranks (an output used on some ranks
         only), and collectives pair up by the order they start in. A backward that needs a
         unit only moves the sequence on; what no backward asked for is gathered at the end
@@ -287,7 +339,8 @@ class Gathers:
         while self.turn >= max(i, 0):
             call = self.followed[self.turn]
             self.turn -= 1
-            self.before()
+            if call.unit not in self._agreed():  # no backward uses it (after the check)
+                continue
             call.refill = [
                 (k, *self._gather(j, call.unit, call, k)) for k, j in enumerate(call.buckets)
             ]
@@ -311,7 +364,7 @@ class Gathers:
         call.held = [None] * len(call.held)
         if self.prefetch and self.followed and any(c is call for c in self.kept):
             # The backward is past a kept call: the newest resharded one is next.
-            self.regather_through(len(self.followed) - 1)
+            self._regather_next(len(self.followed))
 
     def regather_rest(self) -> None:
         """Before the end of the backward waits for any reduction: starts the re-gathers

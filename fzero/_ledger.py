@@ -86,7 +86,8 @@ def comm_ledger() -> Iterator[CommLedger]:
     reduce-scatter moves its full (padded) buffer once, an all-reduce twice (a
     reduce-scatter then an all-gather), a broadcast once. So stages 0-2 move 2Ψ elements
     per step and stage 3 3Ψ with `reshard_after_forward=True` (fzero a little less: the
-    root unit and the forward's last units are not gathered again). These are logical volumes:
+    root unit, the forward's last units and the units no backward uses are not gathered
+    again). These are logical volumes:
     a rank really sends (n-1)/n of a reduce-scatter's or all-gather's.
     Nothing is recorded at world size 1, where nothing is sent. Besides the data, a step
     records `control` collectives of a few bytes: one float64 all-reduce of 4 + N

@@ -148,7 +148,8 @@ def sharded_step(
       reshard_after_forward: stage 3: a just-in-time unit's gathered parameters are freed
         once the forward lets go of them (autograd keeps handles, not the tensors) and
         gathered again for its backward (less memory, one more all-gather), all but the
-        forward's last one (two with `prefetch`), which the backward starts with. An int k
+        forward's last one (two with `prefetch`), which the backward starts with, and the
+        units no rank's backward uses the parameters of (an embedding). An int k
         (hpZ, FSDP2's int): before they are freed each rank keeps its 1/k of them, and
         the backward gathers them from the k consecutive ranks of its group (k divides
         the mesh's shard_size), so no backward all-gather leaves a group of k, for 1/k

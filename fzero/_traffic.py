@@ -41,8 +41,9 @@ def estimate_comm(
       hpz: stage 3: the backward's gathers come from a secondary copy inside groups of
         this many ranks (`reshard_after_forward=k`).
         Stage 3 counts every parameter gathered again for the backward, as ZeRO does; a
-        step moves less by the units it does not gather again (the root, and the
-        forward's last one or two, kept for the backward): the count is an upper bound.
+        step moves less by the units it does not gather again (the root, the forward's
+        last one or two, kept for the backward, and those no backward uses): the count
+        is an upper bound.
       qwz, qgz: stage 3's parameter gathers, and gradient reduce-scatters (stages 1-3),
         travel as int8 blocks of `block` with a 4-byte scale each.
       elem_bytes: bytes per element otherwise (2 for bf16).

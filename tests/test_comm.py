@@ -59,8 +59,10 @@ def volumes(
         ops: dict[str, int] = {}
         control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
         # The losses' weights and who had data; with hooks, the check that ranks called alike
+        # (resharding: and a word of flags, which units a backward uses the parameters of)
         tally = ("all_reduce", torch.float64, 2 * (4 + mesh.size))
-        check = [("all_gather", torch.int64, 3 * mesh.size)] if hooks else []
+        flags = 1 if stage == 3 and options.get("reshard_after_forward", True) else 0
+        check = [("all_gather", torch.int64, (3 + flags) * mesh.size)] if hooks else []
         assert control == ([*check, tally] if mesh.size > 1 else [])
         for r in ledger.data:
             assert r.dtype == torch.float64
@@ -87,13 +89,14 @@ def test_each_stage_moves_the_zero_volume(
     """Stages 0-2 move 2Ψ per step, stage 3 3Ψ when it reshards after the forward and 2Ψ
     when it keeps. Resharding gathers again neither the root unit (gathered once and kept,
     as in FSDP) nor the forward's last unit (with prefetch its last two), which stay
-    gathered for the backward that starts with them."""
+    gathered for the backward that starts with them, nor the first layer: its input needs
+    no gradient, so autograd saves not its weight, and no backward uses its parameters."""
     opts = {"hooks": True, "reshard_after_forward": reshard, "prefetch": prefetch}
     opts = opts if stage == 3 else {}
     steps, padded, numel = fzero.simulate(n, volumes, dims, stage, **opts)[0]
     psi = sum(padded.values())
     assert numel <= psi < numel + n * len(padded)  # padding: < n elements per buffer
-    regathered = sum(padded[u] for u in UNITS[: -2 if prefetch else -1])
+    regathered = sum(padded[u] for u in UNITS[1 : -2 if prefetch else -1])
     expected = {
         0: {"all_reduce": 2 * psi},
         1: {"reduce_scatter": psi, "all_gather": psi},
