@@ -160,6 +160,7 @@ class Engine:
         full parameters, just-in-time units as `Placeholder`s (used anywhere but where
         they enter, they fail loudly instead of training on stale values)."""
         lay = self.layout
+        self.source.prefetch_first()
         leaves: list[Any] = [None] * len(lay.paths)
         for unit in lay.units:
             if not lay.unit_buckets(unit):

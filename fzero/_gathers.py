@@ -59,6 +59,9 @@ class Replica:
     def prefetch_after(self, unit: str) -> None:
         pass
 
+    def prefetch_first(self) -> None:
+        pass
+
     def drop(self, call: Call) -> None:
         pass
 
@@ -232,6 +235,21 @@ class Gathers:
             counted = self.counted[full] = _Counted(self.ledger, unit, full)
             weakref.finalize(full, counted.close)
         return full, work
+
+    def prefetch_first(self) -> None:
+        """At the start of the forward, where the step holds least, starts gathering the
+        first units of last step's order, until they add up to its largest unit: small
+        units first (embeddings) otherwise leave the first large unit's gather exposed,
+        as their forward is too short to hide it."""
+        if not self.prefetch or not self.order:
+            return
+        budget = max(self.layout.unit_numel(u) for u in self.order)
+        for unit in dict.fromkeys(self.order):
+            if budget <= 0:
+                break
+            if unit not in self.pending:
+                self.pending[unit] = self._start(unit)
+            budget -= self.layout.unit_numel(unit)
 
     def prefetch_after(self, unit: str) -> None:
         """Starts gathering the unit that followed `unit` last step, unless already started."""

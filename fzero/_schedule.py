@@ -28,8 +28,9 @@ class Schedule:
         with its parameters' (path, owning module, attribute name).
       jit: units entered just in time, when the loss reaches them (`hooked`, or every
         unit but the root with `just_in_time`); the others are entered before the forward.
-      prefetch: start gathering the unit that came next last step as a unit enters, and
-        in the backward the unit whose backward comes next (stage 3).
+      prefetch: start gathering the unit that came next last step as a unit enters (and
+        at the forward's start its first units, up to the largest unit's size), and in the
+        backward the unit whose backward comes next (stage 3).
       reshard: a just-in-time unit's gathered parameters live only while the forward
         holds them, and the backward gathers them again (stage 3).
       keep_last: with `reshard`, how many just-in-time calls at the end of the forward (as

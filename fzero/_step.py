@@ -156,7 +156,8 @@ def sharded_step(
         of each unit held from its forward to its backward. Creating the groups is
         collective: every rank builds the step with the same k.
       prefetch: stage 3: start gathering the next unit (in last step's order) while the
-        current one computes, in forward and backward.
+        current one computes, in forward and backward; at the start of the forward, the
+        first units up to the size of the largest one.
       quantize: a `fzero.QuantizedComm` (ZeRO++): parameter all-gathers (stage 3, qwZ)
         and gradient reduce-scatters (stages 1-3, qgZ) travel as int8 blocks with a
         float32 scale each, a quarter of the bytes; the error bound is in `_quant`'s
