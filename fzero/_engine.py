@@ -26,12 +26,13 @@ from ._agree import CallCheck
 from ._autodiff import check_loss, sparse_gradient
 from ._entry import Call, enter, in_backward
 from ._gathered import ACTIVE
-from ._gathers import Gathers, Handle, Replica
+from ._gathers import Gathers, Handle
 from ._hooks import ModuleHooks
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._placeholder import Placeholder
 from ._reduce import Reductions
+from ._replicated import Replica
 from ._schedule import Schedule
 from ._stages import Stage
 from ._tree import PyTree, subtree, subtree_of, tree_flatten, tree_unflatten

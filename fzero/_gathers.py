@@ -1,6 +1,6 @@
-"""The forward half of a step's units: where a unit's full parameters come from.
+"""The forward half of a stage-3 step's units: where a unit's full parameters come from.
 
-`Replica` (stages 0-2): the rank's own replicated buffers; nothing to gather or free.
+(Stages 0-2 have them at hand: `_replicated.Replica`.)
 
 `Gathers` (stage 3): the all-gather of every rank's shard, started ahead for the unit that
 came next last step (`prefetch`). Resharding after the forward (`reshard`): while the
@@ -42,43 +42,6 @@ from ._entry import Call, in_backward
 from ._layout import ShardLayout
 from ._mesh import Axis, Mesh
 from ._unit_ledger import UnitLedger
-
-
-class Replica:
-    """Stages 0-2: a unit enters as this rank's replica (identity)."""
-
-    def __init__(self, local: tuple[torch.Tensor, ...]) -> None:
-        self.local = local
-
-    def open(self, call: Call, jit: bool) -> tuple[torch.Tensor, ...]:
-        return tuple(self.local[i].detach() for i in call.buckets)
-
-    def again(self, call: Call) -> tuple[torch.Tensor, ...]:
-        return self.open(call, False)
-
-    def prefetch_after(self, unit: str) -> None:
-        pass
-
-    def prefetch_first(self) -> None:
-        pass
-
-    def drop(self, call: Call) -> None:
-        pass
-
-    def regather_rest(self) -> None:
-        pass
-
-    def release(self, call: Call) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
-
-    def end_forward(self, calls: list[Call]) -> None:
-        pass
-
-    def flags(self) -> list[bool]:
-        return []
 
 
 def _forget(by_storage: dict[int, tuple[Call, int]], key: int, entry: tuple[Call, int]) -> None:

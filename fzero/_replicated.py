@@ -1,9 +1,11 @@
-"""Replicated parameters (stages 0-2): the flat buffers a tree's leaves are views of."""
+"""Replicated parameters (stages 0-2): the flat buffers a tree's leaves are views of, and
+`Replica`, how a unit enters a step from them (`_gathers.Gathers` is stage 3's)."""
 
 from __future__ import annotations
 
 import torch
 
+from ._entry import Call
 from ._layout import ShardLayout
 from ._tree import PyTree, tree_flatten
 
@@ -27,3 +29,40 @@ def own_slices(
     return tuple(
         f.narrow(0, rank * b.shard_numel, b.shard_numel) for f, b in zip(full, layout.buckets)
     )
+
+
+class Replica:
+    """Stages 0-2: a unit enters as this rank's replica (identity)."""
+
+    def __init__(self, local: tuple[torch.Tensor, ...]) -> None:
+        self.local = local
+
+    def open(self, call: Call, jit: bool) -> tuple[torch.Tensor, ...]:
+        return tuple(self.local[i].detach() for i in call.buckets)
+
+    def again(self, call: Call) -> tuple[torch.Tensor, ...]:
+        return self.open(call, False)
+
+    def prefetch_after(self, unit: str) -> None:
+        pass
+
+    def prefetch_first(self) -> None:
+        pass
+
+    def drop(self, call: Call) -> None:
+        pass
+
+    def regather_rest(self) -> None:
+        pass
+
+    def release(self, call: Call) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def end_forward(self, calls: list[Call]) -> None:
+        pass
+
+    def flags(self) -> list[bool]:
+        return []
