@@ -52,17 +52,19 @@ def lm_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def reference(params: dict[str, torch.Tensor], loss: Any, batches: list[Any]) -> dict[str, Any]:
-    """torch.optim.Adam on one process; `batches[t]` gives step t's loss on every rank's
-    data (the mean of the ranks' losses, as a step of equal micro-batches)."""
-    tensors = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    opt = torch.optim.Adam(list(tensors.values()), lr=0.01)
+def reference(params: Any, loss: Any, batches: list[list[Any]]) -> Any:
+    """torch.optim.Adam on one process over a tree of tensors; each step's loss is the
+    mean of `loss` over every rank's micro-batch `batches[t]` (a step of equal ones)."""
+    leaves, treedef = fzero._tree.tree_flatten(params)
+    tensors = [x.detach().clone().requires_grad_() for x in leaves]
+    opt = torch.optim.Adam(tensors, lr=0.01)
     for t in range(STEPS):
         opt.zero_grad()
-        parts = [loss(tensors, b) for b in batches[t]]
+        p = fzero._tree.tree_unflatten(treedef, tensors)
+        parts = [loss(p, b) for b in batches[t]]
         (sum(parts) / len(parts)).backward()
         opt.step()
-    return {k: v.detach() for k, v in tensors.items()}
+    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
 
 def train_lm(mesh: fzero.Mesh, params: dict[str, torch.Tensor]) -> tuple[Any, list[dict]]:
@@ -137,32 +139,23 @@ def pure_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_pure(mesh: fzero.Mesh, loss: Any, scaled_ranks: tuple[int, ...]) -> Any:
-    xs, ys = pure_data(mesh.size)
     opt = fzero.optim.adam(lr=0.01)
     units = [f"l{i}" for i in range(4)]
     state = fzero.shard_state(pure_params(), opt, mesh, stage=3, units=units)
     step = fzero.sharded_step(loss, opt, mesh, stage=3, just_in_time=True)
-    rows = slice(2 * mesh.rank, 2 * mesh.rank + 2)
-    for t in range(STEPS):
-        state, _ = step(state, (xs[t, rows], ys[t, rows], mesh.rank in scaled_ranks))
+    for micro in pure_batches(mesh.size, scaled_ranks):
+        state, _ = step(state, micro[mesh.rank])
     return fzero.gather_params(state.params, mesh)
 
 
-def flat_reference(loss: Any, n: int, scaled_ranks: tuple[int, ...]) -> dict[str, Any]:
+def pure_batches(n: int, scaled_ranks: tuple[int, ...]) -> list[list[Any]]:
+    """Every rank's micro-batch per step, as `train_pure` hands them out."""
     xs, ys = pure_data(n)
-    leaves, treedef = fzero._tree.tree_flatten(pure_params())
-    tensors = [x.clone().requires_grad_() for x in leaves]
-    opt = torch.optim.Adam(tensors, lr=0.01)
-    for t in range(STEPS):
-        opt.zero_grad()
-        p = fzero._tree.tree_unflatten(treedef, tensors)
-        parts = [
-            loss(p, (xs[t, 2 * r : 2 * r + 2], ys[t, 2 * r : 2 * r + 2], r in scaled_ranks))
-            for r in range(n)
-        ]
-        (sum(parts) / n).backward()
-        opt.step()
-    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+    rows = [slice(2 * r, 2 * r + 2) for r in range(n)]
+    return [
+        [(xs[t, sl], ys[t, sl], r in scaled_ranks) for r, sl in enumerate(rows)]
+        for t in range(STEPS)
+    ]
 
 
 @pytest.mark.parametrize("scaled_ranks", [(0,), (1,), (0, 2)])
@@ -173,7 +166,7 @@ def test_ranks_whose_backward_uses_different_units_gather_alike(
     # (the call check ORs what the ranks need), or the gathers would pair wrongly and time
     # out; the others' backward just does not use it.
     n = 3
-    expected = flat_reference(pure_loss, n, scaled_ranks)
+    expected = reference(pure_params(), pure_loss, pure_batches(n, scaled_ranks))
     for got in run(n, train_pure, pure_loss, scaled_ranks):
         fzero.assert_trees_close(got, expected, rtol=1e-10, atol=1e-12, what=str(scaled_ranks))
 
@@ -195,6 +188,6 @@ def checkpointed_loss(params: dict[str, Any], batch: tuple) -> torch.Tensor:
 
 
 def test_a_unit_entered_inside_a_checkpoint_is_gathered_again() -> None:
-    expected = flat_reference(checkpointed_loss, 2, ())
+    expected = reference(pure_params(), checkpointed_loss, pure_batches(2, ()))
     for got in run(2, train_pure, checkpointed_loss, ()):
         fzero.assert_trees_close(got, expected, rtol=1e-10, atol=1e-12, what="checkpoint")
