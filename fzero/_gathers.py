@@ -199,11 +199,17 @@ class Gathers:
             weakref.finalize(full, counted.close)
         return full, work
 
-    def prefetch_first(self) -> None:
-        """At the start of the forward, where the step holds least, starts gathering the
-        first units of last step's order, until they add up to its largest unit: small
-        units first (embeddings) otherwise leave the first large unit's gather exposed,
-        as their forward is too short to hide it."""
+    def prefetch_first(self, upfront: list[str]) -> None:
+        """At the start of the forward, where the step holds least: starts gathering the
+        units entered before it (`upfront`), all together, then (with `prefetch`) the first
+        units of last step's order, until they add up to its largest unit. The forward
+        waits for the up-front units first, and gloo runs a group's collectives in the
+        order they start: behind the prefetch, the root's few parameters waited for
+        every first unit's gather. Small units first (embeddings) otherwise leave the
+        first large unit's gather exposed, as their forward is too short to hide it."""
+        for unit in upfront:
+            if unit not in self.pending:
+                self.pending[unit] = self._start(unit)
         if not self.prefetch or not self.order:
             return
         budget = max(self.layout.unit_numel(u) for u in self.order)

@@ -46,7 +46,7 @@ class Replica:
     def prefetch_after(self, unit: str) -> None:
         pass
 
-    def prefetch_first(self) -> None:
+    def prefetch_first(self, upfront: list[str]) -> None:
         pass
 
     def drop(self, call: Call) -> None:
