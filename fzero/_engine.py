@@ -161,10 +161,10 @@ class Engine:
         full parameters, just-in-time units as `Placeholder`s (used anywhere but where
         they enter, they fail loudly instead of training on stale values)."""
         lay = self.layout
-        entered = [u for u in lay.units if lay.unit_buckets(u)]
-        self.source.prefetch_first([u for u in entered if u not in self.s.jit])
+        units = [u for u in lay.units if lay.unit_buckets(u)]  # not the empty root
+        self.source.prefetch_first([u for u in units if u not in self.s.jit])
         leaves: list[Any] = [None] * len(lay.paths)
-        for unit in entered:
+        for unit in units:
             if unit not in self.s.jit:
                 for path, view in self.enter(unit).items():
                     leaves[lay.path_index[path]] = view

@@ -208,16 +208,14 @@ class Gathers:
         every first unit's gather. Small units first (embeddings) otherwise leave the
         first large unit's gather exposed, as their forward is too short to hide it."""
         for unit in upfront:
-            if unit not in self.pending:
-                self.pending[unit] = self._start(unit)
+            self._ahead(unit)
         if not self.prefetch or not self.order:
             return
         budget = max(self.layout.unit_numel(u) for u in self.order)
         for unit in dict.fromkeys(self.order):
             if budget <= 0:
                 break
-            if unit not in self.pending:
-                self.pending[unit] = self._start(unit)
+            self._ahead(unit)
             budget -= self.layout.unit_numel(unit)
 
     def prefetch_after(self, unit: str) -> None:
@@ -225,10 +223,13 @@ class Gathers:
         if not self.prefetch or unit not in self.order:
             return
         k = self.order.index(unit) + 1
-        if k < len(self.order):
-            nxt = self.order[k]
-            if nxt != unit and nxt not in self.pending:
-                self.pending[nxt] = self._start(nxt)
+        if k < len(self.order) and self.order[k] != unit:
+            self._ahead(self.order[k])
+
+    def _ahead(self, unit: str) -> None:
+        """Starts gathering `unit` before the forward enters it, unless already started."""
+        if unit not in self.pending:
+            self.pending[unit] = self._start(unit)
 
     def drop(self, call: Call) -> None:
         """The forward is done with `call` (its submodule's forward hook has run): frees
