@@ -1,6 +1,6 @@
 """What a collective costs on this machine while the ranks compute, and how many a step makes.
 
-    python benchmarks/comm.py [--world-size 2] [--iters 40] [--out benchmarks/RESULTS-comm.md]
+    python benchmarks/comm.py [--world-size 2] [--iters 60] [--steps 30] [--out PATH]
 
 Part 1 runs a fixed compute loop (matmuls) on every rank and, between its two halves,
 one collective of a given size, and reports the wall time the collective adds to an
@@ -16,11 +16,15 @@ move, for DDP and fzero stages 0-3 on the benchmark GPT (`models.py`): fzero's c
 through torch.distributed's Python functions, DDP's through a counting comm hook around
 its default all-reduce. Together they say where a stage's communication overhead comes
 from on this machine: the number of calls, or the bytes.
+
+Part 3 steps DDP and stage 3 with resharding in turn, with the GPT's 8 blocks as 8, 4
+and 2 units: the lever the first two parts point to, fewer and larger collectives.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import queue
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -41,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 
 # Full-buffer bytes (float32): a near-empty call, then around the GPT's units and past them.
 SIZES = (4 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 24 << 20)
+GROUPS = (1, 2, 4)  # blocks per unit in part 3 (the GPT has 8)
 KINDS = ("all-gather (fzero)", "reduce-scatter (fzero)", "all-reduce (gloo, DDP)")
 CALLS = (
     "broadcast",
@@ -154,7 +160,49 @@ def _counted_step(name: str, steps: int) -> tuple[dict[str, float], dict[str, fl
     return {k: v / steps for k, v in counts.items()}, {k: v / steps for k, v in mib.items()}
 
 
-def _worker(rank: int, ws: int, port: int, iters: int, q: Any) -> None:
+def _grouped(k: int) -> tuple[Any, nn.Module]:
+    """The benchmark GPT with its blocks regrouped k at a time, and its spec naming the
+    groups as units: what a user does to get units of k blocks (a unit is one subtree)."""
+    import models
+
+    spec = models.spec("gpt", False)
+    model = models.build_model(spec)
+    if k == 1:
+        return spec, model
+
+    class Group(nn.Sequential):
+        """k consecutive blocks, one unit."""
+
+    blocks = list(model.blocks)
+    model.blocks = nn.ModuleList(Group(*blocks[i : i + k]) for i in range(0, len(blocks), k))
+    return dataclasses.replace(spec, block=Group), model
+
+
+def _granularity(steps: int) -> dict[str, float]:
+    """Median step ms of DDP and of stage 3 with resharding at 1, 2 and 4 blocks per unit,
+    stepped in turn in these processes (each step: this rank's time after a barrier)."""
+    import configs
+    import models
+
+    names = ("ddp", *(f"fzero3, {k} block{'s' * (k > 1)} per unit" for k in GROUPS))
+    steppers = [configs.build(configs.BY_NAME["ddp"], *_grouped(1)).step]
+    for k in GROUPS:
+        spec, model = _grouped(k)
+        steppers.append(configs.build(configs.BY_NAME["fzero3"], spec, model).step)
+    spec = models.spec("gpt", False)
+    times: list[list[float]] = [[] for _ in names]
+    for t in range(steps):
+        batch = models.rank_batch(spec, t, dist.get_rank(), dist.get_world_size())
+        for i, step in enumerate(steppers):
+            dist.barrier()
+            start = time.perf_counter()
+            step(batch)
+            if t >= 3:  # warm-up: units agreed, buffers built
+                times[i].append((time.perf_counter() - start) * 1e3)
+    return {n: statistics.median(v) for n, v in zip(names, times, strict=True)}
+
+
+def _worker(rank: int, ws: int, port: int, iters: int, steps: int, q: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -168,7 +216,8 @@ def _worker(rank: int, ws: int, port: int, iters: int, q: Any) -> None:
     mesh = fzero.ProcessGroupMesh()
     costs = _costs(rank, mesh, iters)
     counted = {n: _counted_step(n, 4) for n in ("ddp", "fzero0", "fzero1", "fzero2", "fzero3")}
-    q.put((rank, costs, counted))
+    grain = _granularity(steps)
+    q.put((rank, costs, counted, grain))
     dist.destroy_process_group()
 
 
@@ -182,13 +231,14 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _report(ws: int, iters: int, costs: dict, counted: dict, seconds: float) -> str:
+def _report(ws: int, iters: int, steps: int, parts: tuple, seconds: float) -> str:
     from run import machine
 
+    costs, counted, grain = parts
     lines = [
         "# What a collective costs here, and how many a step makes",
         "",
-        f"`python benchmarks/comm.py --world-size {ws} --iters {iters}`, "
+        f"`python benchmarks/comm.py --world-size {ws} --iters {iters} --steps {steps}`, "
         f"{datetime.date.today()}, {machine()}, torch {torch.__version__}, "
         f"{seconds:.0f} s. Rank 0's numbers.",
         "",
@@ -227,6 +277,19 @@ def _report(ws: int, iters: int, costs: dict, counted: dict, seconds: float) -> 
         "MiB passed: the tensor handed to each call (a broadcast's slice, an "
         "all-to-all's or all-reduce's whole buffer, a message), not what gloo sends.",
         "",
+        f"## Stage 3 with resharding by unit size (GPT, stepped in turn, median of steps "
+        f"4-{steps})",
+        "",
+        "| configuration | step ms | × DDP |",
+        "|---|---:|---:|",
+    ]
+    for name, ms in grain.items():
+        lines.append(f"| {name} | {ms:.1f} | {ms / grain['ddp']:.2f} |")
+    lines += [
+        "",
+        "Units of k blocks: the blocks regrouped k at a time into `nn.Sequential`s, "
+        "each one unit (`fzero.units.by_module`), the embeddings and head as before.",
+        "",
     ]
     return "\n".join(lines)
 
@@ -235,6 +298,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--steps", type=int, default=30, help="training steps for part 3")
     p.add_argument("--out", default=str(HERE / "RESULTS-comm.md"))
     args = p.parse_args()
     start = time.monotonic()
@@ -245,7 +309,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, args.world_size, port, args.iters, q))
+        ctx.Process(target=_worker, args=(r, args.world_size, port, args.iters, args.steps, q))
         for r in range(args.world_size)
     ]
     for proc in procs:
@@ -263,8 +327,9 @@ def main() -> None:
     results.sort(key=lambda r: r[0])
     for proc in procs:
         proc.join()
-    _, costs, counted = results[0]
-    text = _report(args.world_size, args.iters, costs, counted, time.monotonic() - start)
+    text = _report(
+        args.world_size, args.iters, args.steps, results[0][1:], time.monotonic() - start
+    )
     Path(args.out).write_text(text)
     print(text)
 
