@@ -13,8 +13,8 @@ per call, a least-squares line over the large ones its cost per MiB.
 
 Part 2 counts the torch.distributed calls one training step makes, and the MiB they
 move, for DDP and fzero stages 0-3 on the benchmark GPT (`models.py`): fzero's calls
-through torch.distributed's Python functions, DDP's through a counting comm hook around
-its default all-reduce. Together they say where a stage's communication overhead comes
+DDP's too, by registering its default all-reduce as a comm hook (its reducer otherwise
+calls C++ directly). Together they say where a stage's communication overhead comes
 from on this machine: the number of calls, or the bytes.
 
 Part 3 steps DDP and stage 3 with resharding in turn, with the GPT's 8 blocks as 8, 4
@@ -27,22 +27,22 @@ import argparse
 import dataclasses
 import datetime
 import os
-import queue
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+
+from _worker import _free_port, _run_group  # noqa: E402  (benchmarks/ is on the path now)
 
 # Full-buffer bytes (float32): a near-empty call, then around the GPT's units and past them.
 SIZES = (4 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 24 << 20)
@@ -121,6 +121,8 @@ def _counted_step(name: str, steps: int) -> tuple[dict[str, float], dict[str, fl
         counts[call] = counts.get(call, 0) + 1
         mib[call] = mib.get(call, 0) + sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
+    # Looked up on `dist` at each call by fzero's gloo paths and DDP's hook, so replacing the
+    # attributes sees them (the *_single aliases `fzero._comm` binds at import serve NCCL).
     real = {c: getattr(dist, c) for c in CALLS if hasattr(dist, c)}
 
     def wrap(call: str) -> Any:
@@ -202,7 +204,8 @@ def _granularity(steps: int) -> dict[str, float]:
     return {n: statistics.median(v) for n, v in zip(names, times, strict=True)}
 
 
-def _worker(rank: int, ws: int, port: int, iters: int, steps: int, q: Any) -> None:
+def _rank(rank: int, ws: int, port: int, iters: int, steps: int) -> dict[str, Any]:
+    """One rank's three parts, as JSON for `_worker._run_group` (which forks it)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -213,28 +216,29 @@ def _worker(rank: int, ws: int, port: int, iters: int, steps: int, q: Any) -> No
     )
     import fzero
 
-    mesh = fzero.ProcessGroupMesh()
-    costs = _costs(rank, mesh, iters)
+    costs = _costs(rank, fzero.ProcessGroupMesh(), iters)
     counted = {n: _counted_step(n, 4) for n in ("ddp", "fzero0", "fzero1", "fzero2", "fzero3")}
-    grain = _granularity(steps)
-    q.put((rank, costs, counted, grain))
-    dist.destroy_process_group()
+    return {
+        "costs": [[kind, size, ms] for (kind, size), ms in costs.items()],
+        "counted": counted,
+        "grain": _granularity(steps),
+    }
 
 
-def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of (x, y) points."""
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (x, y) points."""
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
     sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - slope * mx, slope
+    return sum((x - mx) * (y - my) for x, y in points) / sxx
 
 
-def _report(ws: int, iters: int, steps: int, parts: tuple, seconds: float) -> str:
+def _report(ws: int, iters: int, steps: int, rank0: dict[str, Any], seconds: float) -> str:
     from run import machine
 
-    costs, counted, grain = parts
+    costs = {(kind, size): ms for kind, size, ms in rank0["costs"]}
+    counted, grain = rank0["counted"], rank0["grain"]
     lines = [
         "# What a collective costs here, and how many a step makes",
         "",
@@ -260,7 +264,7 @@ def _report(ws: int, iters: int, steps: int, parts: tuple, seconds: float) -> st
         "|---|---:|---:|",
     ]
     for k in KINDS:
-        _, b = _fit([(s / 2**20, costs[(k, s)]) for s in SIZES if s >= 2 << 20])
+        b = _slope([(s / 2**20, costs[(k, s)]) for s in SIZES if s >= 2 << 20])
         lines.append(f"| {k} | {costs[(k, SIZES[0])]:.3f} | {b:.3f} |")
     lines += [
         "",
@@ -302,34 +306,19 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE / "RESULTS-comm.md"))
     args = p.parse_args()
     start = time.monotonic()
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world_size, port, args.iters, args.steps, q))
-        for r in range(args.world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    results = []
-    while len(results) < len(procs):  # a rank that dies fails the run instead of hanging it
-        try:
-            results.append(q.get(timeout=5))
-        except queue.Empty:
-            dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
-            if dead:
-                for proc in procs:
-                    proc.kill()
-                raise SystemExit(f"comm.py: rank(s) {dead} failed: see above") from None
-    results.sort(key=lambda r: r[0])
-    for proc in procs:
-        proc.join()
-    text = _report(
-        args.world_size, args.iters, args.steps, results[0][1:], time.monotonic() - start
-    )
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"rank{r}.json" for r in range(args.world_size)]
+        targets = [
+            (_rank, (r, args.world_size, port, args.iters, args.steps))
+            for r in range(args.world_size)
+        ]
+        # Forked; a rank that fails has its peers killed 10 s later instead of a hang.
+        results = _run_group(targets, outs, timeout=900)
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise SystemExit(f"comm.py: a rank failed:\n{errors[0]}")
+    text = _report(args.world_size, args.iters, args.steps, results[0], time.monotonic() - start)
     Path(args.out).write_text(text)
     print(text)
 
