@@ -76,7 +76,7 @@ def reset_peak() -> bool:
 def _reference(plan: dict[str, Any], model_name: str, path: Path) -> dict[str, Any]:
     """Plain torch.optim.Adam on one process over the concatenated batch."""
     torch.set_num_threads(1)
-    spec = models.spec(model_name, plan["quick"])
+    spec = models.spec(model_name, plan["quick"], plan.get("per_unit", 1))
     net = models.build_model(spec)
     opt = torch.optim.Adam(net.parameters(), lr=configs.LR)
     times, loss = [], 0.0
@@ -103,7 +103,7 @@ def _functional_cost(plan: dict[str, Any], model_name: str, port: int) -> dict[s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
-    spec = models.spec(model_name, plan["quick"])
+    spec = models.spec(model_name, plan["quick"], plan.get("per_unit", 1))
     net = models.build_model(spec)
     eager = configs.eager_step(spec, net, torch.optim.Adam(net.parameters(), lr=configs.LR))
     functional = configs.build(configs.BY_NAME["fzero0"], spec, models.build_model(spec)).step
@@ -138,7 +138,7 @@ def _interleaved(plan: dict[str, Any], model_name: str, names: tuple[str, ...], 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=plan["world_size"],
                             timeout=datetime.timedelta(seconds=plan["collective_timeout"]))
-    spec = models.spec(model_name, plan["quick"])
+    spec = models.spec(model_name, plan["quick"], plan.get("per_unit", 1))
     steps = {c: configs.build(configs.BY_NAME[c], spec, models.build_model(spec)).step
              for c in names}
     times: dict[str, list[float]] = {c: [] for c in names}
@@ -159,7 +159,7 @@ def _rank(plan: dict[str, Any], model_name: str, cfg_name: str, rank: int, port:
                             world_size=plan["world_size"],
                             timeout=datetime.timedelta(seconds=plan["collective_timeout"]))
     cfg = configs.BY_NAME[cfg_name]
-    spec = models.spec(model_name, plan["quick"])
+    spec = models.spec(model_name, plan["quick"], plan.get("per_unit", 1))
     ws, steps = plan["world_size"], plan["steps"]
     base = rss_kib()["rss"]
     batches = [models.rank_batch(spec, t, rank, ws) for t in range(steps)]

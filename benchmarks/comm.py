@@ -24,7 +24,6 @@ and 2 units: the lever the first two parts point to, fewer and larger collective
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import statistics
@@ -36,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -162,24 +160,6 @@ def _counted_step(name: str, steps: int) -> tuple[dict[str, float], dict[str, fl
     return {k: v / steps for k, v in counts.items()}, {k: v / steps for k, v in mib.items()}
 
 
-def _grouped(k: int) -> tuple[Any, nn.Module]:
-    """The benchmark GPT with its blocks regrouped k at a time, and its spec naming the
-    groups as units: what a user does to get units of k blocks (a unit is one subtree)."""
-    import models
-
-    spec = models.spec("gpt", False)
-    model = models.build_model(spec)
-    if k == 1:
-        return spec, model
-
-    class Group(nn.Sequential):
-        """k consecutive blocks, one unit."""
-
-    blocks = list(model.blocks)
-    model.blocks = nn.ModuleList(Group(*blocks[i : i + k]) for i in range(0, len(blocks), k))
-    return dataclasses.replace(spec, block=Group), model
-
-
 def _granularity(steps: int) -> dict[str, float]:
     """Median step ms of DDP and of stage 3 with resharding at 1, 2 and 4 blocks per unit,
     stepped in turn in these processes (each step: this rank's time after a barrier)."""
@@ -187,10 +167,13 @@ def _granularity(steps: int) -> dict[str, float]:
     import models
 
     names = ("ddp", *(f"fzero3, {k} block{'s' * (k > 1)} per unit" for k in GROUPS))
-    steppers = [configs.build(configs.BY_NAME["ddp"], *_grouped(1)).step]
+    spec = models.spec("gpt", False)
+    steppers = [configs.build(configs.BY_NAME["ddp"], spec, models.build_model(spec)).step]
     for k in GROUPS:
-        spec, model = _grouped(k)
-        steppers.append(configs.build(configs.BY_NAME["fzero3"], spec, model).step)
+        grouped = models.spec("gpt", False, per_unit=k)  # fzero.units.grouped
+        steppers.append(
+            configs.build(configs.BY_NAME["fzero3"], grouped, models.build_model(grouped)).step
+        )
     spec = models.spec("gpt", False)
     times: list[list[float]] = [[] for _ in names]
     for t in range(steps):
@@ -291,8 +274,8 @@ def _report(ws: int, iters: int, steps: int, rank0: dict[str, Any], seconds: flo
         lines.append(f"| {name} | {ms:.1f} | {ms / grain['ddp']:.2f} |")
     lines += [
         "",
-        "Units of k blocks: the blocks regrouped k at a time into `nn.Sequential`s, "
-        "each one unit (`fzero.units.by_module`), the embeddings and head as before.",
+        "Units of k blocks: k consecutive blocks as one unit (`fzero.units.grouped`), "
+        "the model and its parameter names unchanged, the embeddings and head as before.",
         "",
     ]
     return "\n".join(lines)

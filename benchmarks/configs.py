@@ -150,9 +150,11 @@ def _fsdp2(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for sub in net.modules():
-        if isinstance(sub, spec.block):
-            fully_shard(sub, mesh=mesh, reshard_after_forward=cfg.reshard)
+    subs = dict(net.named_modules())
+    for names in spec.block_groups(net):  # one block, or a run of them grouped (per_unit)
+        group = [subs[n] for n in names]
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh,
+                    reshard_after_forward=cfg.reshard)
     fully_shard(net, mesh=mesh, reshard_after_forward=cfg.reshard)
     opt = torch.optim.Adam(net.parameters(), lr=LR)
 
@@ -224,7 +226,8 @@ def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
     stage = int(cfg.name[5])
     mesh = fzero.ProcessGroupMesh()
     comm = CommCounter(mesh.size)
-    units = [*fzero.units.by_module(model, spec.block), *spec.extra_units]
+    blocks = [g[0] if len(g) == 1 else tuple(g) for g in spec.block_groups(model)]
+    units = [*blocks, *spec.extra_units]
     params = {k: v.detach() for k, v in model.named_parameters()}  # shard_state copies
     opt = fzero.optim.adam(lr=LR)
     box = [fzero.shard_state(params, opt, mesh, stage=stage, units=units)]

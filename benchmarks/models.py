@@ -3,6 +3,7 @@ deep stack of small residual blocks (hundreds of small leaves)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,12 @@ class Spec:
     make_batch: Callable[[int, int], Batch]  # (step, global batch size) -> (inputs, targets)
     micro_batch: int
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets)
+    per_unit: int = 1  # blocks per unit: fzero's `units.grouped`, FSDP2's fully_shard([...])
+
+    def block_groups(self, model: nn.Module) -> list[list[str]]:
+        """The names of `model`'s blocks, `per_unit` consecutive ones at a time."""
+        names = [n for n, m in model.named_modules() if n and isinstance(m, self.block)]
+        return [names[i : i + self.per_unit] for i in range(0, len(names), self.per_unit)]
 
 
 def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,8 +86,13 @@ def _dense_batches(width: int) -> Callable[[int, int], Batch]:
     return make
 
 
-def spec(name: str, quick: bool) -> Spec:
-    """The model called `name` ("gpt" or "linear"), tiny when `quick`."""
+def spec(name: str, quick: bool, per_unit: int = 1) -> Spec:
+    """The model called `name` ("gpt", "linear" or "deep"), tiny when `quick`, with
+    `per_unit` blocks to a unit."""
+    return dataclasses.replace(_spec(name, quick), per_unit=per_unit)
+
+
+def _spec(name: str, quick: bool) -> Spec:
     if name == "gpt":
         # Full: 8 blocks of width 224, vocab 1024 -> 5.33M parameters (issue 3's size).
         d, layers, heads, vocab, seq, micro = (32, 8, 2, 64, 16, 2) if quick else (

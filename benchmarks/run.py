@@ -1,7 +1,8 @@
 """One command: fzero stages 0-3 side by side with DDP, ZeroRedundancyOptimizer, FSDP2, FairScale.
 
     python benchmarks/run.py [--quick] [--world-size 2] [--steps 20] [--models gpt,linear]
-                             [--configs ddp,...] [--out benchmarks/RESULTS.md]
+                             [--configs ddp,...] [--blocks-per-unit 1]
+                             [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(c.name for c in configs.CONFIGS),
                    help="comma-separated subset of: "
                         + ", ".join(c.name for c in configs.CONFIGS))
+    p.add_argument("--blocks-per-unit", type=int, default=1,
+                   help="consecutive blocks (or Linears) per unit, for fzero "
+                        "(fzero.units.grouped) and FSDP2 (fully_shard on the list) alike")
     p.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--no-speed-pass", action="store_true",
                    help="skip the second pass that times every configuration again with "
@@ -70,6 +74,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--launches must be at least 1")
     if args.steps < 2:
         p.error("--steps must be at least 2")
+    if args.blocks_per_unit < 1:
+        p.error("--blocks-per-unit must be at least 1")
     unknown = set(args.configs.split(",")) - set(configs.BY_NAME)
     if unknown:
         p.error(f"unknown configurations: {sorted(unknown)}")
@@ -81,7 +87,7 @@ def _run_pass(args: argparse.Namespace, warmup: int, alloc_env: dict[str, str]
     """One launcher run over every model and configuration; returns its records."""
     with tempfile.TemporaryDirectory(prefix="fzero-bench-") as tmp:
         plan = {"quick": args.quick, "world_size": args.world_size, "steps": args.steps,
-                "launches": args.launches,
+                "launches": args.launches, "per_unit": args.blocks_per_unit,
                 "models": args.models.split(","), "configs": args.configs.split(","),
                 "warmup": warmup, "tmp": tmp, "results": str(Path(tmp) / "results.json"),
                 "collective_timeout": 120, "config_timeout": 120 if args.quick else 600}
@@ -159,7 +165,7 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
         "",
     ]
     for model in dict.fromkeys(r.model for r in rows):
-        s, ref = spec(model, args.quick), refs[model]
+        s, ref = spec(model, args.quick, args.blocks_per_unit), refs[model]
         lines += [f"## {model}: {s.title}, {ref['psi']:,} parameters", "",
                   f"Single-process reference (plain `torch.optim.Adam` on the concatenated "
                   f"batch of {args.world_size} × {s.micro_batch}): "
@@ -207,6 +213,11 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "alone.)", "",
               *report.interleaved(refs, args.fast_refs, warmup, args.world_size), ""]
     lines += ["## How to read this", "", *_NOTES, ""]
+    if args.blocks_per_unit > 1:
+        lines += [f"**This run groups {args.blocks_per_unit} consecutive blocks (or Linears) "
+                  "into each unit**, for fzero (`fzero.units.grouped`) and FSDP2 (one "
+                  "`fully_shard` on the list) alike, where the notes above say one per "
+                  "block.", ""]
     failed = [r for r in rows if r.error]
     if failed:
         lines += ["## Failures", ""]

@@ -37,6 +37,7 @@ from ._schedule import Schedule
 from ._stages import Stage
 from ._tree import PyTree, subtree, subtree_of, tree_flatten, tree_unflatten
 from ._unit_ledger import UnitLedger
+from ._unitspec import spec_of
 
 
 class Engine:
@@ -169,36 +170,42 @@ class Engine:
                 for path, view in self.enter(unit).items():
                     leaves[lay.path_index[path]] = view
                 continue
+            spec = spec_of(lay.unit_members(unit))
             for i in lay.unit_buckets(unit):
                 for s in lay.buckets[i].slots:
                     leaves[s.index] = Placeholder(
-                        s.shape, lay.buckets[i].dtype, path=s.path, unit=unit, rank=self.mesh.rank
+                        s.shape, lay.buckets[i].dtype, path=s.path, unit=spec, rank=self.mesh.rank
                     )
                     self.marks.setdefault(unit, (s.index, leaves[s.index]))
         return tree_unflatten(lay.treedef, leaves)
 
-    def gathered(self, params: PyTree, path: str) -> PyTree:
-        """`fzero.gathered` inside this step's loss: the units under `path` enter now."""
+    def gathered(self, params: PyTree, path: str | tuple[str, ...]) -> Any:
+        """`fzero.gathered` inside this step's loss: the units under `path` (or under
+        each of a tuple of paths) enter now."""
         lay = self.layout
         leaves, treedef = tree_flatten(params)
+        paths = (path,) if isinstance(path, str) else tuple(path)
         if treedef != lay.treedef:  # not the tree this step passed: nothing to enter
-            return subtree(params, path)
-        cut = subtree_of(lay.treedef, lay.paths, path)
+            return _pick(path, [subtree(params, p) for p in paths])
+        cuts = [subtree_of(lay.treedef, lay.paths, p) for p in paths]
         entered = None
-        for unit in lay.units_at(path):
+        for unit in dict.fromkeys(u for p in paths for u in lay.units_at(p)):
             mark = self.marks.get(unit)
             if mark is None or leaves[mark[0]] is not mark[1]:
                 continue  # entered before the forward, or already in this tree
-            if unit != path and not unit.startswith(path + "."):
+            if not all(any(_under(m, p) for p in paths) for m in lay.unit_members(unit)):
+                spec = spec_of(lay.unit_members(unit))
                 raise ValueError(
-                    f"rank {self.mesh.rank}: fzero.gathered: {path!r} lies inside the "
-                    f"just-in-time unit {unit!r}; ask for the whole unit (or split units= "
-                    "finer), since every call enters (gathers) the unit it names"
+                    f"rank {self.mesh.rank}: fzero.gathered: {path!r} is only part of "
+                    f"the just-in-time unit {unit!r}; ask for the whole unit "
+                    f"(fzero.gathered(params, {spec!r})) or split units= finer, since every "
+                    "call enters (gathers) the units it names"
                 )
             entered = list(leaves) if entered is None else entered
             for p, view in self.enter(unit).items():
                 entered[lay.path_index[p]] = view
-        return cut(leaves if entered is None else entered)
+        tree = leaves if entered is None else entered
+        return _pick(path, [cut(tree) for cut in cuts])
 
     # -- one micro-batch -------------------------------------------------------------------
     def value_and_grad(
@@ -334,3 +341,13 @@ class Engine:
         assert isinstance(self.source, Gathers)
         t = self.source.unpack(held)
         return t.detach().requires_grad_() if held.requires_grad else t
+
+
+def _under(member: str, path: str) -> bool:
+    """Whether `path` holds all of the unit prefix `member`."""
+    return member == path or member.startswith(path + ".")
+
+
+def _pick(path: str | tuple[str, ...], parts: list[Any]) -> Any:
+    """`gathered`'s answer: the one part for a path, a tuple of them for a tuple."""
+    return parts[0] if isinstance(path, str) else tuple(parts)

@@ -16,6 +16,7 @@ from ._simulate import Simulation
 from ._state import shard_state
 from ._step import sharded_step
 from ._tree import PyTree, assert_trees_close, leaf_paths, tree_flatten, tree_map, tree_unflatten
+from ._unitspec import UnitSpec
 
 # Default (rtol, atol) for float64 and float32 parameters. fzero and the reference differ
 # only in the order of floating-point reductions (a mean over ranks against autograd over
@@ -39,7 +40,7 @@ def assert_stages_equivalent(
     stages: Sequence[int] = (0, 1, 2, 3),
     fzero_optimizer: optim.Optimizer | None = None,
     layout: str = "flat",
-    units: Sequence[str] | None = None,
+    units: Sequence[UnitSpec] | None = None,
     module: nn.Module | None = None,
     rtol: float | None = None,
     atol: float | None = None,
@@ -275,7 +276,7 @@ def _train_stages(
     opt: optim.Optimizer,
     stage_list: tuple[int, ...],
     layout: str,
-    units: Sequence[str] | None,
+    units: Sequence[UnitSpec] | None,
     module: nn.Module | None,
 ) -> list[tuple[PyTree, list[float]]]:
     """One rank's run of every stage in turn: (gathered params, losses) per stage."""

@@ -13,6 +13,7 @@ from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._shards import Shards
 from ._tree import PyTree, subtree, tree_unflatten
+from ._unitspec import UnitSpec, members_of, name_of
 
 
 class Now:
@@ -120,7 +121,7 @@ def _bursts(
     return groups
 
 
-def gather_params(params: PyTree, mesh: Mesh, *, unit: str | None = None) -> PyTree:
+def gather_params(params: PyTree, mesh: Mesh, *, unit: UnitSpec | None = None) -> Any:
     """The full parameter tree (or one unit's part of it), on every rank.
 
     Differentiable: the gradient with respect to the shards is the reduce-scatter (mean over
@@ -135,31 +136,42 @@ def gather_params(params: PyTree, mesh: Mesh, *, unit: str | None = None) -> PyT
         returned as it is: the state's own buffers, which a donating step updates in
         place (clone what you keep across steps; no copy is made of a whole model).
       mesh: the mesh the shards live on.
-      unit: gather only this unit's buckets (a path prefix of the layout's units) and
-        return its part of the tree, as `fzero.gathered` does; None: everything.
+      unit: gather only this unit's buckets (one of the layout's `units=` entries: a
+        path prefix, or a group's tuple of them) and return its part of the tree, as
+        `fzero.gathered` does (for a group, a tuple of the parts under its prefixes);
+        None: everything.
 
     Returns:
       A tree with the structure, shapes and dtypes of the original parameters (or of the
       unit's part); its leaves are views into one freshly gathered flat buffer per bucket.
     """
+    members = None if unit is None else () if unit == "" else members_of([unit])[0]
     if not isinstance(params, Shards):
-        return params if unit is None else subtree(params, unit)
+        return params if members is None else _parts(params, unit, members)
     layout = params.layout
     if layout.world_size != mesh.shard_size or params.rank != mesh.shard_rank:
         raise ValueError(
             f"shards of rank {params.rank} of {layout.world_size} cannot be gathered on "
             f"rank {mesh.rank} (shard {mesh.shard_rank} of {mesh.shard_size})"
         )
-    if unit is None:
+    if members is None:
         call = Call("", tuple(range(len(layout.buckets))))
         return layout.unflatten(enter(Now(layout, mesh), call, params.buffers))
-    if unit not in layout.units:
-        raise ValueError(f"{unit!r} is not a unit of the layout (units: {list(layout.units)})")
-    call = Call(unit, layout.unit_buckets(unit))
+    if members not in layout.members:
+        raise ValueError(f"{unit!r} is not a unit of the layout (units: {list(layout.specs)})")
+    name = name_of(members)
+    call = Call(name, layout.unit_buckets(name))
     fulls = enter(Now(layout, mesh), call, tuple(params.buffers[i] for i in call.buckets))
-    views = layout.unflatten_unit(unit, fulls)
+    views = layout.unflatten_unit(name, fulls)
     leaves = [views.get(p) for p in layout.paths]
-    return subtree(tree_unflatten(layout.treedef, leaves), unit)
+    return _parts(tree_unflatten(layout.treedef, leaves), unit, members)
+
+
+def _parts(tree: PyTree, unit: UnitSpec, members: tuple[str, ...]) -> Any:
+    """A unit's part of `tree`: the subtree under its prefix, or a tuple for a group's."""
+    if isinstance(unit, str):
+        return subtree(tree, unit)
+    return tuple(subtree(tree, p) for p in members)
 
 
 def master_params(state: Any, mesh: Mesh) -> PyTree:

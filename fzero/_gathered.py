@@ -11,7 +11,7 @@ from ._tree import PyTree, subtree
 ACTIVE: ContextVar[Any] = ContextVar("fzero_active_engine", default=None)
 
 
-def gathered(params: PyTree, path: str) -> PyTree:
+def gathered(params: PyTree, path: str | tuple[str, ...]) -> Any:
     """The full parameters under `path`, entering the loss here.
 
     Inside a step, this is where the parameters of the units under `path` enter the
@@ -26,6 +26,10 @@ def gathered(params: PyTree, path: str) -> PyTree:
     Every call enters what it names anew (two calls, two gathers and two reductions):
     keep what it returns for as long as you use it.
 
+    A unit grouping several prefixes (`units=[("layers.0", "layers.1")]`) enters as one:
+    ask for it with the same tuple, `gathered(params, ("layers.0", "layers.1"))`, which
+    returns the part of the tree under each.
+
     Outside a step, or on a tree that is not the step's (say, the full parameters of a
     single-process reference), it simply returns the part of `params` under `path`: the
     same loss runs anywhere.
@@ -33,15 +37,20 @@ def gathered(params: PyTree, path: str) -> PyTree:
     Args:
       params: the tree the step passed to the loss.
       path: a dotted path prefix of the tree ("layers.0"): a unit, a node holding whole
-        units, or anything within a unit entered before the forward (the root). A path
-        strictly inside a just-in-time unit is a ValueError: ask for the unit.
+        units, or anything within a unit entered before the forward (the root); or a
+        tuple of such paths, entered together. A path holding only part of a
+        just-in-time unit (strictly inside it, or one prefix of a group) is a
+        ValueError: ask for the whole unit.
 
     Returns:
       The part of the tree under `path`: the node it names (`params["layers"][0]` for
       "layers.0"), or, for a tree keyed by dotted names such as `named_parameters`, a
       dict of the leaves under it keyed by the rest of their path (`{"weight": ...}`).
+      For a tuple of paths, a tuple of those parts.
     """
     engine = ACTIVE.get()
     if engine is None:
-        return subtree(params, path)
+        if isinstance(path, str):
+            return subtree(params, path)
+        return tuple(subtree(params, p) for p in path)
     return engine.gathered(params, path)

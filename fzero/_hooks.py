@@ -6,6 +6,11 @@ the submodule for its forward; a forward hook puts back what was there
 (functional_call's placeholders) and tells the engine the unit's forward is over
 (`leave`), so a resharding step frees its parameters right there.
 
+A unit grouping several submodules (FSDP2's `fully_shard([m1, m2])`) enters at the
+pre-hook of the first of them to run and leaves at the forward hook of the last: each
+member swaps in its own leaves from that one entry. A member running again once it has
+run (or while it runs) enters the unit anew, as a single-module unit's does.
+
 A forward that never reaches its forward hook leaves its swap for the end of the
 micro-batch to undo: torch's non-reentrant checkpoint stops a recompute as soon as it has
 the tensors it needs (mid-forward, past the pre-hook). The module then gets its own
@@ -17,15 +22,19 @@ which has put the module's own parameters back already.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ._layout import ShardLayout
+from ._unitspec import covers
 
 # A hooked unit's parameters: (leaf path, the module holding it, its attribute name).
 Slots = tuple[tuple[str, nn.Module, str], ...]
+# Per member of a hooked unit (one, or a group's): its submodule and its leaves' slots.
+Members = tuple[tuple[nn.Module, Slots], ...]
 
 
 class _Enters(Protocol):
@@ -34,19 +43,31 @@ class _Enters(Protocol):
     def leave(self, unit: str) -> None: ...
 
 
+@dataclass
+class _Open:
+    """A hooked unit's current entry: its views, and which members' forwards began and
+    ended (indices into the unit's members)."""
+
+    views: dict[str, torch.Tensor]
+    started: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+
+
 class ModuleHooks:
     """Forward hooks on the unit submodules for the duration of one micro-batch."""
 
-    def __init__(self, engine: _Enters, hooked: Mapping[str, tuple[nn.Module, Slots]]) -> None:
+    def __init__(self, engine: _Enters, hooked: Mapping[str, Members]) -> None:
         self.engine, self.hooked = engine, hooked
         self.handles: list[Any] = []
-        # Per unit, a stack of swaps: (module, attribute, what was there, the view put in).
-        self.swapped: dict[str, list[list[tuple[nn.Module, str, Any, Any]]]] = {}
+        self.open: dict[str, _Open] = {}
+        # Per (unit, member), a stack of swaps: (module, attribute, what was there, view).
+        self.swapped: dict[tuple[str, int], list[list[tuple[nn.Module, str, Any, Any]]]] = {}
 
     def __enter__(self) -> ModuleHooks:
-        for unit, (sub, _) in self.hooked.items():
-            self.handles.append(sub.register_forward_pre_hook(self._pre(unit)))
-            self.handles.append(sub.register_forward_hook(self._post(unit)))
+        for unit, members in self.hooked.items():
+            for j, (sub, _) in enumerate(members):
+                self.handles.append(sub.register_forward_pre_hook(self._pre(unit, j)))
+                self.handles.append(sub.register_forward_hook(self._post(unit, j)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -60,31 +81,39 @@ class ModuleHooks:
                     if owner._parameters.get(name) is view:
                         owner._parameters[name] = old
 
-    def _pre(self, unit: str) -> Any:
+    def _pre(self, unit: str, j: int) -> Any:
         def hook(sub: nn.Module, args: Any) -> None:
-            views = self.engine.enter(unit)
+            entry = self.open.get(unit)
+            if entry is None or j in entry.started:
+                entry = self.open[unit] = _Open(self.engine.enter(unit))
+            entry.started.add(j)
             swaps = []
-            for path, owner, name in self.hooked[unit][1]:
-                swaps.append((owner, name, owner._parameters[name], views[path]))
-                owner._parameters[name] = views[path]
-            self.swapped.setdefault(unit, []).append(swaps)
+            for path, owner, name in self.hooked[unit][j][1]:
+                swaps.append((owner, name, owner._parameters[name], entry.views[path]))
+                owner._parameters[name] = entry.views[path]
+            self.swapped.setdefault((unit, j), []).append(swaps)
 
         return hook
 
-    def _post(self, unit: str) -> Any:
+    def _post(self, unit: str, j: int) -> Any:
         def hook(sub: nn.Module, args: Any, output: Any) -> None:
-            for owner, name, old, _ in reversed(self.swapped[unit].pop()):
+            for owner, name, old, _ in reversed(self.swapped[unit, j].pop()):
                 owner._parameters[name] = old
-            self.engine.leave(unit)
+            entry = self.open.get(unit)
+            if entry is None or j not in entry.started:
+                return
+            entry.done.add(j)
+            if len(entry.done) == len(self.hooked[unit]):
+                del self.open[unit]
+                self.engine.leave(unit)
 
         return hook
 
 
-def hookable_units(
-    layout: ShardLayout, module: nn.Module | None
-) -> dict[str, tuple[nn.Module, Slots]]:
-    """The units entered by hooks: those naming a submodule of `module` that runs, each
-    with that submodule and the (path, owning module, attribute) of its parameters.
+def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, Members]:
+    """The units entered by hooks: those whose prefixes all name submodules of `module`
+    that run, each with those submodules and the (path, owning module, attribute) of the
+    parameters under each.
 
     A container such as `nn.ModuleList` has no forward of its own, so no hook would ever
     fire for it: such units are entered before the forward, like units that name no
@@ -95,13 +124,15 @@ def hookable_units(
     if module is None:
         return {}
     names = dict(module.named_modules())
-    out: dict[str, tuple[nn.Module, Slots]] = {}
-    for unit in layout.units:
-        if not unit or unit not in names or not layout.unit_buckets(unit):
+    out: dict[str, Members] = {}
+    for unit, prefixes in zip(layout.units, layout.members, strict=True):
+        if not unit or not layout.unit_buckets(unit):
             continue
-        if type(names[unit]).forward is nn.Module.forward:  # a container: never called
+        subs = [names.get(p) for p in prefixes]
+        # A container is never called: its unit enters before the forward.
+        if any(m is None or type(m).forward is nn.Module.forward for m in subs):
             continue
-        slots = []
+        slots: list[list[tuple[str, nn.Module, str]]] = [[] for _ in prefixes]
         for i in layout.unit_buckets(unit):
             for s in layout.buckets[i].slots:
                 head, _, name = s.path.rpartition(".")
@@ -111,6 +142,7 @@ def hookable_units(
                         f"unit {unit!r}: leaf {s.path!r} is not a parameter of the module "
                         "passed as module= (use dict(module.named_parameters()) as params)"
                     )
-                slots.append((s.path, owner, name))
-        out[unit] = (names[unit], tuple(slots))
+                j = next(j for j, p in enumerate(prefixes) if covers(p, s.path))
+                slots[j].append((s.path, owner, name))
+        out[unit] = tuple((m, tuple(sl)) for m, sl in zip(subs, slots, strict=True))
     return out

@@ -23,8 +23,10 @@ from typing import Any
 import optree
 import torch
 
+from . import _unitspec as unitspec
 from ._flat import Bucket, Slot, cut, pack
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+from ._unitspec import UnitSpec, spec_of
 
 KINDS = ("flat", "tensor")
 
@@ -40,7 +42,13 @@ class ShardLayout:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     buckets: tuple[Bucket, ...]
-    units: tuple[str, ...] = ("",)
+    units: tuple[str, ...] = ("",)  # names (`_unitspec`), the root "" first
+    members: tuple[tuple[str, ...], ...] = ((),)  # per unit, its path prefixes
+
+    @property
+    def specs(self) -> tuple[UnitSpec, ...]:
+        """The `units=` entries this layout was built from (to build it again)."""
+        return tuple(spec_of(m) for m in self.members[1:])
 
     def unit_buckets(self, unit: str) -> tuple[int, ...]:
         """Indices of the buckets of `unit` (one per dtype it holds)."""
@@ -53,6 +61,14 @@ class ShardLayout:
         for i, b in enumerate(self.buckets):
             out[b.unit] = (*out.get(b.unit, ()), i)
         return out
+
+    def unit_members(self, unit: str) -> tuple[str, ...]:
+        """The path prefixes of `unit` (one, or a group's)."""
+        return self._members[unit]
+
+    @functools.cached_property
+    def _members(self) -> dict[str, tuple[str, ...]]:
+        return dict(zip(self.units, self.members, strict=True))
 
     def unit_numel(self, unit: str) -> int:
         """Full (padded) elements of `unit` over all its buckets."""
@@ -97,7 +113,7 @@ class ShardLayout:
             self.world_size,
             str(self.treedef),
             tuple(zip(self.paths, self.shapes, map(str, self.dtypes))),
-            self.units,
+            self.members,
             self.frozen,
         )
 
@@ -272,7 +288,7 @@ def build_layout(
     params: PyTree,
     world_size: int,
     kind: str = "flat",
-    units: Sequence[str] | None = None,
+    units: Sequence[UnitSpec] | None = None,
     frozen: Sequence[bool] | None = None,
 ) -> ShardLayout:
     """Computes the layout of `params` over `world_size` ranks.
@@ -281,9 +297,10 @@ def build_layout(
       params: a pytree whose leaves are floating-point tensors, all on one device.
       world_size: number of ranks.
       kind: "flat" or "tensor" (see the module docstring).
-      units: parameter-path prefixes, each gathered and reduced as its own buffers. A
-        prefix covers the paths it matches on whole dotted components ("layers.1" covers
-        "layers.1.w", not "layers.10.w"); a leaf belongs to its longest matching prefix;
+      units: parameter-path prefixes, each gathered and reduced as its own buffers, or
+        tuples of them, each one unit (FSDP2's `fully_shard([m1, m2])`). A prefix covers
+        the paths it matches on whole dotted components ("layers.1" covers "layers.1.w",
+        not "layers.10.w"); a leaf belongs to the unit of its longest matching prefix;
         leaves matching none form the root unit "".
       frozen: per leaf (flatten order), whether it is frozen: frozen leaves get buckets of
         their own, which are gathered but never reduced, updated or given optimizer state.
@@ -296,19 +313,23 @@ def build_layout(
     leaves, treedef = tree_flatten(params)
     paths = leaf_paths(params)
     check_leaves(paths, leaves)
-    names = _check_units(units, paths)
+    members = unitspec.members_of(units)
+    names = unitspec.check(members, paths)
+    owners = unitspec.owner_index(members)
     frozen = [False] * len(leaves) if frozen is None else list(frozen)
     if len(frozen) != len(leaves):
         raise ValueError(f"frozen has {len(frozen)} entries for {len(leaves)} leaves")
-    groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
+    bins: dict[tuple[str, bool, torch.dtype], list[int]] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault((unit_of(paths[i], names), bool(frozen[i]), leaf.dtype), []).append(i)
+        k = unitspec.owner(paths[i], owners)
+        unit = "" if k is None else names[k]
+        bins.setdefault((unit, bool(frozen[i]), leaf.dtype), []).append(i)
     place = _place_flat if kind == "flat" else _place_greedy
     order = {u: k for k, u in enumerate(("", *names))}  # root first, then units as given
     buckets = tuple(
         replace(place(dtype, idx, paths, leaves, world_size), unit=unit, frozen=fz)
         for (unit, fz, dtype), idx in sorted(
-            groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])
+            bins.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])
         )
     )
     return ShardLayout(
@@ -320,32 +341,8 @@ def build_layout(
         tuple(x.dtype for x in leaves),
         buckets,
         ("", *names),
+        ((), *members),
     )
-
-
-def unit_of(path: str, units: Sequence[str]) -> str:
-    """The longest prefix in `units` covering `path` on whole components, or "" (root)."""
-    best = ""
-    for u in units:
-        if (path == u or path.startswith(u + ".")) and len(u) > len(best):
-            best = u
-    return best
-
-
-def _check_units(units: Sequence[str] | None, paths: list[str]) -> tuple[str, ...]:
-    if units is None:
-        return ()
-    if isinstance(units, str):
-        raise TypeError("units must be a sequence of path prefixes, not one string")
-    names = tuple(units)
-    for u in names:
-        if not isinstance(u, str) or not u:
-            raise ValueError(f"a unit must be a non-empty parameter-path prefix, got {u!r}")
-        if not any(p == u or p.startswith(u + ".") for p in paths):
-            raise ValueError(f"unit {u!r} matches no parameter path (paths look like {paths[0]!r})")
-    if len(set(names)) != len(names):
-        raise ValueError(f"units has duplicates: {sorted(u for u in names if names.count(u) > 1)}")
-    return names
 
 
 def check_leaves(paths: list[str], leaves: list[Any]) -> None:

@@ -20,12 +20,18 @@ class Placeholder(torch.Tensor):
     """
 
     path: str
-    unit: str
+    unit: str | tuple[str, ...]  # its `units=` entry: what `fzero.gathered` asks for
     rank: int
 
     @staticmethod
     def __new__(
-        cls, shape: torch.Size, dtype: torch.dtype, *, path: str, unit: str, rank: int
+        cls,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        *,
+        path: str,
+        unit: str | tuple[str, ...],
+        rank: int,
     ) -> Placeholder:
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="meta")
         t.path, t.unit, t.rank = path, unit, rank

@@ -154,7 +154,7 @@ def to_mixed(
     """
     full_like = meta_like(layout) if stage.shards_params else params
     cast = compute_params(full_like, precision, stage)
-    lay = build_layout(cast, layout.world_size, layout.kind, layout.units[1:], list(layout.frozen))
+    lay = build_layout(cast, layout.world_size, layout.kind, layout.specs, list(layout.frozen))
     if not needs_master(precision, lay, stage):
         return params, layout, None
     mlay, full32 = master_layout(lay, full_like, precision.master_dtype)

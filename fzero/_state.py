@@ -28,6 +28,7 @@ from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._stages import Stage, stage_of
 from ._tree import NAMESPACE, PyTree, device_of, leaf_paths, tree_flatten
+from ._unitspec import UnitSpec, members_of, spec_of, unit_of
 from .optim import Optimizer
 from .optim._base import check_slices
 
@@ -85,7 +86,7 @@ def shard_state(
     *,
     stage: int,
     layout: str = "flat",
-    units: Sequence[str] | None = None,
+    units: Sequence[UnitSpec] | None = None,
     bucket_bytes: int | None = None,
     frozen: Any = None,
     buffers: PyTree = None,
@@ -111,7 +112,9 @@ def shard_state(
         tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor,
         which stages 1-3 refuse on "flat": see `Optimizer.whole_tensors`).
       units: parameter-path prefixes gathered and reduced as separate flat buffers (see
-        `fzero.units.by_module` / `by_size`); parameters in no unit form the root unit.
+        `fzero.units.by_module` / `by_size`), or tuples of prefixes, each one unit
+        (FSDP2's `fully_shard([m1, m2])`; `fzero.units.runs`); parameters in no unit
+        form the root unit.
       bucket_bytes: instead of `units`, group parameters into units of about this many
         bytes along the path hierarchy (`fzero.units.by_size`; FairScale ShardedDDP's
         `reduce_buffer_size`): the granularity of stage 2's reduce-scatters.
@@ -271,8 +274,6 @@ def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:
 
 def _frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:
     """Per leaf: frozen? From a bool tree, path prefixes, or the leaves' requires_grad."""
-    from ._layout import unit_of
-
     leaves = tree_flatten(params)[0]
     if frozen is None:
         flags = [bool(getattr(x, "requires_grad", False)) for x in leaves]
@@ -346,15 +347,23 @@ def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
         extra = oleaves[len(leaves) :] or leaves[len(oleaves) :]
         return f"{len(oleaves)} leaves vs rank 0's {len(leaves)} (first unmatched: {extra[0][0]!r})"
     if units != ounits:
-        return f"units {list(ounits[1:])} vs rank 0's {list(units[1:])}"
+        return f"units {_specs(ounits)} vs rank 0's {_specs(units)}"
     for (p, _, _), f, of in zip(leaves, frozen, ofrozen):
         if f != of:
             return f"leaf {p!r} is {'frozen' if of else 'trainable'}, rank 0's is not"
     return f"tree structure {otdef} vs {tdef}"
 
 
+def _specs(members: tuple[tuple[str, ...], ...]) -> list[UnitSpec]:
+    return [spec_of(m) for m in members[1:]]
+
+
 def check_step_state(
-    state: ShardedState, stage: int, layout: str | None, units: Sequence[str] | None, mesh: Mesh
+    state: ShardedState,
+    stage: int,
+    layout: str | None,
+    units: Sequence[UnitSpec] | None,
+    mesh: Mesh,
 ) -> None:
     """Raises unless a step for `stage` (and `layout`, `units`, `mesh`) can take `state`."""
     if not isinstance(state, ShardedState):
@@ -368,9 +377,9 @@ def check_step_state(
         )
     if layout is not None and layout != state.layout.kind:
         raise ValueError(f"this step is for layout {layout!r}, the state has {state.layout.kind!r}")
-    if units is not None and ("", *units) != state.layout.units:
+    if units is not None and members_of(units) != state.layout.members[1:]:
         raise ValueError(
-            f"this step is for units {list(units)}, the state has {list(state.layout.units[1:])}"
+            f"this step is for units {list(units)}, the state has {list(state.layout.specs)}"
         )
     if state.layout.world_size != mesh.shard_size:
         raise ValueError(

@@ -37,6 +37,7 @@ from ._stages import Stage, stage_of
 from ._state import ShardedState, check_step_state
 from ._tree import PyTree, device_of
 from ._unit_ledger import UnitLedger
+from ._unitspec import UnitSpec
 from ._update import apply_update, rebuild_params
 from ._weight import Exchange, Tally, Weighed
 from .optim import Optimizer
@@ -81,7 +82,7 @@ def sharded_step(
     *,
     stage: int,
     layout: str | None = None,
-    units: Sequence[str] | None = None,
+    units: Sequence[UnitSpec] | None = None,
     module: nn.Module | None = None,
     just_in_time: bool = False,
     reshard_after_forward: bool | int = True,

@@ -13,6 +13,7 @@ import torch
 
 from ._equivalence import assert_stages_equivalent as assert_stages_equivalent
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+from ._unitspec import UnitSpec
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -157,7 +158,9 @@ def _map_specs(fn: Callable[[Any], Any], spec: Any) -> Any:
     return fn(spec)
 
 
-def unit_splits(params: PyTree, *, max_size: int | None = None) -> SearchStrategy[list[str]]:
+def unit_splits(
+    params: PyTree, *, max_size: int | None = None, groups: bool = False
+) -> SearchStrategy[list[UnitSpec]]:
     """Valid `units=` arguments for `params`: lists of distinct dotted path prefixes.
 
     A candidate is any prefix of a leaf's dotted path on whole components ("blocks",
@@ -169,9 +172,12 @@ def unit_splits(params: PyTree, *, max_size: int | None = None) -> SearchStrateg
     Args:
       params: the parameter tree the units are for.
       max_size: the most units in a split (default: no limit).
+      groups: also draw groups, several prefixes as one unit (`("blocks.0", "head")`),
+        in any order; a group never holds a prefix inside another of its own.
 
     Returns:
-      A strategy of lists of prefixes, each matching at least one leaf.
+      A strategy of lists of prefixes (and, with `groups`, tuples of them), each prefix
+      matching at least one leaf and appearing once.
     """
     st = _strategies()
     candidates: list[str] = []
@@ -181,7 +187,29 @@ def unit_splits(params: PyTree, *, max_size: int | None = None) -> SearchStrateg
             prefix = ".".join(parts[:k])
             if prefix not in candidates:
                 candidates.append(prefix)
-    return st.lists(st.sampled_from(candidates), unique=True, max_size=max_size)
+    drawn = st.lists(st.sampled_from(candidates), unique=True, max_size=max_size)
+    if not groups:
+        return drawn
+
+    def join(prefixes: list[str], joins: list[bool]) -> list[UnitSpec]:
+        out: list[list[str]] = []
+        for p, j in zip(prefixes, joins, strict=True):
+            nested = out and any(_nested(p, q) for q in out[-1])
+            if j and out and not nested:
+                out[-1].append(p)
+            else:
+                out.append([p])
+        return [g[0] if len(g) == 1 else tuple(g) for g in out]
+
+    return drawn.flatmap(
+        lambda ps: st.lists(st.booleans(), min_size=len(ps), max_size=len(ps)).map(
+            lambda js: join(ps, js)
+        )
+    )
+
+
+def _nested(a: str, b: str) -> bool:
+    return a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def split_batch(batch: PyTree, world_size: int) -> list[PyTree]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -60,3 +61,25 @@ def by_module(model: nn.Module, classes: type[Any] | tuple[type[Any], ...]) -> l
     if not names:
         raise ValueError(f"{type(model).__name__} has no submodule of type {classes}")
     return names
+
+
+def grouped(units: Sequence[str], size: int) -> list[str | tuple[str, ...]]:
+    """`units` joined `size` at a time, in order, each run one unit (FSDP2's
+    `fully_shard([block0, block1])`): fewer, larger collectives, without regrouping the
+    model (which would rename its parameters).
+
+    Coarser units pay off where each collective has a high fixed cost (gloo, CPU hosts:
+    see the README's tuning note); at stage 3 a unit's full parameters are then held for
+    the forward of all its members.
+
+    Args:
+      units: unit prefixes, usually consecutive siblings (`by_module(model, Block)`).
+      size: how many to join; the last run may be shorter.
+
+    Returns:
+      A list for `units=`: a lone prefix where a run has one member, else a tuple.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    runs = [tuple(units[k : k + size]) for k in range(0, len(units), size)]
+    return [r[0] if len(r) == 1 else r for r in runs]

@@ -85,17 +85,31 @@ def test_bad_strategy_arguments_raise() -> None:
 
 
 @given(
-    testing.param_trees().flatmap(lambda p: st.tuples(st.just(p), testing.unit_splits(p))),
+    st.booleans().flatmap(
+        lambda groups: testing.param_trees().flatmap(
+            lambda p: st.tuples(st.just(p), testing.unit_splits(p, groups=groups))
+        )
+    ),
     testing.world_sizes(),
 )
 def test_unit_splits_are_valid_units_for_their_tree(tree_units: tuple, n: int) -> None:
     tree, units = tree_units
     paths = leaf_paths(tree)
-    assert len(set(units)) == len(units)
-    for u in units:  # each covers a leaf on whole dotted components
+    prefixes = [p for u in units for p in ((u,) if isinstance(u, str) else u)]
+    assert len(set(prefixes)) == len(prefixes)
+    for u in prefixes:  # each covers a leaf on whole dotted components
         assert any(p == u or p.startswith(u + ".") for p in paths)
     layout = build_layout(tree, n, units=units)  # and fzero accepts it
-    assert set(layout.units) == {"", *units}
+    assert list(layout.specs) == units
+
+
+def test_unit_splits_draw_groups_when_asked() -> None:
+    tree = {"blocks": [{"w": torch.ones(2)}, {"w": torch.ones(3)}], "head": torch.ones(())}
+    units = find(
+        testing.unit_splits(tree, groups=True),
+        lambda us: any(isinstance(u, tuple) and "head" in u for u in us),
+    )
+    assert any(isinstance(u, tuple) and "head" in u and len(u) > 1 for u in units)
 
 
 def test_unit_splits_include_nested_prefixes() -> None:
@@ -292,7 +306,9 @@ def _tree_loss(tree: Any, batch: tuple) -> torch.Tensor:
 
 @settings(max_examples=6)
 @given(
-    testing.param_trees().flatmap(lambda p: st.tuples(st.just(p), testing.unit_splits(p))),
+    testing.param_trees().flatmap(
+        lambda p: st.tuples(st.just(p), testing.unit_splits(p, groups=True))
+    ),
     testing.world_sizes(1, 3),
     st.sampled_from(["flat", "tensor"]),
 )

@@ -67,7 +67,7 @@ def reference(case: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def train(mesh: fzero.Mesh, case: dict, units: list[str] | None, stage: int, **options: Any) -> Any:
+def train(mesh: fzero.Mesh, case: dict, units: list[Any] | None, stage: int, **options: Any) -> Any:
     """`options` go to sharded_step, but for `layout` and `bucket_bytes` (shard_state's)."""
     model = case["model"]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -92,11 +92,22 @@ def train(mesh: fzero.Mesh, case: dict, units: list[str] | None, stage: int, **o
 
 
 @st.composite
-def unit_splits(draw: Any, n_layers: int) -> list[str]:
-    """Any subset of layers (and maybe the unused layer), or the whole stack as one unit."""
+def unit_splits(draw: Any, n_layers: int) -> list[Any]:
+    """Any subset of layers (and maybe the unused layer), some drawn into groups of
+    several submodules as one unit (in any order, adjacent or not, the unused layer
+    too), or the whole stack as one unit."""
     names = [f"layers.{i}" for i in range(n_layers)] + ["unused"]
     chosen = draw(st.lists(st.sampled_from(names), unique=True))
-    return ["layers", *chosen] if draw(st.booleans()) and not chosen else chosen
+    if draw(st.booleans()) and not chosen:
+        return ["layers"]
+    out: list[Any] = []
+    for name in chosen:
+        if out and draw(st.booleans()):  # joins the unit before it
+            last = out[-1]
+            out[-1] = (*last, name) if isinstance(last, tuple) else (last, name)
+        else:
+            out.append(name)
+    return out
 
 
 @settings(max_examples=24)
@@ -129,13 +140,22 @@ def test_units_match_single_process(
         )
 
 
+SHARED_SPLITS = {
+    "per layer": [f"layers.{i}" for i in range(4)] + ["unused"],
+    # One unit of several submodules: the twice-called layer with the checkpointed one,
+    # then the last layer with the first (it runs last) and one no forward calls.
+    "grouped": [("layers.1", "layers.2"), ("layers.3", "layers.0", "unused")],
+}
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_shared_and_checkpointed_units(stage: int, reshard: bool) -> None:
+@pytest.mark.parametrize("split", list(SHARED_SPLITS))
+def test_shared_and_checkpointed_units(stage: int, reshard: bool, split: str) -> None:
     # Layer 1 is square and called twice; layer 2 runs under non-reentrant checkpointing,
     # so its forward runs again inside the backward and must gather its parameters again.
     case = make_case([3, 4, 4, 4, 2], 2, seed=7, twice=1, remat=2)
-    units = [f"layers.{i}" for i in range(4)] + ["unused"]
+    units = SHARED_SPLITS[split]
     expected = reference(case)
     options = {"module": case["model"], "reshard_after_forward": reshard}
     for params, _, _ in run(2, train, case, units, stage, **options):

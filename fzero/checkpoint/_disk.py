@@ -171,7 +171,7 @@ def layout_json(layout: ShardLayout) -> dict[str, Any]:
     frozen = layout.frozen
     return {
         "kind": layout.kind,
-        "units": list(layout.units[1:]),
+        "units": [s if isinstance(s, str) else list(s) for s in layout.specs],
         "treedef": str(layout.treedef),
         "leaves": [
             {"path": p, "shape": list(s), "dtype": str(d), "frozen": f}

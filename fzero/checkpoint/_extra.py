@@ -48,7 +48,7 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
             cast_params(meta_like(lay), dtype),
             mesh.shard_size,
             lay.kind,
-            lay.units[1:],
+            lay.specs,
             list(lay.frozen),
         )
         bufs = tuple(
@@ -58,7 +58,7 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
         params: PyTree = Shards(bufs, flay, mesh.shard_rank)
     else:
         full = cast_params(master_params(state, mesh), dtype)  # frozen leaves cast up: exact
-        flay = build_layout(full, mesh.shard_size, lay.kind, lay.units[1:], list(lay.frozen))
+        flay = build_layout(full, mesh.shard_size, lay.kind, lay.specs, list(lay.frozen))
         params = flay.unflatten(flay.flatten(full))
     return ShardedState(params, state.opt_state, state.step, flay, state.stage, state.buffers)
 
