@@ -119,7 +119,8 @@ def sharded_step(
 
     - with `module=` (the module `loss_fn` calls through `torch.func.functional_call`,
       params keyed by `named_parameters`), a unit that names a submodule enters just
-      before that submodule's forward, and its parameters may only be used there;
+      before that submodule's forward, and its parameters may only be used there (a
+      group of submodules: before the first of them runs, until the last is done);
     - with `just_in_time=True`, every unit but the root enters when `loss_fn` asks for it
       with `fzero.gathered(params, unit)`, and only there (a pure function over the tree,
       no module needed);

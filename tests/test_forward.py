@@ -120,11 +120,15 @@ def _net() -> nn.Module:
     return model.eval()
 
 
-def _module_predict(mesh: fzero.Mesh, stage: int, x: torch.Tensor, hooked: bool) -> Any:
+def _module_predict(
+    mesh: fzero.Mesh, stage: int, x: torch.Tensor, hooked: bool, grouped: bool = False
+) -> Any:
     model = _net()
     params = {k: v.detach() for k, v in model.named_parameters()}
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-    units = [f"blocks.{i}" for i in range(3)] + ["out"]
+    units: list[Any] = [f"blocks.{i}" for i in range(3)] + ["out"]
+    if grouped:  # units of several submodules: FSDP2's fully_shard([...])
+        units = [("blocks.0", "blocks.1"), ("blocks.2", "out")]
     state = fzero.shard_state(
         params, fzero.optim.sgd(lr=0.1), mesh, stage=stage, units=units, buffers=buffers
     )
@@ -141,12 +145,16 @@ def _module_predict(mesh: fzero.Mesh, stage: int, x: torch.Tensor, hooked: bool)
     return out, all(torch.equal(state.buffers[k], v) for k, v in kept.items())
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("hooked", [True, False])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_module_with_buffers_predicts_as_the_plain_module(stage: int, hooked: bool) -> None:
+def test_a_module_with_buffers_predicts_as_the_plain_module(
+    stage: int, hooked: bool, grouped: bool
+) -> None:
     x = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected = _net()(x)
-    for rank, (out, unchanged) in enumerate(run(2, _module_predict, stage, x, hooked)):
+    outs = run(2, _module_predict, stage, x, hooked, grouped)
+    for rank, (out, unchanged) in enumerate(outs):
         torch.testing.assert_close(out, expected[rank::2], **tolerance(torch.float64))
         assert unchanged, f"rank {rank}: a forward in train mode changed the state's buffers"
 
