@@ -75,7 +75,7 @@ def assert_stages_equivalent(
         check an `fzero.optim` optimizer (e.g. `fzero.optim.adamw(lr=1e-3)`) against
         its torch counterpart.
       layout: `shard_state`'s layout, "flat" or "tensor".
-      units: `shard_state`'s units (parameter-path prefixes).
+      units: `shard_state`'s units (parameter-path prefixes, or tuples of them).
       module: `sharded_step`'s module (the module `loss_fn` calls through
         `functional_call`), to check units gathered just in time by forward hooks.
       rtol: relative tolerance; default by the least precise parameter dtype: 1e-7 for

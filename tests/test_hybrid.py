@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support import errors_on_every_rank, run
 from torch import nn
@@ -68,8 +68,8 @@ def _train(mesh: fzero.Mesh, model: nn.Module, xs: Any, ys: Any, how: str, **kw:
     or "upfront" (the pure loss, every unit gathered before the forward)."""
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
-    stage = kw.pop("stage")
-    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
+    stage, units = kw.pop("stage"), kw.pop("units", UNITS)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
     if how == "module":
         step = fzero.sharded_step(_module_loss(model), opt, mesh, stage=stage, module=model, **kw)
     else:
@@ -138,6 +138,21 @@ def test_hpz_matches_torch_optim_and_keeps_backward_gathers_inside(n: int, s: in
             assert axes["secondary"] > 0, (how, axes)
 
 
+def test_hpz_with_a_unit_of_several_submodules_matches_torch_optim() -> None:
+    model = _model(5)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(4, 4)
+    ref = _reference(start, xs, ys)
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        units = [("0", "4"), "2"]  # the first and last Linear as one unit
+        return _train(mesh, model, xs, ys, "module", stage=3, reshard_after_forward=2, units=units)
+
+    for params, axes in run(4, fn):
+        _check(params, ref, start)
+        assert axes["secondary"] > 0, axes
+
+
 def test_hsdp_with_hpz_inside_the_group() -> None:
     """hpZ on a 2-D mesh: k divides S; the backward gathers inside groups of k."""
     model = _model(7)
@@ -154,9 +169,10 @@ def test_hsdp_with_hpz_inside_the_group() -> None:
 
 
 @settings(max_examples=4)
+@example(shape=(4, 2), splits=[("4", "0"), "2"], stage=3)  # a group, on a 2-D mesh
 @given(
     shape=st.sampled_from([(4, 2), (4, 1), (4, 4), (6, 3)]),
-    splits=st.sampled_from([["0", "2", "4"], ["0"], ["2", "4"], []]),
+    splits=st.sampled_from([["0", "2", "4"], ["0"], ["2", "4"], [], [("4", "0"), "2"]]),
     stage=st.integers(0, 3),
 )
 def test_hsdp_any_units_any_shape(shape: tuple[int, int], splits: list[str], stage: int) -> None:

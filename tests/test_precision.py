@@ -25,7 +25,7 @@ class Net(nn.Module):
         return self.head(self.layers(x))
 
 
-UNITS = ["layers.0", "layers.2", "head"]
+UNITS = [("layers.0", "head"), "layers.2"]  # a group of two submodules, and one
 
 
 def data(n: int, steps: int, seed: int = 0, inf_at: tuple[int, int] | None = None) -> Any:
