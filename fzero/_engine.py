@@ -37,7 +37,7 @@ from ._schedule import Schedule
 from ._stages import Stage
 from ._tree import PyTree, subtree, subtree_of, tree_flatten, tree_unflatten
 from ._unit_ledger import UnitLedger
-from ._unitspec import spec_of
+from ._unitspec import covers, spec_of
 
 
 class Engine:
@@ -193,7 +193,7 @@ class Engine:
             mark = self.marks.get(unit)
             if mark is None or leaves[mark[0]] is not mark[1]:
                 continue  # entered before the forward, or already in this tree
-            if not all(any(_under(m, p) for p in paths) for m in lay.unit_members(unit)):
+            if not all(any(covers(p, m) for p in paths) for m in lay.unit_members(unit)):
                 spec = spec_of(lay.unit_members(unit))
                 raise ValueError(
                     f"rank {self.mesh.rank}: fzero.gathered: {path!r} is only part of "
@@ -341,11 +341,6 @@ class Engine:
         assert isinstance(self.source, Gathers)
         t = self.source.unpack(held)
         return t.detach().requires_grad_() if held.requires_grad else t
-
-
-def _under(member: str, path: str) -> bool:
-    """Whether `path` holds all of the unit prefix `member`."""
-    return member == path or member.startswith(path + ".")
 
 
 def _pick(path: str | tuple[str, ...], parts: list[Any]) -> Any:

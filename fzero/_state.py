@@ -28,7 +28,7 @@ from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._stages import Stage, stage_of
 from ._tree import NAMESPACE, PyTree, device_of, leaf_paths, tree_flatten
-from ._unitspec import UnitSpec, members_of, spec_of, unit_of
+from ._unitspec import UnitSpec, covers, members_of, spec_of
 from .optim import Optimizer
 from .optim._base import check_slices
 
@@ -113,7 +113,7 @@ def shard_state(
         which stages 1-3 refuse on "flat": see `Optimizer.whole_tensors`).
       units: parameter-path prefixes gathered and reduced as separate flat buffers (see
         `fzero.units.by_module` / `by_size`), or tuples of prefixes, each one unit
-        (FSDP2's `fully_shard([m1, m2])`; `fzero.units.runs`); parameters in no unit
+        (FSDP2's `fully_shard([m1, m2])`; `fzero.units.grouped`); parameters in no unit
         form the root unit.
       bucket_bytes: instead of `units`, group parameters into units of about this many
         bytes along the path hierarchy (`fzero.units.by_size`; FairScale ShardedDDP's
@@ -281,9 +281,9 @@ def _frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:
     if isinstance(frozen, (list, tuple)) and all(isinstance(p, str) for p in frozen):
         paths = leaf_paths(params)
         for prefix in frozen:
-            if not any(p == prefix or p.startswith(prefix + ".") for p in paths):
+            if not prefix or not any(covers(prefix, p) for p in paths):
                 raise ValueError(f"frozen prefix {prefix!r} matches no parameter path")
-        return [unit_of(p, frozen) != "" for p in paths]
+        return [any(covers(prefix, p) for prefix in frozen) for p in paths]
     mask, mdef = tree_flatten(frozen)
     if mdef != tree_flatten(params)[1] or not all(isinstance(m, bool) for m in mask):
         raise ValueError(

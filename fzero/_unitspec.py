@@ -24,15 +24,6 @@ def covers(prefix: str, path: str) -> bool:
     return not prefix or path == prefix or path.startswith(prefix + ".")
 
 
-def unit_of(path: str, prefixes: Sequence[str]) -> str:
-    """The longest prefix in `prefixes` covering `path` on whole components, or "" (root)."""
-    best = ""
-    for u in prefixes:
-        if u and covers(u, path) and len(u) > len(best):
-            best = u
-    return best
-
-
 def members_of(units: Sequence[UnitSpec] | None) -> tuple[tuple[str, ...], ...]:
     """Each entry of `units=` as its tuple of prefixes (a lone prefix: a 1-tuple).
 
@@ -69,8 +60,8 @@ def spec_of(members: Sequence[str]) -> UnitSpec:
 def check(members: tuple[tuple[str, ...], ...], paths: Sequence[str]) -> tuple[str, ...]:
     """The units' names, after checking that every prefix matches a path, belongs to one
     unit only, and that no group holds a prefix inside another of its own."""
-    seen: dict[str, int] = {}
-    for k, group in enumerate(members):
+    seen: set[str] = set()
+    for group in members:
         for p in group:
             if not any(covers(p, q) for q in paths):
                 raise ValueError(
@@ -79,7 +70,7 @@ def check(members: tuple[tuple[str, ...], ...], paths: Sequence[str]) -> tuple[s
                 )
             if p in seen:  # members_of refused a prefix twice in one group
                 raise ValueError(f"units has duplicates: prefix {p!r} in two units")
-            seen[p] = k
+            seen.add(p)
         for p in group:
             inner = [q for q in group if q != p and covers(p, q)]
             if inner:

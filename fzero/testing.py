@@ -13,7 +13,7 @@ import torch
 
 from ._equivalence import assert_stages_equivalent as assert_stages_equivalent
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
-from ._unitspec import UnitSpec
+from ._unitspec import UnitSpec, covers
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -194,7 +194,7 @@ def unit_splits(
     def join(prefixes: list[str], joins: list[bool]) -> list[UnitSpec]:
         out: list[list[str]] = []
         for p, j in zip(prefixes, joins, strict=True):
-            nested = out and any(_nested(p, q) for q in out[-1])
+            nested = out and any(covers(p, q) or covers(q, p) for q in out[-1])
             if j and out and not nested:
                 out[-1].append(p)
             else:
@@ -206,10 +206,6 @@ def unit_splits(
             lambda js: join(ps, js)
         )
     )
-
-
-def _nested(a: str, b: str) -> bool:
-    return a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def split_batch(batch: PyTree, world_size: int) -> list[PyTree]:
