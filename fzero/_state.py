@@ -115,9 +115,10 @@ def shard_state(
         `fzero.units.by_module` / `by_size`), or tuples of prefixes, each one unit
         (FSDP2's `fully_shard([m1, m2])`; `fzero.units.grouped`); parameters in no unit
         form the root unit.
-      bucket_bytes: instead of `units`, group parameters into units of about this many
-        bytes along the path hierarchy (`fzero.units.by_size`; FairScale ShardedDDP's
-        `reduce_buffer_size`): the granularity of stage 2's reduce-scatters.
+      bucket_bytes: instead of `units`, group parameters into units of at least this
+        many bytes along the path hierarchy, runs of small siblings joined
+        (`fzero.units.by_size`; FairScale ShardedDDP's `reduce_buffer_size`, DeepSpeed's
+        buckets): the granularity of every stage's collectives.
       frozen: which parameters are not trained: a pytree of bools like `params` (True =
         frozen), or a list of path prefixes. By default, if some leaves of `params`
         require grad (e.g. `dict(model.named_parameters())` after freezing some), the
@@ -292,7 +293,9 @@ def _frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:
     return list(mask)
 
 
-def _units_of_bytes(params: PyTree, units: Sequence[str] | None, bucket_bytes: int) -> list[str]:
+def _units_of_bytes(
+    params: PyTree, units: Sequence[Any] | None, bucket_bytes: int
+) -> list[str | tuple[str, ...]]:
     from .units import by_size
 
     if units is not None:

@@ -320,7 +320,10 @@ def test_unit_policies() -> None:
     params = dict(model.named_parameters())
     # 40 and 72 parameters per big layer; the rest (18 + 6 + 1) stays in the root.
     assert fzero.units.by_size(params, 30) == ["layers.0", "layers.1"]
-    assert fzero.units.by_size(params, 100) == ["layers"]
+    # Neither reaches 100 alone: the two together are one unit of two submodules, and the
+    # last layer (18) is left to the root. At 120 the run takes every layer: "layers".
+    assert fzero.units.by_size(params, 100) == [("layers.0", "layers.1")]
+    assert fzero.units.by_size(params, 120) == ["layers"]
     with pytest.raises(ValueError, match="no submodule"):
         fzero.units.by_module(model, nn.Conv1d)
 
@@ -503,6 +506,20 @@ def test_bucket_bytes_makes_units_of_that_size_that_train_like_one_process(stage
     for params, _, layout in run(2, train, case, None, stage, **options):
         assert layout.units == ("", "layers", "layers.1", "layers.2"), layout.units
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bucket_bytes_joins_runs_of_small_layers_that_train_like_one_process(stage: int) -> None:
+    # Layers of 15, 12, 12, 12 and 8 float64 parameters; 200 bytes is 25 parameters, which
+    # no layer holds alone: runs of consecutive layers become units of several submodules,
+    # entered by their module hooks, and the short tail (8) is left to the root.
+    case = make_case([4, 3, 3, 3, 3, 2], 2, seed=5)
+    expected = reference(case)
+    options = {"bucket_bytes": 200, "module": case["model"], "reshard_after_forward": stage == 3}
+    for params, _, layout in run(2, train, case, None, stage, **options):
+        assert layout.units == ("", "layers.0+layers.1", "layers.2+layers.3+layers.4")
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+    assert not torch.equal(expected["layers.0.weight"], case["model"].layers[0].weight)
 
 
 def test_a_stage3_unit_of_another_size_skipped_on_some_ranks_fails_fast() -> None:
