@@ -19,11 +19,11 @@ def by_size(params: PyTree, min_params: int) -> list[str | tuple[str, ...]]:
     Walks the dotted-path hierarchy bottom up. Under each prefix, consecutive children
     too small to be units on their own (a flat `nn.Sequential` of small layers, say) are
     joined, in order, into units of at least `min_params` (tuples: one unit of several
-    submodules); a child that is a unit already breaks such a run. Then the prefix itself
-    becomes a unit when the parameters under it that no inner unit took number at least
-    `min_params`. A run that would take every child of a prefix is left to the prefix,
-    which then is a unit of its own (or the root). Whatever remains, a run's short tail
-    included, is the root unit.
+    submodules); a child that is or holds a unit already ends such a run. Then the
+    prefix itself becomes a unit when the parameters under it that no inner unit took
+    number at least `min_params`. A run that would take every child of a prefix is left
+    to the prefix, which then is a unit of its own (or the root). Whatever remains, a
+    run's short tail included, is the root unit.
 
     Siblings follow the order the tree was built in: a dict's own key order
     (`named_parameters`' registration order, usually the forward's), not the sorted
@@ -49,7 +49,7 @@ def by_size(params: PyTree, min_params: int) -> list[str | tuple[str, ...]]:
                 kids[parts[:k]] = []
                 kids[parts[: k - 1]].append(parts[:k])
             free[parts[:k]] += numel
-    seen = {p: i for i, p in enumerate(free)}
+    size, seen = dict(free), {p: i for i, p in enumerate(free)}
     units: list[tuple[Prefix, ...]] = []
 
     def take(members: tuple[Prefix, ...], parent: Prefix) -> None:
@@ -62,7 +62,10 @@ def by_size(params: PyTree, min_params: int) -> list[str | tuple[str, ...]]:
 
     # Deepest prefixes first, so an inner unit claims its parameters before its parents.
     for prefix in sorted(kids, key=len, reverse=True):
-        for run in _runs([(c, free[c]) for c in kids[prefix]], min_params):
+        # A child with a unit inside (or that is one) ends a run: what is left of it is
+        # scattered between its units, and goes to the prefix (or the root) instead.
+        untouched = [(c, free[c] if free[c] == size[c] else 0) for c in kids[prefix]]
+        for run in _runs(untouched, min_params):
             if len(run) < len(kids[prefix]):  # every child: the prefix's unit, or the root's
                 take(run, prefix)
         if prefix and free[prefix] >= min_params:
@@ -72,9 +75,8 @@ def by_size(params: PyTree, min_params: int) -> list[str | tuple[str, ...]]:
 
 
 def _runs(children: list[tuple[Prefix, int]], min_params: int) -> list[tuple[Prefix, ...]]:
-    """Consecutive children with parameters left, joined in order until they hold
-    `min_params`; a child with none left (a unit already) ends a run, and so does the
-    end of the list (the short tail is no run)."""
+    """Consecutive children, joined in order until they hold `min_params`; a child
+    marked 0 ends a run, and so does the end of the list (the short tail is no run)."""
     runs: list[tuple[Prefix, ...]] = []
     run: list[Prefix] = []
     total = 0

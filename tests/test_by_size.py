@@ -43,6 +43,12 @@ def test_a_unit_breaks_a_run_and_a_short_tail_stays_in_the_root() -> None:
     assert fzero.units.by_size(params, 20) == [("a.x", "a.y"), "a.big", ("a.z", "a.t")]
 
 
+def test_a_child_holding_a_unit_ends_a_run_and_its_rest_goes_up() -> None:
+    # b's 30 make a unit; its bias (2) is left between units: not joined with a and c.
+    params = sizes(a__w=10, b__big__w=30, b__bias=2, c__w=10, d__w=10)
+    assert fzero.units.by_size(params, 20) == ["b.big", ("c", "d")]
+
+
 def test_a_run_of_every_child_is_the_parent_itself() -> None:
     params = sizes(blk__a__w=10, blk__b__w=10, blk__bias=1, other__c__w=4)
     assert fzero.units.by_size(params, 20) == ["blk"]
@@ -95,6 +101,11 @@ def test_units_are_valid_large_enough_runs_of_siblings_and_the_root_keeps_only_s
             kids = [p for p in prefixes if p.rpartition(".")[0] in parents]
             at = kids.index(unit[0])
             assert tuple(kids[at : at + len(unit)]) == unit, (unit, kids)
+    # A group's members hold no unit of their own.
+    for unit in units:
+        for m in unit if isinstance(unit, tuple) else ():
+            inner = [u for u in layout.units if u.startswith(m + ".")]
+            assert not inner, (m, inner)
     # A prefix whose every leaf went to the root was too small to be a unit itself.
     owner = {s.path: b.unit for b in layout.buckets for s in b.slots}
     for path in params:
