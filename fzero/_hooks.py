@@ -117,9 +117,10 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
 
     A container such as `nn.ModuleList` has no forward of its own, so no hook would ever
     fire for it: such units are entered before the forward, like units that name no
-    submodule, and the root. Every leaf of a hooked unit must be a registered parameter
-    of `module` under its path (params from `dict(module.named_parameters())`), since the
-    hook swaps it in by name.
+    submodule, and the root. A submodule whose parent reads its parameters without
+    calling it (`nn.MultiheadAttention`'s `out_proj`) is entered by the parent's hooks.
+    Every leaf of a hooked unit must be a registered parameter of `module` under its path
+    (params from `dict(module.named_parameters())`), since the hook swaps it in by name.
     """
     if module is None:
         return {}
@@ -128,7 +129,7 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
     for unit, prefixes in zip(layout.units, layout.members, strict=True):
         if not unit or not layout.unit_buckets(unit):
             continue
-        subs = [names.get(p) for p in prefixes]
+        subs = [names.get(_runs_at(p, names)) for p in prefixes]
         # A container is never called: its unit enters before the forward.
         if any(m is None or type(m).forward is nn.Module.forward for m in subs):
             continue
@@ -146,3 +147,20 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
                 slots[j].append((s.path, owner, name))
         out[unit] = tuple((m, tuple(sl)) for m, sl in zip(subs, slots, strict=True))
     return out
+
+
+# Modules whose forward reads a child's parameters without calling the child:
+# `nn.MultiheadAttention` passes `out_proj.weight` to `F.multi_head_attention_forward`,
+# so `out_proj`'s own hooks never fire (FSDP1's size-based auto-wrap keeps it whole).
+_READS_CHILDREN = (nn.MultiheadAttention,)
+
+
+def _runs_at(prefix: str, names: Mapping[str, nn.Module]) -> str:
+    """The module whose forward hooks enter the unit of `prefix`'s submodule: itself, or
+    the nearest ancestor whose forward uses its parameters when it does not run."""
+    while prefix:
+        parent = prefix.rpartition(".")[0]
+        if not isinstance(names.get(parent), _READS_CHILDREN):
+            return prefix
+        prefix = parent
+    return prefix
