@@ -117,7 +117,8 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
 
     A container such as `nn.ModuleList` has no forward of its own, so no hook would ever
     fire for it: such units are entered before the forward, like units that name no
-    submodule, and the root. A submodule whose parent reads its parameters without
+    submodule, and the root; so are units with a weight tied to a module outside them
+    (registered under both names). A submodule whose parent reads its parameters without
     calling it (`nn.MultiheadAttention`'s `out_proj`) is entered by the parent's hooks.
     Every leaf of a hooked unit must be a registered parameter of `module` under its path
     (params from `dict(module.named_parameters())`), since the hook swaps it in by name.
@@ -125,6 +126,9 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
     if module is None:
         return {}
     names = dict(module.named_modules())
+    aliases: dict[int, list[str]] = {}  # a Parameter's names, tied ones all of them
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
     out: dict[str, Members] = {}
     for unit, prefixes in zip(layout.units, layout.members, strict=True):
         if not unit or not layout.unit_buckets(unit):
@@ -132,6 +136,10 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
         subs = [names.get(_runs_at(p, names)) for p in prefixes]
         # A container is never called: its unit enters before the forward.
         if any(m is None or type(m).forward is nn.Module.forward for m in subs):
+            continue
+        # A weight tied to a module outside the unit (a GPT's head sharing the token
+        # embedding's) is used where the unit's hooks do not reach: before the forward.
+        if _tied_out(layout, unit, prefixes, names, aliases):
             continue
         slots: list[list[tuple[str, nn.Module, str]]] = [[] for _ in prefixes]
         for i in layout.unit_buckets(unit):
@@ -147,6 +155,25 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
                 slots[j].append((s.path, owner, name))
         out[unit] = tuple((m, tuple(sl)) for m, sl in zip(subs, slots, strict=True))
     return out
+
+
+def _tied_out(
+    layout: ShardLayout,
+    unit: str,
+    prefixes: tuple[str, ...],
+    names: Mapping[str, nn.Module],
+    aliases: Mapping[int, list[str]],
+) -> bool:
+    """Whether a parameter of `unit` is also registered under a name outside it."""
+    for i in layout.unit_buckets(unit):
+        for s in layout.buckets[i].slots:
+            head, _, name = s.path.rpartition(".")
+            owner = names.get(head) if head else names.get("")
+            param = None if owner is None else owner._parameters.get(name)
+            for other in aliases.get(id(param), ()) if param is not None else ():
+                if not any(covers(p, other) for p in prefixes):
+                    return True
+    return False
 
 
 # Modules whose forward reads a child's parameters without calling the child:
