@@ -1,9 +1,10 @@
-"""Size-based units on torch's own layers (attention, recurrent, normalization, tied
-weights), with and without module hooks, against one process running torch.optim."""
+"""Units on torch's own layers (attention, recurrent, normalization, tied weights), size-based
+or chosen, with and without module hooks, against one process running torch.optim."""
 
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,8 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
+from fzero._hooks import hookable_units
+from fzero._layout import build_layout
 from fzero.testing import assert_stages_equivalent, split_batch
 
 
@@ -96,27 +99,74 @@ def test_size_based_units_on_torch_layers_train_like_one_process(
     units = fzero.units.by_size(
         params, max(1, int(fraction * sum(p.numel() for p in params.values())))
     )
+    check(model, data, units, world_size, model if hooked else None)
+
+
+def check(
+    model: nn.Module,
+    data: Callable[[torch.Generator, int], Any],
+    units: list[Any],
+    world_size: int,
+    module: nn.Module | None,
+) -> None:
+    """Every stage trains `model` on 3 steps of drawn data like one process with Adam."""
     g = torch.Generator().manual_seed(1)
-    batches = [
-        split_batch(
-            (
-                data(g, 2 * world_size),
-                torch.randn(2 * world_size, 3, generator=g, dtype=torch.float64),
-            ),
-            world_size,
-        )
-        for _ in range(3)
-    ]
+    batches = []
+    for _ in range(3):
+        x = data(g, 2 * world_size)
+        y = torch.randn(2 * world_size, *model(x[:1]).shape[1:], generator=g, dtype=torch.float64)
+        batches.append(split_batch((x, y), world_size))
 
     def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
         x, y = batch
         return ((functional_call(model, p, (x,)) - y) ** 2).mean()
 
+    params = dict(model.named_parameters())
     assert_stages_equivalent(
-        loss_fn,
-        params,
-        batches,
-        (torch.optim.Adam, {"lr": 0.05}),
-        units=units,
-        module=model if hooked else None,
+        loss_fn, params, batches, (torch.optim.Adam, {"lr": 0.05}), units=units, module=module
     )
+
+
+# Each attention's output projection its own unit, and one unit of it with the layer's
+# first feed-forward Linear: nn.MultiheadAttention passes `out_proj.weight` to
+# F.multi_head_attention_forward and never calls `out_proj`, so hooks on `out_proj`
+# itself would never fire (the forward then met a placeholder and failed).
+ATTENTION_UNITS = [
+    "layers.0.self_attn.out_proj",
+    ("layers.1.self_attn.out_proj", "layers.1.linear1"),
+    "layers.1.self_attn",
+    "layers.0",
+]
+
+
+def make_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double()
+
+
+def test_an_attention_output_projection_unit_is_entered_by_its_attention() -> None:
+    model = make_encoder()
+    layout = build_layout(dict(model.named_parameters()), 2, units=ATTENTION_UNITS)
+    hooked = hookable_units(layout, model)
+    attn = [model.layers[i].self_attn for i in (0, 1)]
+    assert hooked["layers.0.self_attn.out_proj"][0][0] is attn[0]
+    group = hooked["layers.1.self_attn.out_proj+layers.1.linear1"]
+    assert [m for m, _ in group] == [attn[1], model.layers[1].linear1]
+    # The slots still name the projection's own parameters.
+    assert [(p, o) for p, o, _ in group[0][1]] == [
+        ("layers.1.self_attn.out_proj.bias", attn[1].out_proj),
+        ("layers.1.self_attn.out_proj.weight", attn[1].out_proj),
+    ]
+    assert hooked["layers.1.self_attn"][0][0] is attn[1]
+    # Size-based units split an attention as readily as any module.
+    assert "layers.0.self_attn.out_proj" in fzero.units.by_size(dict(model.named_parameters()), 60)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_attention_projection_units_train_like_one_process(world_size: int) -> None:
+    def data(g: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 5, 8, generator=g, dtype=torch.float64)
+
+    model = make_encoder()
+    check(model, data, ATTENTION_UNITS, world_size, model)
