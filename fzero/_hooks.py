@@ -168,11 +168,12 @@ def _tied_out(
     for i in layout.unit_buckets(unit):
         for s in layout.buckets[i].slots:
             head, _, name = s.path.rpartition(".")
-            owner = names.get(head) if head else names.get("")
+            owner = names.get(head)  # "" names the root module
             param = None if owner is None else owner._parameters.get(name)
-            for other in aliases.get(id(param), ()) if param is not None else ():
-                if not any(covers(p, other) for p in prefixes):
-                    return True
+            if param is None:
+                continue  # hookable_units says what is wrong with such a leaf
+            if any(not any(covers(p, o) for p in prefixes) for o in aliases[id(param)]):
+                return True
     return False
 
 
