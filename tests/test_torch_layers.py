@@ -1,5 +1,6 @@
-"""Units on torch's own layers (attention, recurrent, normalization, tied weights), size-based
-or chosen, with and without module hooks, against one process running torch.optim."""
+"""Units on torch's own layers (attention, recurrent, normalization, tied weights,
+parametrizations), size-based or chosen, with and without module hooks, against one
+process running torch.optim."""
 
 from collections.abc import Callable
 from typing import Any
@@ -72,11 +73,22 @@ def conv_net() -> nn.Module:
     )
 
 
+def weight_normed() -> nn.Module:
+    """Weights as parametrizations (`original0`, `original1` under a ParametrizationList,
+    which runs each time the layer reads its weight)."""
+    wn = nn.utils.parametrizations.weight_norm
+    return nn.Sequential(wn(nn.Linear(4, 6)), nn.Tanh(), wn(nn.Linear(6, 6)), nn.Linear(6, 3))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator, int], Any]]] = {
     "transformer": (Seq2Seq, lambda g, n: torch.randn(n, 4, 8, generator=g, dtype=torch.float64)),
     "recurrent": (Recurrent, lambda g, n: torch.randn(n, 4, 3, generator=g, dtype=torch.float64)),
     "tied": (TiedLM, lambda g, n: torch.randint(0, 13, (n, 4), generator=g)),
     "conv": (conv_net, lambda g, n: torch.randn(n, 2, 6, 6, generator=g, dtype=torch.float64)),
+    "weight_norm": (
+        weight_normed,
+        lambda g, n: torch.randn(n, 4, generator=g, dtype=torch.float64),
+    ),
 }
 
 
