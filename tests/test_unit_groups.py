@@ -29,24 +29,10 @@ F64 = torch.float64
 
 
 def layer_groups(n_layers: int) -> Any:
-    """Units for an MLP's layers: a partition of any subset of them into groups of one or
-    more, each group in any order (its layers need not be adjacent)."""
-
-    def split(order: list[int], cuts: list[bool]) -> list[tuple[str, ...]]:
-        groups: list[list[str]] = []
-        for i, cut in zip(order, cuts, strict=True):
-            if cut or not groups:
-                groups.append([])
-            groups[-1].append(f"layers.{i}")
-        return [tuple(g) for g in groups]
-
-    order = st.permutations(range(n_layers)).flatmap(
-        lambda p: st.integers(0, n_layers).map(lambda k: p[:k])
-    )
-    return order.flatmap(
-        lambda o: st.lists(st.booleans(), min_size=len(o), max_size=len(o)).map(
-            lambda cuts: split(list(o), cuts)
-        )
+    """Units for an MLP's layers (`test_units.unit_splits` without the Net's unused layer
+    or the whole stack), every unit a tuple of its layers' paths."""
+    return test_units.unit_splits(n_layers, unused=False).map(
+        lambda units: [u if isinstance(u, tuple) else (u,) for u in units]
     )
 
 

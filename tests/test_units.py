@@ -92,13 +92,13 @@ def train(mesh: fzero.Mesh, case: dict, units: list[Any] | None, stage: int, **o
 
 
 @st.composite
-def unit_splits(draw: Any, n_layers: int) -> list[Any]:
-    """Any subset of layers (and maybe the unused layer), some drawn into groups of
-    several submodules as one unit (in any order, adjacent or not, the unused layer
-    too), or the whole stack as one unit."""
-    names = [f"layers.{i}" for i in range(n_layers)] + ["unused"]
+def unit_splits(draw: Any, n_layers: int, unused: bool = True) -> list[Any]:
+    """Any subset of layers (and, with `unused`, maybe the unused layer), some drawn into
+    groups of several submodules as one unit (in any order, adjacent or not, the unused
+    layer too), or the whole stack as one unit."""
+    names = [f"layers.{i}" for i in range(n_layers)] + (["unused"] if unused else [])
     chosen = draw(st.lists(st.sampled_from(names), unique=True))
-    if draw(st.booleans()) and not chosen:
+    if unused and draw(st.booleans()) and not chosen:
         return ["layers"]
     out: list[Any] = []
     for name in chosen:
