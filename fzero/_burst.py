@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._layout import ShardLayout
+from ._pool import Pool
 
 
 @dataclass
@@ -61,13 +62,19 @@ class Bursts:
 
     A new burst holds `hold_bytes`, or the gradients still to come this step if fewer (so
     a model smaller than one burst allocates only itself), or the bucket asking for it if
-    larger. `rows`: 1 for all-reduces, the shard axis's size for reduce-scatters.
+    larger; its buffer comes from `pool` (the same sizes every step). `rows`: 1 for
+    all-reduces, the shard axis's size for reduce-scatters.
     """
 
     def __init__(
-        self, hold_bytes: int, layout: ShardLayout, reduce_dtype: torch.dtype | None, rows: int
+        self,
+        hold_bytes: int,
+        layout: ShardLayout,
+        reduce_dtype: torch.dtype | None,
+        rows: int,
+        pool: Pool,
     ) -> None:
-        self.hold_bytes, self.rows = hold_bytes, rows
+        self.hold_bytes, self.rows, self.pool = hold_bytes, rows, pool
         self.left: dict[torch.dtype, int] = {}  # columns of each dtype not yet written
         for b in layout.buckets:
             if not b.frozen:
@@ -88,7 +95,7 @@ class Bursts:
             closed = self.open.pop(dtype, None)
             cap = self.hold_bytes // dtype.itemsize // self.rows
             width = max(columns, min(cap, self.left.get(dtype, 0)))
-            buffer = torch.empty(width * self.rows, dtype=dtype, device=device)
+            buffer = self.pool.take(width * self.rows, dtype, device)
             burst = self.open[dtype] = Burst(buffer, self.rows)
             view = burst.take(bucket, columns, unit)
             assert view is not None

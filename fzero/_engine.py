@@ -31,6 +31,7 @@ from ._hooks import ModuleHooks
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._placeholder import Placeholder
+from ._pool import Pool
 from ._reduce import Reductions
 from ._replicated import Replica
 from ._schedule import Schedule
@@ -58,12 +59,14 @@ class Engine:
         acc: dict[int, torch.Tensor] | None,
         final: bool,
         followable: bool = True,
+        pool: Pool | None = None,
     ) -> None:
         """`grads_like`: per bucket, what this rank's reduced gradient looks like (its
         shard, or the full buffer at stage 0); at stage 3 the shards to gather. `local`:
         the replicated full buffers (stages 0-2). `order`: the just-in-time units called
         last step, updated in place for the next (prefetching). `followable`: `order` is a
-        real last step's, which a rank without data may follow."""
+        real last step's, which a rank without data may follow. `pool`: where gradient
+        bursts take their buffers (the step function's, kept across calls)."""
         self.s, self.layout, self.mesh, self.order = schedule, layout, mesh, order
         self.followable = followable
         self.leaf_grads = schedule.bursts
@@ -104,6 +107,7 @@ class Engine:
             final=final,
             before=self.check,
             release=self.source.release,
+            pool=Pool() if pool is None else pool,
         )
         self.calls: list[Call] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order

@@ -17,6 +17,7 @@ from ._autodiff import sparse_gradient, value_and_grad
 from ._engine import Engine
 from ._hooks import hookable_units
 from ._layout import ShardLayout
+from ._pool import Pool
 from ._schedule import Schedule
 from ._stages import Stage
 from ._state import ShardedState
@@ -34,6 +35,7 @@ class Memory:
     micro: int | None = None  # micro-batches of the last step (accumulating)
     warned: bool = False  # a step with no weight anywhere was reported
     hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units): walked once
+    pool: Pool = field(default_factory=Pool)  # gradient bursts' buffers, kept across calls
 
     def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
         if self.hooked[0] is not layout:
@@ -73,10 +75,16 @@ def mean_grad(
             acc=acc,
             final=last,
             followable=memory.followable,
+            pool=memory.pool,
         )
         _, grads = engine.value_and_grad(loss_fn, mb, after_forward if last else None)
         memory.followable = True
-        total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
+        if total is None:
+            total = grads
+            continue
+        total = tuple(t + g for t, g in zip(total, grads))
+        # A sum of its own: no burst is read any more (stage 0's gradients are bursts).
+        memory.pool.give(memory.pool.lent())
     assert total is not None
     if len(micro) > 1:
         total = tuple(t / len(micro) for t in total)

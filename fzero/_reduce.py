@@ -33,6 +33,7 @@ from ._entry import Call, in_backward
 from ._flat import paste
 from ._layout import ShardLayout
 from ._mesh import Mesh
+from ._pool import Pool
 from ._schedule import Schedule
 from ._unit_ledger import UnitLedger
 
@@ -52,6 +53,7 @@ class Reductions:
         final: bool,
         before: Callable[[], None],
         release: Callable[[Call], None],
+        pool: Pool,
     ) -> None:
         self.s, self.layout, self.mesh, self.devices = schedule, layout, mesh, devices
         self.ledger = ledger
@@ -60,9 +62,10 @@ class Reductions:
         self.acc, self.final = acc, final
         self.before = before  # waits for the call check before the first collective
         self.release = release  # frees a call's gathered parameters once reduced
+        self.pool = pool
         rows = 1 if schedule.all_reduce else mesh.shard.size
         self.bursts = (
-            Bursts(schedule.hold_bytes, layout, schedule.reduce_dtype, rows)
+            Bursts(schedule.hold_bytes, layout, schedule.reduce_dtype, rows, pool)
             if schedule.bursts
             else None
         )
@@ -71,8 +74,9 @@ class Reductions:
         self.next = -1  # the next call (`order`) to reduce
         self.held: list[tuple[int, torch.Tensor, str]] = []  # (bucket, full gradient, unit)
         self.held_bytes = 0
-        # (bucket, out, work, full gradient's bytes, unit, whether `out` still needs dividing)
-        self.inflight: list[tuple[int, torch.Tensor, Any, int, str, bool]] = []
+        # (bucket, out, work, full gradient's bytes, unit, whether `out` still needs dividing,
+        # the burst buffer done with once `work` is: see `_issue_burst`)
+        self.inflight: list[tuple[int, torch.Tensor, Any, int, str, bool, Any]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> shard gradient (sum of parts)
         self.extra: dict[int, torch.Tensor] = {}  # bucket -> zeros reduced after the backward
 
@@ -160,14 +164,26 @@ class Reductions:
         # Owned, already divided and in the reduce dtype. An all-reduce runs in place, so
         # each part's columns hold that bucket's mean once the work is done; a
         # reduce-scatter returns this rank's row, each part's columns its slice.
+        filled = burst.filled
         if self.s.all_reduce:
-            out, work = _comm.all_reduce_async(burst.filled, self.mesh, owned=True)
+            out, work = _comm.all_reduce_async(filled, self.mesh, owned=True)
         else:
-            out, work = _comm.reduce_scatter_async(burst.filled, self.mesh, owned=True)
+            # This rank's row of the sums in a buffer of the pool's too, which the step
+            # gives back at its end: at stage 1 these rows are the step's gradient.
+            row = None
+            if self.mesh.shard.size > 1:  # on one rank the burst itself is the row
+                row = self.pool.take(burst.used, filled.dtype, filled.device)
+            out, work = _comm.reduce_scatter_async(filled, self.mesh, owned=True, out=row)
         ends = [start for _, start, _ in burst.parts[1:]] + [burst.used]
         size = burst.rows * burst.buffer.element_size()
-        for (i, start, unit), end in zip(burst.parts, ends):
-            self.inflight.append((i, out[start:end], work, (end - start) * size, unit, False))
+        # A reduce-scatter's result is a buffer of its own (on more than one rank): once
+        # it is done, nothing reads the burst, and the next burst may take its buffer.
+        # An all-reduce's result is the burst itself, given back at the end of the step.
+        own = out.untyped_storage().data_ptr() != burst.buffer.untyped_storage().data_ptr()
+        for k, ((i, start, unit), end) in enumerate(zip(burst.parts, ends)):
+            done = burst.buffer if own and k == len(burst.parts) - 1 else None
+            part = (i, out[start:end], work, (end - start) * size, unit, False, done)
+            self.inflight.append(part)
 
     # -- unit gradients: held, then reduced ------------------------------------------------
     def _take(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -199,7 +215,7 @@ class Reductions:
         """Starts the reductions of every held gradient, oldest first."""
         for i, g, unit in self.held:
             out, work = self._start(g)
-            self.inflight.append((i, out, work, g.numel() * g.element_size(), unit, True))
+            self.inflight.append((i, out, work, g.numel() * g.element_size(), unit, True, None))
         self.held.clear()
         self.held_bytes = 0
 
@@ -223,9 +239,11 @@ class Reductions:
         return out.div_(self.mesh.size) if self.mesh.size > 1 else out
 
     def _finish_oldest(self) -> None:
-        i, out, work, nbytes, unit, divide = self.inflight.pop(0)
+        i, out, work, nbytes, unit, divide, done = self.inflight.pop(0)
         if work is not None:
             work.wait()  # a burst's parts share one work: waiting again returns at once
+        if done is not None:
+            self.pool.give([done])
         if divide and self.mesh.size > 1:  # the mean; one rank's sum is already it
             out.div_(self.mesh.size)
         self.reduced[i] = self.reduced[i] + out if i in self.reduced else out

@@ -187,6 +187,7 @@ def reduce_scatter_async(
     dtype: torch.dtype | None = None,
     owned: bool = False,
     quant: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """Starts a reduce-scatter (SUM over every rank) of the 1-D `full`; returns `(out, work)`.
 
@@ -197,8 +198,10 @@ def reduce_scatter_async(
     Overlaps a unit's gradient reduction with the backward of the units before it. With
     `dtype` the reduction (and `out`) is in that dtype. `owned`: the caller gives `full`
     away (a fresh gradient), so on one rank it is returned as it is instead of copied.
-    With `quant` (qgZ) both halves travel as int8 blocks (`_reduce_scatter_quantized`);
-    inf or NaN arrive as NaN, as an unquantized sum carries them (the step checks).
+    `out`: where the slice goes (a buffer of the slice's size and dtype), else a new one;
+    not with `quant`. With `quant` (qgZ) both halves travel as int8 blocks
+    (`_reduce_scatter_quantized`); inf or NaN arrive as NaN, as an unquantized sum carries
+    them (the step checks).
 
     On gloo, whose own reduce-scatter is an all-reduce underneath (twice the bytes), each
     rank sends every peer that peer's slice and sums the slices it receives, in rank
@@ -216,10 +219,15 @@ def reduce_scatter_async(
         if quant is not None and axis.size > 1:
             out, work = _reduce_scatter_quantized(full, axis, quant)
         elif axis.size == 1:
-            out, work = (full if owned else full.clone()), None
+            work = None
+            if out is not None:
+                out.copy_(full)
+            else:
+                out = full if owned else full.clone()
         else:
             record("reduce_scatter", full.dtype, full.numel(), axis.name)
-            out = full.new_empty(full.numel() // axis.size)
+            if out is None:
+                out = full.new_empty(full.numel() // axis.size)
             if _is_gloo(axis, full):
                 work = _reduce_scatter_gloo(full, out, axis)
             else:
