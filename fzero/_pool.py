@@ -41,9 +41,10 @@ class Pool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D buffer of `numel` elements (contents undefined), lent until given back."""
-        if torch.device(device).type != "cpu":
+        device = torch.device(device)
+        if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
-        free = self._free.get((numel, dtype, torch.device(device)))
+        free = self._free.get((numel, dtype, device))
         buf = free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
         self._lent.append(buf)
         self._taken.append(buf)
@@ -55,7 +56,7 @@ class Pool:
             for k, lent in enumerate(self._lent):
                 if lent is buf:
                     del self._lent[k]
-                    self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+                    self._free.setdefault(_key(buf), []).append(buf)
                     break
 
     def lent(self) -> list[torch.Tensor]:
@@ -78,10 +79,14 @@ class Pool:
         self._free = {}
         for buf in {id(b): b for b in self._taken}.values():  # a buffer may be taken twice
             if id(buf) not in lost:
-                self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+                self._free.setdefault(_key(buf), []).append(buf)
         self._lent, self._taken = [], []
 
     def forget(self) -> None:
         """The start of a step: buffers a failed step left lent are not lent any more, nor
         reused (the failure's traceback may still hold them); the free ones stay."""
         self._lent, self._taken = [], []
+
+
+def _key(buf: torch.Tensor) -> _Key:
+    return buf.numel(), buf.dtype, buf.device
