@@ -2,14 +2,16 @@
 
 DDP's reducer keeps its gradient buckets contiguous so that `bucket_cap_mb` of gradients
 cost one collective. fzero's unit gradients arrive one unit at a time during the
-backward; at stages 0-1 each leaf's gradient is written straight into the current burst
-buffer (divided by the mesh size on the way in), and the burst is reduced in place once
-it holds `reduce_bucket_bytes`. Each collective costs a round trip however small it is:
-on gloo, twelve 1.8 MB all-reduces take ~15 % longer than one of 21 MB.
+backward; each leaf's gradient is written straight into the current burst buffer
+(divided by the mesh size on the way in), and the burst is reduced in place once it
+holds `reduce_bucket_bytes` at stages 0-1, or at once, one unit's, at stages 2-3 (their
+memory bound). Each collective costs a round trip however small it is: on gloo, twelve
+1.8 MB all-reduces take ~15 % longer than one of 21 MB. Burst buffers come from the step
+function's `Pool`, as autograd's own assembly of a unit's gradient would not.
 
 An all-reduce of a concatenation is the concatenation of the all-reduces, so stage 0's
 burst is the buckets end to end. A reduce-scatter hands rank r the r-th slice of its
-input, so stage 1's burst is laid out by rank: R rows (R ranks on the shard axis), and
+input, so the burst of stages 1-3 is laid out by rank: R rows (R ranks on the shard axis), and
 each bucket takes the same columns of every row, its slice r in row r. Rank r then
 receives the r-th slice of every bucket in the burst as one contiguous row, and pasting
 the gradients there costs what pasting them end to end does.

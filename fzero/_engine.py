@@ -66,7 +66,8 @@ class Engine:
         the replicated full buffers (stages 0-2). `order`: the just-in-time units called
         last step, updated in place for the next (prefetching). `followable`: `order` is a
         real last step's, which a rank without data may follow. `pool`: where gradient
-        bursts take their buffers (the step function's, kept across calls)."""
+        bursts and gathered parameters take their host buffers (the step function's,
+        kept across calls)."""
         self.s, self.layout, self.mesh, self.order = schedule, layout, mesh, order
         self.followable = followable
         self.leaf_grads = schedule.bursts
@@ -79,6 +80,7 @@ class Engine:
         # Shared by both halves, which hold no reference back to the engine: a step's
         # engine is freed (with what it holds) as soon as the step is done with it.
         self.check = CallCheck(mesh)
+        pool = Pool() if pool is None else pool
         if stage.enter == "all_gather":
             self.source: Gathers | Replica = Gathers(
                 mesh,
@@ -93,6 +95,7 @@ class Engine:
                 order=order,
                 ledger=ledger,
                 before=self.check,
+                pool=pool,
             )
         else:
             assert local is not None
@@ -107,7 +110,7 @@ class Engine:
             final=final,
             before=self.check,
             release=self.source.release,
-            pool=Pool() if pool is None else pool,
+            pool=pool,
         )
         self.calls: list[Call] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order

@@ -41,6 +41,7 @@ from . import _comm
 from ._entry import Call, in_backward
 from ._layout import ShardLayout
 from ._mesh import Axis, Mesh
+from ._pool import Pool
 from ._unit_ledger import UnitLedger
 
 
@@ -97,6 +98,7 @@ class Gathers:
         order: list[str],
         ledger: UnitLedger | None,
         before: Callable[[], list[bool] | None],
+        pool: Pool,
     ) -> None:
         self.mesh, self.layout, self.shards = mesh, layout, shards
         self.dtype, self.prefetch, self.reshard = dtype, prefetch, reshard
@@ -106,6 +108,7 @@ class Gathers:
         self.entered = 0  # just-in-time calls the forward has made
         self.kept: list[Call] = []  # calls that `keep_last` exempts from resharding
         self.ledger = ledger
+        self.pool = pool  # where gathered buffers come from (host ones are reused)
         self.before = before  # waits for the call check before a backward collective
         self.needed: set[str] = set()  # units whose parameters this rank's backward may use
         self.agreed: set[str] | None = None  # the same, OR-ed over the ranks by the check
@@ -185,11 +188,15 @@ class Gathers:
             # hpZ: from the slices kept at the forward, inside the group; exact values
             # (no quantization or dtype again: they are what the forward computed with).
             part = call.secondary[k]
-            full, work = _comm.all_gather_async(part, self.secondary)
+            out = self.pool.take(part.numel() * self.secondary.size, part.dtype, part.device)
+            full, work = _comm.all_gather_async(part, self.secondary, out=out)
         else:
+            shard = self.shards[i].detach()
+            out = self.pool.take(shard.numel() * self.mesh.shard.size, shard.dtype, shard.device)
             full, work = _comm.all_gather_async(
-                self.shards[i].detach(),
+                shard,
                 self.mesh,
+                out=out,
                 dtype=self.dtype,
                 quant=self.quant,
                 what=f"rank {self.mesh.rank}: the parameters of unit {unit!r}",
@@ -243,11 +250,13 @@ class Gathers:
         call.followed = []
 
     def _free(self, full: torch.Tensor) -> None:
-        """Frees `full`'s memory now; its views stay valid objects, with no data."""
+        """Frees `full`'s memory now (its views stay valid objects, with no data), or, a
+        pooled buffer, leaves it to come back to the pool once nothing refers to it."""
         storage = full.untyped_storage()
         # Forget it before the allocator can hand its address to another tensor.
         self.by_storage.pop(storage.data_ptr(), None)
-        storage.resize_(0)
+        if not self.pool.pools(full):
+            storage.resize_(0)
         counted = self.counted.get(full)
         if counted is not None:
             counted.close()

@@ -83,8 +83,6 @@ def mean_grad(
             total = grads
             continue
         total = tuple(t + g for t, g in zip(total, grads))
-        # A sum of its own: no burst is read any more (stage 0's gradients are bursts).
-        memory.pool.give(memory.pool.lent())
     assert total is not None
     if len(micro) > 1:
         total = tuple(t / len(micro) for t in total)

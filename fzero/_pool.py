@@ -1,92 +1,97 @@
-"""Pool: the host buffers a step function's gradient bursts reuse from one call to the next.
+"""Pool: the host buffers a step function's collectives reuse from one call to the next.
 
 DDP allocates its gradient buckets once and keeps them; on a GPU the caching allocator
 does as much for any buffer. On the CPU, glibc returns the freed top of its heap to the
 OS (once more than its trim threshold is free there), and the next allocation faults
 every page back in, ~3 µs a page here: a step that allocates and frees tens of
-megabytes of bursts, in a process whose heap top lies just there (decided by every
-other allocation of the process: data loading, evaluation, a second model), took 5-25k
-page faults a step, 10-40 % of the Linear stack's step at stages 0-1 in
-benchmarks/RESULTS.md. Bursts come back in the same sizes every step, so they are kept.
+megabytes of gradient bursts and gathered parameters, in a process whose heap top lies
+just there (decided by every other allocation of the process: data loading, evaluation,
+a second model), took 4-25k page faults a step, 10-40 % of the Linear stack's step in
+benchmarks/RESULTS.md. These buffers come back in the same sizes every step, so they
+are kept.
 
-A buffer is lent to a step (`take`) and comes back when nothing reads it any more: a
-stage-1 burst when its reduce-scatter is done (`give`), so one burst's buffer serves the
-next; the rows of sums those reduce-scatters return (stage 1's gradient), and stage 0's
-bursts (whose all-reduced values *are* its gradient), at the end of the step
-(`reclaim`), unless the state the step returns refers to them (an optimizer keeping the
-gradient itself in its state, as a pure function may): those are left to the state. The
-pool holds at most the buffers a step had alive at once. Stages 2-3 reduce the
-gradients autograd assembles unit by unit, not bursts: nothing of theirs is pooled.
-Device buffers are not pooled either: the caching allocator reuses them already.
+A buffer is free when nothing but the pool refers to its memory: the pool lends a tensor
+of its own on it, and every tensor that shares the memory (that one, views of it, what
+autograd saved of them, a collective's work in flight) holds a reference to its storage,
+which the pool counts. So a buffer comes back by itself when the last of them goes,
+whoever held it: a burst once its reduce-scatter is done, a gathered unit once its
+backward is over, a failed step's buffers once its traceback is gone. A buffer the
+step's result keeps (stage 1's gradient, to an optimizer holding on to it, as a pure
+function may) is simply never free again, and the pool lets go of it at the end of the
+next step that did not take it. The pool holds at most the buffers a step had alive at
+once, reserved for reuse (not free for the update's temporaries meanwhile: a little more
+peak memory). Device buffers are not pooled: the caching allocator reuses them already.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-
-from ._tree import tree_flatten
 
 _Key = tuple[int, torch.dtype, torch.device]
 
 
+def _refs(buf: torch.Tensor) -> int:
+    """How many references the memory of `buf` has (its storage's use count)."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+
+
+def _lend(buf: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own on `buf`'s memory, not a view of `buf`: views of it keep it
+    alive (a view's base is the root of its chain), as they would a fresh tensor, so
+    whoever watches it (`_gathers` follows gathered buffers weakly) sees it live as long
+    as anything reads it."""
+    return buf.new_empty(0).set_(buf.untyped_storage(), 0, buf.shape)
+
+
 class Pool:
-    """Host buffers by (elements, dtype, device): free ones, and those lent this step."""
+    """Host buffers by (elements, dtype, device), each lent while anything refers to it."""
 
     def __init__(self) -> None:
-        self._free: dict[_Key, list[torch.Tensor]] = {}
-        self._lent: list[torch.Tensor] = []
-        self._taken: list[torch.Tensor] = []  # lent this step, whether given back yet or not
+        # Per size: (buffer, its references when only the pool holds it, taken this step).
+        self._bufs: dict[_Key, list[list]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 1-D buffer of `numel` elements (contents undefined), lent until given back."""
+        """A 1-D tensor of `numel` elements (contents undefined), free again once it and
+        every tensor sharing its memory are gone.
+
+        Args:
+          numel: its number of elements.
+          dtype: its dtype.
+          device: its device; off the host, a fresh tensor (not pooled).
+
+        Returns:
+          A view of a pooled buffer that nothing else refers to, or of a new one.
+        """
         device = torch.device(device)
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
-        free = self._free.get((numel, dtype, device))
-        buf = free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
-        self._lent.append(buf)
-        self._taken.append(buf)
-        return buf
+        entries = self._bufs.setdefault((numel, dtype, device), [])
+        for entry in entries:
+            if _refs(entry[0]) == entry[1]:
+                entry[2] = True
+                return _lend(entry[0])
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        entries.append([buf, _refs(buf), True])
+        return _lend(buf)
 
-    def give(self, buffers: list[torch.Tensor]) -> None:
-        """`buffers` (lent by `take`) are no longer read or written by anything."""
-        for buf in buffers:
-            for k, lent in enumerate(self._lent):
-                if lent is buf:
-                    del self._lent[k]
-                    self._free.setdefault(_key(buf), []).append(buf)
-                    break
+    def pools(self, buf: torch.Tensor) -> bool:
+        """Whether `take` pools buffers like `buf` (host memory), so that one must never
+        be freed under the pool (`resize_`)."""
+        return buf.device.type == "cpu"
 
-    def lent(self) -> list[torch.Tensor]:
-        """The buffers lent and not given back yet."""
-        return list(self._lent)
+    def reclaim(self) -> None:
+        """The end of a step: lets go of the buffers it did not take (the sizes a step
+        asks for change only with its layout, and one the step's result still holds can
+        never be taken again); the rest wait for the next step."""
+        for key, entries in list(self._bufs.items()):
+            kept = [e for e in entries if e[2]]
+            for e in kept:
+                e[2] = False
+            if kept:
+                self._bufs[key] = kept
+            else:
+                del self._bufs[key]
 
-    def reclaim(self, *kept: Any) -> None:
-        """The end of a step: every buffer still lent comes back, except those a tensor in
-        the trees `kept` (what the step returns) lies in, which now belong to it. Free
-        buffers this step did not take are let go: the sizes a step asks for change only
-        with its layout (a resharded state), and then the old ones are not asked for again."""
-        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in self._lent]
-        held: set[int] = set()
-        for tree in kept if spans else ():
-            for leaf in tree_flatten(tree)[0]:
-                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                    p = leaf.data_ptr()
-                    held.update(k for k, (lo, hi) in enumerate(spans) if lo <= p < hi)
-        lost = {id(b) for k, b in enumerate(self._lent) if k in held}
-        self._free = {}
-        for buf in {id(b): b for b in self._taken}.values():  # a buffer may be taken twice
-            if id(buf) not in lost:
-                self._free.setdefault(_key(buf), []).append(buf)
-        self._lent, self._taken = [], []
-
-    def forget(self) -> None:
-        """The start of a step: buffers a failed step left lent are not lent any more, nor
-        reused (the failure's traceback may still hold them); the free ones stay."""
-        self._lent, self._taken = [], []
-
-
-def _key(buf: torch.Tensor) -> _Key:
-    return buf.numel(), buf.dtype, buf.device
+    def nbytes(self) -> int:
+        """The bytes of every buffer the pool holds, lent or free."""
+        return sum(e[0].numel() * e[0].element_size() for es in self._bufs.values() for e in es)

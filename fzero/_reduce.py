@@ -5,13 +5,13 @@ complete. The reduction is the stage's (`Stage.reduce`): an all-reduce (stage 0,
 rank keeps the mean) or a reduce-scatter (stages 1-3, a rank keeps its slice of the
 mean). How reductions are held and overlapped is the `Schedule`'s:
 
-- `bursts` (stages 0-1): leaf gradients are written, divided by the world size, straight
-  into a buffer of `hold_bytes`, reduced as one collective once full (DDP's buckets; at
-  stage 1 laid out rank by rank, `_burst`);
+- `bursts`: leaf gradients are written, divided by the world size, straight into a
+  buffer of `hold_bytes` (DDP's buckets at stages 0-1; one unit's at stages 2-3), reduced
+  as one collective once full (for reduce-scatters laid out rank by rank, `_burst`);
 - `hold_bytes`: without bursts (local accumulation, qgZ), complete unit gradients wait
   until that many bytes are ready, then their reductions start together;
-- `in_flight`: how many reductions may run while the backward goes on; `drain` (stage 1)
-  finishes the burst in flight when the next unit's gradient arrives.
+- `in_flight`: how many reductions may run while the backward goes on; `drain` (stages
+  1-3) finishes the burst in flight when the next unit's gradient arrives.
 
 Reductions pair up across ranks by the order they are started in, so that order must
 not depend on which calls a rank's loss reached. Every rank reduces the forward's calls
@@ -74,9 +74,8 @@ class Reductions:
         self.next = -1  # the next call (`order`) to reduce
         self.held: list[tuple[int, torch.Tensor, str]] = []  # (bucket, full gradient, unit)
         self.held_bytes = 0
-        # (bucket, out, work, full gradient's bytes, unit, whether `out` still needs dividing,
-        # the burst buffer done with once `work` is: see `_issue_burst`)
-        self.inflight: list[tuple[int, torch.Tensor, Any, int, str, bool, Any]] = []
+        # (bucket, out, work, full gradient's bytes, unit, whether `out` still needs dividing)
+        self.inflight: list[tuple[int, torch.Tensor, Any, int, str, bool]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> shard gradient (sum of parts)
         self.extra: dict[int, torch.Tensor] = {}  # bucket -> zeros reduced after the backward
 
@@ -134,7 +133,7 @@ class Reductions:
         b = self.layout.buckets[i]
         return torch.zeros(b.full_numel, dtype=b.dtype, device=self.devices[i])
 
-    # -- stages 0-1: leaf gradients into burst buffers -------------------------------------
+    # -- leaf gradients into burst buffers -------------------------------------------------
     def _into_bursts(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> None:
         assert self.bursts is not None
         if self.s.drain:
@@ -154,6 +153,7 @@ class Reductions:
             paste(b, part, view, self.mesh.size)
             self._log(call.unit, b.full_numel * view.element_size())
         call.reduced = True
+        self.release(call)
         for burst in self.bursts.full():
             self._issue_burst(burst)
         while len(self.inflight) > self.s.in_flight:
@@ -168,22 +168,20 @@ class Reductions:
         if self.s.all_reduce:
             out, work = _comm.all_reduce_async(filled, self.mesh, owned=True)
         else:
-            # This rank's row of the sums in a buffer of the pool's too, which the step
-            # gives back at its end: at stage 1 these rows are the step's gradient.
+            # This rank's row of the sums (the step's gradient), kept between steps or
+            # not (`Schedule.keep_rows`); on one rank the burst itself, if kept.
             row = None
-            if self.mesh.shard.size > 1:  # on one rank the burst itself is the row
+            if self.s.keep_rows and self.mesh.shard.size > 1:
                 row = self.pool.take(burst.used, filled.dtype, filled.device)
+            elif not self.s.keep_rows and self.mesh.shard.size == 1:
+                row = torch.empty(burst.used, dtype=filled.dtype, device=filled.device)
             out, work = _comm.reduce_scatter_async(filled, self.mesh, owned=True, out=row)
         ends = [start for _, start, _ in burst.parts[1:]] + [burst.used]
         size = burst.rows * burst.buffer.element_size()
-        # A reduce-scatter's result is a buffer of its own (on more than one rank): once
-        # it is done, nothing reads the burst, and the next burst may take its buffer.
-        # An all-reduce's result is the burst itself, given back at the end of the step.
-        own = out.untyped_storage().data_ptr() != burst.buffer.untyped_storage().data_ptr()
-        for k, ((i, start, unit), end) in enumerate(zip(burst.parts, ends)):
-            done = burst.buffer if own and k == len(burst.parts) - 1 else None
-            part = (i, out[start:end], work, (end - start) * size, unit, False, done)
-            self.inflight.append(part)
+        # Once a reduce-scatter is done nothing refers to its burst, and the next burst
+        # may take the buffer (`Pool`); an all-reduce's result is the burst itself.
+        for (i, start, unit), end in zip(burst.parts, ends):
+            self.inflight.append((i, out[start:end], work, (end - start) * size, unit, False))
 
     # -- unit gradients: held, then reduced ------------------------------------------------
     def _take(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -215,7 +213,7 @@ class Reductions:
         """Starts the reductions of every held gradient, oldest first."""
         for i, g, unit in self.held:
             out, work = self._start(g)
-            self.inflight.append((i, out, work, g.numel() * g.element_size(), unit, True, None))
+            self.inflight.append((i, out, work, g.numel() * g.element_size(), unit, True))
         self.held.clear()
         self.held_bytes = 0
 
@@ -239,11 +237,9 @@ class Reductions:
         return out.div_(self.mesh.size) if self.mesh.size > 1 else out
 
     def _finish_oldest(self) -> None:
-        i, out, work, nbytes, unit, divide, done = self.inflight.pop(0)
+        i, out, work, nbytes, unit, divide = self.inflight.pop(0)
         if work is not None:
             work.wait()  # a burst's parts share one work: waiting again returns at once
-        if done is not None:
-            self.pool.give([done])
         if divide and self.mesh.size > 1:  # the mean; one rank's sum is already it
             out.div_(self.mesh.size)
         self.reduced[i] = self.reduced[i] + out if i in self.reduced else out

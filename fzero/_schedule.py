@@ -42,11 +42,16 @@ class Schedule:
         slices of it each rank kept (None: the shards, along the shard axis).
       all_reduce: gradients are all-reduced (stage 0), not reduce-scattered.
       bursts: leaf gradients are written straight into reduction buffers of
-        `hold_bytes`, so buckets of several units cost one collective, as in DDP (stage
-        0: end to end, all-reduced; stage 1: rank by rank, reduce-scattered; `_burst`).
+        `hold_bytes` that the step function keeps (`_pool`), so buckets of several units
+        cost one collective, as in DDP (stage 0: end to end, all-reduced; stages 1-3:
+        rank by rank, reduce-scattered; `_burst`).
       hold_bytes: how many bytes of gradients a burst holds before its reduction starts;
         without bursts, complete gradients are held until this many bytes are ready,
         then their reductions start together.
+      keep_rows: the rows reduce-scatters return (this rank's gradient) are the step
+        function's to keep between steps (`_pool`), not allocated afresh: stage 1,
+        whose bound holds full gradients anyway. Stages 2-3 keep no gradient between
+        steps: held, the rows would add the gradient shard to the forward's peak.
       in_flight: how many reductions may run while the backward goes on.
       drain: finish the reductions in flight when the next gradient arrives.
       check_calls: compare the units every rank called before the first reduction.
@@ -69,6 +74,7 @@ class Schedule:
     gather_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     secondary: Axis | None = None
+    keep_rows: bool = False
     keep_last: int = 0
     quant_gather: int | None = None
     quant_reduce: int | None = None
@@ -115,14 +121,15 @@ def plan(
         all_reduce=all_reduce,
         # Local accumulation sums whole unit gradients across micro-batches, and qgZ
         # quantizes unit by unit: both reduce held gradients instead.
-        bursts=buckets and not accumulate_locally and quant_reduce is None,
+        bursts=not accumulate_locally and quant_reduce is None,
         hold_bytes=reduce_bucket_bytes if buckets else 0,
         in_flight=in_flight,
-        drain=buckets and not all_reduce,
+        drain=not all_reduce,
         check_calls=bool(jit) and world_size > 1,
         gather_dtype=comm_dtypes[0],
         reduce_dtype=comm_dtypes[1],
         secondary=secondary if reshard else None,
+        keep_rows=buckets and not all_reduce,
         keep_last=(2 if prefetch else 1) if reshard else 0,
         quant_gather=q.block if q is not None and q.weights and gathers else None,
         quant_reduce=quant_reduce,

@@ -193,11 +193,13 @@ def sharded_step(
         0, reduce-scattered at stage 1 (laid out rank by rank); with local accumulation
         or qgZ, stage 1 waits until this many bytes of unit gradients are ready and
         starts their reduce-scatters together. 0 starts each unit's reduction as soon
-        as it is complete. The step function keeps these buffers (and at stage 1 the
-        rows the reduce-scatters return) from one call to the next, as DDP keeps its
-        buckets, on the CPU where no caching allocator does (`fzero._pool`): at rest,
-        stage 0's full gradient, and stage 1's gradient shard and one or two bursts.
-        Stages 2-3 never hold (their memory bound). Stages 1-2 also gather the
+        as it is complete. Stages 2-3 never hold (their memory bound): each unit's
+        gradient is its own burst. On the CPU, where no caching allocator does, the
+        step function keeps these buffers, stage 1's reduce-scattered gradient and
+        stage 3's gathered parameters from one call to the next (`fzero._pool`), as
+        DDP keeps its buckets: at rest, stage 0's full gradient, stage 1's gradient
+        shard and a burst or two, at stages 2-3 the few units' buffers a step had in
+        use at once. Stages 1-2 also gather the
         updated shards of buckets up to 1 MiB in bursts of up to this many
         bytes, one collective each (DeepSpeed's `allgather_bucket_size`).
 
@@ -247,14 +249,13 @@ def sharded_step(
         fn = weighed = Weighed(fn, mesh.rank)
         if state.scaler is not None:
             fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
-        memory.pool.forget()
         try:
             out = _train(fn, weighed, optimizer, opts, memory, state, batch)
         except RuntimeError as exc:
             if not is_peer_failure(exc):
                 raise
             raise _stalled(exc, state, mesh) from exc
-        memory.pool.reclaim(out.params, out.opt_state, out.master)  # the gradients are dead
+        memory.pool.reclaim()
         tally = out.tally
         local = weighed.local_loss()
         # Scalar losses: this rank's mean, as always; pairs: the global weighted mean.

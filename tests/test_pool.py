@@ -62,11 +62,11 @@ def train(mesh: fzero.Mesh, params: dict[str, Any], stage: int) -> Any:
     return fzero.gather_params(state.params, mesh)
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_state_holding_the_gradient_itself_trains_like_one_process(stage: int) -> None:
-    # Stages 0-1 reduce into buffers the step function keeps: the all-reduced bursts are
-    # stage 0's gradient, the reduce-scattered rows stage 1's. Reused while this state
-    # holds them, the next step's gradient would overwrite g_prev.
+    # Every stage reduces into host buffers the step function keeps: the all-reduced
+    # bursts are stage 0's gradient, the reduce-scattered rows that of stages 1-3. Reused
+    # while this state holds them, the next step's gradient would overwrite g_prev.
     params = make_params([3, 5, 2], torch.float64, seed=3)
     want = reference(params)
     moved = [
@@ -77,23 +77,48 @@ def test_a_state_holding_the_gradient_itself_trains_like_one_process(stage: int)
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def _holds(t: torch.Tensor, kind: int) -> Any:
+    """Something that keeps `t`'s memory in use without being `t`: a view, what autograd
+    saved of it, or a tensor set onto its storage."""
+    if kind == 0:
+        return t[1:]
+    if kind == 1:
+        w = torch.ones(t.numel(), requires_grad=True)
+        return (w * t).sum()  # its graph saved t
+    return t.new_empty(0).set_(t.untyped_storage(), 0, t.shape)
+
+
 @settings(max_examples=200)
 @given(
-    st.lists(st.tuples(st.sampled_from(["take", "give", "end"]), st.integers(0, 3)), max_size=40)
+    st.lists(
+        st.tuples(st.sampled_from(["take", "drop", "hold", "end"]), st.integers(0, 5)),
+        max_size=40,
+    )
 )
-def test_the_pool_never_lends_a_buffer_in_use(ops: list[tuple[str, int]]) -> None:
-    # Steps of takes and gives, each ended by a reclaim that keeps some buffers in the
-    # returned state: nothing lent is lent twice at once, nothing kept is lent again.
-    pool, lent, kept = Pool(), [], []
+def test_the_pool_never_lends_memory_in_use_and_reuses_what_is_not(
+    ops: list[tuple[str, int]],
+) -> None:
+    # What a step's tensors hold of the pool's buffers changes under it: a buffer comes
+    # back only when nothing refers to its memory any more, whatever referred to it.
+    pool = Pool()
+    alive: list[tuple[int, int, Any]] = []  # (size, data_ptr, what holds it)
+    most: dict[int, int] = {}  # size -> most buffers of it alive at once
     for op, k in ops:
         if op == "take":
-            buf = pool.take(4 + k % 2, torch.float32, torch.device("cpu"))
-            assert all(buf is not b for b in lent + kept)
-            lent.append(buf)
-        elif op == "give" and lent:
-            pool.give([lent.pop(k % len(lent))])
+            n = 4 + k % 2
+            buf = pool.take(n, torch.float32, torch.device("cpu"))
+            assert buf.numel() == n and buf.dtype == torch.float32
+            assert all(buf.data_ptr() != ptr for _, ptr, _ in alive)
+            alive.append((n, buf.data_ptr(), buf))
+            del buf  # only `alive` holds it
+            most[n] = max(most.get(n, 0), sum(1 for m, _, _ in alive if m == n))
+            assert pool.nbytes() <= 4 * sum(m * c for m, c in most.items())
+        elif op == "drop" and alive:
+            alive.pop(k % len(alive))
+        elif op == "hold" and alive:
+            n, ptr, t = alive[k % len(alive)]
+            if isinstance(t, torch.Tensor) and t.dim():  # not held some other way already
+                alive[k % len(alive)] = (n, ptr, _holds(t, k % 3))
+            del t
         elif op == "end":
-            keep = lent[: k % 2]
-            pool.reclaim({"w": [t[1:] for t in keep]})  # views into them
-            kept += keep
-            lent = []
+            pool.reclaim()

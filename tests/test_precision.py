@@ -495,10 +495,10 @@ def test_step_zero_rounding_through_the_gather_dtype_leaves_integer_leaves_exact
 def sgd16_reference(n: int, stage: int, steps: int, lr: float) -> tuple[dict, float]:
     """One process doing what a bfloat16 reduction over `n` ranks does, on float32
     parameters with plain SGD (linear in the gradient): each rank's float32 gradient cast
-    to bfloat16, summed in rank order in bfloat16 and divided by `n` there (stages 2-3:
-    gloo's reduce-scatter runs as point-to-point messages summed in rank order); stages
-    0-1 divide each term by `n` before summing, as their burst buffers do. Also returns
-    the largest gradient element seen, for the stage-0 bound."""
+    to bfloat16 and divided by `n` there, as the burst buffers every stage reduces from
+    do, then summed in rank order in bfloat16 (stages 1-3: gloo's reduce-scatter runs as
+    point-to-point messages summed in rank order). Also returns the largest gradient
+    element seen, for the stage-0 bound."""
     torch.manual_seed(0)
     model = Net()
     loss_fn = make_loss(model, FP32)
@@ -514,12 +514,11 @@ def sgd16_reference(n: int, stage: int, steps: int, lr: float) -> tuple[dict, fl
         for k, p in enumerate(params.values()):
             terms = [g[k].to(BF16) for g in per_rank]
             biggest = max(biggest, max(float(x.abs().max()) for x in terms))
-            if stage <= 1:
-                terms = [x / n for x in terms]
+            terms = [x / n for x in terms]
             total = terms[0]
             for x in terms[1:]:
                 total = total + x
-            p.grad = (total if stage <= 1 else total / n).float()
+            p.grad = total.float()
         opt.step()
     return {k: p.detach() for k, p in params.items()}, biggest
 
@@ -543,8 +542,8 @@ def train_sgd16(mesh: fzero.Mesh, steps: int, lr: float, stage: int, hooks: bool
 @pytest.mark.parametrize("n", [3, 4])
 def test_16_bit_reduction_over_more_than_two_ranks(n: int, stage: int) -> None:
     """bfloat16 gradient reduction on 3 and 4 ranks, against one process rounding the same
-    way. Stages 1-3 sum in rank order on gloo: bitwise (stage 1 divides before summing,
-    stages 2-3 after). Stage 0's all-reduce sums in
+    way. Stages 1-3 sum in rank order on gloo: bitwise (each term divided before the
+    sum, in the burst buffer). Stage 0's all-reduce sums in
     gloo's ring order, which one process cannot replay: each of its n - 1 bfloat16
     additions rounds by at most 2^-9 of the running sum, so per step the mean differs by
     at most (n - 1) 2^-8 max|g|, times lr per SGD update. That bound must stay well under
