@@ -25,6 +25,8 @@ peak memory). Device buffers are not pooled: the caching allocator reuses them a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _Key = tuple[int, torch.dtype, torch.device]
@@ -43,12 +45,18 @@ def _lend(buf: torch.Tensor) -> torch.Tensor:
     return buf.new_empty(0).set_(buf.untyped_storage(), 0, buf.shape)
 
 
+@dataclass
+class _Entry:
+    buf: torch.Tensor
+    own: int  # its storage's references when only the pool holds it
+    taken: bool = True  # lent since the last `reclaim`
+
+
 class Pool:
     """Host buffers by (elements, dtype, device), each lent while anything refers to it."""
 
     def __init__(self) -> None:
-        # Per size: (buffer, its references when only the pool holds it, taken this step).
-        self._bufs: dict[_Key, list[list]] = {}
+        self._bufs: dict[_Key, list[_Entry]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of `numel` elements (contents undefined), free again once it and
@@ -60,18 +68,19 @@ class Pool:
           device: its device; off the host, a fresh tensor (not pooled).
 
         Returns:
-          A view of a pooled buffer that nothing else refers to, or of a new one.
+          A tensor on the memory of a pooled buffer nothing else refers to, or of a new
+          one (`_lend`).
         """
         device = torch.device(device)
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
         entries = self._bufs.setdefault((numel, dtype, device), [])
         for entry in entries:
-            if _refs(entry[0]) == entry[1]:
-                entry[2] = True
-                return _lend(entry[0])
+            if _refs(entry.buf) == entry.own:
+                entry.taken = True
+                return _lend(entry.buf)
         buf = torch.empty(numel, dtype=dtype, device=device)
-        entries.append([buf, _refs(buf), True])
+        entries.append(_Entry(buf, _refs(buf)))
         return _lend(buf)
 
     def pools(self, buf: torch.Tensor) -> bool:
@@ -84,9 +93,9 @@ class Pool:
         asks for change only with its layout, and one the step's result still holds can
         never be taken again); the rest wait for the next step."""
         for key, entries in list(self._bufs.items()):
-            kept = [e for e in entries if e[2]]
+            kept = [e for e in entries if e.taken]
             for e in kept:
-                e[2] = False
+                e.taken = False
             if kept:
                 self._bufs[key] = kept
             else:
@@ -94,4 +103,4 @@ class Pool:
 
     def nbytes(self) -> int:
         """The bytes of every buffer the pool holds, lent or free."""
-        return sum(e[0].numel() * e[0].element_size() for es in self._bufs.values() for e in es)
+        return sum(e.buf.numel() * e.buf.element_size() for es in self._bufs.values() for e in es)
