@@ -219,14 +219,15 @@ class Engine:
         self,
         loss_fn: Callable[[PyTree, Any], torch.Tensor],
         batch: Any,
-        after_forward: Callable[[], None] | None = None,
+        after_forward: Callable[[CallCheck | None], None] | None = None,
     ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """This rank's loss on `batch` and its reduced gradient per bucket.
 
         `batch` None: this rank has no data, but takes part in every collective of the
         others' micro-batch (`_follow`), contributing zero gradients; its loss is None.
         `after_forward` runs once the forward is done, before the backward (a step starts
-        its own small exchanges there, so they run behind the backward)."""
+        its own small exchange there, so that it runs behind the backward), given the call
+        check that is about to start, if any, to send its words along (`CallCheck.carry`)."""
         lay, mesh = self.layout, self.mesh
         trainable = [i for i, b in enumerate(lay.buckets) if not b.frozen]
         loss = None
@@ -240,11 +241,11 @@ class Engine:
                         self._follow("step")
                     else:
                         loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
+                if after_forward is not None:  # its words travel with the check's
+                    after_forward(self.check if self.s.check_calls else None)
                 if self.s.check_calls:  # a rank-dependent branch may have skipped a unit
                     called = [c.unit for c in self.calls if c.unit in self.s.jit]
                     self.check.start(called, batch is not None, self.source.flags())
-                if after_forward is not None:
-                    after_forward()
                 if loss is not None and loss.requires_grad:  # gradients arrive via reductions
                     leaves = [self.inputs[i] for i in trainable]
                     try:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._agree import CallCheck
 from ._autodiff import sparse_gradient, value_and_grad
 from ._engine import Engine
 from ._hooks import hookable_units
@@ -53,7 +54,7 @@ def mean_grad(
     state: ShardedState,
     grads_like: tuple[torch.Tensor, ...],
     local: tuple[torch.Tensor, ...] | None,
-    after_forward: Callable[[], None],
+    after_forward: Callable[[CallCheck | None], None],
 ) -> tuple[torch.Tensor, ...]:
     """This rank's reduced gradient per bucket, the mean over every micro-batch (None: no
     data, zeros); `local`: the replicated full buffers (stages 0-2); `after_forward` runs

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ._agree import CallCheck
 from ._autodiff import differentiating
 from ._comm import is_peer_failure
 from ._donation import mark_consumed
@@ -332,8 +333,8 @@ def _train(
     exchange = Exchange(o.mesh, device_of(state.params))
     present = any(mb is not None for mb in micro)
 
-    def after_forward() -> None:
-        exchange.start(weighed, present)
+    def after_forward(check: CallCheck | None = None) -> None:
+        exchange.start(weighed, present, check)
 
     if stage.reduce == "all_reduce" and o.mesh.size == 1:
         grads = leaf_grad(loss_fn, micro, o, state)

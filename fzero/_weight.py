@@ -9,21 +9,23 @@ ranks and `M` micro-batches the gradient it produces is `sum(grad total) / (N * 
 and the step multiplies it by `N * M / sum(weight)` (exactly 1, and skipped, for scalar
 losses on ranks that all had data: today's numbers, bitwise).
 
-One small all-reduce per step agrees on the sums, started as soon as the last forward is
-done so it runs behind the backward. A micro-batch that is None (a rank without data)
-counts with weight 0 and its rank is marked absent, so that buffers follow only the
-ranks that ran a forward.
+One small exchange per step agrees on the sums, started as soon as the last forward is
+done so it runs behind the backward (with the call check's, where there is one). A
+micro-batch that is None (a rank without data) counts with weight 0 and its rank is
+marked absent, so that buffers follow only the ranks that ran a forward.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from . import _comm
+from ._agree import CallCheck
 from ._autodiff import check_loss
 from ._mesh import Mesh
 from ._tree import PyTree
@@ -105,50 +107,51 @@ class Tally(NamedTuple):
 
 
 class Exchange:
-    """The all-reduces of one step's sums, started behind the backward, read before the
-    update.
+    """One step's sums over the ranks: started behind the backward, read before the update.
 
-    The weights, call counts and presence flags are host values and travel from the CPU
-    on the control axis, so reading them never waits for the GPU. The losses' total stays
-    on its device (a GPU's tensor is summed by NCCL, and the step returns it unread). On
-    the CPU, with one group for both, they travel as one vector.
+    Every rank sends its own host values (its weights' sum, its calls of each kind, whether
+    it had data, and on the CPU its losses' total), as int64 words on the control axis, so
+    reading them never waits for the GPU; every rank then sums them alike, in rank order.
+    Where the step checks the ranks' unit calls, the words travel with that check (one
+    collective, `CallCheck.carry`), else by themselves. A GPU's total stays on its device
+    and is summed by the world's backend (the step returns it unread).
     """
 
     def __init__(self, mesh: Mesh, device: torch.device | None) -> None:
         self.mesh, self.device = mesh, device
-        self.pending: tuple[torch.Tensor, Any] | None = None
-        self.total: tuple[torch.Tensor, Any] | None = None
+        self.pending: Callable[[], list[list[int]]] | None = None
+        self.total: tuple[torch.Tensor, Any] | None = None  # a device total's all-reduce
 
-    def start(self, weighed: Weighed, present: bool) -> None:
+    def start(self, weighed: Weighed, present: bool, check: CallCheck | None = None) -> None:
+        """Sends this rank's sums: with `check`'s exchange of calls, or by themselves."""
         where = weighed.totals[0].device if weighed.totals else self.device
         total = torch.zeros((), dtype=torch.float64, device=where)
         for t in weighed.totals:  # a left fold in call order, as one process sums them
             total = total + t.double()
-        flags = [0.0] * self.mesh.size
-        flags[self.mesh.rank] = float(present)
-        host = [math.fsum(weighed.weights), float(weighed.pairs), float(weighed.scalars)]
-        vec = torch.tensor(host + flags, dtype=torch.float64, device="cpu")
-        world, control = self.mesh.world, self.mesh.control
-        if total.device.type == "cpu" and control.group is world.group:
-            self.pending = _comm.all_reduce_sum_async(torch.cat([vec, total[None]]), control)
-            return
-        self.pending = _comm.all_reduce_sum_async(vec, control)
-        self.total = _comm.all_reduce_sum_async(total, world)
+        words = [_bits(math.fsum(weighed.weights)), weighed.pairs, weighed.scalars, int(present)]
+        if total.device.type == "cpu":
+            words.append(_bits(total.item()))
+        else:
+            self.total = _comm.all_reduce_sum_async(total, self.mesh.world)
+        if check is not None:
+            self.pending = check.carry(words)
+        else:
+            self.pending = _comm.all_gather_ints_async(words, self.mesh)
 
     def wait(self) -> Tally:
         assert self.pending is not None, "Exchange.wait before start"
-        out, work = self.pending
-        if work is not None:
-            work.wait()
-        n = self.mesh.size
-        if self.total is None:
-            total = out[3 + n]
+        everyone = self.pending()
+        if self.total is None:  # a left fold in rank order, the same on every rank
+            total = torch.tensor(
+                sum(_float(e[4]) for e in everyone), dtype=torch.float64, device="cpu"
+            )
         else:
             total, work = self.total
             if work is not None:
                 work.wait()  # on a GPU: the current stream waits, the host does not
-        v = out[: 3 + n].tolist()
-        tally = Tally(total, v[0], int(v[1]), int(v[2]), tuple(f > 0 for f in v[3:]))
+        pairs, scalars = sum(e[1] for e in everyone), sum(e[2] for e in everyone)
+        weight = math.fsum(_float(e[0]) for e in everyone)
+        tally = Tally(total, weight, pairs, scalars, tuple(bool(e[3]) for e in everyone))
         if tally.pairs and tally.scalars:
             raise ValueError(
                 f"rank {self.mesh.rank}: loss_fn returned (total, weight) {tally.pairs} times "
@@ -156,3 +159,13 @@ class Exchange:
                 "must return the same kind, or the mean would mix two meanings"
             )
         return tally
+
+
+def _bits(x: float) -> int:
+    """A float64's bits as an int64 (to travel with int64 words, exactly)."""
+    return int.from_bytes(struct.pack("<d", x), "little", signed=True)
+
+
+def _float(word: int) -> float:
+    """The float64 whose bits `_bits` made `word`."""
+    return float(struct.unpack("<d", word.to_bytes(8, "little", signed=True))[0])

@@ -58,12 +58,14 @@ def volumes(
             state, _ = step(state, torch.randn(2, dims[0], dtype=torch.float64))
         ops: dict[str, int] = {}
         control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
-        # The losses' weights and who had data; with hooks, the check that ranks called alike
-        # (resharding: and a word of flags, which units a backward uses the parameters of)
-        tally = ("all_reduce", torch.float64, 2 * (4 + mesh.size))
+        # One small all-gather: each rank's losses' weights, calls of each kind, presence and
+        # total (5 words); with hooks, in front of them the check that ranks called alike (3
+        # words; resharding: and a word of flags, which units a backward uses the parameters
+        # of), all in one collective.
         flags = 1 if stage == 3 and options.get("reshard_after_forward", True) else 0
-        check = [("all_gather", torch.int64, (3 + flags) * mesh.size)] if hooks else []
-        assert control == ([*check, tally] if mesh.size > 1 else [])
+        words = 5 + (3 + flags if hooks else 0)
+        tally = ("all_gather", torch.int64, words * mesh.size)
+        assert control == ([tally] if mesh.size > 1 else [])
         for r in ledger.data:
             assert r.dtype == torch.float64
             ops[r.op] = ops.get(r.op, 0) + r.elements

@@ -246,14 +246,11 @@ def comm_bytes(mesh: fzero.Mesh, stage: int, prec: Any) -> Any:
     state, _ = step(state, (xs[0, mesh.rank], ys[0, mesh.rank]))
     with fzero.comm_ledger() as ledger:
         state, _ = step(state, (xs[1, mesh.rank], ys[1, mesh.rank]))
-    # Besides the data, each step agrees on the losses' weights (4 + N float64) and, with
-    # module hooks, checks that the ranks called the same units (3 int64 per rank, and at
-    # stage 3 a word of flags: which units a backward uses the parameters of).
+    # Besides the data, each step checks that the ranks called the same units (3 int64 per
+    # rank, and at stage 3 a word of flags: which units a backward uses the parameters of)
+    # and, in the same all-gather, agrees on the losses' weights (5 words per rank).
     control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
-    assert control == [
-        ("all_gather", torch.int64, (3 + (stage == 3)) * mesh.size),
-        ("all_reduce", torch.float64, 2 * (4 + mesh.size)),
-    ]
+    assert control == [("all_gather", torch.int64, (3 + (stage == 3) + 5) * mesh.size)]
     return fzero.CommLedger(ledger.data).by_op(), fzero.master_params(state, mesh)
 
 
