@@ -130,7 +130,5 @@ class CallCheck:
         OR-ed over the ranks, or None if no check was started."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self.flags, carried = pending.check(self.mesh)
-            if pending.carried:
-                self.carried = carried
+            self.flags, self.carried = pending.check(self.mesh)
         return self.flags
