@@ -1,6 +1,7 @@
 """fzero on one GPU beside an eager loop, DDP and FSDP2: step time, tokens/s, MFU, memory.
 
     python benchmarks/gpu.py [--steps 20] [--warmup 5] [--out benchmarks/RESULTS-gpu.md]
+    python benchmarks/gpu.py --profile 'bf16 (eager|fzero stage 3)'   # add profiler tables
     python benchmarks/gpu.py --smoke        # a tiny model on the CPU: checks the script
 
 A GPT-like decoder (124M-class: 12 blocks of width 768, 1024 tokens, vocabulary 50304,
@@ -10,23 +11,28 @@ through `fzero.optim.from_torch`, so the kernels are the same and the step aroun
 is what differs):
 
 - eager: the model, `loss.backward()`, `optimizer.step()` (bf16: under torch.autocast);
-- DDP, and FSDP2 (`fully_shard` per block, then the root; bf16: MixedPrecisionPolicy);
-- fzero stages 0-3 (units per block, `module=` hooks; bf16: `fzero.Precision`).
+- DDP, and FSDP2 (`fully_shard` per block, then the root; bf16: MixedPrecisionPolicy),
+  resharding after the forward and keeping;
+- fzero stages 0-3 (units per block, `module=` hooks; bf16: `fzero.Precision`), and
+  stage 3 keeping its units (`reshard_after_forward=False`).
 
 All at world size 1 on NCCL; then stages 0-3 at world size 2 on the one GPU over gloo
 (`fzero.Simulation(2, device="cuda")`), for correctness only. Each row reports the
 median step time, tokens/s, MFU (6 N + 12 L T d FLOPs per token against the device's
 dense peak), `torch.cuda.max_memory_allocated`, and max |delta| of the final
 parameters against the eager loop (world size 2: against the eager loop on the
-concatenated batch). `--profile` adds torch.profiler's top CUDA kernels per
-configuration.
+concatenated batch). `--profile PATTERN` adds torch.profiler's top CUDA kernels for
+the rows whose "precision label" the pattern matches. The results file is rewritten
+after every section, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -75,8 +81,23 @@ def fzero_adamw(device: torch.device) -> fzero.optim.Optimizer:
 
 
 def new_model(cfg: dict[str, int], device: torch.device) -> TinyGPT:
+    """The model built eagerly on `device` after `torch.manual_seed(0)`."""
     torch.manual_seed(0)
-    return TinyGPT(**cfg).to(device)
+    with device:
+        return TinyGPT(**cfg)
+
+
+def sharded_model(
+    cfg: dict[str, int], mesh: fzero.Mesh, opt: fzero.optim.Optimizer, **kw: Any
+) -> tuple[TinyGPT, fzero.TrainState]:
+    """The model on the meta device and fzero's state initialised from it, bitwise the
+    values `new_model` makes (`fzero.init.from_module`): no second copy of the parameters
+    in the nn.Module, as FSDP2's `fully_shard` keeps none."""
+    with torch.device("meta"):
+        model = TinyGPT(**cfg)
+    init = fzero.init.from_module(model, seed=0, device=mesh.device)
+    state = fzero.shard_state(dict(model.named_parameters()), opt, mesh, init=init, **kw)
+    return model, state
 
 
 def sync(device: torch.device) -> None:
@@ -133,14 +154,15 @@ def ddp(cfg: dict[str, int], prec: str, device: torch.device) -> Any:
     return wrapped, step, lambda: dict(model.named_parameters())
 
 
-def fsdp2(cfg: dict[str, int], prec: str, device: torch.device) -> Any:
+def fsdp2(cfg: dict[str, int], prec: str, device: torch.device, reshard: bool = True) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = new_model(cfg, device)
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if prec == "bf16" else None
-    kw: dict[str, Any] = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
+    kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
+    kw.update({"mp_policy": mp} if mp else {})
     for blk in model.blocks:
         fully_shard(blk, **kw)
     fully_shard(model, **kw)
@@ -149,21 +171,25 @@ def fsdp2(cfg: dict[str, int], prec: str, device: torch.device) -> Any:
     return model, step, lambda: {k: v.full_tensor() for k, v in model.named_parameters()}
 
 
-def fzero_run(cfg: dict[str, int], prec: str, device: torch.device, stage: int) -> Any:
+def fzero_run(
+    cfg: dict[str, int], prec: str, device: torch.device, stage: int, reshard: bool = True
+) -> Any:
     mesh = fzero.ProcessGroupMesh()
-    model = new_model(cfg, device)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    units = fzero.units.by_module(model, Block)
+    assert mesh.device == device, (mesh.device, device)
+    units = fzero.units.by_module(new_model(cfg, torch.device("meta")), Block)
     bf16 = prec == "bf16"
     precision = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     opt = fzero_adamw(device)
-    box = [fzero.shard_state(params, opt, mesh, stage=stage, units=units, precision=precision)]
-    del params
+    model, state = sharded_model(cfg, mesh, opt, stage=stage, units=units, precision=precision)
+    box = [state]
+    del state
 
     def loss_fn(p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         return loss_of(functional_call(model, p, (tokens[:, :-1],)), tokens)
 
-    train = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, module=model)
+    train = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=units, module=model, reshard_after_forward=reshard
+    )
 
     def step(t: int) -> None:
         box[0], _ = train(box[0], batch(t, BATCH, cfg, device))
@@ -184,13 +210,15 @@ def max_delta(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> fl
 def measure(
     name: str, build: Callable[[], Any], steps: int, warmup: int, device: torch.device
 ) -> dict[str, Any]:
+    gc.collect()  # a model whose hooks refer back to it lives in a cycle: not in this row
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     held, step, final = build()
     times = timed(step, steps, warmup, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    params = {k: v.detach().clone() for k, v in final().items()}
+    # On the host: earlier rows' parameters must not count in later rows' peaks.
+    params = {k: v.detach().to("cpu", copy=True) for k, v in final().items()}
     del held, step, final
     return {"name": name, "time": statistics.median(times), "peak": peak, "params": params}
 
@@ -207,18 +235,21 @@ def profile(build: Callable[[], Any], device: torch.device, rows: int = 12) -> s
         for t in range(3, 6):
             step(t)
         sync(device)
-    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    # Device kernels show what the GPU did; self CPU time shows what the host spent
+    # launching it (fzero's own overhead at world size 1 is host time, if anything).
+    avg = prof.key_averages()
+    tables = [avg.table(sort_by="self_cpu_time_total", row_limit=rows)]
+    if device.type == "cuda":
+        tables.insert(0, avg.table(sort_by="cuda_time_total", row_limit=rows))
+    return "\n".join(tables)
 
 
 def world_two(mesh: fzero.Mesh, cfg: dict[str, int], stage: int, steps: int) -> Any:
     """One of two ranks sharing the GPU over gloo: stage `stage`, float32."""
     device = mesh.device
-    model = new_model(cfg, device)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    units = fzero.units.by_module(model, Block)
+    units = fzero.units.by_module(new_model(cfg, torch.device("meta")), Block)
     opt = fzero_adamw(device)
-    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+    model, state = sharded_model(cfg, mesh, opt, stage=stage, units=units)
 
     def loss_fn(p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         return loss_of(functional_call(model, p, (tokens[:, :-1],)), tokens)
@@ -236,8 +267,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/RESULTS-gpu.md")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (gloo)")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler tables per row")
-    ap.add_argument("--ws2-steps", type=int, default=3)
+    ap.add_argument(
+        "--profile", metavar="PATTERN", help="torch.profiler tables for rows matching PATTERN"
+    )
+    ap.add_argument("--ws2-steps", type=int, default=3, help="0: no world-size-2 section")
+    ap.add_argument(
+        "--only", metavar="PATTERN", help="measure only rows matching PATTERN (and eager)"
+    )
     args = ap.parse_args()
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu") if smoke else torch.device("cuda", 0)
@@ -256,35 +292,48 @@ def main() -> None:
     lines = [
         f"# fzero on one GPU ({'smoke run, CPU' if smoke else name})\n",
         f"{datetime.date.today()}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
-        f"`python benchmarks/gpu.py --steps {args.steps} --warmup {args.warmup}`.\n",
+        f"`python benchmarks/gpu.py --steps {args.steps} --warmup {args.warmup}"
+        + (f" --profile '{args.profile}'" if args.profile else "")
+        + (f" --only '{args.only}'" if args.only else "")
+        + (f" --ws2-steps {args.ws2_steps}" if args.ws2_steps != 3 else "")
+        + "`.\n",
         f"Model: {n_params / 1e6:.1f}M parameters ({cfg}), {BATCH} x {cfg['block']} tokens "
         f"per step, fused AdamW (lr {LR}). Median of {args.steps} steps after "
         f"{args.warmup} warm-up steps; MFU = {flops_per_token / 1e6:.0f} MFLOP/token x "
         "tokens/s / dense peak.\n",
     ]
     profiles: list[str] = []
+
+    def flush() -> str:
+        """Rewrite the results file with what has been measured so far."""
+        text = "\n".join(lines) + "\n"
+        if profiles:
+            text += "\n# Profiles (top kernels by time, 3 steps)\n\n" + "\n".join(profiles)
+        Path(args.out).write_text(text)
+        return text
+
     for prec in ("fp32", "bf16"):
         configs: dict[str, Callable[[], Any]] = {
             "eager (fused AdamW)": lambda p=prec: eager(cfg, p, device),
             "DDP": lambda p=prec: ddp(cfg, p, device),
             "FSDP2 (per block, reshard)": lambda p=prec: fsdp2(cfg, p, device),
+            "FSDP2 (per block, keep)": lambda p=prec: fsdp2(cfg, p, device, reshard=False),
         }
         for s in range(4):
             configs[f"fzero stage {s}"] = lambda p=prec, s=s: fzero_run(cfg, p, device, s)
-        rows = []
-        for label, build in configs.items():
-            rows.append(measure(label, build, args.steps, args.warmup, device))
-            print(f"{prec} {label}: {rows[-1]['time'] * 1e3:.1f} ms", flush=True)
-            if args.profile:
-                profiles.append(f"## {prec} {label}\n\n```\n{profile(build, device)}\n```\n")
-        base = rows[0]
+        configs["fzero stage 3 (keep)"] = lambda p=prec: fzero_run(cfg, p, device, 3, False)
         lines += [
             f"\n## {prec}\n",
             "| configuration | step (ms) | × eager | tokens/s | MFU | peak alloc (MiB) "
             "| max abs Δ vs eager |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in rows:
+        base = None
+        for label, build in configs.items():
+            if args.only and base and not re.search(args.only, f"{prec} {label}"):
+                continue
+            r = measure(label, build, args.steps, args.warmup, device)
+            base = base or r
             tps = tokens / r["time"]
             mfu = f"{flops_per_token * tps / peaks[prec]:.1%}" if peaks else "n/a"
             peak = f"{r['peak'] / 2**20:,.0f}" if r["peak"] is not None else "n/a"
@@ -292,7 +341,18 @@ def main() -> None:
                 f"| {r['name']} | {r['time'] * 1e3:.1f} | {r['time'] / base['time']:.3f} | "
                 f"{tps:,.0f} | {mfu} | {peak} | {max_delta(r['params'], base['params']):.2e} |"
             )
+            print(prec, lines[-1], flush=True)
+            if args.profile and re.search(args.profile, f"{prec} {label}"):
+                try:
+                    table = profile(build, device)
+                except Exception as e:  # a profiler that fails must not lose the run
+                    table = f"profiler failed: {type(e).__name__}: {e}"
+                profiles.append(f"## {prec} {label}\n\n```\n{table}\n```\n")
+            flush()
     dist.destroy_process_group()
+    if not args.ws2_steps:
+        print(flush())
+        return
     # World size 2 on the one device over gloo: correctness beside the eager loop.
     ref_model, ref_step, ref_final = eager(cfg, "fp32", device)
     for t in range(args.ws2_steps):
@@ -311,11 +371,8 @@ def main() -> None:
         got = sim.run(world_two, cfg, s, args.ws2_steps)[0]
         lines.append(f"| {s} | {max_delta(got, want_cpu):.2e} |")
         print(f"ws2 stage {s}: {max_delta(got, want_cpu):.2e}", flush=True)
-    text = "\n".join(lines) + "\n"
-    if profiles:
-        text += "\n# Profiles (top kernels by time, 3 steps)\n\n" + "\n".join(profiles)
-    Path(args.out).write_text(text)
-    print(text)
+        flush()
+    print(flush())
     if os.path.exists(store):
         os.unlink(store)
 

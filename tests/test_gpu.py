@@ -133,6 +133,23 @@ def test_loss_scaling_skips_a_non_finite_step_on_cuda(stage: int) -> None:
         fzero._tree.assert_trees_close(params, want, **tolerance(torch.float64))
 
 
+def steps_without_host_sync(step: Any, state: Any, batches: list[Any]) -> Any:
+    """Steps on `batches`: the first builds what later steps reuse, and the rest run
+    with torch raising on any synchronizing CUDA call ("error" mode)."""
+    state, _ = step(state, batches[0])
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for b in batches[1:]:
+            state, _ = step(state, b)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return state
+
+
+# Setting the mode warns that it is a prototype; with warnings as errors, that warning
+# would raise after the mode is set, leaving it on for every later test.
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_step_never_makes_the_host_wait_for_the_gpu(nccl_mesh: fzero.Mesh, stage: int) -> None:
     # Without a loss scaler (whose inf flag is the one read a step makes), clipping
@@ -142,15 +159,55 @@ def test_a_step_never_makes_the_host_wait_for_the_gpu(nccl_mesh: fzero.Mesh, sta
     state = fzero.shard_state(on_cuda(case.params), opt, nccl_mesh, stage=stage, units=units)
     step = fzero.sharded_step(loss_fn, opt, nccl_mesh, stage=stage, units=units)
     batches = [(case.xs[t].to(CUDA), case.ys[t].to(CUDA)) for t in range(3)]
-    state, _ = step(state, batches[0])  # the first step builds what later steps reuse
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for b in batches[1:]:
-            state, _ = step(state, b)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    state = steps_without_host_sync(step, state, batches)
     assert state.step == 3
+
+
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
+@pytest.mark.parametrize(
+    "stage, reshard, bf16",
+    [(0, True, False), (1, True, True), (2, True, False), (3, True, False), (3, False, True)],
+)
+def test_a_module_hooked_step_never_makes_the_host_wait_for_the_gpu(
+    nccl_mesh: fzero.Mesh, stage: int, reshard: bool, bf16: bool
+) -> None:
+    # The path a module's users take: units entered through `module=` hooks (stage 3
+    # resharding after the forward, or keeping), bf16 `Precision`, torch's fused AdamW.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 2)
+    ).to(CUDA)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    units = ["0", "2", "3"]
+    precision = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    opt = fzero.optim.from_torch(torch.optim.AdamW, lr=1e-2, fused=True)
+    state = fzero.shard_state(params, opt, nccl_mesh, stage=stage, units=units, precision=precision)
+
+    def loss(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        x, y = batch  # the input in the parameters' compute dtype
+        out = torch.func.functional_call(model, p, (x.to(torch.bfloat16 if bf16 else x.dtype),))
+        return ((out.float() - y) ** 2).mean()
+
+    step = fzero.sharded_step(
+        loss,
+        opt,
+        nccl_mesh,
+        stage=stage,
+        units=units,
+        module=model,
+        reshard_after_forward=reshard,
+    )
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(4, 8, generator=g).to(CUDA), torch.randn(4, 2, generator=g).to(CUDA))
+        for _ in range(3)
+    ]
+    state = steps_without_host_sync(step, state, batches)
+    assert state.step == 3
+    moved = fzero._tree.max_abs_diff(
+        on_cpu(fzero.gather_params(state.params, nccl_mesh)), on_cpu(params)
+    )
+    assert moved > 1e-3
 
 
 def test_a_checkpoint_round_trips_on_the_device(nccl_mesh: fzero.Mesh, tmp_path: Any) -> None:
