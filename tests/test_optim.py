@@ -305,6 +305,11 @@ OPTIMIZERS = {
     "adamw": lambda: optim.adamw(lr=lambda c: 0.1 * (c + 1)),
     "from_torch": lambda: optim.from_torch(torch.optim.Adam, lr=0.1, amsgrad=True),
     "from_torch_adagrad": lambda: optim.from_torch(torch.optim.Adagrad, lr=0.1),
+    # torch edits the gradients in place here (foreach Nesterov adds the momentum to
+    # them): from_torch must hand it copies.
+    "from_torch_sgd_nesterov": lambda: optim.from_torch(
+        torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True, foreach=True
+    ),
 }
 
 
@@ -327,6 +332,36 @@ def test_update_does_not_mutate_inputs(
         for x in optree.tree_leaves(new_state):
             assert isinstance(x, (torch.Tensor, int, float)), type(x)
         params, state = new_params, new_state
+
+
+@pytest.mark.parametrize(
+    "kwargs, copied",
+    [
+        ({"foreach": False}, False),
+        ({"foreach": True}, False),
+        ({"foreach": True, "nesterov": True, "momentum": 0.9}, True),
+    ],
+)
+def test_from_torch_hands_over_the_gradients_unless_torch_edits_them(
+    kwargs: dict[str, Any], copied: bool
+) -> None:
+    """A full copy of the gradient shard per step is saved where torch's step leaves the
+    gradients alone; where it writes into them, it gets copies (the test above checks
+    that the caller's gradients survive)."""
+    seen: list[int] = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            seen.extend(p.grad.data_ptr() for g in self.param_groups for p in g["params"])
+            return super().step(closure)
+
+    opt = optim.from_torch(Recording, lr=0.1, **kwargs)
+    params = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    grads = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    seen.clear()
+    opt.update(grads, opt.init(params), params)
+    given_ptrs = [grads["a"].data_ptr(), grads["b"].data_ptr()]
+    assert (seen != given_ptrs) == copied, (seen, given_ptrs)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -112,7 +112,7 @@ def all_gather_async(
             return out, _CastOnWait(work, tmp, out)
         if axis.size == 1 or shard.numel() == 0:
             if out.data_ptr() != shard.data_ptr():  # else updated in place: nothing to do
-                out.copy_(shard.repeat(axis.size))
+                out.copy_(shard)  # one rank (or nothing): its shard is the whole
             return out, None
         record("all_gather", out.dtype, out.numel(), axis.name)
         if _is_gloo(axis, shard):

@@ -57,6 +57,33 @@ def _steps_slices_alike(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict
     return torch.allclose(torch.cat(pieces), whole.reshape(-1), rtol=1e-9, atol=1e-12)
 
 
+def _edits_grads(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> bool:
+    """Whether `optimizer_cls` may write into the gradients it is given.
+
+    Some do in some configurations (SGD's foreach path with Nesterov momentum adds the
+    momentum to them; torch's other paths write only into copies they made), so
+    `update_` hands those copies. One seen to leave them alone over three steps on two
+    small tensors is handed the gradients themselves, saving a full copy of the
+    gradient shard per step. One that cannot be tried on the host (`capturable`, a
+    device-only option) gets copies.
+    """
+    g = torch.Generator().manual_seed(1)
+    params = [torch.randn(n, generator=g, dtype=torch.float32) for n in (5, 8)]
+    opt = optimizer_cls(params, **kwargs)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                grads = [torch.randn(p.shape, generator=g) for p in params]
+                for p, grad in zip(params, grads, strict=True):
+                    p.grad = grad.clone()
+                opt.step()
+                if any(not torch.equal(p.grad, grad) for p, grad in zip(params, grads)):
+                    return True
+    except Exception:  # it cannot step small host tensors: assume the worst
+        return True
+    return False
+
+
 def _check_optimizer_cls(optimizer_cls: type[torch.optim.Optimizer]) -> None:
     """Rejects classes that are not optimizers or whose ``step`` requires a closure."""
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -113,6 +140,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
     # Instantiate once on a dummy tensor so bad hyper-parameters fail here, at
     # construction time, rather than at the first update.
     optimizer_cls([torch.zeros(1)], **kwargs)
+    copy_grads = _edits_grads(optimizer_cls, kwargs)
 
     def init(params: Params) -> OptState:
         return optree.tree_map(lambda _: {}, params)
@@ -130,9 +158,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
                 # 0-element leaves (e.g. an empty shard) get no grad, so torch skips
                 # them: there is nothing to update, and Adafactor divides by numel().
                 if p.numel() > 0:
-                    # Cloned because some optimizers (e.g. foreach + maximize) edit
-                    # grads in place.
-                    p.grad = g.detach().clone()
+                    p.grad = g.detach().clone() if copy_grads else g.detach()
             optimizer = optimizer_cls(tensors, **kwargs)
             for p, leaf_state in zip(tensors, state_leaves, strict=True):
                 # An empty dict keeps whatever the constructor set up (Adagrad
