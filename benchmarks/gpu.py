@@ -12,7 +12,8 @@ is what differs):
 
 - eager: the model, `loss.backward()`, `optimizer.step()` (bf16: under torch.autocast);
 - DDP, and FSDP2 (`fully_shard` per block, then the root; bf16: MixedPrecisionPolicy),
-  resharding after the forward and keeping;
+  resharding after the forward (the root too, or the root by FSDP2's default: kept) and
+  keeping;
 - fzero stages 0-3 (units per block, `module=` hooks; bf16: `fzero.Precision`), and
   stage 3 keeping its units (`reshard_after_forward=False`).
 

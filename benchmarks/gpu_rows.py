@@ -136,7 +136,15 @@ def ddp(cfg: dict[str, int], prec: str, device: torch.device) -> Any:
     return wrapped, step, lambda: dict(model.named_parameters())
 
 
-def fsdp2(cfg: dict[str, int], prec: str, device: torch.device, reshard: bool = True) -> Any:
+def fsdp2(
+    cfg: dict[str, int],
+    prec: str,
+    device: torch.device,
+    reshard: bool = True,
+    root_reshard: bool | None = True,
+) -> Any:
+    """FSDP2 per block, then the root; `root_reshard=None` is FSDP2's own default for the
+    root (kept gathered after the forward, as the backward needs it first)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -147,7 +155,7 @@ def fsdp2(cfg: dict[str, int], prec: str, device: torch.device, reshard: bool = 
     kw.update({"mp_policy": mp} if mp else {})
     for blk in model.blocks:
         fully_shard(blk, **kw)
-    fully_shard(model, **kw)
+    fully_shard(model, **(kw | {"reshard_after_forward": root_reshard if reshard else False}))
     # No autocast: FSDP2's policy casts the parameters, as fzero's Precision does.
     step = torch_step(model, adamw(model.parameters(), device), cfg, False, device)
     return model, step, lambda: {k: v.full_tensor() for k, v in model.named_parameters()}
@@ -253,6 +261,9 @@ def builders(cfg: dict[str, int], prec: str, device: torch.device) -> dict[str, 
         "eager (fused AdamW)": lambda: eager(cfg, prec, device),
         "DDP": lambda: ddp(cfg, prec, device),
         "FSDP2 (per block, reshard)": lambda: fsdp2(cfg, prec, device),
+        "FSDP2 (per block, reshard; root by default)": lambda: fsdp2(
+            cfg, prec, device, root_reshard=None
+        ),
         "FSDP2 (per block, keep)": lambda: fsdp2(cfg, prec, device, reshard=False),
     }
     for s in range(4):
