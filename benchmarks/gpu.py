@@ -4,7 +4,7 @@
     python benchmarks/gpu.py --profile 'bf16 (eager|fzero stage 3)'   # add profiler tables
     python benchmarks/gpu.py --smoke        # a tiny model on the CPU: checks the script
 
-A GPT-like decoder (124M-class: 12 blocks of width 768, 1024 tokens, vocabulary 50304,
+A GPT-like decoder (163M parameters: 12 blocks of width 768, 1024 tokens, vocabulary 50304,
 untied head) trains in float32 and in bfloat16 mixed precision, each configuration from
 the same initial values on the same tokens, with torch's fused AdamW everywhere (fzero
 through `fzero.optim.from_torch`, so the kernels are the same and the step around them
