@@ -28,8 +28,6 @@ GPT = dict(vocab=50304, block=1024, d=768, layers=12, heads=12)
 SMOKE = dict(vocab=64, block=16, d=32, layers=2, heads=2)
 BATCH = 8  # sequences per rank per step
 LR = 3e-4
-# Dense peak FLOP/s by device name and compute dtype (NVIDIA's datasheets, SXM parts).
-PEAKS = {"H100": {"bf16": 989e12, "fp32": 67e12}, "H200": {"bf16": 989e12, "fp32": 67e12}}
 
 
 def batch(step: int, n: int, cfg: dict[str, int], device: torch.device) -> torch.Tensor:
@@ -62,7 +60,7 @@ def new_model(cfg: dict[str, int], device: torch.device) -> TinyGPT:
 
 def sharded_model(
     cfg: dict[str, int], mesh: fzero.Mesh, opt: fzero.optim.Optimizer, **kw: Any
-) -> tuple[TinyGPT, fzero.TrainState]:
+) -> tuple[TinyGPT, fzero.ShardedState]:
     """The model on the meta device and fzero's state initialised from it, bitwise the
     values `new_model` makes (`fzero.init.from_module`): no second copy of the parameters
     in the nn.Module, as FSDP2's `fully_shard` keeps none."""
@@ -105,10 +103,9 @@ def timed(
 def torch_step(
     forward: Callable[[torch.Tensor], torch.Tensor],
     opt: torch.optim.Optimizer,
-    cfg: dict[str, int],
     autocast: bool,
     device: torch.device,
-) -> Callable[[int], None]:
+) -> Callable[[torch.Tensor], None]:
     """A plain torch training step on a step's tokens (bf16 autocast if asked)."""
 
     def step(tokens: torch.Tensor) -> None:
@@ -123,7 +120,7 @@ def torch_step(
 
 def eager(cfg: dict[str, int], prec: str, device: torch.device) -> Any:
     model = new_model(cfg, device)
-    step = torch_step(model, adamw(model.parameters(), device), cfg, prec == "bf16", device)
+    step = torch_step(model, adamw(model.parameters(), device), prec == "bf16", device)
     return model, step, lambda: dict(model.named_parameters())
 
 
@@ -132,7 +129,7 @@ def ddp(cfg: dict[str, int], prec: str, device: torch.device) -> Any:
 
     model = new_model(cfg, device)
     wrapped = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    step = torch_step(wrapped, adamw(wrapped.parameters(), device), cfg, prec == "bf16", device)
+    step = torch_step(wrapped, adamw(wrapped.parameters(), device), prec == "bf16", device)
     return wrapped, step, lambda: dict(model.named_parameters())
 
 
@@ -157,7 +154,7 @@ def fsdp2(
         fully_shard(blk, **kw)
     fully_shard(model, **(kw | {"reshard_after_forward": root_reshard if reshard else False}))
     # No autocast: FSDP2's policy casts the parameters, as fzero's Precision does.
-    step = torch_step(model, adamw(model.parameters(), device), cfg, False, device)
+    step = torch_step(model, adamw(model.parameters(), device), False, device)
     return model, step, lambda: {k: v.full_tensor() for k, v in model.named_parameters()}
 
 
