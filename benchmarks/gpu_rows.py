@@ -60,15 +60,17 @@ def new_model(cfg: dict[str, int], device: torch.device) -> TinyGPT:
 
 def sharded_model(
     cfg: dict[str, int], mesh: fzero.Mesh, opt: fzero.optim.Optimizer, **kw: Any
-) -> tuple[TinyGPT, fzero.ShardedState]:
-    """The model on the meta device and fzero's state initialised from it, bitwise the
-    values `new_model` makes (`fzero.init.from_module`): no second copy of the parameters
-    in the nn.Module, as FSDP2's `fully_shard` keeps none."""
+) -> tuple[TinyGPT, Any, fzero.ShardedState]:
+    """The model on the meta device, its units (one per block), and fzero's state
+    initialised from it, bitwise the values `new_model` makes (`fzero.init.from_module`):
+    no second copy of the parameters in the nn.Module, as FSDP2's `fully_shard` keeps none."""
     with torch.device("meta"):
         model = TinyGPT(**cfg)
+    units = fzero.units.by_module(model, Block)
     init = fzero.init.from_module(model, seed=0, device=mesh.device)
-    state = fzero.shard_state(dict(model.named_parameters()), opt, mesh, init=init, **kw)
-    return model, state
+    params = dict(model.named_parameters())
+    state = fzero.shard_state(params, opt, mesh, units=units, init=init, **kw)
+    return model, units, state
 
 
 def sync(device: torch.device) -> None:
@@ -163,11 +165,10 @@ def fzero_run(
 ) -> Any:
     mesh = fzero.ProcessGroupMesh()
     assert mesh.device == device, (mesh.device, device)
-    units = fzero.units.by_module(new_model(cfg, torch.device("meta")), Block)
     bf16 = prec == "bf16"
     precision = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     opt = fzero_adamw(device)
-    model, state = sharded_model(cfg, mesh, opt, stage=stage, units=units, precision=precision)
+    model, units, state = sharded_model(cfg, mesh, opt, stage=stage, precision=precision)
     box = [state]
     del state
 
@@ -238,9 +239,8 @@ def profile(
 def world_two(mesh: fzero.Mesh, cfg: dict[str, int], stage: int, steps: int) -> Any:
     """One of two ranks sharing the GPU over gloo: stage `stage`, float32."""
     device = mesh.device
-    units = fzero.units.by_module(new_model(cfg, torch.device("meta")), Block)
     opt = fzero_adamw(device)
-    model, state = sharded_model(cfg, mesh, opt, stage=stage, units=units)
+    model, units, state = sharded_model(cfg, mesh, opt, stage=stage)
 
     def loss_fn(p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         return loss_of(functional_call(model, p, (tokens[:, :-1],)), tokens)
