@@ -4,9 +4,11 @@ DDP's reducer keeps its gradient buckets contiguous so that `bucket_cap_mb` of g
 cost one collective. fzero's unit gradients arrive one unit at a time during the
 backward; each leaf's gradient is written straight into the current burst buffer
 (divided by the mesh size on the way in), and the burst is reduced in place once it
-holds `reduce_bucket_bytes` at stages 0-1, or at once, one unit's, at stages 2-3 (their
-memory bound). Each collective costs a round trip however small it is: on gloo, twelve
-1.8 MB all-reduces take ~15 % longer than one of 21 MB. Burst buffers come from the step
+holds `reduce_bucket_bytes` at stages 0-1, or as soon as the next call's gradient will
+not join it. At stages 2-3 (their memory bound) a burst holds one unit, or consecutive
+units, such as embeddings and norms, that together are no larger than the largest unit.
+Each collective costs a round trip however small it is: on gloo, twelve 1.8 MB
+all-reduces take ~15 % longer than one of 21 MB. Burst buffers come from the step
 function's `Pool`, as autograd's own assembly of a unit's gradient would not.
 
 An all-reduce of a concatenation is the concatenation of the all-reduces, so stage 0's
@@ -85,24 +87,44 @@ class Bursts:
         self.open: dict[torch.dtype, Burst] = {}
 
     def take(
-        self, bucket: int, numel: int, dtype: torch.dtype, device: torch.device, unit: str
+        self,
+        bucket: int,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        unit: str,
+        width: int | None = None,
     ) -> tuple[torch.Tensor, Burst | None]:
         """Room (`[rows, numel / rows]`) for one bucket's `numel`-element gradient, and the
-        burst it closed to make room (if any)."""
+        burst it closed to make room (if any); `width`: the columns of a burst opened for
+        it (default: `hold_bytes`' worth, or what is left of the step if fewer)."""
         columns = numel // self.rows
         closed = None
         burst = self.open.get(dtype)
         view = burst.take(bucket, columns, unit) if burst is not None else None
         if view is None:
             closed = self.open.pop(dtype, None)
-            cap = self.hold_bytes // dtype.itemsize // self.rows
-            width = max(columns, min(cap, self.left.get(dtype, 0)))
+            if width is None:
+                cap = self.hold_bytes // dtype.itemsize // self.rows
+                width = min(cap, self.left.get(dtype, 0))
+            width = max(columns, width)
             buffer = self.pool.take(width * self.rows, dtype, device)
             burst = self.open[dtype] = Burst(buffer, self.rows)
             view = burst.take(bucket, columns, unit)
             assert view is not None
         self.left[dtype] = self.left.get(dtype, 0) - columns
         return view, closed
+
+    def short_of(self, need: dict[torch.dtype, int] | None) -> list[Burst]:
+        """Closes and returns the open bursts the next call will not add to: every one if
+        no call follows (`need` None), else those full or without room for its `need`
+        columns of their dtype."""
+        done = []
+        for dtype, b in list(self.open.items()):
+            columns = None if need is None else need.get(dtype, 0)
+            if columns is None or b.used == b.width or b.used + columns > b.width:
+                done.append(self.open.pop(dtype))
+        return done
 
     def full(self) -> list[Burst]:
         """Closes and returns the open bursts holding at least `hold_bytes`."""

@@ -90,10 +90,10 @@ def comm_ledger() -> Iterator[CommLedger]:
     again). These are logical volumes:
     a rank really sends (n-1)/n of a reduce-scatter's or all-gather's.
     Nothing is recorded at world size 1, where nothing is sent. Besides the data, a step
-    records `control` collectives of a few bytes: one float64 all-reduce of 4 + N
-    elements (the losses' weights and which ranks had data, `_weight`) and, with
-    just-in-time units, one int64 all-gather of 3 elements per rank (the check that every
-    rank's forward called the same units).
+    records `control` collectives of a few bytes: one int64 all-gather of a few words per
+    rank (each rank's sums of its losses' weights and whether it had data, `_weight`;
+    with just-in-time units also the check that every rank's forward called the same
+    units, `_agree`) and, on a GPU, the losses' total as one float64 all-reduce.
 
     Yields:
       A CommLedger; read `.records`, `.elements`, `.nbytes` or `.by_op()` during or after

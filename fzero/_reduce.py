@@ -6,12 +6,13 @@ rank keeps the mean) or a reduce-scatter (stages 1-3, a rank keeps its slice of 
 mean). How reductions are held and overlapped is the `Schedule`'s:
 
 - `bursts`: leaf gradients are written, divided by the world size, straight into a
-  buffer of `hold_bytes` (DDP's buckets at stages 0-1; one unit's at stages 2-3), reduced
-  as one collective once full (for reduce-scatters laid out rank by rank, `_burst`);
+  buffer of `hold_bytes` (DDP's buckets at stages 0-1; at stages 2-3 the largest unit's,
+  which consecutive smaller units share), reduced as one collective once full or once the
+  next call's gradient will not fit (for reduce-scatters laid out rank by rank, `_burst`);
 - `hold_bytes`: without bursts (local accumulation, qgZ), complete unit gradients wait
   until that many bytes are ready, then their reductions start together;
-- `in_flight`: how many reductions may run while the backward goes on; `drain` (stages
-  1-3) finishes the burst in flight when the next unit's gradient arrives.
+- `in_flight`: how many reductions (collectives) may run while the backward goes on;
+  `drain` (stages 1-3) finishes the burst in flight when the next unit's gradient arrives.
 
 Reductions pair up across ranks by the order they are started in, so that order must
 not depend on which calls a rank's loss reached. Every rank reduces the forward's calls
@@ -74,8 +75,10 @@ class Reductions:
         self.next = -1  # the next call (`order`) to reduce
         self.held: list[tuple[int, torch.Tensor, str]] = []  # (bucket, full gradient, unit)
         self.held_bytes = 0
-        # (bucket, out, work, full gradient's bytes, unit, whether `out` still needs dividing)
-        self.inflight: list[tuple[int, torch.Tensor, Any, int, str, bool]] = []
+        # The collectives in flight, oldest first: each a work and its parts, (bucket, out,
+        # full gradient's bytes, unit, whether `out` still needs dividing); a burst's parts
+        # share one work.
+        self.inflight: list[tuple[Any, list[tuple[int, torch.Tensor, int, str, bool]]]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> shard gradient (sum of parts)
         self.extra: dict[int, torch.Tensor] = {}  # bucket -> zeros reduced after the backward
 
@@ -147,17 +150,54 @@ class Reductions:
                 continue
             part = [g for g, j in zip(grads, leaf_bucket) if j == i]
             dtype = self.s.reduce_dtype or b.dtype
-            view, closed = self.bursts.take(i, b.full_numel, dtype, self.devices[i], call.unit)
+            width = self._run_columns(call, dtype) if self.s.unit_bursts else None
+            view, closed = self.bursts.take(
+                i, b.full_numel, dtype, self.devices[i], call.unit, width=width
+            )
             if closed is not None:
                 self._issue_burst(closed)
             paste(b, part, view, self.mesh.size)
             self._log(call.unit, b.full_numel * view.element_size())
         call.reduced = True
         self.release(call)
-        for burst in self.bursts.full():
+        for burst in self.bursts.full() + self.bursts.short_of(self._next_columns(call)):
             self._issue_burst(burst)
         while len(self.inflight) > self.s.in_flight:
             self._finish_oldest()
+
+    def _columns(self, call: Call) -> dict[torch.dtype, int]:
+        """Per dtype, the burst columns `call`'s trainable gradients take."""
+        rows = self.bursts.rows if self.bursts is not None else 1
+        out: dict[torch.dtype, int] = {}
+        for i in call.buckets:
+            b = self.layout.buckets[i]
+            if not b.frozen:
+                dtype = self.s.reduce_dtype or b.dtype
+                out[dtype] = out.get(dtype, 0) + b.full_numel // rows
+        return out
+
+    def _next_columns(self, call: Call) -> dict[torch.dtype, int] | None:
+        """What the call reduced after `call` takes (None: no call is known to follow, so
+        nothing more joins an open burst before `finish`)."""
+        if call.order is None or call.order == 0:
+            return None
+        return self._columns(self.ordered[call.order - 1])
+
+    def _run_columns(self, call: Call, dtype: torch.dtype) -> int | None:
+        """Stages 2-3: the width of a burst opened for `call`: its `dtype` columns and
+        those of the calls reduced after it that will join them, up to `hold_bytes`, so
+        that the burst closes full (a partly filled burst of several rows is copied)."""
+        if call.order is None:
+            return None
+        assert self.bursts is not None
+        cap = self.s.hold_bytes // dtype.itemsize // self.bursts.rows
+        total = 0
+        for j in range(call.order, -1, -1):
+            columns = self._columns(self.ordered[j]).get(dtype, 0)
+            if not columns or (total and total + columns > cap):
+                break
+            total += columns
+        return total or None
 
     def _issue_burst(self, burst: Burst) -> None:
         self.before()
@@ -180,8 +220,11 @@ class Reductions:
         size = burst.rows * burst.buffer.element_size()
         # Once a reduce-scatter is done nothing refers to its burst, and the next burst
         # may take the buffer (`Pool`); an all-reduce's result is the burst itself.
-        for (i, start, unit), end in zip(burst.parts, ends):
-            self.inflight.append((i, out[start:end], work, (end - start) * size, unit, False))
+        parts = [
+            (i, out[start:end], (end - start) * size, unit, False)
+            for (i, start, unit), end in zip(burst.parts, ends)
+        ]
+        self.inflight.append((work, parts))
 
     # -- unit gradients: held, then reduced ------------------------------------------------
     def _take(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -213,7 +256,7 @@ class Reductions:
         """Starts the reductions of every held gradient, oldest first."""
         for i, g, unit in self.held:
             out, work = self._start(g)
-            self.inflight.append((i, out, work, g.numel() * g.element_size(), unit, True))
+            self.inflight.append((work, [(i, out, g.numel() * g.element_size(), unit, True)]))
         self.held.clear()
         self.held_bytes = 0
 
@@ -237,13 +280,14 @@ class Reductions:
         return out.div_(self.mesh.size) if self.mesh.size > 1 else out
 
     def _finish_oldest(self) -> None:
-        i, out, work, nbytes, unit, divide = self.inflight.pop(0)
+        work, parts = self.inflight.pop(0)
         if work is not None:
-            work.wait()  # a burst's parts share one work: waiting again returns at once
-        if divide and self.mesh.size > 1:  # the mean; one rank's sum is already it
-            out.div_(self.mesh.size)
-        self.reduced[i] = self.reduced[i] + out if i in self.reduced else out
-        self._log(unit, -nbytes)
+            work.wait()
+        for i, out, nbytes, unit, divide in parts:
+            if divide and self.mesh.size > 1:  # the mean; one rank's sum is already it
+                out.div_(self.mesh.size)
+            self.reduced[i] = self.reduced[i] + out if i in self.reduced else out
+            self._log(unit, -nbytes)
 
     # -- after the backward ----------------------------------------------------------------
     def finish(self) -> None:

@@ -45,9 +45,11 @@ class Schedule:
         `hold_bytes` that the step function keeps (`_pool`), so buckets of several units
         cost one collective, as in DDP (stage 0: end to end, all-reduced; stages 1-3:
         rank by rank, reduce-scattered; `_burst`).
-      hold_bytes: how many bytes of gradients a burst holds before its reduction starts;
-        without bursts, complete gradients are held until this many bytes are ready,
-        then their reductions start together.
+      hold_bytes: how many bytes of gradients a burst holds before its reduction starts
+        (stages 2-3: the largest unit's); without bursts, complete gradients are held
+        until this many bytes are ready, then their reductions start together.
+      unit_bursts: stages 2-3 (their memory bound): a burst packs whole consecutive units
+        up to `hold_bytes` and is reduced as soon as the next unit will not join it.
       keep_rows: the rows reduce-scatters return (this rank's gradient) are the step
         function's to keep between steps (`_pool`), not allocated afresh: stage 1,
         whose bound holds full gradients anyway. Stages 2-3 keep no gradient between
@@ -74,6 +76,7 @@ class Schedule:
     gather_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     secondary: Axis | None = None
+    unit_bursts: bool = False
     keep_rows: bool = False
     keep_last: int = 0
     quant_gather: int | None = None
@@ -113,6 +116,13 @@ def plan(
     q = quantize
     reshard = reshard_after_forward and gathers and bool(jit)
     quant_reduce = q.block if q is not None and q.grads and not all_reduce else None
+    bursts = not accumulate_locally and quant_reduce is None
+    if buckets:
+        hold = reduce_bucket_bytes
+    elif bursts:
+        hold = max((_unit_bytes(layout, u, comm_dtypes[1]) for u in layout.units), default=0)
+    else:
+        hold = 0
     return Schedule(
         hooked=hooked,
         jit=frozenset(jit),
@@ -121,8 +131,9 @@ def plan(
         all_reduce=all_reduce,
         # Local accumulation sums whole unit gradients across micro-batches, and qgZ
         # quantizes unit by unit: both reduce held gradients instead.
-        bursts=not accumulate_locally and quant_reduce is None,
-        hold_bytes=reduce_bucket_bytes if buckets else 0,
+        bursts=bursts,
+        hold_bytes=hold,
+        unit_bursts=bursts and not buckets,
         in_flight=in_flight,
         drain=not all_reduce,
         check_calls=bool(jit) and world_size > 1,
@@ -133,4 +144,13 @@ def plan(
         keep_last=(2 if prefetch else 1) if reshard else 0,
         quant_gather=q.block if q is not None and q.weights and gathers else None,
         quant_reduce=quant_reduce,
+    )
+
+
+def _unit_bytes(layout: ShardLayout, unit: str, reduce_dtype: torch.dtype | None) -> int:
+    """Bytes of `unit`'s trainable full gradient, as reduced."""
+    return sum(
+        b.full_numel * (reduce_dtype or b.dtype).itemsize
+        for b in (layout.buckets[i] for i in layout.unit_buckets(unit))
+        if not b.frozen
     )

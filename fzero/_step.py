@@ -194,15 +194,16 @@ def sharded_step(
         0, reduce-scattered at stage 1 (laid out rank by rank); with local accumulation
         or qgZ, stage 1 waits until this many bytes of unit gradients are ready and
         starts their reduce-scatters together. 0 starts each unit's reduction as soon
-        as it is complete. Stages 2-3 never hold (their memory bound): each unit's
-        gradient is its own burst. On the CPU, where no caching allocator does, the
-        step function keeps these buffers, stage 1's reduce-scattered gradient and
-        stage 3's gathered parameters from one call to the next (`fzero._pool`), as
-        DDP keeps its buckets: at rest, stage 0's full gradient, stage 1's gradient
-        shard and a burst or two, at stages 2-3 the few units' buffers a step had in
-        use at once. Stages 1-2 also gather the
-        updated shards of buckets up to 1 MiB in bursts of up to this many
-        bytes, one collective each (DeepSpeed's `allgather_bucket_size`).
+        as it is complete. Stages 2-3 hold no more than their memory bound allows: a
+        burst is one unit, or consecutive units no larger together than the largest
+        one (embeddings, norms), reduced as soon as the next unit will not join it. On
+        the CPU, where no caching allocator does, the step function keeps these
+        buffers, stage 1's reduce-scattered gradient and stage 3's gathered parameters
+        from one call to the next (`fzero._pool`), as DDP keeps its buckets: at rest,
+        stage 0's full gradient, stage 1's gradient shard and a burst or two, at stages
+        2-3 the few units' buffers a step had in use at once. Stages 1-2 also gather
+        the updated shards of buckets up to 1 MiB in bursts of up to this many bytes,
+        one collective each (DeepSpeed's `allgather_bucket_size`).
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its

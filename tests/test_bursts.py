@@ -193,3 +193,41 @@ def test_a_buffer_above_the_pack_bound_is_gathered_alone_at_two_ranks(n: int) ->
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
         assert largest, "nothing was packed"
         assert (max(largest) <= 200) == (n == 2), largest
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(("n", "bursts"), [(2, [42, 42]), (3, [42, 36, 9])])
+def test_small_units_share_a_reduce_scatter_no_larger_than_the_largest_unit(
+    stage: int, n: int, bursts: list[int]
+) -> None:
+    # Stages 2-3 hold at most two units' worth of full gradients, so a burst may be as
+    # large as the largest unit: layer 3 (42 elements) goes alone, and the units its
+    # backward reaches next, layers 2, 1 and 0 and the root (18, 6, 10 and 7 elements,
+    # each padded to a multiple of n), share one while they fit, as embeddings and norms
+    # do in a transformer. Each burst is one reduce-scatter; its input is recorded here.
+    case = make_case([4, 2, 2, 6, 6], n, seed=6)
+    expected = reference(case)
+    units = [f"layers.{i}" for i in range(4)]
+    original = fzero._comm.reduce_scatter_async
+
+    def traced(mesh: fzero.Mesh) -> Any:
+        sizes: list[int] = []
+
+        def spy(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            sizes.append(t.numel())
+            return original(t, *args, **kwargs)
+
+        fzero._comm.reduce_scatter_async = spy  # in this rank's own (forked) process
+        return train(mesh, case, units, stage, module=case["model"]), sizes
+
+    for (params, ledger, layout), sizes in run(n, traced):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{stage=}")
+        assert [layout.unit_numel(u) for u in ("", *units)] == [
+            7 + (-7 % n),
+            10 + (-10 % n),
+            6,
+            18,
+            42,
+        ]
+        assert sizes == bursts * case["xs"].shape[0]
+        assert ledger.peak_grads <= 2 * 42 * 8  # the bound: two of the largest unit
