@@ -54,8 +54,9 @@ class Burst:
     @property
     def filled(self) -> torch.Tensor:
         """The filled columns of every row, row after row, as one 1-D tensor: a view when
-        the rows are full or there is one row, else a copy (a burst closed early because
-        the next bucket did not fit)."""
+        the rows are full or there is one row, else a copy (a burst closed with columns to
+        spare: `Reductions` sizes each burst to the calls that will fill it, to avoid
+        this copy of the burst on every step)."""
         if self.rows == 1:
             return self.buffer[: self.used]
         return self.buffer.view(self.rows, self.width)[:, : self.used].reshape(-1)

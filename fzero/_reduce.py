@@ -150,7 +150,7 @@ class Reductions:
                 continue
             part = [g for g, j in zip(grads, leaf_bucket) if j == i]
             dtype = self.s.reduce_dtype or b.dtype
-            width = self._run_columns(call, dtype) if self.s.unit_bursts else None
+            width = self._run_columns(call, dtype)
             view, closed = self.bursts.take(
                 i, b.full_numel, dtype, self.devices[i], call.unit, width=width
             )
@@ -184,9 +184,11 @@ class Reductions:
         return self._columns(self.ordered[call.order - 1])
 
     def _run_columns(self, call: Call, dtype: torch.dtype) -> int | None:
-        """Stages 2-3: the width of a burst opened for `call`: its `dtype` columns and
-        those of the calls reduced after it that will join them, up to `hold_bytes`, so
-        that the burst closes full (a partly filled burst of several rows is copied)."""
+        """The width of a burst opened for `call`: its `dtype` columns and those of the
+        calls reduced after it that will join them, up to `hold_bytes`, so that the burst
+        closes full (a partly filled burst of several rows is copied before its
+        reduce-scatter). At stages 2-3 (`unit_bursts`) a call without gradients of this
+        dtype ends the run, so that no burst waits beside the others."""
         if call.order is None:
             return None
         assert self.bursts is not None
@@ -194,7 +196,9 @@ class Reductions:
         total = 0
         for j in range(call.order, -1, -1):
             columns = self._columns(self.ordered[j]).get(dtype, 0)
-            if not columns or (total and total + columns > cap):
+            if not columns and self.s.unit_bursts:
+                break
+            if total and total + columns > cap:
                 break
             total += columns
         return total or None

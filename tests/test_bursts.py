@@ -231,3 +231,32 @@ def test_small_units_share_a_reduce_scatter_no_larger_than_the_largest_unit(
         ]
         assert sizes == bursts * case["xs"].shape[0]
         assert ledger.peak_grads <= 2 * 42 * 8  # the bound: two of the largest unit
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_stage1_burst_is_sized_to_the_units_that_fill_it(n: int) -> None:
+    # A burst's rows are reduce-scattered as one tensor: a burst closed with columns to
+    # spare would be copied into a narrower one first. Bursts are sized from the units
+    # that will join them (here 560 bytes, room for two layers of 240 but not three:
+    # layers 3 and 2, then layers 1 and 0 with the root), so each reduce-scatter sends
+    # the burst's own buffer, a view of it.
+    case = make_case([5, 5, 5, 5, 5], n, seed=8)
+    expected = reference(case)
+    units = [f"layers.{i}" for i in range(4)]
+    original = fzero._comm.reduce_scatter_async
+
+    def traced(mesh: fzero.Mesh) -> Any:
+        sent: list[tuple[int, bool]] = []  # (elements, a view of the burst's buffer)
+
+        def spy(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            sent.append((t.numel(), t._base is not None))
+            return original(t, *args, **kwargs)
+
+        fzero._comm.reduce_scatter_async = spy
+        out = train(mesh, case, units, 1, module=case["model"], reduce_bucket_bytes=560)
+        return out, sent
+
+    for (params, _ledger, layout), sent in run(n, traced):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+        layer, root = layout.unit_numel("layers.0"), layout.unit_numel("")
+        assert sent == [(2 * layer, True), (2 * layer + root, True)] * 3
