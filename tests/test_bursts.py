@@ -8,6 +8,8 @@ one all-gather. Checked against buffers built by hand and one-process `torch.opt
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 from support import run
 from test_layout import trees
 from test_units import make_case, reference, train
+from torch.func import functional_call
 
 import fzero
 from fzero._flat import paste
@@ -260,3 +263,82 @@ def test_a_stage1_burst_is_sized_to_the_units_that_fill_it(n: int) -> None:
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
         layer, root = layout.unit_numel("layers.0"), layout.unit_numel("")
         assert sent == [(2 * layer, True), (2 * layer + root, True)] * 3
+
+
+class _Mixed(torch.nn.Module):
+    """Linear layers of alternating float64 and float32, each input cast to its layer's."""
+
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__()
+        layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(dims)]
+        for i, layer in enumerate(layers):
+            layer.to(torch.float64 if i % 2 == 0 else torch.float32)
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return x.double()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("bucket", [0, 2000])
+def test_units_of_alternating_dtypes_burst_apart_and_train_like_one_process(
+    stage: int, bucket: int
+) -> None:
+    # A burst holds one dtype. Units of one dtype alternate here with units of the other,
+    # float64 first, of 42, 15, 6, 18 and 15 elements (padded to 3 ranks). At stages 0-1,
+    # 2000 bytes hold the three float64 layers in one burst, which stays open past the
+    # float32 ones (in the other). At stages 2-3 a burst may be as large as layer 0, yet
+    # layers 4 and 2 do not share one: it closes before a unit that cannot join it, so
+    # that no burst waits beside the others (their memory bound). Either way every
+    # gradient is reduced once, in the same order on each rank.
+    torch.manual_seed(9)
+    model = _Mixed([6, 6, 2, 2, 6, 2])
+    g = torch.Generator().manual_seed(10)
+    xs = torch.randn(3, 6, 6, generator=g, dtype=torch.float64)
+    ys = torch.randn(3, 6, 2, generator=g, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.05, foreach=False)
+    for t in range(3):
+        opt.zero_grad()
+        ((ref(xs[t]) - ys[t]) ** 2).mean().backward()
+        opt.step()
+    expected = {k: v.detach() for k, v in ref.named_parameters()}
+    units = [f"layers.{i}" for i in range(5)]
+
+    name = "all_reduce_async" if stage == 0 else "reduce_scatter_async"
+    original = getattr(fzero._comm, name)
+
+    def train_mixed(mesh: fzero.Mesh) -> Any:
+        sizes: list[int] = []
+
+        def spy(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if t.numel() > 1:  # gradients, not one-element flags
+                sizes.append(t.numel())
+            return original(t, *args, **kwargs)
+
+        setattr(fzero._comm, name, spy)  # in this rank's own (forked) process
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+        def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+            return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+        adam = fzero.optim.adam(lr=0.05)
+        state = fzero.shard_state(params, adam, mesh, stage=stage, units=units)
+        step = fzero.sharded_step(
+            loss_fn, adam, mesh, stage=stage, module=model, reduce_bucket_bytes=bucket
+        )
+        for t in range(3):
+            sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+            state, _ = step(state, (xs[t, sl], ys[t, sl]))
+        return fzero.gather_params(state.params, mesh), sizes
+
+    per_step = 2 if stage < 2 and bucket else 5
+    for params, sizes in run(3, train_mixed):
+        assert len(sizes) == 3 * per_step, sizes
+        for k, v in expected.items():
+            # Every gradient passes through float32 layers: float32's rounding, over a
+            # micro-batch here and the whole batch there.
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)
+            assert not torch.equal(v, dict(model.named_parameters())[k])  # it trained
