@@ -213,11 +213,13 @@ class Reductions:
             out, work = _comm.all_reduce_async(filled, self.mesh, owned=True)
         else:
             # This rank's row of the sums (the step's gradient), kept between steps or
-            # not (`Schedule.keep_rows`); on one rank the burst itself, if kept.
+            # not (`Schedule.keep_rows`). On one rank the row is the burst itself, unless
+            # the burst is the pool's and must not stay lent past the step (a device
+            # burst is the caching allocator's: handed over as it is, not copied).
             row = None
             if self.s.keep_rows and self.mesh.shard.size > 1:
                 row = self.pool.take(burst.used, filled.dtype, filled.device)
-            elif not self.s.keep_rows and self.mesh.shard.size == 1:
+            elif not self.s.keep_rows and self.mesh.shard.size == 1 and self.pool.pools(filled):
                 row = torch.empty(burst.used, dtype=filled.dtype, device=filled.device)
             out, work = _comm.reduce_scatter_async(filled, self.mesh, owned=True, out=row)
         ends = [start for _, start, _ in burst.parts[1:]] + [burst.used]

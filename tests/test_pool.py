@@ -4,6 +4,7 @@ still holds: an optimizer that keeps the gradient itself, as a pure function may
 from typing import Any
 
 import pytest
+import test_units
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -122,3 +123,34 @@ def test_the_pool_never_lends_memory_in_use_and_reuses_what_is_not(
             del t
         elif op == "end":
             pool.reclaim()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_without_a_pool_one_rank_hands_the_burst_over_as_its_gradient(stage: int) -> None:
+    # On one rank a burst's sum is the burst itself. A host burst is the pool's, so
+    # stages 2-3 copy it out (they keep no gradient between steps); a device burst comes
+    # from the caching allocator (nothing pooled) and becomes the gradient uncopied. The
+    # device is played here by a pool that pools nothing: the reduce-scatters then get
+    # no buffer to copy into, and the step still trains like one process.
+    case = test_units.make_case([4, 6, 6, 3], 1, seed=11)
+    expected = test_units.reference(case)
+    units = ["layers.0", "layers.1", "layers.2"]
+    original = fzero._comm.reduce_scatter_async
+
+    def traced(mesh: fzero.Mesh, pooled: bool) -> Any:
+        outs: list[bool] = []  # per reduce-scatter: whether it was given a buffer
+
+        def spy(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            outs.append(kwargs.get("out") is not None)
+            return original(t, *args, **kwargs)
+
+        fzero._comm.reduce_scatter_async = spy  # in this rank's own (forked) process
+        if not pooled:
+            Pool.take = lambda self, numel, dtype, device: torch.empty(numel, dtype=dtype)
+            Pool.pools = lambda self, buf: False
+        return test_units.train(mesh, case, units, stage, module=case["model"]), outs
+
+    for pooled in (True, False):
+        ((params, _ledger, _layout), outs), *_ = run(1, traced, pooled)
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{pooled=}")
+        assert outs and all(given == pooled for given in outs), outs
