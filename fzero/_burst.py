@@ -21,6 +21,7 @@ the gradients there costs what pasting them end to end does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,22 +95,24 @@ class Bursts:
         dtype: torch.dtype,
         device: torch.device,
         unit: str,
-        width: int | None = None,
+        width: Callable[[], int | None] | None = None,
     ) -> tuple[torch.Tensor, Burst | None]:
         """Room (`[rows, numel / rows]`) for one bucket's `numel`-element gradient, and the
-        burst it closed to make room (if any); `width`: the columns of a burst opened for
-        it (default: `hold_bytes`' worth, or what is left of the step if fewer)."""
+        burst it closed to make room (if any); `width`: asked only when a burst opens for
+        it, its columns (default, or None: `hold_bytes`' worth, or what is left of the
+        step if fewer)."""
         columns = numel // self.rows
         closed = None
         burst = self.open.get(dtype)
         view = burst.take(bucket, columns, unit) if burst is not None else None
         if view is None:
             closed = self.open.pop(dtype, None)
-            if width is None:
+            wide = width() if width is not None else None
+            if wide is None:
                 cap = self.hold_bytes // dtype.itemsize // self.rows
-                width = min(cap, self.left.get(dtype, 0))
-            width = max(columns, width)
-            buffer = self.pool.take(width * self.rows, dtype, device)
+                wide = min(cap, self.left.get(dtype, 0))
+            wide = max(columns, wide)
+            buffer = self.pool.take(wide * self.rows, dtype, device)
             burst = self.open[dtype] = Burst(buffer, self.rows)
             view = burst.take(bucket, columns, unit)
             assert view is not None

@@ -150,9 +150,14 @@ class Reductions:
                 continue
             part = [g for g, j in zip(grads, leaf_bucket) if j == i]
             dtype = self.s.reduce_dtype or b.dtype
-            width = self._run_columns(call, dtype)
+            # Only a burst that opens for this bucket walks the calls after it (`width`).
             view, closed = self.bursts.take(
-                i, b.full_numel, dtype, self.devices[i], call.unit, width=width
+                i,
+                b.full_numel,
+                dtype,
+                self.devices[i],
+                call.unit,
+                width=lambda dtype=dtype: self._run_columns(call, dtype),
             )
             if closed is not None:
                 self._issue_burst(closed)
