@@ -37,6 +37,9 @@ class Memory:
     warned: bool = False  # a step with no weight anywhere was reported
     hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units): walked once
     pool: Pool = field(default_factory=Pool)  # gradient bursts' buffers, kept across calls
+    # (layout, precision, the schedule planned for them): planned once, as a step's
+    # options are the step function's and only the state's layout and precision vary.
+    planned: tuple[Any, Any, Schedule | None] = (None, None, None)
 
     def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
         if self.hooked[0] is not layout:

@@ -81,6 +81,7 @@ class Reductions:
         self.inflight: list[tuple[Any, list[tuple[int, torch.Tensor, int, str, bool]]]] = []
         self.reduced: dict[int, torch.Tensor] = {}  # bucket -> shard gradient (sum of parts)
         self.extra: dict[int, torch.Tensor] = {}  # bucket -> zeros reduced after the backward
+        self.columns: dict[str, dict[torch.dtype, int]] = {}  # unit -> `_columns`
 
     # -- the order every rank reduces in --------------------------------------------------
     def enlist(self, call: Call) -> None:
@@ -165,20 +166,26 @@ class Reductions:
             self._log(call.unit, b.full_numel * view.element_size())
         call.reduced = True
         self.release(call)
-        for burst in self.bursts.full() + self.bursts.short_of(self._next_columns(call)):
+        for burst in self.bursts.full():
             self._issue_burst(burst)
+        if self.bursts.open:  # none, when each unit fills its own (units of one size)
+            for burst in self.bursts.short_of(self._next_columns(call)):
+                self._issue_burst(burst)
         while len(self.inflight) > self.s.in_flight:
             self._finish_oldest()
 
     def _columns(self, call: Call) -> dict[torch.dtype, int]:
-        """Per dtype, the burst columns `call`'s trainable gradients take."""
-        rows = self.bursts.rows if self.bursts is not None else 1
-        out: dict[torch.dtype, int] = {}
-        for i in call.buckets:
-            b = self.layout.buckets[i]
-            if not b.frozen:
-                dtype = self.s.reduce_dtype or b.dtype
-                out[dtype] = out.get(dtype, 0) + b.full_numel // rows
+        """Per dtype, the burst columns `call`'s trainable gradients take (worked out once
+        per unit a step: asked of each call two or three times)."""
+        out = self.columns.get(call.unit)
+        if out is None:
+            rows = self.bursts.rows if self.bursts is not None else 1
+            out = self.columns[call.unit] = {}
+            for i in call.buckets:
+                b = self.layout.buckets[i]
+                if not b.frozen:
+                    dtype = self.s.reduce_dtype or b.dtype
+                    out[dtype] = out.get(dtype, 0) + b.full_numel // rows
         return out
 
     def _next_columns(self, call: Call) -> dict[torch.dtype, int] | None:
@@ -198,6 +205,9 @@ class Reductions:
             return None
         assert self.bursts is not None
         cap = self.s.hold_bytes // dtype.itemsize // self.bursts.rows
+        own = self._columns(call).get(dtype, 0)
+        if own >= cap:  # a unit as large as a burst (units of one size) is its own burst
+            return own or None
         total = 0
         for j in range(call.order, -1, -1):
             columns = self._columns(self.ordered[j]).get(dtype, 0)

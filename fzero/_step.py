@@ -403,7 +403,10 @@ def _target(stage: Stage, state: ShardedState, local: Any, o: _Options) -> Any:
 
 def _schedule(stage: Stage, o: _Options, memory: Memory, state: ShardedState) -> Schedule:
     prec = state.precision
-    return plan(
+    layout, planned_prec, planned = memory.planned
+    if planned is not None and layout is state.layout and planned_prec == prec:
+        return planned
+    schedule = plan(
         stage,
         state.layout,
         o.mesh.size,
@@ -418,3 +421,5 @@ def _schedule(stage: Stage, o: _Options, memory: Memory, state: ShardedState) ->
         accumulate_locally=o.accumulate == "local",
         comm_dtypes=(None, None) if prec is None else (prec.gather_dtype, prec.reduce_dtype),
     )
+    memory.planned = (state.layout, prec, schedule)
+    return schedule
