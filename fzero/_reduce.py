@@ -6,9 +6,10 @@ rank keeps the mean) or a reduce-scatter (stages 1-3, a rank keeps its slice of 
 mean). How reductions are held and overlapped is the `Schedule`'s:
 
 - `bursts`: leaf gradients are written, divided by the world size, straight into a
-  buffer of `hold_bytes` (DDP's buckets at stages 0-1; at stages 2-3 the largest unit's,
-  which consecutive smaller units share), reduced as one collective once full or once the
-  next call's gradient will not fit (for reduce-scatters laid out rank by rank, `_burst`);
+  buffer as wide as the calls that will fill it, up to `hold_bytes` (DDP's buckets at
+  stages 0-1; at stages 2-3 the largest unit's, which consecutive smaller units share),
+  reduced as one collective once full (for reduce-scatters laid out rank by rank,
+  `_burst`);
 - `hold_bytes`: without bursts (local accumulation, qgZ), complete unit gradients wait
   until that many bytes are ready, then their reductions start together;
 - `in_flight`: how many reductions (collectives) may run while the backward goes on;
@@ -168,15 +169,12 @@ class Reductions:
         self.release(call)
         for burst in self.bursts.full():
             self._issue_burst(burst)
-        if self.bursts.open:  # none, when each unit fills its own (units of one size)
-            for burst in self.bursts.short_of(self._next_columns(call)):
-                self._issue_burst(burst)
         while len(self.inflight) > self.s.in_flight:
             self._finish_oldest()
 
     def _columns(self, call: Call) -> dict[torch.dtype, int]:
         """Per dtype, the burst columns `call`'s trainable gradients take (worked out once
-        per unit a step: asked of each call two or three times)."""
+        per unit a step)."""
         out = self.columns.get(call.unit)
         if out is None:
             rows = self.bursts.rows if self.bursts is not None else 1
@@ -188,19 +186,13 @@ class Reductions:
                     out[dtype] = out.get(dtype, 0) + b.full_numel // rows
         return out
 
-    def _next_columns(self, call: Call) -> dict[torch.dtype, int] | None:
-        """What the call reduced after `call` takes (None: no call is known to follow, so
-        nothing more joins an open burst before `finish`)."""
-        if call.order is None or call.order == 0:
-            return None
-        return self._columns(self.ordered[call.order - 1])
-
     def _run_columns(self, call: Call, dtype: torch.dtype) -> int | None:
         """The width of a burst opened for `call`: its `dtype` columns and those of the
-        calls reduced after it that will join them, up to `hold_bytes`, so that the burst
-        closes full (a partly filled burst of several rows is copied before its
-        reduce-scatter). At stages 2-3 (`unit_bursts`) a call without gradients of this
-        dtype ends the run, so that no burst waits beside the others."""
+        calls reduced after it that will join them, up to `hold_bytes`. The burst is then
+        full, and started, as soon as the last of them is in: no call arrives to find it
+        too small, and no burst of several rows is closed with columns to spare (that one
+        is copied before its reduce-scatter). At stages 2-3 (`unit_bursts`) a call without
+        gradients of this dtype ends the run, so that no burst waits beside the others."""
         if call.order is None:
             return None
         assert self.bursts is not None

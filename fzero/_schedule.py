@@ -48,8 +48,8 @@ class Schedule:
       hold_bytes: how many bytes of gradients a burst holds before its reduction starts
         (stages 2-3: the largest unit's); without bursts, complete gradients are held
         until this many bytes are ready, then their reductions start together.
-      unit_bursts: stages 2-3 (their memory bound): a burst packs whole consecutive units
-        up to `hold_bytes` and is reduced as soon as the next unit will not join it.
+      unit_bursts: stages 2-3 (their memory bound): a burst packs consecutive units up to
+        `hold_bytes`, and a unit without gradients of its dtype ends it.
       keep_rows: the rows reduce-scatters return (this rank's gradient) are the step
         function's to keep between steps (`_pool`), not allocated afresh: stage 1,
         whose bound holds full gradients anyway. Stages 2-3 keep no gradient between

@@ -196,7 +196,7 @@ def sharded_step(
         starts their reduce-scatters together. 0 starts each unit's reduction as soon
         as it is complete. Stages 2-3 hold no more than their memory bound allows: a
         burst is one unit, or consecutive units no larger together than the largest
-        one (embeddings, norms), reduced as soon as the next unit will not join it. On
+        one (embeddings, norms), reduced as soon as the last of its units is in. On
         the CPU, where no caching allocator does, the step function keeps these
         buffers, stage 1's reduce-scattered gradient and stage 3's gathered parameters
         from one call to the next (`fzero._pool`), as DDP keeps its buckets: at rest,
