@@ -67,10 +67,11 @@ class Burst:
 class Bursts:
     """The bursts of one step on one rank, one open per dtype.
 
-    A new burst holds `hold_bytes`, or the gradients still to come this step if fewer (so
-    a model smaller than one burst allocates only itself), or the bucket asking for it if
-    larger; its buffer comes from `pool` (the same sizes every step). `rows`: 1 for
-    all-reduces, the shard axis's size for reduce-scatters.
+    A new burst is as wide as its opener says (`take`'s `width`: `Reductions` gives the
+    calls that will fill it), else it holds `hold_bytes`, or the gradients still to come
+    this step if fewer (so a model smaller than one burst allocates only itself); never
+    less than the bucket asking for it. Its buffer comes from `pool` (the same sizes every
+    step). `rows`: 1 for all-reduces, the shard axis's size for reduce-scatters.
     """
 
     def __init__(
