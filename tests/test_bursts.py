@@ -289,9 +289,9 @@ def test_units_of_alternating_dtypes_burst_apart_and_train_like_one_process(
     # float64 first, of 42, 15, 6, 18 and 15 elements (padded to 3 ranks). At stages 0-1,
     # 2000 bytes hold the three float64 layers in one burst, which stays open past the
     # float32 ones (in the other). At stages 2-3 a burst may be as large as layer 0, yet
-    # layers 4 and 2 do not share one: it closes before a unit that cannot join it, so
-    # that no burst waits beside the others (their memory bound). Either way every
-    # gradient is reduced once, in the same order on each rank.
+    # layers 4 and 2 do not share one: the float32 layer 3 between them ends it, so that
+    # no burst waits beside the others (their memory bound). Either way every gradient
+    # is reduced once, in the same order on each rank.
     torch.manual_seed(9)
     model = _Mixed([6, 6, 2, 2, 6, 2])
     g = torch.Generator().manual_seed(10)
