@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._layout import ShardLayout
 from ._pool import Pool
 
 
@@ -68,26 +67,13 @@ class Bursts:
     """The bursts of one step on one rank, one open per dtype.
 
     A new burst is as wide as its opener says (`take`'s `width`: `Reductions` gives the
-    calls that will fill it), else it holds `hold_bytes`, or the gradients still to come
-    this step if fewer (so a model smaller than one burst allocates only itself); never
-    less than the bucket asking for it. Its buffer comes from `pool` (the same sizes every
-    step). `rows`: 1 for all-reduces, the shard axis's size for reduce-scatters.
+    calls that will fill it, consecutive in the reduction order), and is full once every
+    column is used. Its buffer comes from `pool` (the same sizes every step). `rows`: 1
+    for all-reduces, the shard axis's size for reduce-scatters.
     """
 
-    def __init__(
-        self,
-        hold_bytes: int,
-        layout: ShardLayout,
-        reduce_dtype: torch.dtype | None,
-        rows: int,
-        pool: Pool,
-    ) -> None:
-        self.hold_bytes, self.rows, self.pool = hold_bytes, rows, pool
-        self.left: dict[torch.dtype, int] = {}  # columns of each dtype not yet written
-        for b in layout.buckets:
-            if not b.frozen:
-                dtype = reduce_dtype or b.dtype
-                self.left[dtype] = self.left.get(dtype, 0) + b.full_numel // rows
+    def __init__(self, rows: int, pool: Pool) -> None:
+        self.rows, self.pool = rows, pool
         self.open: dict[torch.dtype, Burst] = {}
 
     def take(
@@ -97,38 +83,27 @@ class Bursts:
         dtype: torch.dtype,
         device: torch.device,
         unit: str,
-        width: Callable[[], int | None] | None = None,
+        width: Callable[[], int],
     ) -> tuple[torch.Tensor, Burst | None]:
         """Room (`[rows, numel / rows]`) for one bucket's `numel`-element gradient, and the
         burst it closed to make room (if any); `width`: asked only when a burst opens for
-        it, its columns (default, or None: `hold_bytes`' worth, or what is left of the
-        step if fewer)."""
+        it, its columns (at least the bucket's)."""
         columns = numel // self.rows
         closed = None
         burst = self.open.get(dtype)
         view = burst.take(bucket, columns, unit) if burst is not None else None
         if view is None:
             closed = self.open.pop(dtype, None)
-            wide = width() if width is not None else None
-            if wide is None:
-                cap = self.hold_bytes // dtype.itemsize // self.rows
-                wide = min(cap, self.left.get(dtype, 0))
-            wide = max(columns, wide)
+            wide = max(columns, width())
             buffer = self.pool.take(wide * self.rows, dtype, device)
             burst = self.open[dtype] = Burst(buffer, self.rows)
             view = burst.take(bucket, columns, unit)
             assert view is not None
-        self.left[dtype] = self.left.get(dtype, 0) - columns
         return view, closed
 
     def full(self) -> list[Burst]:
-        """Closes and returns the open bursts that are full: every column used (a burst as
-        wide as the calls that fill it), or at least `hold_bytes` held."""
-        done = [
-            b
-            for b in self.open.values()
-            if b.used == b.width or b.used * b.rows * b.buffer.element_size() >= self.hold_bytes
-        ]
+        """Closes and returns the open bursts with every column used."""
+        done = [b for b in self.open.values() if b.used == b.width]
         for b in done:
             del self.open[b.buffer.dtype]
         return done

@@ -36,7 +36,7 @@ from ._flat import paste
 from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._pool import Pool
-from ._schedule import Schedule
+from ._schedule import Schedule, unit_grad_numels
 from ._unit_ledger import UnitLedger
 
 
@@ -66,11 +66,7 @@ class Reductions:
         self.release = release  # frees a call's gathered parameters once reduced
         self.pool = pool
         rows = 1 if schedule.all_reduce else mesh.shard.size
-        self.bursts = (
-            Bursts(schedule.hold_bytes, layout, schedule.reduce_dtype, rows, pool)
-            if schedule.bursts
-            else None
-        )
+        self.bursts = Bursts(rows, pool) if schedule.bursts else None
         self.ordered: list[Call] = []  # the forward's calls, in call order
         self.ready: dict[int, tuple[torch.Tensor | None, ...]] = {}  # arrived early
         self.next = -1  # the next call (`order`) to reduce
@@ -178,28 +174,24 @@ class Reductions:
         out = self.columns.get(call.unit)
         if out is None:
             rows = self.bursts.rows if self.bursts is not None else 1
-            out = self.columns[call.unit] = {}
-            for i in call.buckets:
-                b = self.layout.buckets[i]
-                if not b.frozen:
-                    dtype = self.s.reduce_dtype or b.dtype
-                    out[dtype] = out.get(dtype, 0) + b.full_numel // rows
+            numels = unit_grad_numels(self.layout, call.unit, self.s.reduce_dtype)
+            out = self.columns[call.unit] = {d: n // rows for d, n in numels.items()}
         return out
 
-    def _run_columns(self, call: Call, dtype: torch.dtype) -> int | None:
+    def _run_columns(self, call: Call, dtype: torch.dtype) -> int:
         """The width of a burst opened for `call`: its `dtype` columns and those of the
         calls reduced after it that will join them, up to `hold_bytes`. The burst is then
         full, and started, as soon as the last of them is in: no call arrives to find it
         too small, and no burst of several rows is closed with columns to spare (that one
         is copied before its reduce-scatter). At stages 2-3 (`unit_bursts`) a call without
         gradients of this dtype ends the run, so that no burst waits beside the others."""
-        if call.order is None:
-            return None
         assert self.bursts is not None
-        cap = self.s.hold_bytes // dtype.itemsize // self.bursts.rows
         own = self._columns(call).get(dtype, 0)
-        if own >= cap:  # a unit as large as a burst (units of one size) is its own burst
-            return own or None
+        cap = self.s.hold_bytes // dtype.itemsize // self.bursts.rows
+        if call.order is None or own >= cap:
+            # A call outside the reduction order, or a unit as large as a burst (units of
+            # one size), is a burst of its own.
+            return own
         total = 0
         for j in range(call.order, -1, -1):
             columns = self._columns(self.ordered[j]).get(dtype, 0)
@@ -208,7 +200,7 @@ class Reductions:
             if total and total + columns > cap:
                 break
             total += columns
-        return total or None
+        return total
 
     def _issue_burst(self, burst: Burst) -> None:
         self.before()

@@ -147,10 +147,19 @@ def plan(
     )
 
 
+def unit_grad_numels(
+    layout: ShardLayout, unit: str, reduce_dtype: torch.dtype | None
+) -> dict[torch.dtype, int]:
+    """Elements of `unit`'s trainable full gradient per dtype it is reduced in."""
+    out: dict[torch.dtype, int] = {}
+    for i in layout.unit_buckets(unit):
+        b = layout.buckets[i]
+        if not b.frozen:
+            dtype = reduce_dtype or b.dtype
+            out[dtype] = out.get(dtype, 0) + b.full_numel
+    return out
+
+
 def _unit_bytes(layout: ShardLayout, unit: str, reduce_dtype: torch.dtype | None) -> int:
     """Bytes of `unit`'s trainable full gradient, as reduced."""
-    return sum(
-        b.full_numel * (reduce_dtype or b.dtype).itemsize
-        for b in (layout.buckets[i] for i in layout.unit_buckets(unit))
-        if not b.frozen
-    )
+    return sum(n * d.itemsize for d, n in unit_grad_numels(layout, unit, reduce_dtype).items())
