@@ -32,3 +32,21 @@ def test_the_gpu_benchmark_runs_small_on_the_cpu(tmp_path: Path) -> None:
     ws2 = re.findall(r"^\| ([0-3]) \| ([0-9.e+-]+) \|$", text, re.M)
     assert [s for s, _ in ws2] == ["0", "1", "2", "3"], text
     assert all(0 < float(d) < 1e-4 for _, d in ws2), ws2  # trained alike, not bitwise
+
+
+def test_the_world_size_two_section_runs_the_stages_asked_for(tmp_path: Path) -> None:
+    """`--ws2-stages` (a lent GPU's call may have time for one stage): those stages, in
+    order, and nothing for a stage that does not exist."""
+    out = tmp_path / "RESULTS-gpu.md"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--steps", "1"]
+    cmd += ["--warmup", "0", "--ws2-steps", "1", "--only", "^$", "--out", str(out)]
+    done = subprocess.run(
+        [*cmd, "--ws2-stages", "31"], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ws2 = re.findall(r"^\| ([0-3]) \| ([0-9.e+-]+) \|$", out.read_text(), re.M)
+    assert [s for s, _ in ws2] == ["1", "3"], ws2
+    bad = subprocess.run(
+        [*cmd, "--ws2-stages", "4"], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert bad.returncode != 0 and "--ws2-stages" in bad.stderr, bad.stderr[-2000:]
