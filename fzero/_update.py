@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ._gather import gather_params_into
+from ._layout import ShardLayout
 from ._mesh import Mesh
 from ._scale import unscale_
 from ._shards import Shards
@@ -205,4 +206,17 @@ def _regather(
     )
     for i, t in zip(live, targets):
         full[i] = t
+    if donate and _views_into(state.params, lay, full):
+        # Gathered in place under the parameters' own leaves: cutting them again would
+        # cost a split and a view per leaf, every step, for the same views.
+        return state.params
     return lay.unflatten(full)
+
+
+def _views_into(tree: PyTree, lay: ShardLayout, flats: list[torch.Tensor]) -> bool:
+    """Whether `tree`'s leaves are the layout's views into `flats` (as `unflatten` cuts
+    them; `full_buckets` tells them by each bucket's first leaf alike)."""
+    leaves = tree_flatten(tree)[0]
+    return all(
+        leaves[b.slots[0].index]._base is f for b, f in zip(lay.buckets, flats) if b.slots
+    )
