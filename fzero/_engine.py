@@ -60,6 +60,7 @@ class Engine:
         final: bool,
         followable: bool = True,
         pool: Pool | None = None,
+        placeholders: dict[str, list[tuple[int, Placeholder]]] | None = None,
     ) -> None:
         """`grads_like`: per bucket, what this rank's reduced gradient looks like (its
         shard, or the full buffer at stage 0); at stage 3 the shards to gather. `local`:
@@ -67,7 +68,8 @@ class Engine:
         last step, updated in place for the next (prefetching). `followable`: `order` is a
         real last step's, which a rank without data may follow. `pool`: where gradient
         bursts and gathered parameters take their host buffers (the step function's,
-        kept across calls)."""
+        kept across calls). `placeholders`: per just-in-time unit, its leaves' index and
+        `Placeholder`, made once for the layout (filled in here where missing)."""
         self.s, self.layout, self.mesh, self.order = schedule, layout, mesh, order
         self.followable = followable
         self.leaf_grads = schedule.bursts
@@ -115,6 +117,7 @@ class Engine:
         self.calls: list[Call] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order
         self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf
+        self.placeholders = {} if placeholders is None else placeholders
 
     # -- what a unit's node asks of the engine (`_entry.Engine`) ---------------------------
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -172,18 +175,24 @@ class Engine:
         units = [u for u in lay.units if lay.unit_buckets(u)]  # not the empty root
         self.source.prefetch_first([u for u in units if u not in self.s.jit])
         leaves: list[Any] = [None] * len(lay.paths)
+        rank = self.mesh.rank
         for unit in units:
             if unit not in self.s.jit:
                 for path, view in self.enter(unit).items():
                     leaves[lay.path_index[path]] = view
                 continue
-            spec = spec_of(lay.unit_members(unit))
-            for i in lay.unit_buckets(unit):
-                for s in lay.buckets[i].slots:
-                    leaves[s.index] = Placeholder(
-                        s.shape, lay.buckets[i].dtype, path=s.path, unit=spec, rank=self.mesh.rank
-                    )
-                    self.marks.setdefault(unit, (s.index, leaves[s.index]))
+            made = self.placeholders.get(unit)
+            if made is None:  # they hold no data: the same ones serve every step
+                spec = spec_of(lay.unit_members(unit))
+                made = self.placeholders[unit] = [
+                    (s.index, Placeholder(s.shape, b.dtype, path=s.path, unit=spec, rank=rank))
+                    for b in (lay.buckets[i] for i in lay.unit_buckets(unit))
+                    for s in b.slots
+                ]
+            for index, placeholder in made:
+                leaves[index] = placeholder
+            if made:
+                self.marks.setdefault(unit, made[0])
         return tree_unflatten(lay.treedef, leaves)
 
     def gathered(self, params: PyTree, path: str | tuple[str, ...]) -> Any:

@@ -40,11 +40,18 @@ class Memory:
     # (layout, precision, the schedule planned for them): planned once, as a step's
     # options are the step function's and only the state's layout and precision vary.
     planned: tuple[Any, Any, Schedule | None] = (None, None, None)
+    # (layout, per just-in-time unit its leaves' placeholders): made once, not every step
+    made: tuple[Any, dict[str, Any]] = (None, {})
 
     def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
         if self.hooked[0] is not layout:
             self.hooked = (layout, hookable_units(layout, module))
         return self.hooked[1]
+
+    def placeholders(self, layout: ShardLayout) -> dict[str, Any]:
+        if self.made[0] is not layout:
+            self.made = (layout, {})
+        return self.made[1]
 
 
 def mean_grad(
@@ -80,6 +87,7 @@ def mean_grad(
             final=last,
             followable=memory.followable,
             pool=memory.pool,
+            placeholders=memory.placeholders(lay),
         )
         _, grads = engine.value_and_grad(loss_fn, mb, after_forward if last else None)
         memory.followable = True
