@@ -1,6 +1,6 @@
 """Micro-batches: a step's batch cut into them, and the mean gradient over them.
 
-`o` is the step's options (`_step._Options`: accumulate, mesh, ledger); `Memory` what a
+`o` is the step's options (`_train.Options`: accumulate, mesh, ledger); `Memory` what a
 step function carries from one call to the next.
 """
 

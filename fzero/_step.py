@@ -2,11 +2,9 @@
 
     enter (per unit) -> value and grad -> sharded_update -> all-gather (stages 1-2)
 
-`_train` reads as the stage table (`_stages`): the parameters enter the loss unit by unit
-(`_engine`, scheduled by a `_schedule.Schedule` chosen once per step), the gradient comes
-out reduced as the stage reduces it, the optimizer updates what this rank owns
-(`sharded_update`), and where a stage replicates the parameters but shards the optimizer,
-the updated shards are all-gathered.
+That composition is `_train.train`, which reads as the stage table (`_stages`). Here is
+what wraps it: the options checked once, module buffers threaded through the loss, the
+losses' weights (`_weight`), the loss scaler, donation, and the collector paused.
 """
 
 from __future__ import annotations
@@ -15,65 +13,28 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from ._agree import CallCheck
 from ._autodiff import differentiating
 from ._comm import is_peer_failure
 from ._donation import mark_consumed
-from ._grads import local_shard
-from ._hybrid import check_finite, check_quantize, secondary_axis
+from ._hybrid import check_quantize, secondary_axis
 from ._loss import BufferThread, ScaledLoss, sync_buffers
-from ._mesh import Axis, Mesh
-from ._micro import Memory, leaf_grad, mean_grad, micro_batches
+from ._mesh import Mesh
+from ._micro import LossFn, Memory
 from ._quant import QuantizedComm
-from ._replicated import full_buckets, own_slices
-from ._schedule import Schedule, plan
-from ._shards import Shards
-from ._stages import Stage, stage_of
+from ._stages import stage_of
 from ._state import ShardedState, check_step_state
-from ._tree import PyTree, device_of
+from ._train import Options, train
 from ._unit_ledger import UnitLedger
 from ._unitspec import UnitSpec
-from ._update import apply_update, rebuild_params
-from ._weight import Exchange, Tally, Weighed
+from ._weight import Weighed
 from .optim import Optimizer
 
-LossFn = Callable[[PyTree, Any], Any]
 Step = Callable[[ShardedState, Any], tuple[ShardedState, torch.Tensor]]
-
-
-class _Out(NamedTuple):
-    """What `_train` gives back: the new values, and whether they changed."""
-
-    params: PyTree
-    opt_state: Any
-    master: Any
-    applied: bool  # False: the loss scaler found an inf, or the weights summed to 0
-    tally: Tally
-
-
-@dataclass(frozen=True)
-class _Options:
-    """What `sharded_step` was asked for (fixed for the step function's life)."""
-
-    mesh: Mesh
-    module: nn.Module | None
-    just_in_time: bool
-    reshard_after_forward: bool
-    secondary: Axis | None  # hpZ: where the backward gathers resharded units from
-    quantize: QuantizedComm | None
-    prefetch: bool
-    ledger: UnitLedger | None
-    donate: bool
-    accumulate: str | None
-    buffer_sync: str
-    overlap_reduce: bool
-    reduce_bucket_bytes: int
 
 
 def sharded_step(
@@ -221,7 +182,7 @@ def sharded_step(
         raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
     check_quantize(quantize, stage)
     secondary = secondary_axis(reshard_after_forward, stage, mesh)
-    opts = _Options(
+    opts = Options(
         mesh,
         module,
         bool(just_in_time),
@@ -252,7 +213,7 @@ def sharded_step(
         if state.scaler is not None:
             fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
         try:
-            out = _train(fn, weighed, optimizer, opts, memory, state, batch)
+            out = train(fn, weighed, optimizer, opts, memory, state, batch)
         except RuntimeError as exc:
             if not is_peer_failure(exc):
                 raise
@@ -315,65 +276,6 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _train(
-    loss_fn: LossFn,
-    weighed: Weighed,
-    optimizer: Optimizer,
-    o: _Options,
-    memory: Memory,
-    state: ShardedState,
-    batch: Any,
-) -> _Out:
-    """One step of `state.stage`, read as the stage table: parameters enter the loss per
-    unit, value and gradient, the optimizer on what this rank owns, and (stages 1-2) the
-    updated shards all-gathered. The gradient is weighted (`_weight`) before the update."""
-    stage, lay = stage_of(state.stage), state.layout
-    local = None if stage.shards_params else full_buckets(state.params, lay)
-    target = _target(stage, state, local, o)  # what this rank's optimizer updates
-    micro = micro_batches(batch, o, memory)
-    exchange = Exchange(o.mesh, device_of(state.params))
-    present = any(mb is not None for mb in micro)
-
-    def after_forward(check: CallCheck | None = None) -> None:
-        exchange.start(weighed, present, check)
-
-    if stage.reduce == "all_reduce" and o.mesh.size == 1:
-        grads = leaf_grad(loss_fn, micro, o, state)
-        after_forward()
-    else:
-        schedule = _schedule(stage, o, memory, state)
-        if stage.reduce == "all_reduce":  # every rank keeps the full mean gradient
-            assert local is not None
-            like = local
-        else:  # a rank keeps its shard of it, shaped as what it updates
-            like = state.params.buffers if stage.shards_params else target.buffers
-        flats = mean_grad(
-            loss_fn, micro, o, memory, stage, schedule, state, like, local, after_forward
-        )
-        if stage.reduce == "all_reduce":
-            assert local is not None
-            full = [f if b.frozen else g for f, g, b in zip(local, flats, lay.buckets)]
-            grads = lay.trainable(lay.unflatten(full))
-        else:
-            grads = Shards(flats, lay, o.mesh.shard_rank)
-        del flats  # held by `grads` alone, which lets go of them before the gather
-    tally = exchange.wait()
-    if o.quantize is not None and o.quantize.grads and state.scaler is None:
-        check_finite(grads, o.mesh, state.step)
-    factor = tally.factor(o.mesh.size, len(micro))
-    if factor is None:  # no weight anywhere: nothing to update by
-        return _Out(state.params, state.opt_state, state.master, False, tally)
-    new, opt_state, applied = apply_update(
-        optimizer, state, target, grads, o.mesh, o.donate, factor=factor
-    )
-    master = None if state.master is None else new
-    if not applied:  # nothing changed anywhere: no gather either
-        return _Out(state.params, opt_state, master, False, tally)
-    del grads  # used: the gather below has the memory they held
-    params = rebuild_params(stage, new, local, state, o.mesh, o.donate, o.reduce_bucket_bytes)
-    return _Out(params, opt_state, master, True, tally)
-
-
 def _stalled(exc: Exception, state: ShardedState, mesh: Mesh) -> RuntimeError:
     """A collective of the step failed: say what usually causes it."""
     return RuntimeError(
@@ -382,44 +284,3 @@ def _stalled(exc: Exception, state: ShardedState, mesh: Mesh) -> RuntimeError:
         "times: a rank without data this step calls step(state, None)), died, or took "
         "longer than the process group's timeout"
     )
-
-
-def _target(stage: Stage, state: ShardedState, local: Any, o: _Options) -> Any:
-    """What the optimizer updates: the masters if there are any; else the parameters (all
-    of the trainable tree, or this rank's shard of it). Stages 1-2, donating, update the
-    rank's slice of the replicated buffers where it lies, so the gather after the update
-    only fills the peers' slices; not donating, a copy of it."""
-    lay, rank = state.layout, o.mesh.shard_rank
-    if state.master is not None:
-        return state.master
-    if stage.shards_params:
-        return state.params
-    if not stage.shards_optimizer:
-        return lay.trainable(state.params)
-    if o.donate:
-        return Shards(own_slices(local, lay, rank), lay, rank)
-    return local_shard(lay.trainable(state.params), lay, o.mesh)
-
-
-def _schedule(stage: Stage, o: _Options, memory: Memory, state: ShardedState) -> Schedule:
-    prec = state.precision
-    layout, planned_prec, planned = memory.planned
-    if planned is not None and layout is state.layout and planned_prec == prec:
-        return planned
-    schedule = plan(
-        stage,
-        state.layout,
-        o.mesh.size,
-        memory.hooked_units(state.layout, o.module),
-        just_in_time=o.just_in_time,
-        prefetch=o.prefetch,
-        reshard_after_forward=o.reshard_after_forward,
-        secondary=o.secondary,
-        quantize=o.quantize,
-        overlap_reduce=o.overlap_reduce,
-        reduce_bucket_bytes=o.reduce_bucket_bytes,
-        accumulate_locally=o.accumulate == "local",
-        comm_dtypes=(None, None) if prec is None else (prec.gather_dtype, prec.reduce_dtype),
-    )
-    memory.planned = (state.layout, prec, schedule)
-    return schedule
