@@ -115,7 +115,8 @@ def cut(bucket: Bucket, flat: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
     slots = bucket.ordered
     rows = bucket.rows(flat.numel(), flat.numel())  # one row; none if nothing to cut
     row = rows[0] if rows else Row((), ())
-    parts = torch.split(flat, row.sizes) if row.sizes else ()
+    # The op itself: `torch.split`'s Python wrapper costs more than the split, per unit.
+    parts = flat.split_with_sizes(row.sizes) if row.sizes else ()
     return [(slots[k], p.view(slots[k].shape)) for (k, _, _), p in zip(row.owners, parts) if k >= 0]
 
 
@@ -145,7 +146,7 @@ def paste(
     if len(flats) != len(bucket.slots):
         raise ValueError(f"paste: {len(flats)} gradients for {len(bucket.slots)} leaves")
     for r, row in enumerate(bucket.rows(rows.shape[1], rows.numel())):
-        for dst, (k, lo, hi) in zip(torch.split(rows[r], row.sizes), row.owners):
+        for dst, (k, lo, hi) in zip(rows[r].split_with_sizes(row.sizes), row.owners):
             flat = None if k < 0 else flats[k]
             if flat is None:
                 zeros.append(dst)

@@ -217,6 +217,4 @@ def _views_into(tree: PyTree, lay: ShardLayout, flats: list[torch.Tensor]) -> bo
     """Whether `tree`'s leaves are the layout's views into `flats` (as `unflatten` cuts
     them; `full_buckets` tells them by each bucket's first leaf alike)."""
     leaves = tree_flatten(tree)[0]
-    return all(
-        leaves[b.slots[0].index]._base is f for b, f in zip(lay.buckets, flats) if b.slots
-    )
+    return all(leaves[b.slots[0].index]._base is f for b, f in zip(lay.buckets, flats) if b.slots)

@@ -186,7 +186,7 @@ class _Scratch:
     def split_like(self, vs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Tensors shaped as `vs` (one dtype and device) side by side in the buffer."""
         sizes = [v.numel() for v in vs]
-        parts = torch.split(self._buffer(vs[0])[: sum(sizes)], sizes)
+        parts = self._buffer(vs[0])[: sum(sizes)].split_with_sizes(sizes)
         return [part.view(v.shape) for part, v in zip(parts, vs)]
 
 
