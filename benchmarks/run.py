@@ -182,10 +182,10 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "units no larger together than the largest) while the next unit "
               "differentiates: the gradient bound below is therefore two of the largest unit "
               "(one with overlap_reduce=False, checked in tests/test_units.py), and stage 3's "
-              "includes "
-              "the root unit, gathered for the whole step. The ledger counts the full-unit "
-              "buffers fzero itself holds, not activations or allocator slack; its params and "
-              "grads peaks may come from different moments, so their sum over-states the peak.",
+              "includes the root unit, gathered for the whole step. The ledger counts the "
+              "full-unit buffers fzero itself holds, not activations or allocator slack; its "
+              "params and grads peaks may come from different moments, so their sum "
+              "over-states the peak.",
               ""]
     lines += [*report.bounds_table(rows), ""]
     lines += ["## Targets (issue 7)", "", *report.targets(rows), "",

@@ -171,11 +171,11 @@ class Reductions:
     def _columns(self, call: Call) -> dict[torch.dtype, int]:
         """Per dtype, the burst columns `call`'s trainable gradients take (worked out once
         per unit a step)."""
+        assert self.bursts is not None  # asked only for a burst's width
         out = self.columns.get(call.unit)
         if out is None:
-            rows = self.bursts.rows if self.bursts is not None else 1
             numels = unit_grad_numels(self.layout, call.unit, self.s.reduce_dtype)
-            out = self.columns[call.unit] = {d: n // rows for d, n in numels.items()}
+            out = self.columns[call.unit] = {d: n // self.bursts.rows for d, n in numels.items()}
         return out
 
     def _run_columns(self, call: Call, dtype: torch.dtype) -> int:
