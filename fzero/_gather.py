@@ -11,7 +11,7 @@ from ._entry import Call, enter
 from ._flat import cut
 from ._layout import ShardLayout
 from ._mesh import Mesh
-from ._shards import Shards
+from ._shards import Shards, compute_dtype
 from ._tree import PyTree, subtree, tree_unflatten
 from ._unitspec import UnitSpec, members_of, name_of
 
@@ -29,7 +29,10 @@ class Now:
         self.layout, self.mesh, self.reduce_dtype = layout, mesh, reduce_dtype
 
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(_comm.all_gather(s, self.mesh) for s in shards)
+        dtypes = (self.layout.buckets[i].dtype for i in call.buckets)
+        return tuple(
+            _comm.all_gather(compute_dtype(s, d), self.mesh) for s, d in zip(shards, dtypes)
+        )
 
     def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
         # The transpose of an all-gather is a reduce-scatter; fzero's is the mean over

@@ -69,7 +69,9 @@ class MemoryReport(NamedTuple):
     and, for a state on a CUDA device, what the caching allocator says of that device.
 
     Attributes:
-      params: bytes of the parameters (stage 3: this rank's shards).
+      params: bytes of the parameters (stage 3: this rank's shards; under mixed
+        precision, only those without masters, the frozen ones: the others are their
+        masters, counted in `opt_state`).
       opt_state: bytes of the optimizer state, masters included.
       device: the state's device.
       allocated, peak_allocated, reserved: `torch.cuda.memory_allocated`,
@@ -106,8 +108,11 @@ def memory_report(state: ShardedState) -> MemoryReport:
     # Master copies are optimizer state in ZeRO's accounting (12 bytes per parameter for
     # mixed-precision Adam: fp32 master, momentum and variance).
     opt = tree_nbytes((state.opt_state, state.master))
+    # Stage 3's trainable shards under mixed precision are the masters (one storage):
+    # counted once, as masters; `params` is then what only the parameters hold.
+    params = tree_nbytes((state.params, state.opt_state, state.master)) - opt
     device = device_of(state.params)
-    report = MemoryReport(tree_nbytes(state.params), opt, device)
+    report = MemoryReport(params, opt, device)
     if device is None or device.type != "cuda":
         return report
     return report._replace(

@@ -18,12 +18,14 @@ class Precision:
     """Mixed precision (FSDP2's MixedPrecisionPolicy, FairScale's mixed_precision).
 
     Attributes:
-      param_dtype: dtype the parameters are held in for compute and given to `loss_fn`
-        (stages 0-2: the replicated parameters; stage 3: the shards and the gathered
-        units). None keeps the parameters' own dtype. When set, the optimizer updates
-        master copies of this rank's shard (`master_dtype`) and the parameters are the
-        masters cast down, as in DeepSpeed and ZeRO's 16Ψ arithmetic. Frozen parameters
-        are held in this dtype only (no masters: nothing updates them).
+      param_dtype: dtype the parameters are computed in and given to `loss_fn` (stages
+        0-2: the replicated parameters; stage 3: the gathered units). None keeps the
+        parameters' own dtype. When set, the optimizer updates master copies of this
+        rank's shard (`master_dtype`). At stages 0-2 the parameters are held as the
+        masters cast down, as in DeepSpeed and ZeRO's 16Ψ arithmetic; at stage 3 a
+        trainable shard is its master, cast as it is gathered (FSDP2's layout: no
+        second shard in this dtype). Frozen parameters are held in this dtype only (no
+        masters: nothing updates them).
       reduce_dtype: dtype gradients are reduced (summed over ranks) in; the optimizer then
         sees them in the master dtype. None: the parameters' compute dtype.
       gather_dtype: dtype parameters travel in when they are all-gathered (after the
@@ -132,6 +134,15 @@ def needs_master(precision: Precision | None, layout: ShardLayout, stage: Stage)
     )
 
 
+def held_shards(buffers: tuple[torch.Tensor, ...], master: Shards, layout: ShardLayout) -> Shards:
+    """Stage 3's parameters under mixed precision: each trainable bucket's shard is its
+    master itself, held once at full precision and cast to the layout's (compute) dtype
+    as it is gathered (FSDP2's cast at the all-gather): no second, compute-dtype copy.
+    Frozen buckets have no master: theirs from `buffers`, in the compute dtype."""
+    bufs = tuple(x if b.frozen else m for x, m, b in zip(buffers, master.buffers, layout.buckets))
+    return Shards(bufs, layout, master.rank)
+
+
 def meta_like(layout: ShardLayout) -> PyTree:
     """Meta tensors of the layout's leaves: their shapes and dtypes, no values."""
     leaves = [torch.empty(s, dtype=d, device="meta") for s, d in zip(layout.shapes, layout.dtypes)]
@@ -159,9 +170,6 @@ def to_mixed(
         return params, layout, None
     mlay, full32 = master_layout(lay, full_like, precision.master_dtype)
     if stage.shards_params:
-        held: PyTree = Shards(
-            tuple(x.to(b.dtype) for x, b in zip(params.buffers, lay.buckets)), lay, rank
-        )
         master: PyTree = Shards(
             tuple(
                 x.new_empty(0) if b.frozen else x.to(m.dtype)
@@ -170,7 +178,8 @@ def to_mixed(
             mlay,
             rank,
         )
-        return held, lay, master
+        frozen = tuple(x.to(b.dtype) for x, b in zip(params.buffers, lay.buckets))
+        return held_shards(frozen, master, lay), lay, master
     trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
     if stage.shards_optimizer:
         trainable = Shards(mlay.shard(trainable, rank), mlay, rank)

@@ -20,6 +20,7 @@ from ._precision import (
     cast_params,
     check_castable,
     compute_params,
+    held_shards,
     master_layout,
     needs_master,
     to_mixed,
@@ -39,7 +40,9 @@ class ShardedState:
 
     Attributes:
       params: stages 0-2: the full parameter tree (replicated; leaves are views into one
-        flat buffer per dtype). Stage 3: this rank's `Shards`.
+        flat buffer per dtype). Stage 3: this rank's `Shards` (under mixed precision,
+        a trainable bucket's shard is its master: gathering casts it to the layout's
+        compute dtype).
       opt_state: optimizer state of what this rank updates: the full tree at stage 0,
         its shard's pieces at stages 1-3.
       step: number of updates applied.
@@ -50,7 +53,8 @@ class ShardedState:
         `(loss, new_buffers)`; see `sharded_step(buffer_sync=...)`.
       master: under mixed precision, the master copies the optimizer updates, in the
         master dtype: the full trainable tree at stage 0, this rank's `Shards` (frozen
-        buckets empty) at stages 1-3; `params` are these cast to the compute dtype.
+        buckets empty) at stages 1-3; `params` are these cast to the compute dtype
+        (stage 3: these themselves, cast as they are gathered).
         None without masters.
       scaler: the dynamic loss scaler's state, or None.
       precision: the `Precision` (static), or None.
@@ -187,6 +191,8 @@ def shard_state(
             master = Shards(mlay.shard(master, mesh.shard_rank), mlay, mesh.shard_rank)
         del mflats
     held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master)
+    if isinstance(master, Shards) and spec.shards_params:
+        held = held_shards(held.buffers, master, lay)  # the shards are the masters
     return ShardedState(
         held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
     )

@@ -10,6 +10,7 @@ import torch
 from ._gather import gather_params_into
 from ._layout import ShardLayout
 from ._mesh import Mesh
+from ._precision import held_shards
 from ._scale import unscale_
 from ._shards import Shards
 from ._stages import Stage
@@ -108,8 +109,9 @@ def rebuild_params(
 ) -> PyTree:
     """The parameters after a step's update: the updated shards all-gathered (where the
     stage replicates parameters and shards the optimizer; buckets together in bursts of
-    up to `burst_bytes`), the masters cast down, or the update itself. `local`: the
-    replicated full buffers the step ran on."""
+    up to `burst_bytes`), the masters cast down (stage 0), the update itself, or (stage
+    3 with masters) the masters beside the frozen shards. `local`: the replicated full
+    buffers the step ran on."""
     lay = state.layout
     if stage.regathers:
         return _regather(new, local, state, mesh, donate, burst_bytes)
@@ -117,17 +119,7 @@ def rebuild_params(
         return new if stage.shards_params else lay.merge(state.params, new)
     if not stage.shards_params:
         return _cast_tree(new, state, donate)
-    old = state.params
-    if donate:
-        with torch.no_grad():
-            for p, m, b in zip(old.buffers, new.buffers, lay.buckets):
-                if not b.frozen:
-                    p.copy_(m)
-        return old
-    bufs = tuple(
-        p if b.frozen else m.to(p.dtype) for p, m, b in zip(old.buffers, new.buffers, lay.buckets)
-    )
-    return Shards(bufs, lay, old.rank)
+    return held_shards(state.params.buffers, new, lay)  # the shards are the masters
 
 
 def apply_update(

@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import optree
 import pytest
 import torch
 from hypothesis import given, settings
@@ -312,12 +313,68 @@ def memory(mesh: fzero.Mesh, stage: int) -> Any:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_matches_the_zero_formula(stage: int) -> None:
     """2-byte parameters and 12 bytes of Adam state (fp32 master, moments) per parameter,
-    per rank, measured on the state's tensors; within the padding and Adam's step count."""
+    per rank, measured on the state's tensors; within the padding and Adam's step count.
+    Stage 3 holds no 2-byte shard beside the master (FSDP2's layout, 2 bytes a parameter
+    under the paper's 16): its shards are the masters, cast as they are gathered."""
     n = 4
     rep, psi = run(n, memory, stage)[0]
     est = fzero.estimate_memory(psi, n, stage)  # defaults: 2 / 2 / 12 bytes
-    assert est.params <= rep.params <= est.params + 2 * n
+    if stage == 3:
+        assert rep.params == 0
+    else:
+        assert est.params <= rep.params <= est.params + 2 * n
     assert est.opt_state <= rep.opt_state <= est.opt_state + 12 * n + 8
+
+
+def stage3_storages(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, donate: bool) -> Any:
+    """Bytes per dtype of the storages a stage-3 bf16 state holds (each counted once),
+    before and after steps; whether a step that does not donate left its input alone."""
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01)
+    prec = fzero.Precision(param_dtype=BF16, reduce_dtype=FP32)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS, precision=prec)
+    step = fzero.sharded_step(
+        make_loss(model, BF16), opt, mesh, stage=3, units=UNITS, donate=donate
+    )
+
+    def storages(s: Any) -> dict[str, int]:
+        seen, out = set(), {}
+        for x in optree.tree_leaves(s, namespace="fzero"):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in seen:
+                seen.add(x.untyped_storage().data_ptr())
+                key = str(x.dtype)
+                out[key] = out.get(key, 0) + x.untyped_storage().nbytes()
+        return out
+
+    before = storages(state)
+    for t in range(xs.shape[0]):
+        old = [b.clone() for b in state.params.buffers]
+        new, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+        untouched = all(torch.equal(a, b) for a, b in zip(old, state.params.buffers))
+        assert donate or untouched, "a step that does not donate changed its input"
+        state = new
+    return before, storages(state), fzero.master_params(state, mesh)
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_stage_3_holds_each_trainable_shard_once_at_full_precision(donate: bool) -> None:
+    """No bf16 copy beside the fp32 master: the state's bf16 storages are empty (nothing
+    is frozen here) and its fp32 ones are the master and Adam's two moments, 12 bytes per
+    parameter owned (measured on the storages, not on fzero's report); and it trains as
+    one process doing the same casts."""
+    xs, ys = data(2, 3)
+    n_params = sum(p.numel() for p in Net().parameters())
+    ref = reference(xs, ys, BF16, FP32, scale=False)
+    for before, after, masters in fzero.simulate(2, stage3_storages, xs, ys, donate):
+        for held in (before, after):
+            assert held.get("torch.bfloat16", 0) == 0, held
+            owned = held["torch.float32"]  # Adam's step count is an int64
+            assert 12 * n_params / 2 <= owned <= 12 * (n_params / 2 + 3), held  # + padding
+        for k, m in ref["masters"].items():
+            torch.testing.assert_close(masters[k], m, rtol=0, atol=0, msg=k)
+            assert not torch.equal(m, dict(Net().named_parameters())[k].detach()), k
 
 
 def bad(mesh: fzero.Mesh, params: dict, prec: Any) -> None:
