@@ -165,6 +165,11 @@ def _estimate(args: argparse.Namespace) -> int:
         "\nZeRO (arXiv 1910.02054, section 5): stage 1 shards the optimizer state, stage 2 also "
         "the\ngradients, stage 3 also the parameters. Activations and buffers are not counted."
     )
+    if adam:
+        print(
+            "fzero's stage 3 holds 2 bytes a parameter less (its bf16 shards are the fp32 "
+            "masters,\ncast as they are gathered): --param-bytes 0 for its column."
+        )
     return 0
 
 

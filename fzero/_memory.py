@@ -38,7 +38,9 @@ def estimate_memory(
     gradients, stage 3 also the parameters. Defaults are mixed-precision Adam (2-byte
     params and grads, 12 bytes of fp32 master weights and moments); plain fp32 Adam is
     `param_bytes=4, grad_bytes=4, optim_bytes=8`. Padding (< world_size elements per
-    buffer) is not counted.
+    buffer) is not counted. Under `fzero.Precision`, fzero's stage 3 keeps no compute-dtype
+    shard beside the masters (its shards are them, cast as they are gathered): for it,
+    `param_bytes=0`.
 
     Args:
       num_params: Ψ, the number of parameters.

@@ -58,6 +58,20 @@ def test_estimate_flags_change_the_table(capsys: pytest.CaptureFixture[str]) -> 
     assert _table(capsys.readouterr().out)[4] == ["5,245 MiB", "3,815 MiB"]
 
 
+def test_estimate_says_what_fzero_stage_3_holds_under_mixed_precision(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # fzero's stage-3 shards are the fp32 masters: (0 + 2 + 12) / 4 bytes per parameter,
+    # as `shard_state(precision=)` holds them (tests/test_precision.py measures it).
+    argv = ["estimate", "--params", "1e9", "--world-sizes", "4", "--stages", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert _table(out)[4] == ["4 GB"] and "--param-bytes 0" in out
+    assert main([*argv, "--param-bytes", "0"]) == 0
+    out = capsys.readouterr().out
+    assert _table(out)[4] == ["3.5 GB"] and "--param-bytes 0" not in out
+
+
 def test_parse_count() -> None:
     assert parse_count("1.3e9") == 1_300_000_000
     assert parse_count("350M") == parse_count("350m") == 350_000_000
