@@ -178,7 +178,10 @@ def to_mixed(
             mlay,
             rank,
         )
-        frozen = tuple(x.to(b.dtype) for x, b in zip(params.buffers, lay.buckets))
+        frozen = tuple(
+            x.to(b.dtype) if b.frozen else x.new_empty(0)  # the others: their masters
+            for x, b in zip(params.buffers, lay.buckets)
+        )
         return held_shards(frozen, master, lay), lay, master
     trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
     if stage.shards_optimizer:
