@@ -29,10 +29,16 @@ class Now:
         self.layout, self.mesh, self.reduce_dtype = layout, mesh, reduce_dtype
 
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        dtypes = (self.layout.buckets[i].dtype for i in call.buckets)
-        return tuple(
-            _comm.all_gather(compute_dtype(s, d), self.mesh) for s, d in zip(shards, dtypes)
-        )
+        fulls = []
+        size = self.mesh.shard_size
+        for s, i in zip(shards, call.buckets):
+            dtype = self.layout.buckets[i].dtype  # the compute dtype (see `compute_dtype`)
+            out = s.new_empty(s.numel() * size, dtype=dtype)
+            # One rank: the copy into place casts, with no second buffer.
+            fulls.append(
+                _comm.all_gather(s if size == 1 else compute_dtype(s, dtype), self.mesh, out=out)
+            )
+        return tuple(fulls)
 
     def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
         # The transpose of an all-gather is a reduce-scatter; fzero's is the mean over
