@@ -12,6 +12,7 @@ import torch
 from . import _comm
 from ._deferred import check_init, materialize
 from ._donation import check_live
+from ._flat import pack
 from ._init import Init
 from ._layout import ShardLayout, build_layout
 from ._mesh import Mesh
@@ -20,7 +21,6 @@ from ._precision import (
     cast_params,
     check_castable,
     compute_params,
-    held_shards,
     master_layout,
     needs_master,
     to_mixed,
@@ -191,8 +191,6 @@ def shard_state(
             master = Shards(mlay.shard(master, mesh.shard_rank), mlay, mesh.shard_rank)
         del mflats
     held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master)
-    if isinstance(master, Shards) and spec.shards_params:
-        held = held_shards(held.buffers, master, lay)  # the shards are the masters
     return ShardedState(
         held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
     )
@@ -203,18 +201,24 @@ def _shard_params(
 ) -> tuple[PyTree, Any]:
     """What this rank holds of the parameters (rank 0's values) and the optimizer state of
     what it updates: the masters if there are any, else the parameters; all of the
-    trainable tree, or this rank's pieces of it."""
-    flats = tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params))
+    trainable tree, or this rank's pieces of it. At stage 3, one bucket's full buffer at
+    a time; with masters a trainable shard is its master (as `held_shards` makes it), so
+    only frozen buckets are packed and broadcast."""
     rank = mesh.shard_rank
     if stage.shards_params:
-        own = tuple(
-            f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone()
-            for f, b in zip(flats, lay.buckets)
-        )
-        del flats
-        held: PyTree = Shards(own, lay, rank)
+        masters = isinstance(master, Shards)
+        leaves = lay.leaves(params)
+        own = []
+        for i, b in enumerate(lay.buckets):  # one full bucket alive at a time
+            if masters and not b.frozen:
+                own.append(master.buffers[i])
+                continue
+            f = _comm.broadcast_(pack(b, leaves, 0, b.full_numel), mesh)
+            own.append(f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone())
+            del f
+        held: PyTree = Shards(tuple(own), lay, rank)
     else:
-        held = lay.unflatten(flats)
+        held = lay.unflatten(tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params)))
     return held, _init_optimizer(held, optimizer, stage, lay, rank, master)
 
 
