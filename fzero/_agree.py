@@ -1,12 +1,13 @@
-"""Agreement: checking that every rank's forward called the same units in the same order.
+"""Agreement: checking that ranks agree, on a state's layout (`agree_layout`, once, in
+`shard_state`) and, every step, on the units their forwards called.
 
-With module hooks a unit is called when its submodule runs, so a rank-dependent branch can
-skip one on some ranks. Collectives pair up across ranks by the order they start in: the
-backward's reductions (and at stage 3 its gathers) would then pair one unit with another,
-silently when the sizes match. Each rank sends 24 bytes (the call count, a hash of the
-sequence and whether it had a batch) after its forward; the answer is read before the
-backward's first collective, so the exchange runs behind the backward of the last unit
-called.
+Every step: with module hooks a unit is called when its submodule runs, so a
+rank-dependent branch can skip one on some ranks. Collectives pair up across ranks by
+the order they start in: the backward's reductions (and at stage 3 its gathers) would
+then pair one unit with another, silently when the sizes match. Each rank sends 24 bytes
+(the call count, a hash of the sequence and whether it had a batch) after its forward;
+the answer is read before the backward's first collective, so the exchange runs behind
+the backward of the last unit called.
 
 The same exchange carries one flag per unit, which every rank gets OR-ed over the ranks:
 at stage 3, which resharded units some rank's backward may use the parameters of, so that
@@ -22,10 +23,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _comm
 from ._mesh import Mesh
+from ._unitspec import UnitSpec, spec_of
+
+if TYPE_CHECKING:
+    from ._layout import ShardLayout
 
 
 class Agreement(NamedTuple):
@@ -132,3 +137,58 @@ class CallCheck:
             pending, self.pending = self.pending, None
             self.flags, self.carried = pending.check(self.mesh)
         return self.flags
+
+
+def agree_layout(
+    lay: ShardLayout | None, problem: str | None, stage: tuple[int, bool], mesh: Mesh
+) -> None:
+    """`shard_state`'s check: raises on every rank unless all ranks have valid params of one
+    layout and one stage (`problem`: this rank's error, if any; `stage`: its number, and
+    whether values come from an init)."""
+    mine = (problem, stage, None if lay is None else lay.fingerprint())
+    everyone = _comm.all_gather_object(mine, mesh)
+    for rank, (prob, _, _) in enumerate(everyone):
+        if prob is not None:
+            raise _type_of(prob)(f"shard_state: rank {rank}: {prob.split(': ', 1)[1]}")
+    ref_stage, ref = everyone[0][1], everyone[0][2]
+    for rank, (_, st, fp) in enumerate(everyone[1:], start=1):
+        if st[0] != ref_stage[0]:
+            raise ValueError(
+                f"shard_state: rank {rank} asked for stage {st[0]}, rank 0 for {ref_stage[0]}"
+            )
+        if st[1] != ref_stage[1]:
+            has = "passed" if st[1] else "did not pass"
+            raise ValueError(f"shard_state: rank {rank} {has} init=, rank 0 did the opposite")
+        if fp != ref:
+            raise ValueError(
+                f"shard_state: rank {rank}'s params differ from rank 0's: {_first_diff(ref, fp)}"
+            )
+
+
+def _type_of(problem: str) -> type[Exception]:
+    return TypeError if problem.startswith("TypeError") else ValueError
+
+
+def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
+    kind, _, tdef, leaves, units, frozen = ref
+    okind, _, otdef, oleaves, ounits, ofrozen = other
+    if kind != okind:
+        return f"layout {okind!r} vs {kind!r}"
+    for (p, s, d), (op, os_, od) in zip(leaves, oleaves):
+        if p != op:
+            return f"leaf {op!r} where rank 0 has {p!r}"
+        if s != os_ or d != od:
+            return f"leaf {p!r} is {tuple(os_)} {od}, rank 0 has {tuple(s)} {d}"
+    if len(leaves) != len(oleaves):
+        extra = oleaves[len(leaves) :] or leaves[len(oleaves) :]
+        return f"{len(oleaves)} leaves vs rank 0's {len(leaves)} (first unmatched: {extra[0][0]!r})"
+    if units != ounits:
+        return f"units {_specs(ounits)} vs rank 0's {_specs(units)}"
+    for (p, _, _), f, of in zip(leaves, frozen, ofrozen):
+        if f != of:
+            return f"leaf {p!r} is {'frozen' if of else 'trainable'}, rank 0's is not"
+    return f"tree structure {otdef} vs {tdef}"
+
+
+def _specs(members: tuple[tuple[str, ...], ...]) -> list[UnitSpec]:
+    return [spec_of(m) for m in members[1:]]

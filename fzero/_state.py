@@ -10,6 +10,7 @@ import optree
 import torch
 
 from . import _comm
+from ._agree import agree_layout
 from ._deferred import check_init, materialize
 from ._donation import check_live
 from ._flat import pack
@@ -29,7 +30,7 @@ from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._stages import Stage, stage_of
 from ._tree import NAMESPACE, PyTree, device_of, leaf_paths, tree_flatten
-from ._unitspec import UnitSpec, covers, members_of, spec_of
+from ._unitspec import UnitSpec, covers, members_of
 from .optim import Optimizer
 from .optim._base import check_slices
 
@@ -163,7 +164,7 @@ def shard_state(
         frozen_leaves = _frozen_leaves(params, frozen)
         lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves)  # validates
         if spec.shards_optimizer:
-            check_slices(optimizer, lay.kind)  # `_agree` names shard_state and the rank
+            check_slices(optimizer, lay.kind)  # `agree_layout` names shard_state and the rank
         check_init(params, init)
         if precision is not None and init is None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
@@ -173,7 +174,7 @@ def shard_state(
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
-    _agree(lay, problem, (spec.number, init is not None), mesh)
+    agree_layout(lay, problem, (spec.number, init is not None), mesh)
     if init is not None:
         return _from_init(init, lay, optimizer, mesh, spec, buffers, precision, loss_scale)
     state_buffers = _replicate_buffers(buffers, mesh)
@@ -315,60 +316,6 @@ def _units_of_bytes(
     leaves = tree_flatten(params)[0]
     itemsize = max(x.element_size() for x in leaves if isinstance(x, torch.Tensor))
     return by_size(params, max(1, bucket_bytes // itemsize))
-
-
-def _agree(
-    lay: ShardLayout | None, problem: str | None, stage: tuple[int, bool], mesh: Mesh
-) -> None:
-    """Raises on every rank unless all ranks have valid params of one layout and one stage
-    (`stage`: its number, and whether values come from an init)."""
-    mine = (problem, stage, None if lay is None else lay.fingerprint())
-    everyone = _comm.all_gather_object(mine, mesh)
-    for rank, (prob, _, _) in enumerate(everyone):
-        if prob is not None:
-            raise _type_of(prob)(f"shard_state: rank {rank}: {prob.split(': ', 1)[1]}")
-    ref_stage, ref = everyone[0][1], everyone[0][2]
-    for rank, (_, st, fp) in enumerate(everyone[1:], start=1):
-        if st[0] != ref_stage[0]:
-            raise ValueError(
-                f"shard_state: rank {rank} asked for stage {st[0]}, rank 0 for {ref_stage[0]}"
-            )
-        if st[1] != ref_stage[1]:
-            has = "passed" if st[1] else "did not pass"
-            raise ValueError(f"shard_state: rank {rank} {has} init=, rank 0 did the opposite")
-        if fp != ref:
-            raise ValueError(
-                f"shard_state: rank {rank}'s params differ from rank 0's: {_first_diff(ref, fp)}"
-            )
-
-
-def _type_of(problem: str) -> type[Exception]:
-    return TypeError if problem.startswith("TypeError") else ValueError
-
-
-def _first_diff(ref: tuple[Any, ...], other: tuple[Any, ...]) -> str:
-    kind, _, tdef, leaves, units, frozen = ref
-    okind, _, otdef, oleaves, ounits, ofrozen = other
-    if kind != okind:
-        return f"layout {okind!r} vs {kind!r}"
-    for (p, s, d), (op, os_, od) in zip(leaves, oleaves):
-        if p != op:
-            return f"leaf {op!r} where rank 0 has {p!r}"
-        if s != os_ or d != od:
-            return f"leaf {p!r} is {tuple(os_)} {od}, rank 0 has {tuple(s)} {d}"
-    if len(leaves) != len(oleaves):
-        extra = oleaves[len(leaves) :] or leaves[len(oleaves) :]
-        return f"{len(oleaves)} leaves vs rank 0's {len(leaves)} (first unmatched: {extra[0][0]!r})"
-    if units != ounits:
-        return f"units {_specs(ounits)} vs rank 0's {_specs(units)}"
-    for (p, _, _), f, of in zip(leaves, frozen, ofrozen):
-        if f != of:
-            return f"leaf {p!r} is {'frozen' if of else 'trainable'}, rank 0's is not"
-    return f"tree structure {otdef} vs {tdef}"
-
-
-def _specs(members: tuple[tuple[str, ...], ...]) -> list[UnitSpec]:
-    return [spec_of(m) for m in members[1:]]
 
 
 def check_step_state(

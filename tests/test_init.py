@@ -415,11 +415,12 @@ def setup_rise(mesh: fzero.Mesh, how: str, file: str) -> tuple[int, int]:
     with torch.device("meta"):
         m = stack()
     params: Any = dict(m.named_parameters())
-    if how == "eager":  # the control: a model built whole, then sharded
-        torch.manual_seed(0)
-        params = dict(stack().named_parameters())
 
     def make() -> fzero.ShardedState:
+        if how == "eager":  # the control: a model built whole, then sharded
+            torch.manual_seed(0)
+            full = dict(stack().named_parameters())
+            return fzero.shard_state(full, fzero.optim.sgd(1e-2), mesh, stage=3, units=units)
         if how.startswith("load"):
             opt = fzero.optim.adam(1e-3) if how == "load-adam" else fzero.optim.sgd(1e-2)
             return fzero.checkpoint.load(file, mesh, opt, params, stage=3)
