@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,13 +15,14 @@ from ._deferred import check_init, materialize
 from ._donation import check_live
 from ._flat import pack
 from ._init import Init
-from ._layout import ShardLayout, build_layout
+from ._layout import Bucket, ShardLayout, build_layout
 from ._mesh import Mesh
 from ._precision import (
     Precision,
     cast_params,
     check_castable,
     compute_params,
+    held_shards,
     master_layout,
     needs_master,
     to_mixed,
@@ -185,12 +186,13 @@ def shard_state(
     if needs_master(precision, lay, spec):
         assert precision is not None
         mlay, cast = master_layout(lay, original, precision.master_dtype)
-        mflats = tuple(_comm.broadcast_(f, mesh) for f in mlay.flatten(cast))
+        if spec.shards_optimizer:  # no masters of frozen buckets: nothing updates them
+            own = _rank0_slices(mlay, mlay.leaves(cast), mesh, lambda b: not b.frozen)
+            master = Shards(own, mlay, mesh.shard_rank)
+        else:
+            mflats = tuple(_comm.broadcast_(f, mesh) for f in mlay.flatten(cast))
+            master = mlay.trainable(mlay.unflatten(mflats))
         del cast
-        master = mlay.trainable(mlay.unflatten(mflats))
-        if spec.shards_optimizer:
-            master = Shards(mlay.shard(master, mesh.shard_rank), mlay, mesh.shard_rank)
-        del mflats
     held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master)
     return ShardedState(
         held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
@@ -203,24 +205,36 @@ def _shard_params(
     """What this rank holds of the parameters (rank 0's values) and the optimizer state of
     what it updates: the masters if there are any, else the parameters; all of the
     trainable tree, or this rank's pieces of it. At stage 3, one bucket's full buffer at
-    a time; with masters a trainable shard is its master (as `held_shards` makes it), so
-    only frozen buckets are packed and broadcast."""
+    a time; with masters a trainable shard is its master, so only frozen buckets are
+    packed and broadcast."""
     rank = mesh.shard_rank
     if stage.shards_params:
-        masters = isinstance(master, Shards)
-        leaves = lay.leaves(params)
-        own = []
-        for i, b in enumerate(lay.buckets):  # one full bucket alive at a time
-            if masters and not b.frozen:
-                own.append(master.buffers[i])
-                continue
-            f = _comm.broadcast_(pack(b, leaves, 0, b.full_numel), mesh)
-            own.append(f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone())
-            del f
-        held: PyTree = Shards(tuple(own), lay, rank)
+        if isinstance(master, Shards):  # the trainable shards are the masters
+            own = _rank0_slices(lay, lay.leaves(params), mesh, lambda b: b.frozen)
+            held: PyTree = held_shards(own, master, lay)
+        else:
+            held = Shards(_rank0_slices(lay, lay.leaves(params), mesh, lambda b: True), lay, rank)
     else:
         held = lay.unflatten(tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params)))
     return held, _init_optimizer(held, optimizer, stage, lay, rank, master)
+
+
+def _rank0_slices(
+    lay: ShardLayout, leaves: list[Any], mesh: Mesh, wanted: Callable[[Bucket], bool]
+) -> tuple[torch.Tensor, ...]:
+    """This rank's slice of each `wanted` bucket of `leaves` as rank 0 holds them (empty for
+    the others): packed and broadcast one full bucket at a time, so setup never holds a
+    whole-model copy beside the caller's."""
+    rank, own = mesh.shard_rank, []
+    device = next((x.device for x in leaves if x is not None), None)
+    for b in lay.buckets:
+        if not wanted(b):
+            own.append(torch.empty(0, dtype=b.dtype, device=device))
+            continue
+        f = _comm.broadcast_(pack(b, leaves, 0, b.full_numel), mesh)
+        own.append(f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone())
+        del f
+    return tuple(own)
 
 
 def _init_optimizer(

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import run
+from support import map_every_allocation, peak_rss_rise, run
 from torch import nn
 from torch.func import functional_call
 
@@ -449,52 +449,38 @@ def test_stage_3_masters_as_shards_with_frozen_leaves_and_hpz(
             assert params[k].dtype == BF16 and torch.equal(params[k], v), k
 
 
-def live_peak(fn: Any) -> tuple[Any, int, int]:
-    """`fn()`, and the peak and final sum of the tensor bytes allocated during it and not
-    yet freed (torch.profiler's allocation events: what a CUDA allocator would count)."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        out = fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == torch._C._profiler._EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    live, now, peak = {}, 0, 0
-    for _, ptr, size in sorted(events):
-        if size > 0:
-            live[ptr] = size
-            now += size
-        elif ptr in live:
-            now -= live.pop(ptr)
-        peak = max(peak, now)
-    return out, peak, now
-
-
-def setup_peak(mesh: fzero.Mesh) -> tuple[int, int, int]:
+def setup_rise(mesh: fzero.Mesh) -> tuple[int, int, int]:
+    """Peak resident rise of an eager stage-3 bf16 `shard_state` (every allocation of 64 KiB
+    or more mapped on its own, so RSS follows live tensors), its state's bytes, and Ψ."""
+    map_every_allocation()
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(16)])
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    del model
     prec = fzero.Precision(param_dtype=BF16)
-    units = [str(i) for i in range(8)]
-    _, peak, held = live_peak(
-        lambda: fzero.shard_state(
+    units = [str(i) for i in range(16)]
+
+    def make() -> Any:
+        return fzero.shard_state(
             params, fzero.optim.adam(lr=0.01), mesh, stage=3, units=units, precision=prec
         )
-    )
-    return peak, held, sum(p.numel() for p in params.values())
+
+    make()  # once before measuring: code pages, lazily made runtime state
+    with peak_rss_rise() as rise:
+        state = make()
+    return rise["rise"], fzero.memory_report(state).total, sum(p.numel() for p in params.values())
 
 
 def test_stage_3_setup_under_bf16_peaks_at_the_state_and_one_cast() -> None:
-    """shard_state's own allocations at one rank (eager path), measured: it holds 12
-    bytes a parameter (fp32 master shard, Adam's moments) and peaks at 2 more, the bf16
-    cast of the tree it checks and builds the layout from; no compute-dtype shards of
-    the trainable buckets, packed and broadcast only to be dropped (16 bytes before)."""
-    peak, held, psi = run(1, setup_peak)[0]
-    assert 12 * psi <= held <= 12 * psi + 4096, (held, psi)
-    assert peak <= 14 * psi + 4096, (peak / psi, psi)
+    """An eager stage-3 bf16 setup at 4 ranks, measured in resident memory: it peaks at
+    the state (12 bytes a parameter over 4: the fp32 master shard, Adam's moments) plus
+    the bf16 cast of the tree it checks and builds the layout from (2 bytes), plus a
+    bucket. Before, it also packed and broadcast the whole model's fp32 master buffers
+    and bf16 shards only to drop them: 7 bytes a parameter here."""
+    bucket = (512 * 512 + 512) * 4
+    for rise, held, psi in run(4, setup_rise):
+        assert held <= 12 * psi / 4 + 64 * 1024, (held / psi, psi)
+        assert rise <= 12 * psi / 4 + 2 * psi + 2 * bucket + 2**20, (rise / psi, psi)
 
 
 def bad(mesh: fzero.Mesh, params: dict, prec: Any) -> None:
