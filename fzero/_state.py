@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import optree
@@ -30,7 +31,7 @@ from ._precision import (
 from ._scale import DynamicLossScale, LossScaleState
 from ._shards import Shards
 from ._stages import Stage, stage_of
-from ._tree import NAMESPACE, PyTree, device_of, leaf_paths, tree_flatten
+from ._tree import NAMESPACE, PyTree, device_of, leaf_paths, tree_flatten, tree_map
 from ._unitspec import UnitSpec, covers, members_of
 from .optim import Optimizer
 from .optim._base import check_slices
@@ -160,7 +161,7 @@ def shard_state(
         )
     if bucket_bytes is not None:
         units = _units_of_bytes(params, units, bucket_bytes)
-    original = params
+    convert = None  # what each leaf goes through before it is packed (`compute_params`)
     try:
         frozen_leaves = _frozen_leaves(params, frozen)
         lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves)  # validates
@@ -170,8 +171,13 @@ def shard_state(
         if precision is not None and init is None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
             check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
-            params = compute_params(params, precision, spec)
-            lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves)
+            # The layout from the compute dtypes alone; the values are cast a bucket at a
+            # time as they are packed, never as a second whole tree.
+            meta = tree_map(lambda x: x.detach().to("meta"), params)
+            lay = build_layout(
+                compute_params(meta, precision, spec), mesh.shard_size, layout, units, frozen_leaves
+            )
+            convert = partial(compute_params, precision=precision, stage=spec)
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
@@ -185,7 +191,7 @@ def shard_state(
     master = None
     if needs_master(precision, lay, spec):
         assert precision is not None
-        mlay, cast = master_layout(lay, original, precision.master_dtype)
+        mlay, cast = master_layout(lay, params, precision.master_dtype)
         if spec.shards_optimizer:  # no masters of frozen buckets: nothing updates them
             own = _rank0_slices(mlay, mlay.leaves(cast), mesh, lambda b: not b.frozen)
             master = Shards(own, mlay, mesh.shard_rank)
@@ -193,34 +199,58 @@ def shard_state(
             mflats = tuple(_comm.broadcast_(f, mesh) for f in mlay.flatten(cast))
             master = mlay.trainable(mlay.unflatten(mflats))
         del cast
-    held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master)
+    held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master, convert)
     return ShardedState(
         held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
     )
 
 
+# What a leaf goes through before it is packed (casting to the compute dtype), or nothing.
+Convert = Callable[[torch.Tensor], torch.Tensor] | None
+
+
 def _shard_params(
-    params: PyTree, optimizer: Optimizer, mesh: Mesh, stage: Stage, lay: ShardLayout, master: Any
+    params: PyTree,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    stage: Stage,
+    lay: ShardLayout,
+    master: Any,
+    convert: Convert = None,
 ) -> tuple[PyTree, Any]:
-    """What this rank holds of the parameters (rank 0's values) and the optimizer state of
-    what it updates: the masters if there are any, else the parameters; all of the
-    trainable tree, or this rank's pieces of it. At stage 3, one bucket's full buffer at
-    a time; with masters a trainable shard is its master, so only frozen buckets are
-    packed and broadcast."""
-    rank = mesh.shard_rank
+    """What this rank holds of the parameters (rank 0's values, each leaf through `convert`)
+    and the optimizer state of what it updates: the masters if there are any, else the
+    parameters; all of the trainable tree, or this rank's pieces of it. At stage 3, one
+    bucket's full buffer at a time; with masters a trainable shard is its master, so only
+    frozen buckets are packed and broadcast."""
+    rank, leaves = mesh.shard_rank, lay.leaves(params)
     if stage.shards_params:
         if isinstance(master, Shards):  # the trainable shards are the masters
-            own = _rank0_slices(lay, lay.leaves(params), mesh, lambda b: b.frozen)
+            own = _rank0_slices(lay, leaves, mesh, lambda b: b.frozen, convert)
             held: PyTree = held_shards(own, master, lay)
         else:
-            held = Shards(_rank0_slices(lay, lay.leaves(params), mesh, lambda b: True), lay, rank)
+            held = Shards(_rank0_slices(lay, leaves, mesh, lambda b: True, convert), lay, rank)
     else:
-        held = lay.unflatten(tuple(_comm.broadcast_(f, mesh) for f in lay.flatten(params)))
+        flats = (_comm.broadcast_(_packed(b, leaves, convert), mesh) for b in lay.buckets)
+        held = lay.unflatten(tuple(flats))
     return held, _init_optimizer(held, optimizer, stage, lay, rank, master)
 
 
+def _packed(b: Bucket, leaves: list[Any], convert: Convert) -> torch.Tensor:
+    """Bucket `b`'s full flat buffer of `leaves`, its own leaves through `convert` first."""
+    if convert is not None:
+        leaves = list(leaves)
+        for s in b.slots:
+            leaves[s.index] = convert(leaves[s.index])
+    return pack(b, leaves, 0, b.full_numel)
+
+
 def _rank0_slices(
-    lay: ShardLayout, leaves: list[Any], mesh: Mesh, wanted: Callable[[Bucket], bool]
+    lay: ShardLayout,
+    leaves: list[Any],
+    mesh: Mesh,
+    wanted: Callable[[Bucket], bool],
+    convert: Convert = None,
 ) -> tuple[torch.Tensor, ...]:
     """This rank's slice of each `wanted` bucket of `leaves` as rank 0 holds them (empty for
     the others): packed and broadcast one full bucket at a time, so setup never holds a
@@ -231,7 +261,7 @@ def _rank0_slices(
         if not wanted(b):
             own.append(torch.empty(0, dtype=b.dtype, device=device))
             continue
-        f = _comm.broadcast_(pack(b, leaves, 0, b.full_numel), mesh)
+        f = _comm.broadcast_(_packed(b, leaves, convert), mesh)
         own.append(f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone())
         del f
     return tuple(own)
