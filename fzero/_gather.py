@@ -11,7 +11,7 @@ from ._entry import Call, enter
 from ._flat import cut
 from ._layout import ShardLayout
 from ._mesh import Mesh
-from ._shards import Shards, compute_dtype
+from ._shards import Shards
 from ._tree import PyTree, subtree, tree_unflatten
 from ._unitspec import UnitSpec, members_of, name_of
 
@@ -29,16 +29,11 @@ class Now:
         self.layout, self.mesh, self.reduce_dtype = layout, mesh, reduce_dtype
 
     def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        fulls = []
-        size = self.mesh.shard_size
-        for s, i in zip(shards, call.buckets):
-            dtype = self.layout.buckets[i].dtype  # the compute dtype (see `compute_dtype`)
-            out = s.new_empty(s.numel() * size, dtype=dtype)
-            # One rank: the copy into place casts, with no second buffer.
-            fulls.append(
-                _comm.all_gather(s if size == 1 else compute_dtype(s, dtype), self.mesh, out=out)
-            )
-        return tuple(fulls)
+        # In the layout's (compute) dtype: a shard held at higher precision (an fp32
+        # master) is gathered as its cast.
+        n, dtypes = self.mesh.shard_size, [self.layout.buckets[i].dtype for i in call.buckets]
+        outs = (s.new_empty(s.numel() * n, dtype=d) for s, d in zip(shards, dtypes))
+        return tuple(_comm.all_gather(s, self.mesh, out=o) for s, o in zip(shards, outs))
 
     def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
         # The transpose of an all-gather is a reduce-scatter; fzero's is the mean over

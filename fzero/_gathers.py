@@ -42,7 +42,6 @@ from ._entry import Call, in_backward
 from ._layout import ShardLayout
 from ._mesh import Axis, Mesh
 from ._pool import Pool
-from ._shards import compute_dtype
 from ._unit_ledger import UnitLedger
 
 
@@ -192,13 +191,10 @@ class Gathers:
             out = self.pool.take(part.numel() * self.secondary.size, part.dtype, part.device)
             full, work = _comm.all_gather_async(part, self.secondary, out=out)
         else:
-            held, dtype = self.shards[i].detach(), self.layout.buckets[i].dtype
-            # One rank: the copy into place casts, with no second buffer. Otherwise what
-            # travels (and is quantized, or rounded to the gather dtype) is in the compute
-            # dtype, as if held in it.
-            alone = self.mesh.shard.size == 1 and self.dtype in (None, dtype) and not self.quant
-            shard = held if alone else compute_dtype(held, dtype)
-            out = self.pool.take(held.numel() * self.mesh.shard.size, dtype, held.device)
+            # Into a buffer of the compute dtype (the layout's): a shard held at higher
+            # precision (an fp32 master) is gathered as its cast (`_comm.all_gather_async`).
+            shard, dtype = self.shards[i].detach(), self.layout.buckets[i].dtype
+            out = self.pool.take(shard.numel() * self.mesh.shard.size, dtype, shard.device)
             full, work = _comm.all_gather_async(
                 shard,
                 self.mesh,

@@ -38,12 +38,6 @@ class Shards:
         return f"Shards(rank={self.rank}/{self.layout.world_size}, {self.layout.kind}, [{sizes}])"
 
 
-def compute_dtype(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`shard` as it is gathered: cast to its bucket's `dtype` where it is held at higher
-    precision (stage 3 under mixed precision holds the masters themselves); else itself."""
-    return shard if shard.dtype == dtype else shard.to(dtype)
-
-
 optree.register_pytree_node(
     Shards,
     lambda s: (s.buffers, (s.layout, s.rank)),

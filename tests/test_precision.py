@@ -49,7 +49,12 @@ def make_loss(model: nn.Module, dtype: torch.dtype) -> Any:
 
 
 def reference(
-    xs: torch.Tensor, ys: torch.Tensor, pdt: torch.dtype, rdt: torch.dtype, scale: bool
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    pdt: torch.dtype,
+    rdt: torch.dtype,
+    scale: bool,
+    frozen: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """torch.optim.Adam on float32 masters, one process, (torch.amp.GradScaler).
 
@@ -57,21 +62,23 @@ def reference(
     gradients in `pdt`, like a reduction in `pdt`; or once per micro-batch when reducing
     in float32, each cast's gradient arriving in float32), a loss per micro-batch (what
     each rank computes), their gradients summed, then divided by the number of
-    micro-batches: the mean over ranks.
+    micro-batches: the mean over ranks. `frozen` leaves are cast once and never updated.
     """
     torch.manual_seed(0)
     model = Net()
     loss_fn = make_loss(model, pdt)
-    masters = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    start = {k: v.detach() for k, v in model.named_parameters()}
+    masters = {k: v.clone().requires_grad_() for k, v in start.items() if k not in frozen}
+    fixed = {k: start[k].to(pdt) for k in frozen}
     opt = torch.optim.Adam(list(masters.values()), lr=0.01, foreach=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3) if scale else None
     n, skipped = xs.shape[1], []
     for t in range(xs.shape[0]):
         opt.zero_grad()
-        shared = {k: m.to(pdt) for k, m in masters.items()}
+        shared = {**{k: m.to(pdt) for k, m in masters.items()}, **fixed}
         total = 0
         for r in range(n):
-            p = shared if rdt == pdt else {k: m.to(pdt) for k, m in masters.items()}
+            p = shared if rdt == pdt else {**{k: m.to(pdt) for k, m in masters.items()}, **fixed}
             loss = loss_fn(p, (xs[t, r], ys[t, r]))
             total = total + (scaler.scale(loss) if scaler else loss)
         total.backward()
@@ -85,7 +92,13 @@ def reference(
         else:
             opt.step()
     out = {k: m.detach() for k, m in masters.items()}
-    return {"masters": out, "skipped": skipped, "scale": scaler.get_scale() if scaler else None}
+    return {
+        "masters": out,
+        "skipped": skipped,
+        "scale": scaler.get_scale() if scaler else None,
+        "fixed": fixed,
+        "start": start,
+    }
 
 
 def train(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int, **kw: Any) -> Any:
@@ -377,31 +390,6 @@ def test_stage_3_holds_each_trainable_shard_once_at_full_precision(donate: bool)
             assert not torch.equal(m, dict(Net().named_parameters())[k].detach()), k
 
 
-def frozen_reference(xs: torch.Tensor, ys: torch.Tensor, frozen: list[str]) -> dict[str, Any]:
-    """torch.optim.Adam on float32 masters of the trainable leaves, one process: each rank's
-    micro-batch sees the masters cast to bfloat16 (gradients arrive in float32, as reduced
-    in float32) and the frozen leaves cast once, never updated."""
-    torch.manual_seed(0)
-    model = Net()
-    loss_fn = make_loss(model, BF16)
-    start = {k: v.detach() for k, v in model.named_parameters()}
-    masters = {k: v.clone().requires_grad_() for k, v in start.items() if k not in frozen}
-    fixed = {k: start[k].to(BF16) for k in frozen}
-    opt = torch.optim.Adam(list(masters.values()), lr=0.01, foreach=False)
-    n = xs.shape[1]
-    for t in range(xs.shape[0]):
-        opt.zero_grad()
-        total = 0
-        for r in range(n):
-            p = {**{k: m.to(BF16) for k, m in masters.items()}, **fixed}
-            total = total + loss_fn(p, (xs[t, r], ys[t, r]))
-        total.backward()
-        for m in masters.values():
-            m.grad /= n
-        opt.step()
-    return {"masters": {k: m.detach() for k, m in masters.items()}, "fixed": fixed, "start": start}
-
-
 def train_stage3_bf16(
     mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, frozen: list[str], hpz: int | None
 ) -> Any:
@@ -438,7 +426,8 @@ def test_stage_3_masters_as_shards_with_frozen_leaves_and_hpz(
     backward's gathers (from slices of the forward's bfloat16 buffers) change nothing;
     against torch on one process."""
     xs, ys = data(4, 3)
-    ref = frozen_reference(xs, ys, [k for k in Net().state_dict() if k.startswith(tuple(frozen))])
+    names = tuple(k for k in Net().state_dict() if k.startswith(tuple(frozen)))
+    ref = reference(xs, ys, BF16, FP32, scale=False, frozen=names)
     for masters, params in fzero.simulate(4, train_stage3_bf16, xs, ys, frozen, hpz):
         for k, m in ref["masters"].items():
             # 4 float32 gradients summed in another order than autograd's: not bitwise.

@@ -281,3 +281,25 @@ def test_donating_step_updates_in_place_and_equals_the_pure_step(
         return ok
 
     assert all(run(3, fn))
+
+
+def gather_into_lower(mesh: fzero.Mesh, travel: torch.dtype | None) -> torch.Tensor:
+    shard = torch.randn(5, generator=torch.Generator().manual_seed(mesh.rank), dtype=torch.float32)
+    out = torch.empty(5 * mesh.size, dtype=torch.bfloat16)
+    return fzero._comm.all_gather(shard, mesh, dtype=travel, out=out)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("travel", [None, torch.float16])
+def test_an_all_gather_into_a_lower_dtype_gathers_each_shards_cast(
+    n: int, travel: torch.dtype | None
+) -> None:
+    """Stage 3's fp32 masters gathered into bf16 buffers: every rank receives each rank's
+    shard cast to bf16 (then through the travel dtype, if any), as torch casts it; at one
+    rank and on gloo by the copy into place, otherwise by a cast before it travels."""
+    want = []
+    for r in range(n):
+        x = torch.randn(5, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+        want.append(x if travel is None else x.to(travel).to(torch.bfloat16))
+    for got in run(n, gather_into_lower, travel):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, torch.cat(want))

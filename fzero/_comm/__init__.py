@@ -80,8 +80,9 @@ def all_gather_async(
     quant: int | None = None,
     what: str | None = "all-gather",
 ) -> tuple[torch.Tensor, Any]:
-    """Starts an all-gather of the 1-D `shard` into `out` (new if None, `shard`'s dtype),
-    along the mesh's shard axis (or the `Axis` given).
+    """Starts an all-gather of the 1-D `shard` into `out` (new if None, `shard`'s dtype;
+    given in another dtype, every shard is gathered as its cast to it), along the mesh's
+    shard axis (or the `Axis` given).
 
     Returns `(out, work)`; `out` is valid after `work.wait()` (`work` is None when there was
     nothing to wait for). Prefetching issues the next unit's gather with this while the
@@ -96,6 +97,14 @@ def all_gather_async(
         shard = _unwrap(shard).detach().contiguous()
         if out is None:
             out = shard.new_empty(shard.numel() * axis.size)
+        if shard.dtype != out.dtype:
+            # A shard held at higher precision than it is gathered in (stage 3's fp32
+            # masters, gathered in bf16) stands for its cast: quantized or travelling in
+            # `dtype`, it is cast first, as if held in `out`'s dtype. Alone (one rank, or
+            # gloo's broadcasts from its slice of `out`) the copy into `out` casts.
+            alone = axis.size == 1 or shard.numel() == 0 or _is_gloo(axis, shard)
+            if quant is not None or dtype not in (None, out.dtype) or not alone:
+                shard = shard.to(out.dtype)
         if quant is not None and shard.is_floating_point() and shard.numel():
             codes, scales = _quant.quantize(shard, quant)
             codes_all, w1 = all_gather_async(codes.view(-1), axis)
