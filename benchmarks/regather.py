@@ -3,25 +3,28 @@
     python benchmarks/regather.py [--launches 6] [--steps 20] [--quick]
                                   [--out benchmarks/RESULTS-regather.md]
 
-Four configurations are built side by side in the same rank processes (the GPT of
+Five configurations are built side by side in the same rank processes (the GPT of
 run.py, world size 2, gloo on 127.0.0.1, one thread a rank) and stepped in turn, in
 fresh processes per launch:
 - `ddp`: torch DDP + Adam, as in run.py;
-- `ddp+regather`: the same step, plus only the collectives that fzero's stage 3 adds when
-  it reshards. The backward gathers again every block but the last (fzero keeps the
-  forward's last calls, the last block and the head, gathered into the backward), each
-  one block ahead of the backward, with the same bytes and the same gloo broadcasts as
-  fzero's gather: this rank's shard is copied into its slice, then one broadcast per
-  rank. The buffers are kept across steps, as fzero's pool keeps them. Nothing else of
-  fzero's runs: no saved-tensor handles, no freeing, no hooks of its own;
 - `fzero3-keep`: fzero stage 3 keeping its units gathered from forward to backward;
-- `fzero3`: fzero stage 3 resharding after the forward (its default).
+- `fzero3`: fzero stage 3 resharding after the forward (its default);
+- `ddp+regather` and `fzero3-keep+regather`: those steps plus only the collectives
+  that fzero's stage 3 adds when it reshards (`regathers`). The backward gathers again
+  every block but the last (fzero keeps the forward's last calls, the last block and
+  the head, gathered into the backward), each one block ahead of the backward, with
+  the same bytes and the same gloo broadcasts as fzero's gather: this rank's shard is
+  copied into its slice, then one broadcast per rank. The buffers are kept across
+  steps, as fzero's pool keeps them. Nothing else runs: no saved-tensor handles, no
+  freeing, no bookkeeping. The gathered values are not used.
 
 Per launch, each configuration's median step (the slowest rank's, after a barrier) is
-divided by DDP's. `ddp+regather / ddp` is what the re-gathers' collectives cost a step
-that has nothing else of ZeRO's. Compare it with `fzero3 / fzero3-keep`: when the two
-agree, resharding costs what its collectives cost. The forward (up to the loss) and
-the CPU time per step (all of a process's threads) are shown as well.
+divided by DDP's. What the re-gathers' collectives alone cost: `ddp+regather / ddp` (a
+step with no other collective in its backward until DDP's last buckets) and
+`fzero3-keep+regather / fzero3-keep` (beside stage 3's per-unit reduce-scatters, as in
+fzero's own resharding). Against these, `fzero3 / fzero3-keep` is what fzero's
+resharding costs, machinery included. The forward (up to the loss) and the CPU time
+per step (all of a process's threads) are shown as well.
 """
 
 from __future__ import annotations
@@ -48,26 +51,29 @@ import configs  # noqa: E402
 import models  # noqa: E402
 from run import _git_state, machine  # noqa: E402
 
-NAMES = ("ddp", "ddp+regather", "fzero3-keep", "fzero3")
+NAMES = ("ddp", "ddp+regather", "fzero3-keep", "fzero3-keep+regather", "fzero3")
 
 
-def _ddp_regather(spec: models.Spec, net: nn.Module, rank: int, ws: int) -> Any:
-    """DDP's step plus the re-gathers of stage 3's resharding (see the module docstring)."""
-    ddp = nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.Adam(ddp.parameters(), lr=configs.LR)
-    blocks = [net.get_submodule(group[-1]) for group in spec.block_groups(net)]
+def regathers(spec: models.Spec, net: nn.Module, rank: int, ws: int) -> list[int]:
+    """Adds to `net`'s backward the collectives of stage 3's resharding, and nothing else
+    (see the module docstring). Returns the list each gather appends its buffer's bytes to.
+    """
+    groups = spec.block_groups(net)
+    blocks = [net.get_submodule(group[-1]) for group in groups]
     sizes = [sum(p.numel() for name in group for p in net.get_submodule(name).parameters())
-             for group in spec.block_groups(net)]
+             for group in groups]
     again = len(blocks) - 1  # the last block stays gathered into the backward
     shards = [torch.randn(-(-n // ws)) for n in sizes[:again]]
     fulls = [torch.empty(s.numel() * ws) for s in shards]
     works: dict[int, list[Any]] = {}
+    sent: list[int] = []
 
     def gather(k: int) -> None:
         n = shards[k].numel()
         fulls[k].narrow(0, rank * n, n).copy_(shards[k])
         works[k] = [dist.broadcast(fulls[k].narrow(0, r * n, n), src=r, async_op=True)
                     for r in range(ws)]
+        sent.append(fulls[k].numel() * fulls[k].element_size())
 
     def backward_reaches(k: int) -> None:
         """Block `k`'s backward starts: its parameters must be in, the next gather starts."""
@@ -85,7 +91,19 @@ def _ddp_regather(spec: models.Spec, net: nn.Module, rank: int, ws: int) -> Any:
 
     for k, block in enumerate(blocks):
         block.register_forward_hook(on_output(k))
-    return configs.eager_step(spec, ddp, opt)
+    return sent
+
+
+def build(name: str, spec: models.Spec, rank: int, ws: int) -> tuple[Any, list[int]]:
+    """Configuration `name`'s step, and the bytes log of its bare re-gathers (if any)."""
+    net = models.build_model(spec)
+    base = name.removesuffix("+regather")
+    sent = regathers(spec, net, rank, ws) if base != name else []
+    if base == "ddp":  # configs' DDP row, with the hooks on the module it wraps
+        ddp = nn.parallel.DistributedDataParallel(net)
+        opt = torch.optim.Adam(ddp.parameters(), lr=configs.LR)
+        return configs.eager_step(spec, ddp, opt), sent
+    return configs.build(configs.BY_NAME[base], spec, net).step, sent
 
 
 def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -101,11 +119,7 @@ def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue: Any) -
         return out
 
     spec = dataclasses.replace(base, loss=loss)
-    steps = {}
-    for name in NAMES:
-        net = models.build_model(spec)
-        steps[name] = (_ddp_regather(spec, net, rank, ws) if name == "ddp+regather"
-                       else configs.build(configs.BY_NAME[name], spec, net).step)
+    steps = {name: build(name, spec, rank, ws)[0] for name in NAMES}
     rec: dict[str, list[list[float]]] = {n: [] for n in NAMES}
     for t in range(args.steps):
         batch = models.rank_batch(spec, t, rank, ws)
@@ -158,8 +172,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _markdown(args: argparse.Namespace, launches: list[dict[str, list[float]]],
               elapsed: float, load0: float) -> list[str]:
-    ratio = {n: [run[n][0] / run["ddp"][0] for run in launches] for n in NAMES}
-    reshard = [run["fzero3"][0] / run["fzero3-keep"][0] for run in launches]
+    med = statistics.median
+    by_ddp = {n: [run[n][0] / run["ddp"][0] for run in launches] for n in NAMES}
+    by_keep = {n: [run[n][0] / run["fzero3-keep"][0] for run in launches]
+               for n in ("fzero3-keep+regather", "fzero3")}
+    cells = [by_ddp["ddp+regather"], by_ddp["fzero3-keep"], by_ddp["fzero3-keep+regather"],
+             by_ddp["fzero3"], by_keep["fzero3-keep+regather"], by_keep["fzero3"]]
     spec = models.spec("gpt", args.quick, 1)
     out = [
         "# Stage 3's resharding against its re-gathers' collectives alone",
@@ -168,26 +186,22 @@ def _markdown(args: argparse.Namespace, launches: list[dict[str, list[float]]],
         f"- machine: {machine()}",
         f"- torch {torch.__version__}, fzero at `{_git_state()}`",
         f"- command: `python benchmarks/regather.py{' --quick' if args.quick else ''} "
-        f"--launches {args.launches} --steps {args.steps}`"
-        f" ({elapsed:.0f} s; 1-minute load {load0:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end)",
-        f"- {spec.title}; world size 2, gloo on 127.0.0.1, 1 thread a rank; the four "
-        "configurations built in the same two processes and stepped in turn, "
+        f"--launches {args.launches} --steps {args.steps}` ({elapsed:.0f} s; 1-minute "
+        f"load {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)",
+        f"- {spec.title}; world size 2, gloo on 127.0.0.1, 1 thread a rank; the "
+        f"{len(NAMES)} configurations built in the same two processes and stepped in turn, "
         f"{args.steps} steps, median over steps {min(4, args.steps)}-{args.steps} of the "
         "slowest rank's time; each launch in fresh processes (see the script's docstring)",
         "",
-        "| launch | DDP s/step | DDP + re-gathers × DDP | stage 3 keep × DDP "
-        "| stage 3 reshard × DDP | reshard / keep |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| launch | DDP s/step | × DDP: DDP + re-gathers | stage 3 keep | keep + re-gathers "
+        "| stage 3 reshard | ÷ keep: keep + re-gathers | reshard |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for k, run in enumerate(launches):
-        out.append(f"| {k} | {run['ddp'][0]:.3f} | {ratio['ddp+regather'][k]:.3f} | "
-                   f"{ratio['fzero3-keep'][k]:.3f} | {ratio['fzero3'][k]:.3f} | "
-                   f"{reshard[k]:.3f} |")
-    med = statistics.median
+        out.append(f"| {k} | {run['ddp'][0]:.3f} | "
+                   + " | ".join(f"{c[k]:.3f}" for c in cells) + " |")
     out += [f"| **median** | {med(r['ddp'][0] for r in launches):.3f} | "
-            f"**{med(ratio['ddp+regather']):.3f}** | **{med(ratio['fzero3-keep']):.3f}** | "
-            f"**{med(ratio['fzero3']):.3f}** | **{med(reshard):.3f}** |", "",
+            + " | ".join(f"**{med(c):.3f}**" for c in cells) + " |", "",
             "Medians over the launches, ms a step (the slowest rank's): the forward is the "
             "time to the loss, the rest is the backward, the reductions and the update.",
             "", "| configuration | step | forward | rest | CPU (all threads) |",

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from support import run
 
 import fzero
@@ -20,45 +19,32 @@ BENCH = ROOT / "benchmarks"
 
 
 def _bytes_a_step(mesh: fzero.Mesh) -> dict[str, Any]:
-    """Bytes the floor broadcasts in its second step (the full buffers it gathers again),
-    and fzero's all-gather bytes (its ledger) in the second step of stage 3 resharding and
-    keeping (from the second step on, the forward's last units are known and kept)."""
+    """Second-step bytes (from the second step on, the forward's last units are known and
+    kept): what each floor's bare re-gathers gathered (full buffers), and fzero's
+    all-gathers at stage 3 resharding and keeping, from its ledger."""
     sys.path.insert(0, str(BENCH))
-    import configs
     import models
     import regather
 
     spec = models.spec("gpt", True, 1)
-    sent: list[int] = []
-    real = dist.broadcast
-
-    def counted(t: Any, *args: Any, **kwargs: Any) -> Any:
-        sent.append(t.numel() * t.element_size())
-        return real(t, *args, **kwargs)
-
     out: dict[str, Any] = {}
-    dist.broadcast = counted
-    try:
-        floor = regather._ddp_regather(spec, models.build_model(spec), mesh.rank, mesh.size)
+    for name in regather.NAMES:
+        step, sent = regather.build(name, spec, mesh.rank, mesh.size)
         for t in range(2):
             sent.clear()
-            floor(models.rank_batch(spec, t, mesh.rank, mesh.size))
-        out["floor"] = sum(sent)
-    finally:
-        dist.broadcast = real
-    for name in ("fzero3", "fzero3-keep"):
-        step = configs.build(configs.BY_NAME[name], spec, models.build_model(spec)).step
-        for t in range(2):
             with fzero.comm_ledger() as ledger:
                 step(models.rank_batch(spec, t, mesh.rank, mesh.size))
-        out[name] = ledger.by_op(data_only=True)["all_gather:float32"]
+        out[name] = (sum(sent), ledger.by_op(data_only=True).get("all_gather:float32", 0))
     return out
 
 
-def test_the_floor_gathers_again_what_fzero_gathers_again() -> None:
+def test_the_floors_gather_again_what_fzero_gathers_again() -> None:
     for got in run(2, _bytes_a_step):
-        assert got["fzero3"] > got["fzero3-keep"] > 0, got
-        assert got["floor"] == got["fzero3"] - got["fzero3-keep"], got
+        again = got["fzero3"][1] - got["fzero3-keep"][1]
+        assert got["fzero3-keep"][1] > 0 and again > 0, got
+        assert got["ddp+regather"] == (again, 0), got
+        assert got["fzero3-keep+regather"] == (again, got["fzero3-keep"][1]), got
+        assert got["ddp"] == (0, 0) and got["fzero3"][0] == got["fzero3-keep"][0] == 0, got
 
 
 def test_the_script_runs_small(tmp_path: Path) -> None:
