@@ -1,6 +1,6 @@
 """What resharding costs at stage 3, and how much of it the re-gathers' collectives alone cost.
 
-    python benchmarks/regather.py [--launches 6] [--steps 20] [--quick]
+    python benchmarks/regather.py [--launches 10] [--steps 20] [--quick]
                                   [--out benchmarks/RESULTS-regather.md]
 
 Five configurations are built side by side in the same rank processes (the GPT of
@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE))
 
 import configs  # noqa: E402
 import models  # noqa: E402
+from _worker import _free_port  # noqa: E402
 from run import _git_state, machine  # noqa: E402
 
 NAMES = ("ddp", "ddp+regather", "fzero3-keep", "fzero3-keep+regather", "fzero3")
@@ -129,7 +130,7 @@ def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue: Any) -
             step(batch)
             t1 = time.perf_counter()
             rec[name].append([t1 - t0, marks["loss"] - t0, time.process_time() - c0])
-    # Each step: the slowest rank's wall time and CPU time; its forward, alongside.
+    # Per step, each column's largest over the ranks: the slowest rank's wall time.
     got = {n: torch.tensor(v, dtype=torch.float64) for n, v in rec.items()}
     for v in got.values():
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
@@ -140,21 +141,15 @@ def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue: Any) -
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--launches", type=int, default=6)
+    p.add_argument("--launches", type=int, default=10)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="run.py's tiny GPT (a smoke test)")
     p.add_argument("--out", type=Path, default=HERE / "RESULTS-regather.md")
     args = p.parse_args(argv)
+    if args.launches < 1 or args.steps < 2:
+        p.error("--launches must be at least 1 and --steps at least 2")
     ws, ctx = 2, mp.get_context("spawn")
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     launches = []
