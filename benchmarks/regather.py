@@ -99,11 +99,9 @@ def build(name: str, spec: models.Spec, rank: int, ws: int) -> tuple[Any, list[i
     """Configuration `name`'s step, and the bytes log of its bare re-gathers (if any)."""
     net = models.build_model(spec)
     base = name.removesuffix("+regather")
+    # The hooks go on the module before run.py's configuration wraps it (DDP, or fzero's
+    # functional call of it): either runs the module's forward hooks.
     sent = regathers(spec, net, rank, ws) if base != name else []
-    if base == "ddp":  # configs' DDP row, with the hooks on the module it wraps
-        ddp = nn.parallel.DistributedDataParallel(net)
-        opt = torch.optim.Adam(ddp.parameters(), lr=configs.LR)
-        return configs.eager_step(spec, ddp, opt), sent
     return configs.build(configs.BY_NAME[base], spec, net).step, sent
 
 
