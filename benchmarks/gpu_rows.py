@@ -22,7 +22,7 @@ from torch.func import functional_call
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fzero
-from fzero._demo import Block, TinyGPT
+from fzero._tools._demo import Block, TinyGPT
 
 GPT = dict(vocab=50304, block=1024, d=768, layers=12, heads=12)
 SMOKE = dict(vocab=64, block=16, d=32, layers=2, heads=2)

@@ -38,7 +38,7 @@ from torch.func import functional_call
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fzero
-from fzero._demo import TinyGPT, make_data
+from fzero._tools._demo import TinyGPT, make_data
 
 CONFIG = dict(vocab=2048, block=64, d=256, layers=4, heads=4)
 UNITS = ["tok", "pos", *(f"blocks.{i}" for i in range(CONFIG["layers"])), "ln", "head"]

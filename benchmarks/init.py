@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fzero
-from fzero._demo import TinyGPT
+from fzero._tools._demo import TinyGPT
 
 CONFIG = dict(vocab=8192, block=256, d=1024, layers=6, heads=16)
 MB = 2**20

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fzero._demo import Block, TinyGPT
+from fzero._tools._demo import Block, TinyGPT
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

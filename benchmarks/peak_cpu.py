@@ -54,7 +54,7 @@ def _allocations(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
 
 def row(name: str, cfg: dict[str, int], prec: str, steps: int) -> dict[str, int]:
     """One row's peak and final live bytes over `steps` steps, from building it on."""
-    import fzero._pool as pool
+    import fzero._engine._pool as pool
 
     # As on a device: a fresh tensor for every buffer (see the module docstring).
     pool.Pool.take = lambda self, numel, dtype, device: torch.empty(

@@ -1,8 +1,8 @@
-"""`python -m fzero`: the command line (demo, estimate, bench); see fzero/_cli.py."""
+"""`python -m fzero`: the command line (demo, estimate, bench); see fzero/_tools/_cli.py."""
 
 import sys
 
-from ._cli import main
+from ._tools import main
 
 if __name__ == "__main__":
     sys.exit(main())

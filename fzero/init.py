@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._init import FileInit, Init, LeafInit, ModuleInit
+from ._state import FileInit, Init, LeafInit, ModuleInit
 
 __all__ = ["Init", "by_leaf", "from_file", "from_module"]
 

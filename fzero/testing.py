@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._equivalence import assert_stages_equivalent as assert_stages_equivalent
-from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
-from ._unitspec import UnitSpec, covers
+from ._core import PyTree, UnitSpec, covers, leaf_paths, tree_flatten, tree_unflatten
+from ._tools import assert_stages_equivalent as assert_stages_equivalent
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy

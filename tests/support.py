@@ -110,14 +110,16 @@ def dims_and_units() -> Any:
 
 def train_reference(case: Case) -> dict[str, Any]:
     """Plain torch.optim on one process over the concatenated batch: the ground truth."""
-    leaves, treedef = fzero._tree.tree_flatten(case.params)
+    leaves, treedef = fzero._core._tree.tree_flatten(case.params)
     tensors = [x.detach().clone().requires_grad_() for x in leaves]
     opt = make_torch_optimizer(case.optimizer, tensors)
     for t in range(case.xs.shape[0]):
         opt.zero_grad()
-        mlp_loss(fzero._tree.tree_unflatten(treedef, tensors), (case.xs[t], case.ys[t])).backward()
+        mlp_loss(
+            fzero._core._tree.tree_unflatten(treedef, tensors), (case.xs[t], case.ys[t])
+        ).backward()
         opt.step()
-    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+    return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
 
 def train_fzero(mesh: fzero.Mesh, case: Case) -> tuple[Any, list[float]]:

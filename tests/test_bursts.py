@@ -22,8 +22,8 @@ from test_units import make_case, reference, train
 from torch.func import functional_call
 
 import fzero
-from fzero._flat import paste
-from fzero._layout import build_layout
+from fzero._core._flat import paste
+from fzero._core._layout import build_layout
 
 
 @given(trees(), st.integers(1, 6), st.sampled_from(["flat", "tensor"]), st.data())
@@ -62,11 +62,11 @@ def test_paste_lays_a_bucket_out_rank_by_rank(tree: dict, n: int, kind: str, dat
 
 @contextlib.contextmanager
 def _small_leaves(elements: int) -> Iterator[None]:
-    saved, fzero._flat._SMALL = fzero._flat._SMALL, elements
+    saved, fzero._core._flat._SMALL = fzero._core._flat._SMALL, elements
     try:
         yield
     finally:
-        fzero._flat._SMALL = saved
+        fzero._core._flat._SMALL = saved
 
 
 def test_paste_of_transposed_and_straddling_gradients_matches_by_hand() -> None:
@@ -187,7 +187,7 @@ def test_a_buffer_above_the_pack_bound_is_gathered_alone_at_two_ranks(n: int) ->
             return original(shards, outs, m, dtype)
 
         fzero._comm.all_gather_many_async = spy
-        fzero._gather._PACK_MAX_BYTES = 200
+        fzero._engine._by_hand._PACK_MAX_BYTES = 200
         units = ["layers.0", "layers.1", "layers.2"]
         return train(mesh, case, units, 1, module=case["model"]), largest
 

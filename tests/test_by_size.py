@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fzero
-from fzero._layout import build_layout
+from fzero._core._layout import build_layout
 
 
 def sizes(**numels: int) -> dict[str, torch.Tensor]:

@@ -195,8 +195,10 @@ def test_resume_after_all_ranks_are_gone_is_bitwise_exact(name: str, tmp_path: P
     run(n, train_and_save, job, 2, stage, layout, units, str(tmp_path))  # then the ranks exit
     resumed = run(n, load_and_train, job, 2, stage, None, None, str(tmp_path))
     for rank, ((_, expected, _), (_, actual, _)) in enumerate(zip(uninterrupted, resumed)):
-        paths = fzero._tree.leaf_paths(expected)
-        pairs = zip(fzero._tree.tree_flatten(expected)[0], fzero._tree.tree_flatten(actual)[0])
+        paths = fzero._core._tree.leaf_paths(expected)
+        pairs = zip(
+            fzero._core._tree.tree_flatten(expected)[0], fzero._core._tree.tree_flatten(actual)[0]
+        )
         for path, (e, a) in zip(paths, pairs):
             assert e.dtype == a.dtype and torch.equal(e, a), f"{name} rank {rank}: {path}"
     # The optimizer state after the remaining steps is bitwise the same too.
@@ -241,7 +243,7 @@ def save_and_die(mesh: fzero.Mesh, job: Job, point: str, victim: int, path: str)
 
 
 def load_and_export(mesh: fzero.Mesh, job: Job, path: str, stage: int = 1) -> Any:
-    like = fzero._tree.tree_map(lambda x: x.to("meta"), job.params)  # shapes and dtypes only
+    like = fzero._core._tree.tree_map(lambda x: x.to("meta"), job.params)  # shapes and dtypes only
     state = ck.load(path, mesh, make_optimizer(job.optimizer), like, stage=stage)
     return ck.export_torch(state, None, mesh)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from fzero import _cli
-from fzero._cli import main
-from fzero._quantities import parse_count
+from fzero._tools import _cli
+from fzero._tools._cli import main
+from fzero._tools._numbers import parse_count
 
 
 def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 2) -> str:
@@ -142,7 +142,7 @@ def test_bench_without_a_source_checkout(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # fzero installed from a wheel: no benchmarks/ next to the package.
-    monkeypatch.setattr(_cli, "__file__", str(tmp_path / "site-packages" / "fzero" / "_cli.py"))
+    monkeypatch.setattr(_cli, "__file__", str(tmp_path / "site-packages" / "fzero" / "_tools" / "_cli.py"))
     assert "benchmarks" in _error_line(capsys, ["bench", "--quick"], code=1)
 
 

@@ -10,7 +10,7 @@ from support import Case, cases, mlp_loss, run
 
 import fzero
 from fzero import optim
-from fzero._tree import leaf_paths, tree_flatten, tree_unflatten
+from fzero._core._tree import leaf_paths, tree_flatten, tree_unflatten
 
 MAX_NORM = 0.05  # small enough that every step clips
 

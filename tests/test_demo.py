@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fzero.__main__ import main
-from fzero._demo import TinyGPT
+from fzero._tools._demo import TinyGPT
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 # ZeRO section 7: stages 0-2 send 2Ψ elements per step and rank, stage 3 3Ψ; float64.

@@ -32,18 +32,18 @@ def pair_loss(params: dict[str, Any], batch: Any) -> tuple[torch.Tensor, int]:
 
 def torch_reference(case: Case) -> dict[str, Any]:
     """torch.optim.Adam with clip_grad_norm_ on one process over the concatenated batch."""
-    leaves, treedef = fzero._tree.tree_flatten(case.params)
+    leaves, treedef = fzero._core._tree.tree_flatten(case.params)
     tensors = [x.detach().clone().requires_grad_() for x in leaves]
     opt = torch.optim.Adam(tensors, lr=0.05, foreach=False)
     for t in range(case.xs.shape[0]):
         opt.zero_grad()
         total, count = pair_loss(
-            fzero._tree.tree_unflatten(treedef, tensors), (case.xs[t], case.ys[t])
+            fzero._core._tree.tree_unflatten(treedef, tensors), (case.xs[t], case.ys[t])
         )
         (total / count).backward()
         torch.nn.utils.clip_grad_norm_(tensors, MAX_NORM, foreach=False)
         opt.step()
-    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+    return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
 
 def make_case() -> Case:
@@ -70,7 +70,7 @@ def train_on_meta_default(mesh: fzero.Mesh, case: Case, stage: int, ckpt: str) -
                 fzero.checkpoint.save(state, ckpt, mesh)
                 state = fzero.checkpoint.load(ckpt, mesh, opt, case.params, **kw)
         params = fzero.gather_params(state.params, mesh)
-    leaves = fzero._tree.tree_flatten((state, loss, params))[0]
+    leaves = fzero._core._tree.tree_flatten((state, loss, params))[0]
     devices = {str(x.device) for x in leaves if isinstance(x, torch.Tensor)}
     return params, devices, float(state.scaler.scale)
 
@@ -82,8 +82,8 @@ def test_a_step_makes_every_tensor_where_the_parameters_are(stage: int, tmp_path
     for params, devices, scale in run(2, train_on_meta_default, case, stage, str(tmp_path)):
         assert devices == {"cpu"}
         assert scale == 2.0**5  # grew once in three clean steps: the scaler really ran
-        fzero._tree.assert_trees_close(params, want, **tolerance(torch.float64))
-        moved = fzero._tree.max_abs_diff(params, case.params)
+        fzero._core._tree.assert_trees_close(params, want, **tolerance(torch.float64))
+        moved = fzero._core._tree.max_abs_diff(params, case.params)
         assert moved > 1e-3
 
 
@@ -127,8 +127,8 @@ def save_then_load_on(mesh: fzero.Mesh, path: str, device: Any) -> dict[str, str
     state = fzero.shard_state(params, opt, mesh, stage=3, buffers=buffers, loss_scale=scale)
     fzero.checkpoint.save(state, path, mesh)
     loaded = fzero.checkpoint.load(path, mesh, opt, params, stage=1, device=device)
-    paths = fzero._tree.leaf_paths(loaded)
-    leaves = fzero._tree.tree_flatten(loaded)[0]
+    paths = fzero._core._tree.leaf_paths(loaded)
+    leaves = fzero._core._tree.tree_flatten(loaded)[0]
     return {p: str(x.device) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
 
 
@@ -158,9 +158,10 @@ def on_a_mixed_backend_group(mesh: fzero.Mesh, case: Case) -> Any:
     group = dist.new_group(list(range(mesh.size)), backend="cpu:gloo")
     sub = fzero.ProcessGroupMesh(group)
     fast = []
-    real = fzero._comm._gather_by_broadcast, fzero._comm._reduce_scatter_gloo
-    fzero._comm._gather_by_broadcast = lambda *a: fast.append("ag") or real[0](*a)
-    fzero._comm._reduce_scatter_gloo = lambda *a: fast.append("rs") or real[1](*a)
+    collectives = fzero._comm._collectives
+    real = collectives._gather_by_broadcast, collectives._reduce_scatter_gloo
+    collectives._gather_by_broadcast = lambda *a: fast.append("ag") or real[0](*a)
+    collectives._reduce_scatter_gloo = lambda *a: fast.append("rs") or real[1](*a)
     opt = fzero.optim.chain(fzero.optim.clip_by_global_norm(MAX_NORM), fzero.optim.adam(lr=0.05))
     state = fzero.shard_state(case.params, opt, sub, stage=3, units=["layers.0"])
     step = fzero.sharded_step(pair_loss, opt, sub, stage=3, units=["layers.0"])
@@ -177,7 +178,7 @@ def test_a_mixed_backend_group_takes_gloo_s_paths_for_cpu_tensors() -> None:
     want = torch_reference(case)
     for params, facts in run(2, on_a_mixed_backend_group, case):
         assert facts == ("cpu:gloo", "cpu", True, ["ag", "rs"])
-        fzero._tree.assert_trees_close(params, want, **tolerance(torch.float64))
+        fzero._core._tree.assert_trees_close(params, want, **tolerance(torch.float64))
 
 
 def test_a_device_the_group_cannot_carry_is_refused_on_every_rank() -> None:

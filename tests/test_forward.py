@@ -309,7 +309,7 @@ def test_mixed_precision_predicts_in_the_compute_dtype(stage: int) -> None:
     # The parameters fn sees are the step's: cast to param_dtype (bfloat16), here from
     # float32 values, so the reference is plain torch on the parameters cast down.
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(3)).bfloat16()
-    cast = fzero._tree.tree_map(
+    cast = fzero._core._tree.tree_map(
         lambda t: t.bfloat16(), make_params([5, 8, 8, 3], torch.float32, seed=2)
     )
     expected = predict(cast, x)
@@ -371,16 +371,18 @@ def test_a_sharded_teacher_inside_a_students_step_trains_like_one_process(stage:
     teacher = make_params([3, 5, 5, 2], torch.float64, seed=1)
     student = make_params([3, 4, 4, 2], torch.float64, seed=2)
     xs = torch.randn(3, 4, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    leaves, treedef = fzero._tree.tree_flatten(student)
+    leaves, treedef = fzero._core._tree.tree_flatten(student)
     tensors = [x.clone().requires_grad_() for x in leaves]
     opt = torch.optim.SGD(tensors, lr=0.1)
     for x in xs:
         opt.zero_grad()
         with torch.no_grad():
             target = predict(teacher, x)
-        ((predict(fzero._tree.tree_unflatten(treedef, tensors), x) - target) ** 2).mean().backward()
+        (
+            (predict(fzero._core._tree.tree_unflatten(treedef, tensors), x) - target) ** 2
+        ).mean().backward()
         opt.step()
-    expected = fzero._tree.tree_unflatten(treedef, [t.detach() for t in tensors])
+    expected = fzero._core._tree.tree_unflatten(treedef, [t.detach() for t in tensors])
     assert not torch.equal(expected["layers"][0]["w"], student["layers"][0]["w"])
     for got in run(2, _distill, stage, teacher, student, xs):
         fzero.assert_trees_close(got, expected, **tolerance(torch.float64), what=f"stage {stage}")

@@ -10,7 +10,7 @@ from test_units import make_case
 from torch.func import functional_call
 
 import fzero
-from fzero._tree import tree_flatten
+from fzero._core._tree import tree_flatten
 
 # layers.0 mixes a frozen weight with a trainable bias; scale (root) is frozen too.
 FROZEN = ["layers.0.weight", "scale"]

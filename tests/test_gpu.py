@@ -43,7 +43,7 @@ def make_case(steps: int = 3, inf_at: int | None = None) -> Case:
 
 def reference(case: Case, skip: tuple[int, ...] = ()) -> dict[str, Any]:
     """torch.optim.Adam with clip_grad_norm_ on one process, on the GPU, whole batches."""
-    leaves, treedef = fzero._tree.tree_flatten(case.params)
+    leaves, treedef = fzero._core._tree.tree_flatten(case.params)
     tensors = [x.detach().clone().to(CUDA).requires_grad_() for x in leaves]
     opt = torch.optim.Adam(tensors, lr=0.05, foreach=False)
     for t in range(case.xs.shape[0]):
@@ -51,10 +51,10 @@ def reference(case: Case, skip: tuple[int, ...] = ()) -> dict[str, Any]:
             continue
         opt.zero_grad()
         batch = (case.xs[t].to(CUDA), case.ys[t].to(CUDA))
-        loss_fn(fzero._tree.tree_unflatten(treedef, tensors), batch).backward()
+        loss_fn(fzero._core._tree.tree_unflatten(treedef, tensors), batch).backward()
         torch.nn.utils.clip_grad_norm_(tensors, MAX_NORM, foreach=False)
         opt.step()
-    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+    return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
 
 def optimizer() -> fzero.optim.Optimizer:
@@ -62,15 +62,19 @@ def optimizer() -> fzero.optim.Optimizer:
 
 
 def on_cuda(tree: Any) -> Any:
-    return fzero._tree.tree_map(lambda x: x.to(CUDA), tree)
+    return fzero._core._tree.tree_map(lambda x: x.to(CUDA), tree)
 
 
 def on_cpu(tree: Any) -> Any:
-    return fzero._tree.tree_map(lambda x: x.cpu(), tree)
+    return fzero._core._tree.tree_map(lambda x: x.cpu(), tree)
 
 
 def devices(tree: Any) -> set[str]:
-    return {x.device.type for x in fzero._tree.tree_flatten(tree)[0] if isinstance(x, torch.Tensor)}
+    return {
+        x.device.type
+        for x in fzero._core._tree.tree_flatten(tree)[0]
+        if isinstance(x, torch.Tensor)
+    }
 
 
 def train(mesh: fzero.Mesh, case: Case, stage: int, scale: bool = False) -> Any:
@@ -109,8 +113,8 @@ def test_stages_match_torch_on_nccl(nccl_mesh: fzero.Mesh, stage: int) -> None:
     want = on_cpu(reference(case))
     params, (where, _) = train(nccl_mesh, case, stage)
     assert where == {"cuda"}
-    fzero._tree.assert_trees_close(params, want, **tolerance(torch.float64))
-    assert fzero._tree.max_abs_diff(params, make_case().params) > 1e-3  # it trained
+    fzero._core._tree.assert_trees_close(params, want, **tolerance(torch.float64))
+    assert fzero._core._tree.max_abs_diff(params, make_case().params) > 1e-3  # it trained
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -120,7 +124,7 @@ def test_two_ranks_sharing_the_gpu_over_gloo_match_torch(stage: int) -> None:
     want = on_cpu(reference(case))
     for params, (where, _) in sim.run(train, case, stage):
         assert where == {"cuda"}
-        fzero._tree.assert_trees_close(params, want, **tolerance(torch.float64))
+        fzero._core._tree.assert_trees_close(params, want, **tolerance(torch.float64))
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -130,7 +134,7 @@ def test_loss_scaling_skips_a_non_finite_step_on_cuda(stage: int) -> None:
     want = on_cpu(reference(case, skip=(1,)))
     for params, (where, steps) in sim.run(train, case, stage, True):
         assert where == {"cuda"} and steps == 3
-        fzero._tree.assert_trees_close(params, want, **tolerance(torch.float64))
+        fzero._core._tree.assert_trees_close(params, want, **tolerance(torch.float64))
 
 
 def steps_without_host_sync(step: Any, state: Any, batches: list[Any]) -> Any:
@@ -204,7 +208,7 @@ def test_a_module_hooked_step_never_makes_the_host_wait_for_the_gpu(
     ]
     state = steps_without_host_sync(step, state, batches)
     assert state.step == 3
-    moved = fzero._tree.max_abs_diff(
+    moved = fzero._core._tree.max_abs_diff(
         on_cpu(fzero.gather_params(state.params, nccl_mesh)), on_cpu(params)
     )
     assert moved > 1e-3
@@ -224,7 +228,7 @@ def test_a_checkpoint_round_trips_on_the_device(nccl_mesh: fzero.Mesh, tmp_path:
     for t in range(1, case.xs.shape[0]):
         loaded, _ = resumed(loaded, (case.xs[t].to(CUDA), case.ys[t].to(CUDA)))
     got = on_cpu(fzero.gather_params(loaded.params, nccl_mesh))
-    fzero._tree.assert_trees_close(got, want, **tolerance(torch.float64))
+    fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
 
 
 def test_memory_report_reads_the_cuda_allocator(nccl_mesh: fzero.Mesh) -> None:
@@ -233,7 +237,7 @@ def test_memory_report_reads_the_cuda_allocator(nccl_mesh: fzero.Mesh) -> None:
     state = fzero.shard_state(params, fzero.optim.adam(lr=0.01), nccl_mesh, stage=2)
     report = fzero.memory_report(state)
     assert report.device == CUDA and report.params == sum(
-        p.numel() * 4 for p in fzero._tree.tree_flatten(params)[0]
+        p.numel() * 4 for p in fzero._core._tree.tree_flatten(params)[0]
     )
     assert report.peak_allocated >= report.allocated >= report.total
     assert report.reserved >= report.allocated
@@ -245,7 +249,7 @@ def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh
     AdamW's two fp32 moments, 12 bytes a parameter at one rank. Not 14: no bf16 shard
     beside the master (FSDP2's layout). Gradients and gathered units are freed."""
     params = on_cuda(make_params([256, 512, 256], torch.float32, 0))
-    psi = sum(p.numel() for p in fzero._tree.tree_flatten(params)[0])
+    psi = sum(p.numel() for p in fzero._core._tree.tree_flatten(params)[0])
     prec = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32)
     opt = fzero.optim.from_torch(torch.optim.AdamW, lr=1e-2, fused=True)
     bf16 = torch.bfloat16
@@ -261,7 +265,7 @@ def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh
     ]
     # cuBLAS takes its workspace from the caching allocator at its first use, and keeps
     # it: taken here, before measuring, by the same bf16 forward and backward.
-    warm = fzero._tree.tree_map(lambda x: x.to(bf16).requires_grad_(), params)
+    warm = fzero._core._tree.tree_map(lambda x: x.to(bf16).requires_grad_(), params)
     loss(warm, batches[0]).backward()
     del warm
     torch.cuda.synchronize()
@@ -275,5 +279,7 @@ def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh
     held = torch.cuda.memory_allocated(CUDA) - before
     # AdamW's step counts and the allocator's 512-byte rounding: a few KiB at most.
     assert 12 * psi <= held <= 12 * psi + 64 * 1024, (held, psi)
-    moved = fzero._tree.max_abs_diff(on_cpu(fzero.master_params(state, nccl_mesh)), on_cpu(params))
+    moved = fzero._core._tree.max_abs_diff(
+        on_cpu(fzero.master_params(state, nccl_mesh)), on_cpu(params)
+    )
     assert moved > 1e-3

@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from fzero._traffic import estimate_comm
+from fzero._tools._traffic import estimate_comm
 
 UNITS = ["0", "2", "4"]
 STEPS = 3

@@ -217,7 +217,7 @@ def test_by_leaf_values_do_not_depend_on_world_size_or_units() -> None:
         return full_params(state, mesh)
 
     # The reference: each leaf alone, its generator seeded from (seed, path) only.
-    from fzero._init import _leaf_seed
+    from fzero._state._initializers import _leaf_seed
 
     want = {}
     for path, shape in shapes.items():

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
-from fzero._layout import build_layout
-from fzero._tree import tree_flatten
+from fzero._core._layout import build_layout
+from fzero._core._tree import tree_flatten
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 

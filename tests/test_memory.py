@@ -9,11 +9,11 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from fzero._tree import tree_nbytes
+from fzero._core._tree import tree_nbytes
 
 N = 4
 PARAMS = make_params([64, 96, 80, 10], torch.float32, seed=0)
-PSI = sum(x.numel() for x in fzero._tree.tree_flatten(PARAMS)[0])
+PSI = sum(x.numel() for x in fzero._core._tree.tree_flatten(PARAMS)[0])
 BATCH = (torch.randn(8, 64), torch.randn(8, 10))
 
 
@@ -148,12 +148,12 @@ def test_per_unit_steps_allocate_a_few_units_beyond_the_shard_gradient(
     gradients alive until the backward ends, and at stage 3 all full parameters too: at
     least one B more, which the same bound must reject (or it could not fail). Units
     enter through module hooks, or through fzero.gathered in a loss over the bare dict.
-    What the step function keeps between calls (`fzero._pool`: a few units' buffers)
+    What the step function keeps between calls (`fzero._engine._pool`: a few units' buffers)
     stays within eight units."""
     bound = 0.5 + 5 / DEPTH  # shard gradient + 5 units (gathered, prefetched, gradients)
     for rises, kept in run(2, _step_rise, stage, entry):
         assert max(rises) <= bound, f"stage {stage}, {entry}: {rises} x B > {bound}"
-        # Between steps the pool keeps the few units' buffers it reuses (`fzero._pool`:
+        # Between steps the pool keeps the few units' buffers it reuses (`fzero._engine._pool`:
         # gathered, prefetched, kept last, bursts), not one per unit, and no gradient; a
         # first step also sets up what any process keeps (autograd's, gloo's: 0.16 B here,
         # measured before fzero kept anything).

@@ -1,4 +1,4 @@
-"""Buffers a step function keeps across calls (`fzero._pool`) never overwrite what a state
+"""Buffers a step function keeps across calls (`fzero._engine._pool`) never overwrite what a state
 still holds: an optimizer that keeps the gradient itself, as a pure function may."""
 
 from typing import Any
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from support import make_params, mlp_loss, run
 
 import fzero
-from fzero._pool import Pool
-from fzero._tree import tree_flatten, tree_map, tree_unflatten
+from fzero._core._tree import tree_flatten, tree_map, tree_unflatten
+from fzero._engine._pool import Pool
 
 LR, KEEP, STEPS, WORLD = 0.1, 0.5, 4, 2
 

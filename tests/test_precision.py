@@ -634,8 +634,8 @@ def test_masters_of_several_dtypes_refuse_to_checkpoint(tmp_path: Any) -> None:
 def test_step_zero_rounding_through_the_gather_dtype_leaves_integer_leaves_exact() -> None:
     # Stages 1-2 round the step-0 parameters through gather_dtype as a gather would; an
     # integer leaf (a batch counter) is never gathered in it: 1001 is not a bfloat16.
-    from fzero._precision import compute_params
-    from fzero._stages import STAGES
+    from fzero._core._stages import STAGES
+    from fzero._state._precision import compute_params
 
     prec = fzero.Precision(param_dtype=torch.float32, gather_dtype=BF16)
     out = compute_params({"w": torch.full((2,), 1001.0), "n": torch.tensor(1001)}, prec, STAGES[1])

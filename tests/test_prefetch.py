@@ -8,7 +8,7 @@ from support import run
 from test_units import make_case, reference, train
 
 import fzero
-import fzero._gathers as gathers_module
+import fzero._engine._gatherer as gathers_module
 
 DIMS = [3, 4, 4, 4, 2]
 UNITS = [f"layers.{i}" for i in range(len(DIMS) - 1)]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from support import make_optimizer, make_params, mlp_loss, run
 
 import fzero
-from fzero._tree import tree_flatten, tree_map
+from fzero._core._tree import tree_flatten, tree_map
 
 layouts = st.sampled_from(["flat", "tensor"])
 
@@ -207,13 +207,13 @@ def test_sharded_update_by_hand_equals_the_stage_2_step() -> None:
     leaves, treedef = tree_flatten(params)
     tensors = [x.clone().requires_grad_(True) for x in leaves]
     torch_opt = torch.optim.Adam(tensors, lr=0.1, foreach=False)
-    mlp_loss(fzero._tree.tree_unflatten(treedef, tensors), batch).backward()
+    mlp_loss(fzero._core._tree.tree_unflatten(treedef, tensors), batch).backward()
     torch_opt.step()
-    want = fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+    want = fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
     for by_hand, stepped in run(3, fn):
         fzero.assert_trees_close(stepped, want, rtol=1e-12, atol=1e-12)
         fzero.assert_trees_close(by_hand, stepped, rtol=1e-15, atol=1e-15)
-        assert fzero._tree.max_abs_diff(stepped, params) > 1e-2  # the step moved them
+        assert fzero._core._tree.max_abs_diff(stepped, params) > 1e-2  # the step moved them
 
 
 def test_step_with_donate_false_does_not_modify_its_input_state() -> None:

@@ -14,8 +14,9 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from fzero import _comm, _quant
-from fzero._demo import TinyGPT, make_data
+from fzero import _comm
+from fzero._comm import _quant
+from fzero._tools._demo import TinyGPT, make_data
 
 KINDS = ["normal", "zeros", "tiny", "huge", "sparse"]
 SLACK = 2.0**-20  # float32 sums of what arrives: relative round-off per term

@@ -55,16 +55,16 @@ def lm_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(params: Any, loss: Any, batches: list[list[Any]]) -> Any:
     """torch.optim.Adam on one process over a tree of tensors; each step's loss is the
     mean of `loss` over every rank's micro-batch `batches[t]` (a step of equal ones)."""
-    leaves, treedef = fzero._tree.tree_flatten(params)
+    leaves, treedef = fzero._core._tree.tree_flatten(params)
     tensors = [x.detach().clone().requires_grad_() for x in leaves]
     opt = torch.optim.Adam(tensors, lr=0.01)
     for t in range(STEPS):
         opt.zero_grad()
-        p = fzero._tree.tree_unflatten(treedef, tensors)
+        p = fzero._core._tree.tree_unflatten(treedef, tensors)
         parts = [loss(p, b) for b in batches[t]]
         (sum(parts) / len(parts)).backward()
         opt.step()
-    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+    return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
 
 def train_lm(mesh: fzero.Mesh, params: dict[str, torch.Tensor]) -> tuple[Any, list[dict]]:

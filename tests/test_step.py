@@ -23,15 +23,17 @@ def _case(n: int, steps: int = 4, seed: int = 0) -> Case:
 
 def _reference(case: Case) -> Any:
     """torch.optim.AdamW on one process; the learning rate set before every step."""
-    leaves, treedef = fzero._tree.tree_flatten(case.params)
+    leaves, treedef = fzero._core._tree.tree_flatten(case.params)
     tensors = [x.detach().clone().requires_grad_() for x in leaves]
     opt = torch.optim.AdamW(tensors, lr=_schedule(0), weight_decay=0.1, foreach=False)
     for t in range(case.xs.shape[0]):
         opt.param_groups[0]["lr"] = _schedule(t)
         opt.zero_grad()
-        mlp_loss(fzero._tree.tree_unflatten(treedef, tensors), (case.xs[t], case.ys[t])).backward()
+        mlp_loss(
+            fzero._core._tree.tree_unflatten(treedef, tensors), (case.xs[t], case.ys[t])
+        ).backward()
         opt.step()
-    return fzero._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+    return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
 
 def _train(mesh: fzero.Mesh, case: Case, stage: int) -> Any:
@@ -109,9 +111,9 @@ def test_value_and_grad_under_no_grad_differentiates() -> None:
     batch = case.micro_batch(0, 0)
     with torch.no_grad():
         value, grads = fzero.value_and_grad(mlp_loss, case.params, batch)
-    leaves, treedef = fzero._tree.tree_flatten(case.params)
+    leaves, treedef = fzero._core._tree.tree_flatten(case.params)
     tensors = [x.detach().clone().requires_grad_() for x in leaves]
-    loss = mlp_loss(fzero._tree.tree_unflatten(treedef, tensors), batch)
+    loss = mlp_loss(fzero._core._tree.tree_unflatten(treedef, tensors), batch)
     expected = torch.autograd.grad(loss, tensors)
     assert torch.equal(value, loss.detach())
-    fzero.assert_trees_close(grads, fzero._tree.tree_unflatten(treedef, list(expected)))
+    fzero.assert_trees_close(grads, fzero._core._tree.tree_unflatten(treedef, list(expected)))

@@ -14,8 +14,8 @@ from torch.func import functional_call
 
 import fzero
 from fzero import testing
-from fzero._layout import build_layout
-from fzero._tree import leaf_paths, tree_flatten
+from fzero._core._layout import build_layout
+from fzero._core._tree import leaf_paths, tree_flatten
 
 
 def _depth(tree: Any) -> int:

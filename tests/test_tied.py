@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from fzero._hooks import hookable_units
+from fzero._engine._hooks import hookable_units
 
 
 class TiedLM(nn.Module):

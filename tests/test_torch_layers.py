@@ -13,8 +13,8 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from fzero._hooks import hookable_units
-from fzero._layout import build_layout
+from fzero._core._layout import build_layout
+from fzero._engine._hooks import hookable_units
 from fzero.testing import assert_stages_equivalent, split_batch
 
 

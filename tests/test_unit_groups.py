@@ -23,7 +23,7 @@ from support import (
 from torch import nn
 
 import fzero
-from fzero._layout import build_layout
+from fzero._core._layout import build_layout
 
 F64 = torch.float64
 

@@ -15,7 +15,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 import fzero
-from fzero._layout import build_layout
+from fzero._core._layout import build_layout
 
 
 class Net(nn.Module):
@@ -544,7 +544,7 @@ def test_a_resharded_unit_at_a_freed_units_address_trains_like_one_process(prefe
     # outright and freed under it ("storage of size 0"; intermittent on models of many
     # equal small units). Here every gathered buffer is held two gathers longer, as the
     # backend might, so the reuse happens every time.
-    import fzero._gathers as gathers_module
+    import fzero._engine._gatherer as gathers_module
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(24, 24) for _ in range(8))).double()

@@ -18,7 +18,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 import fzero
-from fzero._tree import max_abs_diff, tree_flatten, tree_unflatten
+from fzero._core._tree import max_abs_diff, tree_flatten, tree_unflatten
 
 T, D_IN, D_OUT = 3, 3, 2  # tokens per sequence, feature sizes
 DIMS = [D_IN, 4, 4, D_OUT]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._mesh import Axis
+from ._axis import Axis
 from ._groups import backend_for
 from ._pending import _CastOnWait, _SumOnWait, _SumRows, _Works
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._mesh import Axis
+from ._axis import Axis
 
 
 def agree_shard_size(shard_size: Any, world: Axis) -> int:

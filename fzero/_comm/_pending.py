@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .. import _quant
-from .._mesh import Axis
+from . import _quant
+from ._axis import Axis
 
 
 class _CastOnWait:

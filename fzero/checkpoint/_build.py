@@ -7,10 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._flat import Bucket
-from .._layout import ShardLayout
-from .._shards import Shards
-from .._stages import Stage
+from .._core import Bucket, ShardLayout, Shards, Stage
 from .._state import ShardedState
 from ..optim import Optimizer
 from ._schema import (

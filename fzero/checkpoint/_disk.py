@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .._layout import ShardLayout
-from .._tensorfile import TensorFile
+from .._core import ShardLayout, TensorFile, fsync_dir
 from ._schema import CheckpointError, Entry, Schema, dtype_of
 
 FORMAT = "fzero-checkpoint"
@@ -37,15 +36,6 @@ def _crash_point(point: str, path: str) -> None:
 
 def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.pt"
-
-
-def fsync_dir(path: str) -> None:
-    """Makes a rename or a new file in directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256(path: str) -> str:

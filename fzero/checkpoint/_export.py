@@ -1,302 +1,113 @@
-"""Consolidated export: a plain torch model and torch.optim state dict, or a safetensors file,
-gathered unit by unit from the shards and, to a file, written as they come."""
+"""export_torch and export_safetensors: a state consolidated into one file, streamed."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import optree
 import torch
+from torch import nn
 
-from .. import _comm
-from .._layout import ShardLayout
-from .._mesh import Mesh
-from .._stages import Stage, stage_of
+from .._comm import Mesh
 from .._state import ShardedState
-from .._tensorfile import safetensors_writer, torch_writer
-from .._tree import leaf_paths, tree_flatten
-from ._schema import (
-    CheckpointError,
-    Local,
-    Schema,
-    agree,
-    dtype_of,
-    elem_slice,
-    local_view,
-    merge,
-    report,
-)
-from ._torch import _ADAM, _SGD, natural_order
-
-
-def _scalar_dtype() -> torch.dtype:
-    # torch.optim's own choice for its "step" tensors.
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+from ._extra import full_precision
+from ._save import check_state
+from ._stream import export_safetensors as stream_safetensors
+from ._stream import export_torch as stream_torch
 
 
 def export_torch(
     state: ShardedState,
     path: str | None,
     mesh: Mesh,
-    hyperparams: dict[str, Any] | None,
-    aliases: dict[str, str] | None = None,
-    transient: frozenset[str] = frozenset(),
+    *,
+    hyperparams: dict[str, Any] | None = None,
+    module: nn.Module | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path,
-    `transient` names buffers left out (non-persistent)."""
-    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
-    error, rep, local = None, None, None
-    try:
-        local = local_view(state.opt_state, lay, stage, mesh.shard_rank)
-        rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
-    except Exception as exc:
-        error = exc
-    # The first group's reports (ranks 0..S-1, in shard order): the others hold copies.
-    schema = merge(agree(error, rep, mesh, "checkpoint.export_torch")[: mesh.shard_size])
-    assert local is not None
-    pieces = _piece_values(local, schema, stage, mesh)
+    """Consolidates `state` into a plain model and torch.optim state dict, on rank 0.
 
-    def build(params: Any, elems: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        model_sd, optim_sd = _to_torch(lay, schema, local, params, elems, pieces, hyperparams)
-        if state.buffers is not None:  # a plain state_dict holds buffers too
-            for name, buf in zip(leaf_paths(state.buffers), tree_flatten(state.buffers)[0]):
-                if name not in transient:
-                    model_sd[name] = buf.detach().clone()
-        for name, canonical in (aliases or {}).items():  # tied weights: every name
-            if name not in model_sd and canonical in model_sd:
-                model_sd[name] = model_sd[canonical]
-        return model_sd, optim_sd
+    Collective. Buckets are all-gathered one unit at a time. With `path`, rank 0 writes
+    the `torch.save` file as they arrive: the file's skeleton, with every tensor's bytes
+    reserved, is written first (torch's `skip_data`), then each leaf into its place, so
+    no rank holds more than one unit's full tensors and a model larger than a rank
+    exports. Without `path` the dicts are returned, which rank 0 must have room for.
 
-    error, out, writer = None, None, None
-    params: dict[int, torch.Tensor] = {}
-    elems: dict[tuple[int, int], torch.Tensor] = {}
-    if path is not None and rank == 0:
-        # Streamed: the file's skeleton (every tensor's bytes reserved) is written first,
-        # then each leaf as its unit is gathered; rank 0 never holds the whole model.
-        try:
-            params, elems = _fakes(lay, schema)
-            skeleton = build(params, elems)
-            writer = torch_writer(os.fspath(path), {"model": skeleton[0], "optimizer": skeleton[1]})
-            fake = {id(t) for t in (*params.values(), *elems.values())}
-            for t in optree.tree_leaves(skeleton):
-                if isinstance(t, torch.Tensor) and id(t) not in fake:
-                    writer.write(id(t), 0, t)  # real values: steps, buffers
-        except Exception as exc:
-            error = exc
+    The model dict maps leaf paths ("layers.0.weight") to tensors, in the order the
+    parameter tree was built, so `dict(model.named_parameters())` round-trips into
+    `model.load_state_dict`. The optimizer dict is torch.optim's: `{"state": {i: {...}},
+    "param_groups": [{**hyperparams, "params": [0, ..., k-1]}]}`, numbering the k trainable
+    parameters in that order (frozen ones are left out, as from an optimizer built over
+    `[p for p in model.parameters() if p.requires_grad]`). `fzero.optim.adam`/`adamw` map
+    to `{"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}`, `sgd` to
+    `{"momentum_buffer"}` (nothing before the first step, as torch), and `from_torch`
+    states are already torch's.
 
-    def put_param(leaf: int, value: torch.Tensor) -> None:
-        if writer is None:
-            params[leaf] = value.clone()
-        elif leaf in params:
-            writer.write(id(params[leaf]), 0, value)
+    Args:
+      state: this rank's ShardedState.
+      path: the file rank 0 writes, `{"model": ..., "optimizer": ...}` loadable with
+        `torch.load` (atomically: temporary file, fsync, rename); None returns the dicts.
+      mesh: the mesh.
+      hyperparams: the param group's hyper-parameters. fzero optimizers are closures that
+        do not expose theirs, and torch's `Optimizer.load_state_dict` replaces a group's
+        hyper-parameters by the saved ones, so pass the full set, e.g.
+        `torch.optim.AdamW([torch.zeros(1)], lr=1e-2, weight_decay=0.1).defaults`.
+      module: the model, so the model dict names what `module.state_dict()` does: every
+        name of a tied parameter (e.g. both "tok.weight" and "head.weight"), and the
+        state's buffers less the non-persistent ones, so `load_state_dict(strict=True)`
+        accepts it. Without it, every buffer of the state is included.
 
-    def put_elem(entry: int, leaf: int, value: torch.Tensor) -> None:
-        if writer is None:
-            elems[entry, leaf] = value.clone()
-        elif (entry, leaf) in elems:
-            writer.write(id(elems[entry, leaf]), 0, value)
-
-    if error is None:
-        try:
-            gather_leaves(state, local, schema, mesh, put_param, put_elem)
-            if rank == 0 and writer is not None:
-                writer.commit()
-            elif rank == 0:
-                out = build(params, elems)
-        except Exception as exc:
-            error = exc
-    else:  # a rank 0 that failed still takes part in every gather: no rank hangs
-        gather_leaves(state, local, schema, mesh, lambda *a: None, lambda *a: None)
-    if error is not None and writer is not None:
-        writer.abort()
-    agree(error, None, mesh, "checkpoint.export_torch")
-    return out
-
-
-def _fakes(lay: ShardLayout, schema: Schema) -> tuple[Any, Any]:
-    """Dicts of storage-less tensors for the parameters and elementwise optimizer state,
-    made when `_to_torch` asks for one (so exactly the tensors the export holds)."""
-
-    def elem_spec(key: tuple[int, int]) -> tuple[tuple[int, ...], torch.dtype]:
-        e = schema.entries[key[0]]
-        return lay.shapes[key[1]], lay.dtypes[key[1]] if e.dtype == "param" else dtype_of(e.dtype)
-
-    return _Fakes(lambda i: (lay.shapes[i], lay.dtypes[i])), _Fakes(elem_spec)
-
-
-class _Fakes(dict):
-    """Storage-less tensors made on first use (`_to_torch` asks for the ones it needs)."""
-
-    def __init__(self, spec: Any) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        super().__init__()
-        self.spec, self.mode = spec, FakeTensorMode()
-
-    def __missing__(self, key: Any) -> torch.Tensor:
-        shape, dtype = self.spec(key)
-        with self.mode:  # shapes and dtypes, no memory: torch_writer reserves the bytes
-            t = torch.empty(shape, dtype=dtype, device="cpu")
-        self[key] = t
-        return t
-
-
-def gather_leaves(
-    state: ShardedState,
-    local: Local | None,
-    schema: Schema | None,
-    mesh: Mesh,
-    put_param: Any,
-    put_elem: Any,
-) -> None:
-    """Calls, on rank 0, `put_param(leaf, value)` for every parameter and `put_elem(entry,
-    leaf, value)` for every elementwise optimizer-state entry; `value` is a view valid
-    during the call.
-
-    Bucket by bucket, unit by unit: a rank holds one bucket's full buffer at a time.
-    Replicated values (parameters at stages 0-2, all of stage 0's optimizer state) are
-    read where they are, without communication.
+    Returns:
+      Without `path`, `(model_state_dict, optim_state_dict)` on rank 0; otherwise None.
     """
-    lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
-    replicated = None if stage.shards_params else tree_flatten(state.params)[0]
-    piece_of = {} if local is None else {p.leaf: pi for pi, p in enumerate(local.pieces)}
-    entries = () if schema is None else schema.entries
-    for unit in lay.units:
-        for k in lay.unit_buckets(unit):
-            b = lay.buckets[k]
-            full = _comm.all_gather(state.params.buffers[k], mesh) if replicated is None else None
-            for s in b.slots if rank == 0 else ():
-                leaf = replicated[s.index] if full is None else full[s.offset : s.offset + s.numel]
-                put_param(s.index, leaf.detach().reshape(s.shape))
-            del full
-            for j, e in enumerate(entries):
-                assert local is not None
-                if b.frozen or e.kind != "elem":
-                    continue
-                key = (e.node, e.sub)
-                if not stage.shards_optimizer:
-                    values = dict(local.occ.get(key, ()))
-                    for s in b.slots if rank == 0 else ():
-                        if piece_of[s.index] in values:
-                            put_elem(j, s.index, values[piece_of[s.index]].detach())
-                    continue
-                lo = mesh.shard_rank * b.shard_numel
-                shard = elem_slice(local, key, e, b, k, lo, lo + b.shard_numel)
-                full_e = _comm.all_gather(shard, mesh)
-                for s in b.slots if rank == 0 else ():
-                    put_elem(j, s.index, full_e[s.offset : s.offset + s.numel].reshape(s.shape))
-                del full_e
-
-
-def _piece_values(
-    local: Local, schema: Schema, stage: Stage, mesh: Mesh
-) -> dict[tuple[int, str], torch.Tensor]:
-    """(entry, owner) -> per-piece value, on rank 0. These are small (steps, factors)."""
-    mine = {}
-    for j, e in enumerate(schema.entries):
-        if e.kind == "piece" and (stage.shards_optimizer or mesh.rank == 0):
-            for pi, value in local.occ.get((e.node, e.sub), ()):
-                mine[j, local.pieces[pi].owner] = value.detach().clone()
-    if not stage.shards_optimizer or not any(e.kind == "piece" for e in schema.entries):
-        return mine
-    parts = _comm.all_gather_object(mine, mesh)[: mesh.shard_size]  # the first group's
-    return {k: v for part in parts for k, v in part.items()}
-
-
-def _to_torch(
-    lay: ShardLayout,
-    schema: Schema,
-    local: Local,
-    params: dict[int, torch.Tensor],
-    elems: dict[tuple[int, int], torch.Tensor],
-    pieces: dict[tuple[int, str], torch.Tensor],
-    hyperparams: dict[str, Any] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    order = natural_order(lay)
-    trainable = [i for i in order if not lay.frozen[i]]
-    model = {lay.paths[i]: params[i] for i in order}
-
-    def value(j: int, i: int) -> torch.Tensor:
-        e = schema.entries[j]
-        if e.kind == "elem":
-            return elems[j, i]
-        if (j, f"l{i}") in pieces:
-            return pieces[j, f"l{i}"]
-        if e.uniform:
-            return next(v for (jj, _), v in pieces.items() if jj == j).clone()
-        raise CheckpointError(
-            f"optimizer state {e.name!r} is kept per flat shard and differs between shards: "
-            "it has no per-parameter form (export from layout='tensor')"
-        )
-
-    count = int(local.globals["count"]) if "count" in local.globals else 0
-    states: dict[int, dict[str, Any]] = {}
-    for idx, i in enumerate(trainable):
-        if schema.kind in ("AdamState", "SgdState"):
-            names = _ADAM if schema.kind == "AdamState" else _SGD
-            st = {names[e.node]: value(j, i) for j, e in enumerate(schema.entries) if count}
-            if st and schema.kind == "AdamState":
-                step = torch.tensor(float(count), dtype=_scalar_dtype(), device="cpu")
-                st = {"step": step, **st}
-        elif schema.nodes == ("",) and schema.kind in ("tuple", "dict", "list"):
-            st = {e.sub: value(j, i) for j, e in enumerate(schema.entries) if i in e.present}
-        else:
-            raise CheckpointError(
-                f"export_torch maps fzero.optim adam/adamw/sgd and from_torch states to "
-                f"torch.optim's format; this state is a {schema.kind}"
-            )
-        states[idx] = st
-    group = {**(hyperparams or {}), "params": list(range(len(trainable)))}
-    return model, {"state": states, "param_groups": [group]}
+    check_state(state, mesh, "checkpoint.export_torch")
+    # Under mixed precision the export is the masters: the weights at full precision.
+    full = full_precision(state, mesh)
+    return stream_torch(full, path, mesh, hyperparams, *_names(module))
 
 
 def export_safetensors(
     state: ShardedState,
     path: str,
     mesh: Mesh,
-    aliases: dict[str, str] | None,
-    transient: frozenset[str],
-    dtype: torch.dtype | None,
-    metadata: dict[str, str] | None,
+    *,
+    module: nn.Module | None = None,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> None:
-    """See `fzero.checkpoint.export_safetensors`."""
-    lay, rank = state.layout, mesh.rank
-    names: dict[int, list[str]] = {i: [lay.paths[i]] for i in range(len(lay.paths))}
-    for name, canonical in (aliases or {}).items():
-        if name != canonical and canonical in lay.path_index:
-            names[lay.path_index[canonical]].append(name)
-    error, writer = None, None
-    if rank == 0:
-        try:
-            specs = {
-                n: (dtype or lay.dtypes[i], lay.shapes[i])
-                for i in natural_order(lay)
-                for n in names[i]
-            }
-            buffers = {}
-            if state.buffers is not None:
-                leaves = tree_flatten(state.buffers)[0]
-                named = zip(leaf_paths(state.buffers), leaves)
-                buffers = {n: b for n, b in named if n not in transient}
-                specs.update({n: (b.dtype, tuple(b.shape)) for n, b in buffers.items()})
-            writer = safetensors_writer(os.fspath(path), specs, metadata or {})
-            for n, b in buffers.items():
-                writer.write(n, 0, b)
-        except Exception as exc:
-            error = exc
+    """Writes the model's weights (and buffers) as one safetensors file, on rank 0.
 
-    def put_param(leaf: int, value: torch.Tensor) -> None:
-        if writer is not None:
-            for n in names[leaf]:
-                writer.write(n, 0, value.to(dtype) if dtype is not None else value)
+    Collective. Units are all-gathered one at a time and each leaf is written to its
+    place in the file as it arrives (the header, with every offset, is written first),
+    so no rank holds more than one unit's full tensors: a model larger than a rank
+    exports. The file loads with `safetensors.torch.load_file` (or Hugging Face
+    `from_pretrained`) into `model.load_state_dict`, and back into shards with
+    `fzero.init.from_file`. Under mixed precision the masters are written.
 
-    try:
-        gather_leaves(state, None, None, mesh, put_param, None)
-        if writer is not None:
-            writer.commit()
-    except Exception as exc:
-        error = error or exc
-    if error is not None and writer is not None:
-        writer.abort()
-    agree(error, None, mesh, "checkpoint.export_safetensors")
+    Args:
+      state: this rank's ShardedState.
+      path: the file rank 0 writes (atomically: temporary file, fsync, rename).
+      mesh: the mesh.
+      module: the model, so the file names what `module.state_dict()` does: every name of
+        a tied tensor (the bytes repeated), and no non-persistent buffer, so
+        `load_state_dict(strict=True)` accepts it. Without it, every buffer is written.
+      dtype: the dtype weights are written in (e.g. torch.bfloat16); None keeps theirs.
+        Buffers keep their dtype.
+      metadata: string pairs for the header's `__metadata__` (e.g. {"format": "pt"}).
+    """
+    check_state(state, mesh, "checkpoint.export_safetensors")
+    full = full_precision(state, mesh)
+    stream_safetensors(full, path, mesh, *_names(module), dtype, metadata)
+
+
+def _names(module: nn.Module | None) -> tuple[dict[str, str] | None, frozenset[str]]:
+    """What `module.state_dict()` would name: every name of a tied parameter (-> the name
+    its leaf has), and the buffers it leaves out (non-persistent ones)."""
+    if module is None:
+        return None, frozenset()
+    canonical = {id(p): name for name, p in module.named_parameters()}
+    aliases = {n: canonical[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+    transient = frozenset(
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in module.named_modules()
+        for b in m._non_persistent_buffers_set
+    )
+    return aliases, transient

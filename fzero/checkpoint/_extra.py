@@ -13,16 +13,18 @@ from typing import Any
 
 import torch
 
-from .._gather import master_params
-from .._layout import build_layout
-from .._mesh import Mesh
-from .._precision import Precision, cast_params, meta_like
-from .._precision import to_mixed as mixed
-from .._scale import DynamicLossScale, LossScaleState
-from .._shards import Shards
-from .._stages import stage_of
-from .._state import ShardedState
-from .._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+from .._comm import Mesh
+from .._core import PyTree, Shards, build_layout, leaf_paths, stage_of, tree_flatten, tree_unflatten
+from .._state import (
+    DynamicLossScale,
+    LossScaleState,
+    Precision,
+    ShardedState,
+    cast_params,
+    master_params,
+    meta_like,
+)
+from .._state import to_mixed as mixed
 from ._schema import CheckpointError
 
 

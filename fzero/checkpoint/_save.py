@@ -8,13 +8,9 @@ from typing import Any
 
 import torch
 
-from .._donation import check_live
-from .._layout import ShardLayout, build_layout
-from .._mesh import Mesh
-from .._shards import Shards
-from .._stages import stage_of
-from .._state import ShardedState, _frozen_leaves
-from .._tree import PyTree, leaf_paths, tree_flatten
+from .._comm import Mesh
+from .._core import PyTree, ShardLayout, Shards, build_layout, leaf_paths, stage_of, tree_flatten
+from .._state import ShardedState, check_live, frozen_leaves
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from . import _disk as disk
@@ -27,16 +23,7 @@ from ._extra import (
     load_scaler,
     to_mixed,
 )
-from ._schema import (
-    CheckpointError,
-    Local,
-    Schema,
-    agree,
-    elem_slice,
-    local_view,
-    merge,
-    report,
-)
+from ._schema import CheckpointError, Local, Schema, agree, elem_slice, local_view, merge, report
 
 
 def check_state(state: Any, mesh: Mesh, what: str) -> None:
@@ -258,7 +245,7 @@ def _target_layout(
                 f"{directory} holds a different model: leaf {paths[i]!r} is saved as "
                 f"{tuple(saved[i]['shape'])} {saved[i]['dtype']}, params_like has {shape} {dtype}"
             )
-    flags = [x["frozen"] for x in saved] if frozen is None else _frozen_leaves(params_like, frozen)
+    flags = [x["frozen"] for x in saved] if frozen is None else frozen_leaves(params_like, frozen)
     return build_layout(
         params_like,
         world_size,

@@ -10,11 +10,8 @@ import optree
 import torch
 
 from .. import _comm
-from .._flat import Bucket
-from .._layout import ShardLayout
-from .._mesh import Mesh
-from .._stages import Stage
-from .._tree import tree_unflatten
+from .._comm import Mesh
+from .._core import Bucket, ShardLayout, Stage, tree_unflatten
 
 # An optimizer-state entry: (node, sub). `node` is the path of a subtree of the state that
 # mirrors the optimizer's pieces (AdamState.mu -> "mu"; from_torch's whole state -> ""),

@@ -7,24 +7,22 @@ from typing import Any
 import optree
 import torch
 
-from .._layout import ShardLayout, build_layout
-from .._mesh import Mesh
-from .._stages import STAGES, stage_of
-from .._state import ShardedState, _frozen_leaves
-from .._tree import NAMESPACE, PyTree, leaf_paths, tree_flatten, tree_unflatten
+from .._comm import Mesh
+from .._core import (
+    NAMESPACE,
+    STAGES,
+    PyTree,
+    ShardLayout,
+    build_layout,
+    leaf_paths,
+    stage_of,
+    tree_flatten,
+    tree_unflatten,
+)
+from .._state import ShardedState, frozen_leaves
 from ..optim import Optimizer
 from ._build import build_state
-from ._schema import (
-    CheckpointError,
-    Key,
-    Local,
-    Schema,
-    agree,
-    merge,
-    pieces_of,
-    report,
-    walk,
-)
+from ._schema import CheckpointError, Key, Local, Schema, agree, merge, pieces_of, report, walk
 
 # fzero state -> torch.optim state keys, per optimizer state type.
 _ADAM = {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
@@ -149,7 +147,7 @@ def import_torch(
             )
         leaves = [model_state_dict[p].detach() for p in paths]
         params = tree_unflatten(tree_flatten(like)[1], leaves)
-        lay = build_layout(params, mesh.shard_size, layout, units, _frozen_leaves(params, frozen))
+        lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves(params, frozen))
         order = [i for i in natural_order(lay) if not lay.frozen[i]]
         ids = [i for g in optim_state_dict["param_groups"] for i in g["params"]]
         if len(ids) != len(order):

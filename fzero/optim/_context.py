@@ -85,7 +85,7 @@ def resolve_mask(mask: Any, params: Any) -> list[bool | torch.Tensor]:
     ctx = _CONTEXT.get()
     leaves = optree.tree_leaves(params)
     if ctx is None or ctx.segments is None:
-        from .._tree import leaf_paths
+        from .._core import leaf_paths
 
         return [bool(predicate(p)) for p in leaf_paths(params)]
     out: list[bool | torch.Tensor] = []
@@ -104,7 +104,7 @@ def resolve_mask(mask: Any, params: Any) -> list[bool | torch.Tensor]:
 def _predicate(mask: Any) -> Callable[[str], bool]:
     if callable(mask):
         return mask
-    from .._tree import leaf_paths
+    from .._core import leaf_paths
 
     flags = dict(zip(leaf_paths(mask), optree.tree_leaves(mask)))
     if not all(isinstance(f, bool) for f in flags.values()):

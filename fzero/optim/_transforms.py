@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .._tree import device_of
+from .._core import device_of
 from ._base import Grads, Optimizer, OptState, Params
 from ._context import global_sum
 

@@ -1,0 +1,109 @@
+"""value_and_grad over pytrees, on torch.autograd (the gradient engine fzero's steps use)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ._tree import PyTree, tree_flatten, tree_unflatten
+
+# A loss as a step calls it: `(params, batch)` -> a real scalar tensor, or to a step a
+# pair `(total, weight)` (see `fzero.sharded_step`).
+LossFn = Callable[[PyTree, Any], Any]
+
+# Why torch.autograd.grad and not torch.func.grad: fzero's steps need what torch.func's
+# transforms refuse or cannot express: saved-tensor hooks (activation checkpointing is
+# refused under torch.func.grad), per-unit backward hooks that reduce-scatter a unit's
+# gradient as soon as it is complete, and collectives issued from inside backward. The
+# user's loss may still use torch.func freely (functional_call, vmap, ...): it is only
+# differentiated by the eager engine, on fresh leaf tensors, so nothing the caller holds
+# is modified and the step stays a pure function of (state, batch).
+
+
+@contextlib.contextmanager
+def differentiating(what: str, rank: int | None = None) -> Iterator[None]:
+    """Gradients on for a computation that differentiates itself, whatever the caller's mode.
+
+    A step takes its own gradients, as `torch.func.grad` does: under a caller's
+    `torch.no_grad()` the loss would otherwise record nothing, and the step would apply a
+    zero update without a word. Inference mode cannot be left that way (its tensors
+    cannot be saved for backward), so it is refused.
+    """
+    if torch.is_inference_mode_enabled():
+        where = "" if rank is None else f"rank {rank}: "
+        raise RuntimeError(
+            f"{where}{what} differentiates its loss and cannot run under "
+            "torch.inference_mode() (tensors made there cannot be saved for backward); call "
+            "it outside (torch.no_grad() is fine: gradients are turned on inside)"
+        )
+    with torch.enable_grad():
+        yield
+
+
+def check_loss(out: Any, what: str = "loss_fn", rank: int | None = None) -> torch.Tensor:
+    """Returns `out` if it is a real scalar tensor, else raises naming the problem."""
+    where = "" if rank is None else f" on rank {rank}"
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{what} must return a scalar tensor, got {type(out).__name__}{where}")
+    if out.dim() != 0 or not out.is_floating_point():
+        raise ValueError(
+            f"{what} must return a real scalar tensor (shape ()), got shape "
+            f"{tuple(out.shape)} dtype {out.dtype}{where}"
+        )
+    return out
+
+
+def value_and_grad(
+    fn: Callable[..., torch.Tensor],
+    tree: PyTree,
+    *args: Any,
+    what: str = "loss_fn",
+    rank: int | None = None,
+    frozen: Sequence[bool] | None = None,
+) -> tuple[torch.Tensor, PyTree | None]:
+    """`fn(tree, *args)` and its gradient with respect to every leaf of `tree`.
+
+    Gradients are taken whatever the caller's grad mode, as `torch.func.grad` does (a
+    `torch.no_grad()` around the call does not turn them off); inference mode is refused.
+
+    Args:
+      fn: returns a real scalar tensor.
+      tree: the pytree to differentiate by (its tensors are not modified).
+      *args: further arguments of `fn`, not differentiated.
+      what: the function's name, for error messages.
+      rank: this rank, for error messages.
+      frozen: per leaf, whether it is frozen: not differentiated, None in `grads`.
+
+    Returns:
+      `(value, grads)`: the detached value, and a tree like `tree` with zeros for leaves
+      `fn` does not use; `grads` is None when the value does not depend on `tree` at all.
+    """
+    leaves, treedef = tree_flatten(tree)
+    frozen = [False] * len(leaves) if frozen is None else list(frozen)
+    inputs = [x.detach() if f else x.detach().requires_grad_() for x, f in zip(leaves, frozen)]
+    with differentiating("value_and_grad", rank):
+        out = check_loss(fn(tree_unflatten(treedef, inputs), *args), what, rank)
+        if not out.requires_grad:
+            return out.detach(), None
+        live = [x for x, f in zip(inputs, frozen) if not f]
+        found = iter(torch.autograd.grad(out, live, allow_unused=True))
+    grads = []
+    for x, f in zip(inputs, frozen):
+        g = None if f else next(found)
+        grads.append(None if f else torch.zeros_like(x) if g is None else g)
+    return out.detach(), tree_unflatten(treedef, grads)
+
+
+def sparse_gradient(rank: int, leaf: str | None = None) -> TypeError:
+    """The error for a sparse gradient in a step (torch's own, from a view's backward,
+    names no cause)."""
+    what = "a sparse gradient" if leaf is None else f"leaf {leaf!r} has a sparse gradient"
+    return TypeError(
+        f"rank {rank}: {what} (nn.Embedding or nn.EmbeddingBag with sparse=True, or "
+        "F.embedding(..., sparse=True)); fzero reduces gradients in dense flat buffers, so "
+        "build the embedding with sparse=False (the same update for SGD: ZeRO has no "
+        "counterpart of DDP's sparse all-reduce)"
+    )

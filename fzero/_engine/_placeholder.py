@@ -1,0 +1,58 @@
+"""Placeholders: what a loss holds of a just-in-time unit's parameters before they enter it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._core import tree_flatten
+
+
+class Placeholder(torch.Tensor):
+    """A parameter of a just-in-time unit where the loss has not entered the unit: its
+    shape and dtype, no data, and any computation with it raises a ValueError naming the
+    leaf, the unit and the rank.
+
+    Not a meta tensor: torch's CPU matmul, `linear` without bias and convolutions accept
+    a meta weight and read its missing data as memory, so a weight tied across units
+    (or used outside its submodule) would train on garbage, silently.
+    """
+
+    path: str
+    unit: str | tuple[str, ...]  # its `units=` entry: what `fzero.gathered` asks for
+    rank: int
+
+    @staticmethod
+    def __new__(
+        cls,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        *,
+        path: str,
+        unit: str | tuple[str, ...],
+        rank: int,
+    ) -> Placeholder:
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="meta")
+        t.path, t.unit, t.rank = path, unit, rank
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        used = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Placeholder))
+        raise ValueError(
+            f"rank {used.rank}: the parameter {used.path!r} of the just-in-time unit "
+            f"{used.unit!r} was used (by aten.{func.overloadpacket.__name__}) where the loss "
+            "only has a placeholder for it: with module=, outside its submodule's forward (read "
+            "directly by a module outside the unit, say); with just_in_time=True, without "
+            f"fzero.gathered(params, {used.unit!r}). Use it there, or leave its unit out of "
+            "units= (its parameters then join the root, entered before the forward)"
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"Placeholder({self.path!r} of just-in-time unit {self.unit!r}, "
+            f"shape={tuple(self.shape)}, dtype={self.dtype})"
+        )

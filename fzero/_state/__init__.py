@@ -1,0 +1,33 @@
+"""The state: what one rank keeps between steps, and how it is first made.
+
+`ShardedState` and `shard_state` (`_shard_state`, the `init` of every stage), the
+ranks' agreement on its layout (`_agree_layout`), deferred initialization from
+initializers or files (`_deferred`, `_initializers`), mixed precision's masters and
+casts (`_precision`), the dynamic loss scaler (`_loss_scale`) and the record of states a
+donating step consumed (`_donation`).
+
+Contract: a state is an immutable pytree (`dataclasses.replace` makes the next one); the
+functions here build, check and convert states but never step them. Imports
+`fzero._core`, `fzero._comm`, `fzero.optim` and `fzero._engine` (to gather masters).
+"""
+
+from ._agree_layout import agree_layout as agree_layout
+from ._donation import check_live as check_live
+from ._donation import mark_consumed as mark_consumed
+from ._initializers import FileInit as FileInit
+from ._initializers import Init as Init
+from ._initializers import LeafInit as LeafInit
+from ._initializers import ModuleInit as ModuleInit
+from ._loss_scale import DynamicLossScale as DynamicLossScale
+from ._loss_scale import LossScaleState as LossScaleState
+from ._loss_scale import unscale_ as unscale_
+from ._precision import Precision as Precision
+from ._precision import cast_params as cast_params
+from ._precision import held_shards as held_shards
+from ._precision import master_params as master_params
+from ._precision import meta_like as meta_like
+from ._precision import to_mixed as to_mixed
+from ._shard_state import ShardedState as ShardedState
+from ._shard_state import check_step_state as check_step_state
+from ._shard_state import frozen_leaves as frozen_leaves
+from ._shard_state import shard_state as shard_state

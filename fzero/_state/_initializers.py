@@ -1,0 +1,229 @@
+"""Deferred initialization: values made a module or a leaf at a time, each rank keeping its part.
+
+`shard_state(..., init=)` asks an `Init` to fill element ranges of leaves (`Wants`): the
+ranges of every flat bucket that this rank holds (its slice at stage 3, everything at
+stages 0-2) and the buffers. Generators (`ModuleInit`, `LeafInit`) make one full leaf
+at a time, copy out the ranges wanted and let it go; `FileInit` reads only the ranges.
+No rank ever holds the whole model, and no rank needs another's values.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core import TensorFile, as_bytes
+
+# leaf path -> [(lo, hi, out)]: elements [lo, hi) of the flattened leaf go into `out`.
+Wants = dict[str, list[tuple[int, int, torch.Tensor]]]
+
+
+class Init(abc.ABC):
+    """Makes or reads parameter and buffer values for `shard_state(..., init=)`."""
+
+    device: torch.device
+
+    @abc.abstractmethod
+    def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Fills every range in `wants`; checks it can make every leaf of `likes` (meta
+        tensors: paths, shapes, dtypes). Returns digests that every rank must agree on."""
+
+
+def deliver(path: str, value: torch.Tensor, wants: Wants, like: torch.Tensor, what: str) -> None:
+    """Copies the wanted ranges of the full leaf `value` (checked against `like`)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: leaf {path!r} came back as a {type(value).__name__}")
+    if tuple(value.shape) != tuple(like.shape):
+        raise ValueError(
+            f"{what}: leaf {path!r} came back with shape {tuple(value.shape)}, the "
+            f"parameters have {tuple(like.shape)}"
+        )
+    flat = value.detach().reshape(-1)
+    for lo, hi, out in wants.get(path, ()):
+        out.copy_(flat[lo:hi])
+
+
+def digest(value: torch.Tensor) -> str:
+    return hashlib.blake2b(as_bytes(value.detach().cpu().contiguous()), digest_size=8).hexdigest()
+
+
+def _leaf_seed(seed: int, path: str) -> int:
+    """A seed for `path` alone: values do not depend on which other leaves exist."""
+    raw = hashlib.blake2b(f"{seed}\0{path}".encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The default generators (the CPU's, and `device`'s if CUDA) seeded with `seed`, as
+    `torch.manual_seed` would, and restored afterwards: the caller's RNG is untouched."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.random.default_generator.manual_seed(seed)
+        for d in devices:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+class LeafInit(Init):
+    """`fn(path, like) -> Tensor` per leaf, with the generators seeded from (seed, path)."""
+
+    def __init__(self, fn: Callable[[str, torch.Tensor], torch.Tensor], seed: int, device: Any):
+        if not callable(fn):
+            raise TypeError(f"fzero.init.by_leaf needs a function (path, like), got {fn!r}")
+        self.fn, self.seed, self.device = fn, int(seed), torch.device(device)
+
+    def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
+        out = {}
+        for path, like in likes.items():
+            with seeded(_leaf_seed(self.seed, path), self.device), torch.no_grad():
+                value = self.fn(path, like)
+            deliver(path, value, wants, like, "fzero.init.by_leaf")
+            out[path] = digest(value)
+        return out
+
+
+class ModuleInit(Init):
+    """Replays a module's construction: `reset_parameters` of every submodule owning
+    tensors directly, children before parents, from one seed."""
+
+    def __init__(self, module: nn.Module, seed: int, device: Any, init: dict[Any, Callable]):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"fzero.init.from_module needs an nn.Module, got {type(module)}")
+        self.module, self.seed, self.device = module, int(seed), torch.device(device)
+        self.init = dict(init or {})
+
+    def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
+        # A tied tensor belongs to the first module that names it (as in named_parameters);
+        # other holders' resets run on scratch copies, as they ran on their own tensors
+        # before the tie in an eager construction.
+        owner = {id(t): n for n, t in self.module.named_parameters()}
+        owner.update({id(t): n for n, t in self.module.named_buffers()})
+        out: dict[str, str] = {}
+        with seeded(self.seed, self.device), torch.no_grad():
+            for prefix, m in _post_order(self.module):
+                for name, orig, value in self._replay(prefix, m):
+                    full = f"{prefix}.{name}" if prefix else name
+                    if owner.get(id(orig)) != full or full not in likes:
+                        continue
+                    deliver(full, value, wants, likes[full], "fzero.init.from_module")
+                    out[full] = digest(value)
+        missing = [p for p in likes if p not in out]
+        if missing:
+            raise ValueError(
+                f"fzero.init.from_module: the module has no parameter or buffer {missing[0]!r}"
+                f" ({len(missing)} leaves missing): pass the module's own "
+                "dict(model.named_parameters()) / named_buffers()"
+            )
+        return out
+
+    def _replay(self, prefix: str, m: nn.Module) -> Iterator[tuple[str, torch.Tensor, Any]]:
+        """Materializes `m`'s own tensors, runs its init, yields (name, original, value),
+        and puts the originals (meta tensors) back."""
+        own = [("p", n, t) for n, t in m._parameters.items() if t is not None]
+        own += [("b", n, t) for n, t in m._buffers.items() if t is not None]
+        if not own:
+            return
+        fn = self._init_of(prefix, m, [n for _, n, _ in own])
+        fresh = {}
+        for kind, name, t in own:
+            x = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            if kind == "p":
+                x = nn.Parameter(x, requires_grad=t.requires_grad)
+            (m._parameters if kind == "p" else m._buffers)[name] = x
+            fresh[name] = (x, x._version)
+        try:
+            fn(m)
+            values = [(k, n, t, (m._parameters if k == "p" else m._buffers)[n]) for k, n, t in own]
+        finally:
+            for kind, name, t in own:
+                (m._parameters if kind == "p" else m._buffers)[name] = t
+        for _, name, orig, value in values:
+            made, version = fresh[name]
+            if value is made and value._version == version:
+                raise ValueError(
+                    f"fzero.init.from_module: module {prefix or '<root>'!r} "
+                    f"({type(m).__name__}): its init left {name!r} unwritten, so it would "
+                    "hold uninitialised memory; fill it there (reset_parameters) or pass "
+                    f"init={{{prefix or type(m).__name__!r}: fn}}"
+                )
+            yield name, orig, value
+
+    def _init_of(self, prefix: str, m: nn.Module, names: list[str]) -> Callable[[nn.Module], Any]:
+        if prefix in self.init:
+            return self.init[prefix]
+        for cls in type(m).__mro__:
+            if cls in self.init:
+                return self.init[cls]
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            return lambda module: module.reset_parameters()
+        raise ValueError(
+            f"fzero.init.from_module: module {prefix or '<root>'!r} ({type(m).__name__}) owns "
+            f"{names} but has no reset_parameters(); define one that fills every tensor "
+            f"the module owns directly, or pass init={{{prefix or type(m).__name__!r}: fn}} "
+            "(fn(module) fills them in place)"
+        )
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    seen: set[int] = set()
+
+    def visit(m: nn.Module, name: str) -> Iterator[tuple[str, nn.Module]]:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child_name, child in m._modules.items():
+            if child is not None:
+                yield from visit(child, f"{name}.{child_name}" if name else child_name)
+        yield name, m
+
+    yield from visit(module, prefix)
+
+
+class FileInit(Init):
+    """Reads each rank's ranges from a safetensors or torch.save file."""
+
+    def __init__(self, path: str, key: Callable[[str], str] | None, missing: Init | None):
+        self.path, self.key, self.missing = path, key or (lambda p: p), missing
+        self.device = torch.device("cpu") if missing is None else missing.device
+
+    def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
+        f = TensorFile(self.path)
+        try:
+            absent = []
+            for path, like in likes.items():
+                name = self.key(path)
+                e = f.entries.get(name)
+                if e is None:
+                    absent.append(path)
+                    continue
+                if e.shape != tuple(like.shape):
+                    raise ValueError(
+                        f"fzero.init.from_file: {self.path} holds {name!r} with shape "
+                        f"{e.shape}, the parameters have {tuple(like.shape)}"
+                    )
+                for lo, hi, out in wants.get(path, ()):
+                    f.read(name, lo, hi, out)
+            out = {"<file>": f.digest()}
+        finally:
+            f.close()
+        if absent and self.missing is None:
+            some = sorted(f.entries)[:3]
+            raise ValueError(
+                f"fzero.init.from_file: {self.path} has no tensor {self.key(absent[0])!r} "
+                f"({len(absent)} leaves missing; it holds e.g. {some}); pass key= to map "
+                "leaf paths to its names, or missing= to initialise the others"
+            )
+        if absent:
+            assert self.missing is not None
+            sub = {p: wants[p] for p in absent if p in wants}
+            out.update(self.missing.fill(sub, {p: likes[p] for p in absent}))
+        return out

@@ -1,0 +1,78 @@
+"""Dynamic loss scaling (FairScale's ShardedGradScaler, torch.amp.GradScaler) as pure state."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _comm
+from .._comm import Mesh
+
+
+class DynamicLossScale(NamedTuple):
+    """How the loss scale moves; the defaults are torch.amp.GradScaler's.
+
+    The loss is multiplied by the scale before differentiation; gradients are divided by
+    it after reduction. If any rank's gradient shard holds an inf or NaN, every rank skips
+    the update and the scale is multiplied by `backoff_factor`; after `growth_interval`
+    clean steps in a row it is multiplied by `growth_factor`.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def init(self, device: torch.device | str | None = None) -> LossScaleState:
+        """The scaler state of step 0, on `device` (the parameters'; None: the CPU)."""
+        if not (self.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1):
+            raise ValueError(
+                "DynamicLossScale needs init_scale > 0, growth_factor > 1 and "
+                f"0 < backoff_factor < 1, got {self}"
+            )
+        if self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
+        return LossScaleState(
+            torch.tensor(float(self.init_scale), dtype=torch.float32, device=device),
+            torch.tensor(0, dtype=torch.int32, device=device),
+            self,
+        )
+
+
+class LossScaleState(NamedTuple):
+    """The scaler's state in a ShardedState: identical on every rank."""
+
+    scale: torch.Tensor  # float32, 0-d
+    growth_tracker: torch.Tensor  # int32, 0-d: clean steps since the last change
+    config: DynamicLossScale
+
+    def next(self, found_inf: bool) -> LossScaleState:
+        """The state after a step that did (or did not) find an inf/NaN gradient.
+
+        torch.amp.GradScaler.update's rule, so a run matches one using it step for step.
+        Computed where the state lives, without reading it: on a GPU, no host sync.
+        """
+        c = self.config
+        if found_inf:
+            scale, tracker = self.scale * c.backoff_factor, torch.zeros_like(self.growth_tracker)
+            return LossScaleState(scale, tracker, c)
+        tracker = self.growth_tracker + 1
+        due = tracker == c.growth_interval
+        grown = self.scale * c.growth_factor
+        scale = torch.where(due & torch.isfinite(grown), grown, self.scale)
+        return LossScaleState(scale, torch.where(due, 0, tracker).to(tracker.dtype), c)
+
+
+def unscale_(grads: list[torch.Tensor], scale: torch.Tensor, mesh: Mesh) -> bool:
+    """Divides this rank's gradient pieces by `scale` in place; True if ANY rank found an
+    inf or NaN (one all-reduce of one flag, so every rank takes the same branch)."""
+    # GradScaler multiplies by the float32 reciprocal computed in double: the same bits.
+    inv = scale.double().reciprocal().float()
+    bad = torch.zeros((), dtype=torch.float32, device=scale.device)
+    for g in grads:
+        if g.numel():
+            g.mul_(inv.to(g.dtype))
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+    # The step's one host sync: every rank must know whether to skip the update.
+    return bool(_comm.all_reduce_sum(bad, mesh).item() > 0)

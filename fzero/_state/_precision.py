@@ -1,0 +1,232 @@
+"""Precision: the dtypes parameters are computed, gathered and reduced in, over fp32 masters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .. import _comm
+from .._comm import Mesh
+from .._core import (
+    PyTree,
+    ShardLayout,
+    Shards,
+    Stage,
+    build_layout,
+    cut,
+    leaf_paths,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
+from .._engine import gather_params
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision (FSDP2's MixedPrecisionPolicy, FairScale's mixed_precision).
+
+    Attributes:
+      param_dtype: dtype the parameters are computed in and given to `loss_fn` (stages
+        0-2: the replicated parameters; stage 3: the gathered units). None keeps the
+        parameters' own dtype. When set, the optimizer updates master copies of this
+        rank's shard (`master_dtype`). At stages 0-2 the parameters are held as the
+        masters cast down, as in DeepSpeed and ZeRO's 16Ψ arithmetic; at stage 3 a
+        trainable shard is its master, cast as it is gathered (FSDP2's layout: no
+        second shard in this dtype). Frozen parameters are held in this dtype only (no
+        masters: nothing updates them).
+      reduce_dtype: dtype gradients are reduced (summed over ranks) in; the optimizer then
+        sees them in the master dtype. None: the parameters' compute dtype.
+      gather_dtype: dtype parameters travel in when they are all-gathered (after the
+        update at stages 1-2, per unit at stage 3; FairScale's `broadcast_fp16`). None:
+        the compute dtype. Lower than the compute dtype at stages 1-2, it also makes
+        master copies necessary, since the gathered values are rounded.
+      buffer_dtype: dtype module buffers (BatchNorm statistics) are kept in. None keeps
+        theirs, which is usually what you want: statistics stay in fp32.
+      master_dtype: dtype of the master copies. None: the promotion of the original
+        parameter dtypes of each buffer (fp32 for fp32 models).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    gather_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "gather_dtype", "buffer_dtype", "master_dtype"):
+            dtype = getattr(self, name)
+            if dtype is None:
+                continue
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(
+                    f"Precision.{name} must be a floating-point torch.dtype (e.g. "
+                    f"torch.bfloat16), got {dtype!r}"
+                )
+            if dtype.itemsize < 2:
+                raise TypeError(f"Precision.{name}: {dtype} is not supported (8-bit floats)")
+
+
+def check_castable(params: PyTree, dtype: torch.dtype | None, rank: int, what: str) -> None:
+    """Raises ValueError naming the first leaf whose values overflow when cast to `dtype`."""
+    if dtype is None:
+        return
+    top = torch.finfo(dtype).max
+    for path, leaf in zip(leaf_paths(params), tree_flatten(params)[0]):
+        if leaf.dtype == dtype or leaf.numel() == 0 or leaf.dtype.itemsize < dtype.itemsize:
+            continue
+        finite = leaf.detach()[torch.isfinite(leaf.detach())]
+        big = finite.abs().max().item() if finite.numel() else 0.0
+        if big > top:
+            raise ValueError(
+                f"rank {rank}: params leaf {path!r} holds |x| = {big:.4g}, which overflows "
+                f"{what} {dtype} (largest finite value {top:.4g}); rescale it, keep it out "
+                f"of the low-precision dtype, or use torch.bfloat16"
+            )
+
+
+def cast_params(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
+    """`tree` with every floating-point leaf in `dtype` (None: unchanged), detached;
+    integer leaves (BatchNorm's batch counter) stay as they are."""
+    leaves, treedef = tree_flatten(tree)
+    if dtype is None:
+        return tree
+    return tree_unflatten(
+        treedef, [x.detach().to(dtype) if x.is_floating_point() else x for x in leaves]
+    )
+
+
+def compute_params(params: PyTree, precision: Precision, stage: Stage) -> PyTree:
+    """The parameters the loss sees at step 0: cast to `param_dtype`, and where a stage
+    all-gathers them after every update (1-2), rounded through `gather_dtype`, exactly
+    as every later all-gather delivers them."""
+    cast = cast_params(params, precision.param_dtype)
+    gather = precision.gather_dtype
+    if gather is None or not stage.regathers:
+        return cast
+    # Integer leaves (a batch counter) are never gathered in `gather_dtype`: left exact.
+    return tree_map(lambda x: x.to(gather).to(x.dtype) if x.is_floating_point() else x, cast)
+
+
+def master_layout(
+    layout: ShardLayout, original: PyTree, master_dtype: torch.dtype | None
+) -> tuple[ShardLayout, PyTree]:
+    """The layout of the master copies and the original leaves in their dtypes.
+
+    Same buckets, slots and padding as `layout` (built on the compute dtype), with each
+    bucket's dtype the master dtype, so a master shard and a parameter shard line up
+    element for element.
+    """
+    leaves = tree_flatten(original)[0]
+    per_leaf: list[Any] = list(layout.dtypes)
+    buckets = []
+    for b in layout.buckets:
+        dtype = master_dtype
+        if dtype is None:
+            dtype = b.dtype
+            for s in b.slots:
+                dtype = torch.promote_types(dtype, leaves[s.index].dtype)
+        for s in b.slots:
+            per_leaf[s.index] = dtype
+        buckets.append(replace(b, dtype=dtype))
+    lay = replace(layout, buckets=tuple(buckets), dtypes=tuple(per_leaf))
+    cast = tree_unflatten(layout.treedef, [x.detach().to(d) for x, d in zip(leaves, per_leaf)])
+    return lay, cast
+
+
+def needs_master(precision: Precision | None, layout: ShardLayout, stage: Stage) -> bool:
+    """Whether the parameters the loss sees are rounded copies of what the optimizer keeps."""
+    if precision is None:
+        return False
+    return precision.param_dtype is not None or (
+        precision.gather_dtype is not None and stage.regathers
+    )
+
+
+def held_shards(buffers: tuple[torch.Tensor, ...], master: Shards, layout: ShardLayout) -> Shards:
+    """Stage 3's parameters under mixed precision: each trainable bucket's shard is its
+    master itself, held once at full precision and cast to the layout's (compute) dtype
+    as it is gathered (FSDP2's cast at the all-gather): no second, compute-dtype copy.
+    Frozen buckets have no master: theirs from `buffers`, in the compute dtype."""
+    bufs = tuple(x if b.frozen else m for x, m, b in zip(buffers, master.buffers, layout.buckets))
+    return Shards(bufs, layout, master.rank)
+
+
+def meta_like(layout: ShardLayout) -> PyTree:
+    """Meta tensors of the layout's leaves: their shapes and dtypes, no values."""
+    leaves = [torch.empty(s, dtype=d, device="meta") for s, d in zip(layout.shapes, layout.dtypes)]
+    return tree_unflatten(layout.treedef, leaves)
+
+
+def to_mixed(
+    params: PyTree, layout: ShardLayout, stage: Stage, precision: Precision, rank: int
+) -> tuple[PyTree, ShardLayout, PyTree]:
+    """Full-precision parameters as `shard_state(..., precision=)` holds them.
+
+    Args:
+      params: what a rank holds at full precision under `layout`: the tree (stages 0-2)
+        or its `Shards` (stage 3), e.g. loaded from a checkpoint or materialized by an init.
+      layout, stage, precision, rank: theirs.
+
+    Returns:
+      `(params, layout, master)`: the parameters cast to the compute dtype and their
+      layout, and the full-precision values kept as masters (None if none are needed).
+    """
+    full_like = meta_like(layout) if stage.shards_params else params
+    cast = compute_params(full_like, precision, stage)
+    lay = build_layout(cast, layout.world_size, layout.kind, layout.specs, list(layout.frozen))
+    if not needs_master(precision, lay, stage):
+        return params, layout, None
+    mlay, full32 = master_layout(lay, full_like, precision.master_dtype)
+    if stage.shards_params:
+        master: PyTree = Shards(
+            tuple(
+                x.new_empty(0) if b.frozen else x.to(m.dtype)
+                for x, b, m in zip(params.buffers, lay.buckets, mlay.buckets)
+            ),
+            mlay,
+            rank,
+        )
+        frozen = tuple(
+            x.to(b.dtype) if b.frozen else x.new_empty(0)  # the others: their masters
+            for x, b in zip(params.buffers, lay.buckets)
+        )
+        return held_shards(frozen, master, lay), lay, master
+    trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
+    if stage.shards_optimizer:
+        trainable = Shards(mlay.shard(trainable, rank), mlay, rank)
+    return lay.unflatten(lay.flatten(cast)), lay, trainable
+
+
+def master_params(state: Any, mesh: Mesh) -> PyTree:
+    """The full tree of what the optimizer trains, on every rank: the master copies under
+    mixed precision (frozen leaves: the parameters as held), else the parameters.
+
+    Use it to export or evaluate at full precision; `gather_params(state.params, mesh)`
+    gives the compute-dtype parameters the loss sees.
+
+    Args:
+      state: a ShardedState.
+      mesh: the mesh.
+
+    Returns:
+      A tree with the parameters' structure and shapes; trainable leaves in the master dtype.
+    """
+    params = gather_params(state.params, mesh)
+    if state.master is None:
+        return params
+    lay = state.layout
+    if isinstance(state.master, Shards):
+        mlay = state.master.layout
+        live = [i for i, b in enumerate(mlay.buckets) if not b.frozen]
+        flats = [_comm.all_gather(state.master.buffers[i], mesh) for i in live]
+        trainable: dict[int, Any] = {}
+        for i, flat in zip(live, flats):
+            for slot, view in cut(mlay.buckets[i], flat):
+                trainable[slot.index] = view
+        leaves = lay.leaves(params)
+        merged = [trainable.get(j, leaf) for j, leaf in enumerate(leaves)]
+        return tree_unflatten(lay.treedef, merged)
+    return lay.merge(params, state.master)

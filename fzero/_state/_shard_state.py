@@ -1,0 +1,409 @@
+"""ShardedState and shard_state: the `init` of every ZeRO stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import optree
+import torch
+
+from .. import _comm
+from .._comm import Mesh
+from .._core import (
+    NAMESPACE,
+    Bucket,
+    PyTree,
+    ShardLayout,
+    Shards,
+    Stage,
+    UnitSpec,
+    build_layout,
+    covers,
+    device_of,
+    leaf_paths,
+    members_of,
+    pack,
+    stage_of,
+    tree_flatten,
+    tree_map,
+)
+from ..optim import Optimizer
+from ..optim._base import check_slices
+from ._agree_layout import agree_layout
+from ._deferred import check_init, materialize
+from ._donation import check_live
+from ._initializers import Init
+from ._loss_scale import DynamicLossScale, LossScaleState
+from ._precision import (
+    Precision,
+    cast_params,
+    check_castable,
+    compute_params,
+    held_shards,
+    master_layout,
+    needs_master,
+    to_mixed,
+)
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """Everything one rank keeps between steps.
+
+    Attributes:
+      params: stages 0-2: the full parameter tree (replicated; leaves are views into one
+        flat buffer per dtype). Stage 3: this rank's `Shards` (under mixed precision,
+        a trainable bucket's shard is its master: gathering casts it to the layout's
+        compute dtype).
+      opt_state: optimizer state of what this rank updates: the full tree at stage 0,
+        its shard's pieces at stages 1-3.
+      step: number of updates applied.
+      layout: how parameters are split over ranks (static).
+      stage: the ZeRO stage, 0-3 (static).
+      buffers: module buffers (BatchNorm running statistics, counters), replicated on
+        every rank, or None. With buffers, `loss_fn(params, buffers, batch)` returns
+        `(loss, new_buffers)`; see `sharded_step(buffer_sync=...)`.
+      master: under mixed precision, the master copies the optimizer updates, in the
+        master dtype: the full trainable tree at stage 0, this rank's `Shards` (frozen
+        buckets empty) at stages 1-3; `params` are these cast to the compute dtype
+        (stage 3: these themselves, cast as they are gathered).
+        None without masters.
+      scaler: the dynamic loss scaler's state, or None.
+      precision: the `Precision` (static), or None.
+    """
+
+    params: PyTree
+    opt_state: Any
+    step: int
+    layout: ShardLayout
+    stage: int
+    buffers: PyTree = None
+    master: PyTree = None
+    scaler: LossScaleState | None = None
+    precision: Precision | None = None
+
+
+optree.register_pytree_node(
+    ShardedState,
+    lambda s: (
+        (s.params, s.opt_state, s.step, s.buffers, s.master, s.scaler),
+        (s.layout, s.stage, s.precision),
+        ("params", "opt_state", "step", "buffers", "master", "scaler"),
+    ),
+    lambda meta, c: ShardedState(*c[:3], *meta[:2], *c[3:], meta[2]),
+    namespace=NAMESPACE,
+)
+
+
+def shard_state(
+    params: PyTree,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    stage: int,
+    layout: str = "flat",
+    units: Sequence[UnitSpec] | None = None,
+    bucket_bytes: int | None = None,
+    frozen: Any = None,
+    buffers: PyTree = None,
+    precision: Precision | None = None,
+    loss_scale: DynamicLossScale | None = None,
+    init: Init | None = None,
+) -> ShardedState:
+    """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
+
+    Like DDP's constructor, rank 0's parameter values win: they are broadcast, so ranks
+    that initialised their models with different seeds still train one model. Every rank
+    must pass parameters of the same structure, shapes and dtypes; this is checked
+    (one small all-gather of metadata) and a mismatch raises on every rank, naming the
+    first differing leaf, instead of hanging in a collective of mismatched size.
+
+    Args:
+      params: a pytree of floating-point tensors (e.g. `dict(model.named_parameters())`);
+        not modified, and not aliased by the returned state.
+      optimizer: an `fzero.optim.Optimizer`; its state is built for what this rank updates.
+      mesh: the data-parallel mesh (`ProcessGroupMesh` or a rank of `simulate`).
+      stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
+      layout: "flat" (default: flat buffers split evenly, any shapes) or "tensor" (whole
+        tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor,
+        which stages 1-3 refuse on "flat": see `Optimizer.whole_tensors`).
+      units: parameter-path prefixes gathered and reduced as separate flat buffers (see
+        `fzero.units.by_module` / `by_size`), or tuples of prefixes, each one unit
+        (FSDP2's `fully_shard([m1, m2])`; `fzero.units.grouped`); parameters in no unit
+        form the root unit.
+      bucket_bytes: instead of `units`, group parameters into units of at least this
+        many bytes along the path hierarchy, runs of small siblings joined
+        (`fzero.units.by_size`; FairScale ShardedDDP's `reduce_buffer_size`, DeepSpeed's
+        buckets): the granularity of every stage's collectives.
+      frozen: which parameters are not trained: a pytree of bools like `params` (True =
+        frozen), or a list of path prefixes. By default, if some leaves of `params`
+        require grad (e.g. `dict(model.named_parameters())` after freezing some), the
+        others are frozen; otherwise nothing is. Frozen parameters get no gradient, no
+        communication beyond stage 3's all-gather, no optimizer state, and keep their
+        values bitwise.
+      buffers: module buffers to carry through steps (e.g. `dict(model.named_buffers())`):
+        replicated, rank 0's values broadcast here like DDP's constructor. The step then
+        calls `loss_fn(params, buffers, batch)`, which returns `(loss, new_buffers)`.
+      precision: a `fzero.Precision`: compute, gather and reduce dtypes, with master
+        copies of this rank's shard in the master dtype (see `Precision`). Parameters are
+        checked to fit the low-precision dtypes (a float16 overflow is an error).
+      loss_scale: a `fzero.DynamicLossScale`: the step scales the loss, unscales the
+        reduced gradients, and skips the update on every rank if any rank saw an inf or
+        NaN. Its state lives in the returned state (`state.scaler`).
+      init: an initializer from `fzero.init` (`from_module`, `by_leaf`, `from_file`):
+        the values of `params` (and of buffers on the meta device) are made or read by
+        it instead, a module or a leaf at a time, each rank keeping only what it holds.
+        `params` may then be meta tensors (values ignored): a model larger than one
+        rank is never materialized whole, and there is no broadcast. Ranks check that
+        they made the same values (a digest per leaf), so a non-deterministic init
+        raises instead of training diverged replicas.
+
+    Returns:
+      A ShardedState.
+    """
+    spec = stage_of(stage)
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(f"precision must be a fzero.Precision, got {type(precision).__name__}")
+    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a fzero.DynamicLossScale, got {type(loss_scale).__name__}"
+        )
+    if bucket_bytes is not None:
+        units = _units_of_bytes(params, units, bucket_bytes)
+    convert = None  # what each leaf goes through before it is packed (`compute_params`)
+    try:
+        frozen_flags = frozen_leaves(params, frozen)
+        lay = build_layout(params, mesh.shard_size, layout, units, frozen_flags)  # validates
+        if spec.shards_optimizer:
+            check_slices(optimizer, lay.kind)  # `agree_layout` names shard_state and the rank
+        check_init(params, init)
+        if precision is not None and init is None:
+            check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
+            check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
+            # The layout from the compute dtypes alone; the values are cast a bucket at a
+            # time as they are packed, never as a second whole tree.
+            meta = tree_map(lambda x: x.detach().to("meta"), params)
+            lay = build_layout(
+                compute_params(meta, precision, spec), mesh.shard_size, layout, units, frozen_flags
+            )
+            convert = partial(compute_params, precision=precision, stage=spec)
+        problem = None
+    except (TypeError, ValueError) as exc:
+        lay, problem = None, f"{type(exc).__name__}: {exc}"
+    agree_layout(lay, problem, (spec.number, init is not None), mesh)
+    if init is not None:
+        return _from_init(init, lay, optimizer, mesh, spec, buffers, precision, loss_scale)
+    state_buffers = _replicate_buffers(buffers, mesh)
+    if state_buffers is not None and precision is not None:
+        state_buffers = cast_params(state_buffers, precision.buffer_dtype)
+    scaler = None if loss_scale is None else loss_scale.init(device_of(params))
+    master = None
+    if needs_master(precision, lay, spec):
+        assert precision is not None
+        mlay, cast = master_layout(lay, params, precision.master_dtype)
+        if spec.shards_optimizer:  # no masters of frozen buckets: nothing updates them
+            own = _rank0_slices(mlay, mlay.leaves(cast), mesh, lambda b: not b.frozen)
+            master = Shards(own, mlay, mesh.shard_rank)
+        else:
+            mflats = tuple(_comm.broadcast_(f, mesh) for f in mlay.flatten(cast))
+            master = mlay.trainable(mlay.unflatten(mflats))
+        del cast
+    held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master, convert)
+    return ShardedState(
+        held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
+    )
+
+
+# What a leaf goes through before it is packed (casting to the compute dtype), or nothing.
+Convert = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def _shard_params(
+    params: PyTree,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    stage: Stage,
+    lay: ShardLayout,
+    master: Any,
+    convert: Convert = None,
+) -> tuple[PyTree, Any]:
+    """What this rank holds of the parameters (rank 0's values, each leaf through `convert`)
+    and the optimizer state of what it updates: the masters if there are any, else the
+    parameters; all of the trainable tree, or this rank's pieces of it. At stage 3, one
+    bucket's full buffer at a time; with masters a trainable shard is its master, so only
+    frozen buckets are packed and broadcast."""
+    rank, leaves = mesh.shard_rank, lay.leaves(params)
+    if stage.shards_params:
+        if isinstance(master, Shards):  # the trainable shards are the masters
+            own = _rank0_slices(lay, leaves, mesh, lambda b: b.frozen, convert)
+            held: PyTree = held_shards(own, master, lay)
+        else:
+            held = Shards(_rank0_slices(lay, leaves, mesh, lambda b: True, convert), lay, rank)
+    else:
+        flats = (_comm.broadcast_(_packed(b, leaves, convert), mesh) for b in lay.buckets)
+        held = lay.unflatten(tuple(flats))
+    return held, _init_optimizer(held, optimizer, stage, lay, rank, master)
+
+
+def _packed(b: Bucket, leaves: list[Any], convert: Convert) -> torch.Tensor:
+    """Bucket `b`'s full flat buffer of `leaves`, its own leaves through `convert` first."""
+    if convert is not None:
+        leaves = list(leaves)
+        for s in b.slots:
+            leaves[s.index] = convert(leaves[s.index])
+    return pack(b, leaves, 0, b.full_numel)
+
+
+def _rank0_slices(
+    lay: ShardLayout,
+    leaves: list[Any],
+    mesh: Mesh,
+    wanted: Callable[[Bucket], bool],
+    convert: Convert = None,
+) -> tuple[torch.Tensor, ...]:
+    """This rank's slice of each `wanted` bucket of `leaves` as rank 0 holds them (empty for
+    the others): packed and broadcast one full bucket at a time, so setup never holds a
+    whole-model copy beside the caller's."""
+    rank, own = mesh.shard_rank, []
+    device = next((x.device for x in leaves if x is not None), None)
+    for b in lay.buckets:
+        if not wanted(b):
+            own.append(torch.empty(0, dtype=b.dtype, device=device))
+            continue
+        f = _comm.broadcast_(_packed(b, leaves, convert), mesh)
+        own.append(f[rank * b.shard_numel : (rank + 1) * b.shard_numel].clone())
+        del f
+    return tuple(own)
+
+
+def _init_optimizer(
+    held: PyTree, optimizer: Optimizer, stage: Stage, lay: ShardLayout, rank: int, master: Any
+) -> Any:
+    """The optimizer state of what this rank updates: its masters if any, else `held`'s
+    trainable leaves, whole or this rank's pieces."""
+    if master is not None:
+        target = master.pieces() if stage.shards_optimizer else master
+    elif not stage.shards_optimizer:
+        target = lay.trainable(held)
+    elif stage.shards_params:
+        target = held.pieces()
+    else:
+        target = Shards(lay.shard(lay.trainable(held), rank), lay, rank).pieces()
+    return optimizer.init(target)
+
+
+def _from_init(
+    init: Init,
+    lay: ShardLayout,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    stage: Stage,
+    buffers: PyTree,
+    precision: Precision | None,
+    loss_scale: DynamicLossScale | None,
+) -> ShardedState:
+    """shard_state's body when values come from `init` (made in place, never broadcast)."""
+    rank = mesh.shard_rank
+    flats, buffers = materialize(init, lay, mesh, stage, buffers, precision)
+    held: PyTree = Shards(flats, lay, rank) if stage.shards_params else lay.unflatten(flats)
+    opt_state = _init_optimizer(held, optimizer, stage, lay, rank, None)
+    master = None
+    if precision is not None:  # the made values become the masters, as a loaded checkpoint's
+        held, lay, master = to_mixed(held, lay, stage, precision, rank)
+    state_buffers = _replicate_buffers(buffers, mesh)
+    if state_buffers is not None and precision is not None:
+        state_buffers = cast_params(state_buffers, precision.buffer_dtype)
+    scaler = None if loss_scale is None else loss_scale.init(device_of(flats))
+    return ShardedState(
+        held, opt_state, 0, lay, stage.number, state_buffers, master, scaler, precision
+    )
+
+
+def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:
+    """Copies of `buffers` holding rank 0's values, after checking every rank has the same."""
+    if buffers is None:
+        return None
+    from .._core import tree_map
+
+    leaves = tree_flatten(buffers)[0]
+    for path, x in zip(leaf_paths(buffers), leaves):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"buffers leaf {path!r} is a {type(x).__name__}, expected a tensor")
+    spec = [(p, tuple(x.shape), str(x.dtype)) for p, x in zip(leaf_paths(buffers), leaves)]
+    everyone = _comm.all_gather_object(spec, mesh)
+    for rank, other in enumerate(everyone):
+        if other != everyone[0]:
+            raise ValueError(f"shard_state: rank {rank}'s buffers differ from rank 0's")
+    return tree_map(lambda x: _comm.broadcast_(x.detach().clone(), mesh), buffers)
+
+
+def frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:
+    """Per leaf: frozen? From a bool tree, path prefixes, or the leaves' requires_grad."""
+    leaves = tree_flatten(params)[0]
+    if frozen is None:
+        flags = [bool(getattr(x, "requires_grad", False)) for x in leaves]
+        return [not f for f in flags] if any(flags) else [False] * len(leaves)
+    if isinstance(frozen, (list, tuple)) and all(isinstance(p, str) for p in frozen):
+        paths = leaf_paths(params)
+        for prefix in frozen:
+            if not prefix or not any(covers(prefix, p) for p in paths):
+                raise ValueError(f"frozen prefix {prefix!r} matches no parameter path")
+        return [any(covers(prefix, p) for prefix in frozen) for p in paths]
+    mask, mdef = tree_flatten(frozen)
+    if mdef != tree_flatten(params)[1] or not all(isinstance(m, bool) for m in mask):
+        raise ValueError(
+            "frozen must be a pytree of bools shaped like params, or a list of path prefixes"
+        )
+    return list(mask)
+
+
+def _units_of_bytes(
+    params: PyTree, units: Sequence[Any] | None, bucket_bytes: int
+) -> list[str | tuple[str, ...]]:
+    from .._core import by_size
+
+    if units is not None:
+        raise ValueError("pass either units= or bucket_bytes=, not both")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    leaves = tree_flatten(params)[0]
+    itemsize = max(x.element_size() for x in leaves if isinstance(x, torch.Tensor))
+    return by_size(params, max(1, bucket_bytes // itemsize))
+
+
+def check_step_state(
+    state: ShardedState,
+    stage: int,
+    layout: str | None,
+    units: Sequence[UnitSpec] | None,
+    mesh: Mesh,
+) -> None:
+    """Raises unless a step for `stage` (and `layout`, `units`, `mesh`) can take `state`."""
+    if not isinstance(state, ShardedState):
+        raise TypeError(
+            f"step expects the ShardedState from shard_state, got {type(state).__name__}"
+        )
+    check_live(state, mesh.rank, "step")
+    if state.stage != stage:
+        raise ValueError(
+            f"this step is for stage {stage}, the state was built for stage {state.stage}"
+        )
+    if layout is not None and layout != state.layout.kind:
+        raise ValueError(f"this step is for layout {layout!r}, the state has {state.layout.kind!r}")
+    if units is not None and members_of(units) != state.layout.members[1:]:
+        raise ValueError(
+            f"this step is for units {list(units)}, the state has {list(state.layout.specs)}"
+        )
+    if state.layout.world_size != mesh.shard_size:
+        raise ValueError(
+            f"the state is sharded over {state.layout.world_size} ranks, the mesh shards over "
+            f"{mesh.shard_size}"
+        )
+    if isinstance(state.params, Shards) and state.params.rank != mesh.shard_rank:
+        raise ValueError(
+            f"the state's shards belong to shard {state.params.rank} of "
+            f"{mesh.shard_size}, this is rank {mesh.rank} (shard {mesh.shard_rank})"
+        )

@@ -1,0 +1,342 @@
+"""assert_stages_equivalent: every ZeRO stage against one process running torch.optim."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import optim
+from .._comm import Mesh
+from .._core import (
+    PyTree,
+    UnitSpec,
+    assert_trees_close,
+    check_leaves,
+    leaf_paths,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
+from .._engine import gather_params
+from .._state import shard_state
+from .._step import sharded_step
+from ._simulate import Simulation
+
+# Default (rtol, atol) for float64 and float32 parameters. fzero and the reference differ
+# only in the order of floating-point reductions (a mean over ranks against autograd over
+# a summed loss), which a few optimizer steps amplify a little. Half precision gets no
+# fixed default: its tolerance is measured on every call (`_measured_tolerance`).
+_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+}
+# A half-precision stage may differ from the reference by this many times what the
+# reference differs from itself when its gradients are reduced in the other valid order.
+_MEASURED_FACTOR = 4.0
+
+
+def assert_stages_equivalent(
+    loss_fn: Callable[[PyTree, Any], torch.Tensor],
+    params: PyTree,
+    batches: Sequence[Sequence[Any]],
+    optimizer: Any,
+    *,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    fzero_optimizer: optim.Optimizer | None = None,
+    layout: str = "flat",
+    units: Sequence[UnitSpec] | None = None,
+    module: nn.Module | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    timeout: float | None = 600.0,
+) -> None:
+    """Asserts every ZeRO stage trains `params` exactly like one process with `torch.optim`.
+
+    The reference runs in this process: plain autograd and `cls(params, **kwargs)` from
+    `optimizer`. At step t its loss is the mean of `loss_fn` over the step's micro-batches,
+    `mean_r loss_fn(params, batches[t][r])`; for a loss that is a mean over examples and
+    micro-batches of equal size, that is exactly the loss on the concatenated batch. A
+    trainable parameter the loss does not use gets a zero gradient in the reference, as
+    it does in fzero's flat buffers. Each stage then runs on `fzero.simulate` with
+    `world_size = len(batches[t])` ranks, rank r calling `loss_fn(params, batches[t][r])`
+    at step t; the test passes when the parameters every rank gathers after the last
+    step, and the per-step losses averaged over ranks, match the reference.
+
+    Args:
+      loss_fn: `(params, batch) -> scalar tensor`, as for `fzero.sharded_step` (e.g. a
+        `torch.func.functional_call` of your module followed by a mean loss).
+      params: the initial parameter tree (e.g. `dict(model.named_parameters())`); not
+        modified. If some leaves require grad and others do not, the others are frozen
+        in the reference and in fzero (`shard_state`'s default).
+      batches: one entry per step, each a sequence of one micro-batch per rank, in rank
+        order (`split_batch` cuts a global batch); every step has the same length, the
+        world size.
+      optimizer: a `torch.optim.Optimizer` class, or `(cls, kwargs)` such as
+        `(torch.optim.AdamW, {"lr": 1e-3})`: the reference steps `cls(tensors, **kwargs)`
+        and the ranks run `fzero.optim.from_torch(cls, **kwargs)`.
+      stages: the ZeRO stages to check.
+      fzero_optimizer: what the ranks run instead of `from_torch(cls, **kwargs)`, to
+        check an `fzero.optim` optimizer (e.g. `fzero.optim.adamw(lr=1e-3)`) against
+        its torch counterpart.
+      layout: `shard_state`'s layout, "flat" or "tensor".
+      units: `shard_state`'s units (parameter-path prefixes, or tuples of them).
+      module: `sharded_step`'s module (the module `loss_fn` calls through
+        `functional_call`), to check units gathered just in time by forward hooks.
+      rtol: relative tolerance; default by the least precise parameter dtype: 1e-7 for
+        float64, 1e-4 for float32, and for half precision 0 with a measured `atol`.
+      atol: absolute tolerance; default 1e-9 for float64, 1e-5 for float32. With half
+        precision (float16, bfloat16) the default is measured on every call: the
+        reference is trained a second time with its gradients reduced the way ranks
+        reduce them (one backward per micro-batch, summed in rank order, then divided)
+        instead of differentiating the mean loss, and a stage may differ from the
+        reference by 4 times what those two orders differ by (at least 2 ulps of the
+        largest parameter). A fixed half-precision tolerance is either loose enough to
+        pass a stage that barely trained or tight enough to fail a correct one.
+      timeout: seconds all stages together may take on the simulated ranks (None: no
+        limit); a rank stuck in a collective fails after 60 s regardless.
+
+    Raises:
+      AssertionError: naming each failing stage with its first differing leaf (dotted
+        path), the largest |Δ| and the tolerance, the first step whose loss differs, or
+        a stage whose parameters did not move where the reference's did.
+      ValueError: if `batches` is empty or its steps have different lengths, or if the
+        reference itself moves no parameter by more than the tolerance (the check could
+        then not tell training from a step that does nothing).
+    """
+    cls, kwargs = _optimizer_spec(optimizer)
+    world_size = _world_size(batches)
+    leaves, _ = tree_flatten(params)
+    check_leaves(leaf_paths(params), leaves)  # before the reference trips on them
+    expected, expected_losses = _train_reference(loss_fn, params, batches, cls, kwargs)
+    default_rtol, default_atol, loss_atol = _default_tolerance(leaves)
+    per_leaf: dict[str, float] = {}  # measured atol of half-precision leaves, by path
+    if rtol is None and atol is None and any(_is_half(x) for x in leaves):
+        other, other_losses = _train_reference(loss_fn, params, batches, cls, kwargs, "ranks")
+        per_leaf, loss_atol = _measured_tolerance(expected, other, expected_losses, other_losses)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    loss_atol = max(atol, loss_atol)
+    moved = _moved(params, expected, rtol, atol, per_leaf)
+    fz_opt = fzero_optimizer if fzero_optimizer is not None else optim.from_torch(cls, **kwargs)
+    sim = Simulation(world_size, collective_timeout=60.0, timeout=timeout)
+    per_rank = sim.run(
+        _train_stages, loss_fn, params, batches, fz_opt, tuple(stages), layout, units, module
+    )
+    failures = []
+    for i, stage in enumerate(stages):
+        problem = _compare_stage(
+            stage,
+            [r[i] for r in per_rank],
+            (params, moved, expected, expected_losses),
+            (rtol, atol, per_leaf, loss_atol),
+        )
+        if problem is not None:
+            failures.append(problem)
+    if failures:
+        raise AssertionError(
+            f"{len(failures)} of {len(stages)} ZeRO stages on {world_size} ranks do not train "
+            f"like one process running torch.optim.{cls.__name__}({_kwargs_text(kwargs)}) on "
+            "the concatenated batches:\n" + "\n".join(f"  {p}" for p in failures)
+        )
+
+
+def _optimizer_spec(optimizer: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    if isinstance(optimizer, tuple) and len(optimizer) == 2:
+        cls, kwargs = optimizer
+    else:
+        cls, kwargs = optimizer, {}
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer class or (class, kwargs), got {optimizer!r}"
+        )
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"optimizer kwargs must be a mapping, got {kwargs!r}")
+    return cls, dict(kwargs)
+
+
+def _kwargs_text(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _world_size(batches: Sequence[Sequence[Any]]) -> int:
+    lengths = {len(step) for step in batches}
+    if not lengths:
+        raise ValueError("batches is empty: give at least one step of per-rank micro-batches")
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(
+            f"every step needs one micro-batch per rank, the same number each step; "
+            f"got step lengths {sorted(lengths)}"
+        )
+    return lengths.pop()
+
+
+def _is_half(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _default_tolerance(leaves: list[Any]) -> tuple[float, float, float]:
+    """(rtol, atol, loss atol) of the least precise float32/float64 leaf (half precision
+    is measured separately)."""
+    worst = (0.0, 0.0)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and not _is_half(leaf):
+            worst = max(worst, _TOLERANCES.get(leaf.dtype, _TOLERANCES[torch.float32]))
+    return (*worst, worst[1])
+
+
+def _measured_tolerance(
+    expected: PyTree, other: PyTree, losses: list[float], other_losses: list[float]
+) -> tuple[dict[str, float], float]:
+    """Per half-precision leaf path, the atol a stage gets: `_MEASURED_FACTOR` times how far
+    the reference trained in the ranks' reduction order lands from the reference, at least
+    2 ulps of the leaf's largest value; and the same for the losses."""
+    out = {}
+    for path, a, b in zip(leaf_paths(expected), tree_flatten(expected)[0], tree_flatten(other)[0]):
+        if _is_half(a) and a.numel():
+            gap = float((a.double() - b.double()).abs().max())
+            ulp = torch.finfo(a.dtype).eps * float(a.double().abs().max())
+            out[path] = max(_MEASURED_FACTOR * gap, 2 * ulp)
+    gap = max((abs(x - y) for x, y in zip(losses, other_losses)), default=0.0)
+    ulp = torch.finfo(torch.bfloat16).eps * max((abs(x) for x in losses), default=0.0)
+    return out, max(_MEASURED_FACTOR * gap, 2 * ulp)
+
+
+def _leaf_atol(path: str, atol: float, per_leaf: dict[str, float]) -> float:
+    return per_leaf.get(path, atol)
+
+
+def _moved(
+    initial: PyTree, expected: PyTree, rtol: float, atol: float, per_leaf: dict[str, float]
+) -> dict[str, float]:
+    """Per leaf path: how far the reference moved it (max |Δ|), for the leaves it moved by
+    more than the tolerance. Raises ValueError if it moved none: a stage that did nothing
+    would then pass."""
+    out = {}
+    for path, a, b in zip(leaf_paths(initial), tree_flatten(initial)[0], tree_flatten(expected)[0]):
+        if a.numel():
+            a = a.detach().double()
+            delta = float((b.double() - a).abs().max())
+            if delta > _leaf_atol(path, atol, per_leaf) + rtol * float(a.abs().max()):
+                out[path] = delta
+    if not out:
+        raise ValueError(
+            "assert_stages_equivalent: the reference moved no parameter by more than the "
+            f"tolerance (rtol={rtol}, atol={atol}), so a stage that did nothing would pass; "
+            "train more steps or with a larger learning rate, or tighten the tolerance"
+        )
+    return out
+
+
+def _train_reference(
+    loss_fn: Callable[[PyTree, Any], torch.Tensor],
+    params: PyTree,
+    batches: Sequence[Sequence[Any]],
+    cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    order: str = "loss",
+) -> tuple[PyTree, list[float]]:
+    """Plain torch.optim on one process, the mean of the micro-batch losses per step.
+
+    `order` "loss" differentiates the mean loss (autograd sums the micro-batches' terms
+    inside the graph); "ranks" runs one backward per micro-batch, which sums their
+    gradients into `.grad` in rank order, then divides by their number, as ranks reduce.
+    """
+    leaves, treedef = tree_flatten(params)
+    some_frozen = any(x.requires_grad for x in leaves) and not all(x.requires_grad for x in leaves)
+    trainable = [x.requires_grad or not some_frozen for x in leaves]
+    tensors = [x.detach().clone().requires_grad_(t) for x, t in zip(leaves, trainable)]
+    trained = [x for x, t in zip(tensors, trainable) if t]
+    opt = cls(trained, **kwargs)
+    losses = []
+    for micro_batches in batches:
+        opt.zero_grad()
+        tree = tree_unflatten(treedef, tensors)
+        if order == "loss":
+            loss = torch.stack([loss_fn(tree, b) for b in micro_batches]).mean()
+            loss.backward()
+        else:
+            each = []
+            for b in micro_batches:
+                one = loss_fn(tree, b)
+                one.backward()
+                each.append(one.detach())
+            loss = torch.stack(each).mean()
+            for x in trained:
+                if x.grad is not None:
+                    x.grad /= len(micro_batches)
+        for x in trained:
+            if x.grad is None:
+                x.grad = torch.zeros_like(x)
+        opt.step()
+        losses.append(loss.item())
+    return tree_unflatten(treedef, [x.detach() for x in tensors]), losses
+
+
+def _train_stages(
+    mesh: Mesh,
+    loss_fn: Callable[[PyTree, Any], torch.Tensor],
+    params: PyTree,
+    batches: Sequence[Sequence[Any]],
+    opt: optim.Optimizer,
+    stage_list: tuple[int, ...],
+    layout: str,
+    units: Sequence[UnitSpec] | None,
+    module: nn.Module | None,
+) -> list[tuple[PyTree, list[float]]]:
+    """One rank's run of every stage in turn: (gathered params, losses) per stage."""
+    out = []
+    for stage in stage_list:
+        try:
+            state = shard_state(params, opt, mesh, stage=stage, layout=layout, units=units)
+            step = sharded_step(loss_fn, opt, mesh, stage=stage, module=module)
+            losses = []
+            for micro_batches in batches:
+                state, loss = step(state, micro_batches[mesh.rank])
+                losses.append(loss.item())
+            full = tree_map(lambda x: x.detach().clone(), gather_params(state.params, mesh))
+        except Exception as exc:
+            exc.add_note(f"while training ZeRO stage {stage} under fzero.testing")
+            raise
+        out.append((full, losses))
+    return out
+
+
+def _compare_stage(
+    stage: int,
+    results: list[tuple[PyTree, list[float]]],
+    reference: tuple[PyTree, dict[str, float], PyTree, list[float]],
+    tolerance: tuple[float, float, dict[str, float], float],
+) -> str | None:
+    """The first discrepancy of `stage` against the reference, or None."""
+    initial, moved, expected, expected_losses = reference
+    rtol, atol, per_leaf, loss_atol = tolerance
+    paths = leaf_paths(initial)
+    for rank, (got, _) in enumerate(results):
+        what = f"stage {stage}, rank {rank}"
+        for path, a, b in zip(paths, tree_flatten(initial)[0], tree_flatten(got)[0]):
+            if path in moved and float((b.double() - a.detach().double()).abs().max()) == 0:
+                return (
+                    f"{what}: leaf {path!r} did not move; the reference moved it by max "
+                    f"|Δ| = {moved[path]:.3e}"
+                )
+        try:
+            if not per_leaf:
+                assert_trees_close(got, expected, rtol=rtol, atol=atol, what=what)
+                continue
+            assert_trees_close(got, expected, rtol=float("inf"), atol=0, what=what)  # structure
+            for path, a, b in zip(paths, tree_flatten(got)[0], tree_flatten(expected)[0]):
+                tol = _leaf_atol(path, atol, per_leaf)
+                assert_trees_close({path: a}, {path: b}, rtol=rtol, atol=tol, what=what)
+        except AssertionError as exc:
+            return str(exc)
+    for t, want in enumerate(expected_losses):
+        got_loss = sum(losses[t] for _, losses in results) / len(results)
+        if abs(got_loss - want) > loss_atol + rtol * abs(want):
+            return (
+                f"stage {stage}: step {t} loss (mean over ranks) {got_loss!r} != reference "
+                f"{want!r} (rtol={rtol}, atol={loss_atol})"
+            )
+    return None

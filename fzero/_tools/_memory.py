@@ -1,0 +1,123 @@
+"""Model-state memory per rank: the ZeRO paper's arithmetic, and bytes measured on a state."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._core import device_of, stage_of, tree_nbytes
+from .._state import ShardedState
+
+
+class MemoryEstimate(NamedTuple):
+    """Bytes per rank of each kind of model state."""
+
+    params: float
+    grads: float
+    opt_state: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.opt_state
+
+
+def estimate_memory(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optim_bytes: float = 12,
+) -> MemoryEstimate:
+    """Model-state bytes per rank for ZeRO `stage` (ZeRO, arXiv 1910.02054, section 5).
+
+    Stage 0 keeps everything; stage 1 shards the optimizer state, stage 2 also the
+    gradients, stage 3 also the parameters. Defaults are mixed-precision Adam (2-byte
+    params and grads, 12 bytes of fp32 master weights and moments); plain fp32 Adam is
+    `param_bytes=4, grad_bytes=4, optim_bytes=8`. Padding (< world_size elements per
+    buffer) is not counted. Under `fzero.Precision`, fzero's stage 3 keeps no compute-dtype
+    shard beside the masters (its shards are them, cast as they are gathered): for it,
+    `param_bytes=0`.
+
+    Args:
+      num_params: Ψ, the number of parameters.
+      world_size: N, the number of data-parallel ranks.
+      stage: 0-3.
+      param_bytes: bytes per parameter as held for compute.
+      grad_bytes: bytes per gradient element.
+      optim_bytes: bytes of optimizer state per parameter.
+
+    Returns:
+      A MemoryEstimate (`.total` sums it).
+    """
+    spec = stage_of(stage)
+    if world_size < 1 or num_params < 0:
+        raise ValueError("need world_size >= 1 and num_params >= 0")
+    per = num_params / world_size
+    # The paper's gradient arithmetic: stage 1 holds full gradients through the backward
+    # (they are reduced in buckets), stages 2-3 one unit's at a time besides the shard.
+    return MemoryEstimate(
+        params=(per if spec.shards_params else num_params) * param_bytes,
+        grads=(per if spec.grads == "unit" else num_params) * grad_bytes,
+        opt_state=(per if spec.shards_optimizer else num_params) * optim_bytes,
+    )
+
+
+class MemoryReport(NamedTuple):
+    """Bytes one rank really holds in a ShardedState (tensor storages, each counted once),
+    and, for a state on a CUDA device, what the caching allocator says of that device.
+
+    Attributes:
+      params: bytes of the parameters (stage 3: this rank's shards; under mixed
+        precision, only those without masters, the frozen ones: the others are their
+        masters, counted in `opt_state`).
+      opt_state: bytes of the optimizer state, masters included.
+      device: the state's device.
+      allocated, peak_allocated, reserved: `torch.cuda.memory_allocated`,
+        `max_memory_allocated` (since the last `torch.cuda.reset_peak_memory_stats`) and
+        `memory_reserved` of that device: what a step really needs, gradients, gathered
+        units and communication buffers included. None off CUDA.
+    """
+
+    params: int
+    opt_state: int
+    device: torch.device | None = None
+    allocated: int | None = None
+    peak_allocated: int | None = None
+    reserved: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.params + self.opt_state
+
+
+def memory_report(state: ShardedState) -> MemoryReport:
+    """Measures the bytes of the parameters and optimizer state this rank holds.
+
+    Under mixed precision `opt_state` includes the master copies, as in ZeRO's
+    arithmetic. Gradients are not part of a state between steps (fzero's steps hold them only inside
+    the step); measure them on what `reduce_scatter_grads` / `all_reduce_grads` return.
+
+    Args:
+      state: a ShardedState.
+
+    Returns:
+      A MemoryReport.
+    """
+    # Master copies are optimizer state in ZeRO's accounting (12 bytes per parameter for
+    # mixed-precision Adam: fp32 master, momentum and variance).
+    opt = tree_nbytes((state.opt_state, state.master))
+    # Stage 3's trainable shards under mixed precision are the masters (one storage):
+    # counted once, as masters; `params` is then what only the parameters hold.
+    params = tree_nbytes((state.params, state.opt_state, state.master)) - opt
+    device = device_of(state.params)
+    report = MemoryReport(params, opt, device)
+    if device is None or device.type != "cuda":
+        return report
+    return report._replace(
+        allocated=torch.cuda.memory_allocated(device),
+        peak_allocated=torch.cuda.max_memory_allocated(device),
+        reserved=torch.cuda.memory_reserved(device),
+    )
