@@ -5,6 +5,6 @@
 `auto_wrap`), and several consecutive units as one (`grouped`, `fully_shard([...])`).
 """
 
-from ._core._unit_policies import by_module as by_module
-from ._core._unit_policies import by_size as by_size
-from ._core._unit_policies import grouped as grouped
+from ._core import by_module as by_module
+from ._core import by_size as by_size
+from ._core import grouped as grouped

@@ -399,10 +399,13 @@ def test_a_leaf_frozen_when_saved_has_no_state_to_train_from(tmp_path: Path) -> 
     assert "'scale' has no saved optimizer state" in _load_error(tmp_path, job, frozen=[])
 
 
-def test_per_tensor_state_moves_between_tensor_layouts_only(tmp_path: Path) -> None:
+def test_per_tensor_state_moves_between_tensor_layouts_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Adafactor's factored moments belong to whole matrices: any world size and stage
     # with layout="tensor" continues exactly; a flat layout is refused, not approximated.
-    OPTIMIZERS["torch_adafactor"] = (None, torch.optim.Adafactor, {"lr": 0.01})
+    # Registered for this test only: `cases()` draws from the registry.
+    monkeypatch.setitem(OPTIMIZERS, "torch_adafactor", (None, torch.optim.Adafactor, {"lr": 0.01}))
     job = make_job([4, 6, 3], 3, 13, "torch_adafactor")
     run(2, train_and_save, job, 1, 3, "tensor", None, str(tmp_path))
     results = run(3, load_and_train, job, 1, 1, "tensor", None, str(tmp_path))

@@ -142,7 +142,9 @@ def test_bench_without_a_source_checkout(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # fzero installed from a wheel: no benchmarks/ next to the package.
-    monkeypatch.setattr(_cli, "__file__", str(tmp_path / "site-packages" / "fzero" / "_tools" / "_cli.py"))
+    monkeypatch.setattr(
+        _cli, "__file__", str(tmp_path / "site-packages" / "fzero" / "_tools" / "_cli.py")
+    )
     assert "benchmarks" in _error_line(capsys, ["bench", "--quick"], code=1)
 
 

@@ -6,7 +6,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import Case, cases, make_params, run, tolerance, train_fzero, train_reference
+from support import (
+    OPTIMIZERS,
+    Case,
+    cases,
+    make_params,
+    run,
+    tolerance,
+    train_fzero,
+    train_reference,
+)
 
 import fzero
 
@@ -62,10 +71,9 @@ def _adafactor_case(layout: str) -> Case:
     return Case(params, xs, ys, world_size=3, optimizer="torch_adafactor", stage=2, layout=layout)
 
 
-def test_tensor_layout_makes_per_tensor_optimizers_exact() -> None:
-    import support
-
-    support.OPTIMIZERS["torch_adafactor"] = (None, torch.optim.Adafactor, {"lr": 0.01})
+def test_tensor_layout_makes_per_tensor_optimizers_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Registered for this test only: `cases()` draws from the registry.
+    monkeypatch.setitem(OPTIMIZERS, "torch_adafactor", (None, torch.optim.Adafactor, {"lr": 0.01}))
     case = _adafactor_case("tensor")
     expected = train_reference(case)
     for stage in (1, 2, 3):
@@ -76,14 +84,14 @@ def test_tensor_layout_makes_per_tensor_optimizers_exact() -> None:
         )
 
 
-def test_flat_layout_refuses_per_tensor_optimizers_whose_slices_train_differently() -> None:
+def test_flat_layout_refuses_per_tensor_optimizers_whose_slices_train_differently(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Adafactor factors each 2-D matrix's second moment by rows and columns, and a rank
     # holding a 1-D slice of the flattened matrix cannot: shard_state refuses it. The same
     # Adafactor told it is elementwise trains, and lands away from torch: the refusal
     # guards a real difference.
-    import support
-
-    support.OPTIMIZERS["torch_adafactor"] = (None, torch.optim.Adafactor, {"lr": 0.01})
+    monkeypatch.setitem(OPTIMIZERS, "torch_adafactor", (None, torch.optim.Adafactor, {"lr": 0.01}))
     case = _adafactor_case("flat")
     with pytest.raises(ValueError, match=r"from_torch\(Adafactor\) .*layout='tensor'"):
         run(3, train_fzero, case)
@@ -91,11 +99,8 @@ def test_flat_layout_refuses_per_tensor_optimizers_whose_slices_train_differentl
     def as_if_elementwise(**kwargs: Any) -> fzero.optim.Optimizer:
         return fzero.optim.from_torch(torch.optim.Adafactor, **kwargs)._replace(whole_tensors=None)
 
-    support.OPTIMIZERS["adafactor_unchecked"] = (
-        as_if_elementwise,
-        torch.optim.Adafactor,
-        {"lr": 0.01},
-    )
+    unchecked = (as_if_elementwise, torch.optim.Adafactor, {"lr": 0.01})
+    monkeypatch.setitem(OPTIMIZERS, "adafactor_unchecked", unchecked)
     case.optimizer = "adafactor_unchecked"
     params, _ = run(3, train_fzero, case)[0]
     assert fzero._core._tree.max_abs_diff(params, train_reference(case)) > 1e-6

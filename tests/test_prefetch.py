@@ -8,7 +8,7 @@ from support import run
 from test_units import make_case, reference, train
 
 import fzero
-import fzero._engine._gatherer as gathers_module
+import fzero._engine._gatherer as gatherer_module
 
 DIMS = [3, 4, 4, 4, 2]
 UNITS = [f"layers.{i}" for i in range(len(DIMS) - 1)]
@@ -29,7 +29,7 @@ class _Logged:
 def logged_training(mesh: fzero.Mesh, case: dict, **options: Any) -> tuple[Any, list[list[Any]]]:
     """`train` with every step's parameter gathers logged, start and wait, by unit (the
     root is ""), read from the message fzero attaches to each."""
-    real = gathers_module._comm.all_gather_async
+    real = gatherer_module._comm.all_gather_async
     steps: list[list[tuple[str, str]]] = []
 
     def gather(*args: Any, what: str | None = None, **kwargs: Any) -> Any:
@@ -51,12 +51,12 @@ def logged_training(mesh: fzero.Mesh, case: dict, **options: Any) -> tuple[Any, 
 
         return step
 
-    gathers_module._comm.all_gather_async = gather
+    gatherer_module._comm.all_gather_async = gather
     fzero.sharded_step = sharded_step
     try:
         params, _, _ = train(mesh, case, UNITS, 3, **options)
     finally:
-        gathers_module._comm.all_gather_async = real
+        gatherer_module._comm.all_gather_async = real
         fzero.sharded_step = real_step
     return params, steps
 

@@ -538,13 +538,13 @@ def test_a_stage3_unit_of_another_size_skipped_on_some_ranks_fails_fast() -> Non
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_a_resharded_unit_at_a_freed_units_address_trains_like_one_process(prefetch: bool) -> None:
     # Gloo's worker thread lets go of a finished gather's buffer when it gets round to it,
-    # so a buffer `drop` freed can outlive its memory, and the allocator hands its address
+    # so a buffer `left` freed can outlive its memory, and the allocator hands its address
     # to a later unit's gather. When the old buffer object finally died it used to forget
     # that address, now the later unit's: its parameters were then saved for the backward
     # outright and freed under it ("storage of size 0"; intermittent on models of many
     # equal small units). Here every gathered buffer is held two gathers longer, as the
     # backend might, so the reuse happens every time.
-    import fzero._engine._gatherer as gathers_module
+    import fzero._engine._gatherer as gatherer_module
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(24, 24) for _ in range(8))).double()
@@ -560,7 +560,10 @@ def test_a_resharded_unit_at_a_freed_units_address_trains_like_one_process(prefe
     expected = {k: v.detach() for k, v in ref.named_parameters()}
 
     def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
-        real_gather, real_open = gathers_module._comm.all_gather_async, gathers_module.Gathers.open
+        real_gather, real_open = (
+            gatherer_module._comm.all_gather_async,
+            gatherer_module.Gatherer.open,
+        )
         backend: list[torch.Tensor] = []
 
         def gather(*args: Any, **kwargs: Any) -> Any:
@@ -568,8 +571,8 @@ def test_a_resharded_unit_at_a_freed_units_address_trains_like_one_process(prefe
             backend.append(out)
             return out, work
 
-        def open_(self: Any, call: Any, jit: bool) -> Any:
-            fulls = real_open(self, call, jit)
+        def open_(self: Any, entry: Any, jit: bool) -> Any:
+            fulls = real_open(self, entry, jit)
             del backend[:-2]  # the backend lets go of the older buffers only now
             return fulls
 
@@ -583,13 +586,13 @@ def test_a_resharded_unit_at_a_freed_units_address_trains_like_one_process(prefe
         state = fzero.shard_state(params, opt, mesh, stage=3, units=units)
         step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=model, prefetch=prefetch)
         sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
-        gathers_module._comm.all_gather_async, gathers_module.Gathers.open = gather, open_
+        gatherer_module._comm.all_gather_async, gatherer_module.Gatherer.open = gather, open_
         try:
             for t in range(3):
                 state, _ = step(state, (xs[t, sl], ys[t, sl]))
         finally:
-            gathers_module._comm.all_gather_async = real_gather
-            gathers_module.Gathers.open = real_open
+            gatherer_module._comm.all_gather_async = real_gather
+            gatherer_module.Gatherer.open = real_open
         return fzero.gather_params(state.params, mesh)
 
     for params in run(2, fn):

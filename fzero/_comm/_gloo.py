@@ -15,11 +15,9 @@ from ._pending import _CastOnWait, _SumOnWait, _SumRows, _Works
 
 
 def _gather_by_broadcast(shard: torch.Tensor, out: torch.Tensor, axis: Axis) -> _Works:
-    # Gloo's all-gather copies the input into a fresh flat buffer of the full size, runs,
-    # then copies that buffer into the output: a full-size allocation and two copies per
-    # gather. One broadcast per rank straight into its slice of `out` moves the same bytes
-    # (each rank sends its shard to every peer) with neither; measured ~30% less time and
-    # CPU for 80 MB over 2 ranks. Every rank issues the broadcasts in rank order.
+    # Gloo's all-gather stages the input through a full-size buffer and two copies; one
+    # broadcast per rank straight into its slice of `out` moves the same bytes with
+    # neither ([Note: gloo's paths]). Every rank issues the broadcasts in rank order.
     n = shard.numel()
     own = out.narrow(0, axis.rank * n, n)
     if own.data_ptr() != shard.data_ptr():  # the caller may have updated it in place
@@ -39,20 +37,15 @@ _tags: dict[Any, int] = {}
 
 
 # Reductions of at most this many bytes run as one all-to-all, larger ones as point-to-point
-# messages. Both move the reduce-scatter's volume. Stepped in turn with DDP (GPT, 4 ranks
-# on 2 cores), units of 1-5 MB: stage 2 1.12 / 1.12 / 1.09 x DDP by messages, 1.06 / 1.03
-# / 1.03 by all-to-all (one collective on gloo's worker thread instead of 2(n-1) sends and
-# receives issued from the caller's); a 21 MB burst: messages 1.08 / 1.01 / 1.01, all-to-
-# all 1.11 / 1.11 / 1.08 (it receives the whole buffer, this rank's slice included, into
-# a fresh one). The bound also caps that extra buffer per reduction in flight.
+# messages; both move the reduce-scatter's volume ([Note: gloo's paths]). The bound also
+# caps the all-to-all's extra buffer (the whole buffer, received) per reduction in flight.
 _ALL_TO_ALL_MAX_BYTES = 8 << 20
 
 
 def _reduce_scatter_gloo(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> Any:
-    # Gloo's reduce-scatter is an all-reduce underneath: every rank receives every slice
-    # reduced, twice the bytes a reduce-scatter needs. Sending slice j straight to rank j
-    # and summing what arrives moves (n-1)/n of the buffer per rank, the reduce-scatter's
-    # volume: measured ~30% less time than gloo's all-reduce for 80 MB over 2 ranks.
+    # Gloo's reduce-scatter is an all-reduce underneath, twice the bytes. Sending slice j
+    # straight to rank j and summing what arrives moves (n-1)/n of the buffer per rank,
+    # the reduce-scatter's volume ([Note: gloo's paths]).
     # `full` is only read, so the caller's buffer needs no copy whether owned or not.
     if full.device.type != "cpu":
         # Gloo's broadcasts and all-reduces take CUDA tensors, its send/recv only host

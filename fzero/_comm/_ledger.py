@@ -91,9 +91,9 @@ def comm_ledger() -> Iterator[CommLedger]:
     a rank really sends (n-1)/n of a reduce-scatter's or all-gather's.
     Nothing is recorded at world size 1, where nothing is sent. Besides the data, a step
     records `control` collectives of a few bytes: one int64 all-gather of a few words per
-    rank (each rank's sums of its losses' weights and whether it had data, `_weight`;
+    rank (each rank's sums of its losses' weights and whether it had data;
     with just-in-time units also the check that every rank's forward called the same
-    units, `_agree`) and, on a GPU, the losses' total as one float64 all-reduce.
+    units) and, on a GPU, the losses' total as one float64 all-reduce.
 
     Yields:
       A CommLedger; read `.records`, `.elements`, `.nbytes` or `.by_op()` during or after

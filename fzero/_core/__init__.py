@@ -46,6 +46,7 @@ from ._tree import tree_nbytes as tree_nbytes
 from ._tree import tree_unflatten as tree_unflatten
 from ._unit_policies import by_module as by_module
 from ._unit_policies import by_size as by_size
+from ._unit_policies import grouped as grouped
 from ._unitspec import UnitSpec as UnitSpec
 from ._unitspec import covers as covers
 from ._unitspec import members_of as members_of

@@ -129,7 +129,7 @@ def paste(
     `out` is the flat buffer (1-D), or its rows (2-D `[R, n]`, `R * n` the bucket's full
     size, rows apart in memory): row r takes elements `[r n, (r + 1) n)`, the slice rank r
     of the shard axis reduces, so a reduce-scatter burst can lay several buckets out rank
-    by rank (`_burst`). A leaf that straddles rows is written in pieces.
+    by rank (`fzero._engine._bursts`). A leaf that straddles rows is written in pieces.
 
     The division rides on the copy of a large leaf (DDP's reducer does the same): a pass
     over the gradient that assembling it costs anyway. Small leaves are copied, then

@@ -1,23 +1,10 @@
 """Gradient bursts: several units' gradients in one buffer, reduced by one collective.
 
-DDP's reducer keeps its gradient buckets contiguous so that `bucket_cap_mb` of gradients
-cost one collective. fzero's unit gradients arrive one unit at a time during the
-backward; each leaf's gradient is written straight into the current burst buffer
-(divided by the mesh size on the way in). A burst opens as wide as the units that will
-fill it, consecutive in the reduction order, up to `reduce_bucket_bytes` at stages 0-1;
-at stages 2-3 (their memory bound) it holds one unit, or consecutive units, such as
-embeddings and norms, no larger together than the largest unit. It is reduced in place as
-soon as the last of them is in.
-Each collective costs a round trip however small it is: on gloo, twelve 1.8 MB
-all-reduces take ~15 % longer than one of 21 MB. Burst buffers come from the step
-function's `Pool`, as autograd's own assembly of a unit's gradient would not.
-
-An all-reduce of a concatenation is the concatenation of the all-reduces, so stage 0's
-burst is the buckets end to end. A reduce-scatter hands rank r the r-th slice of its
-input, so the burst of stages 1-3 is laid out by rank: R rows (R ranks on the shard axis), and
-each bucket takes the same columns of every row, its slice r in row r. Rank r then
-receives the r-th slice of every bucket in the burst as one contiguous row, and pasting
-the gradients there costs what pasting them end to end does.
+Each leaf's gradient is written straight into the current burst (divided by the mesh
+size on the way in); a burst opens as wide as the units that will fill it and is reduced
+as soon as the last of them is in. Stage 0's burst is its buckets end to end (for an
+all-reduce); stages 1-3 lay a burst out rank by rank (for a reduce-scatter), so that
+rank r receives its slice of every bucket as one row (docs/design.md, [Note: bursts]).
 """
 
 from __future__ import annotations

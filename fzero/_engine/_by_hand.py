@@ -19,13 +19,14 @@ from .._core import (
     subtree,
     tree_unflatten,
 )
-from ._entry import Call, enter
+from ._entry import Entry, enter
 
 
 class Now:
     """The engine of the primitives used by hand: the node's forward all-gathers the
     shards it is given, its backward reduce-scatters (mean) their gradient and returns it,
-    both at once. (A step's engine, `_engine.Engine`, schedules the same node.)"""
+    both at once. (A step's engine, `_engine.Engine`, schedules the same node: both are
+    `_entry.Runner`s.)"""
 
     leaf_grads = False
 
@@ -34,14 +35,14 @@ class Now:
     ) -> None:
         self.layout, self.mesh, self.reduce_dtype = layout, mesh, reduce_dtype
 
-    def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def open(self, entry: Entry, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         # In the layout's (compute) dtype: a shard held at higher precision (an fp32
         # master) is gathered as its cast.
-        n, dtypes = self.mesh.shard_size, [self.layout.buckets[i].dtype for i in call.buckets]
+        n, dtypes = self.mesh.shard_size, [self.layout.buckets[i].dtype for i in entry.buckets]
         outs = (s.new_empty(s.numel() * n, dtype=d) for s, d in zip(shards, dtypes))
         return tuple(_comm.all_gather(s, self.mesh, out=o) for s, o in zip(shards, outs))
 
-    def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+    def close(self, entry: Entry, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
         # The transpose of an all-gather is a reduce-scatter; fzero's is the mean over
         # ranks, so a per-rank loss on a per-rank micro-batch trains like DDP. Every
         # bucket of the node is reduced (zeros where unused), so a rank whose loss ignores
@@ -84,17 +85,8 @@ def gather_params_into(
             work.wait()
 
 
-# A full buffer of more than this many bytes is gathered alone, straight into place, and
-# with the others in flight: a burst copies its buffers twice (packed in, then out of the
-# grid) and runs one burst at a time, which beyond about a megabyte costs more than the
-# collectives it saves. Measured stepped in turn, stage 1 against ZeroRedundancyOptimizer
-# on the Linear stack of 4 MB buffers at 2 ranks, 6 launches in both orders: 1.04-1.11
-# (median 1.07) with those buffers packed into 25 MiB bursts, 0.96-1.05 (1.00) alone; on
-# the GPT at 4 ranks (2.4 MB blocks) the same within the noise. The bound holds at two
-# ranks only: a lone gather costs a collective per rank on gloo (one broadcast each), so
-# with more ranks packing wins. Stepped in turn with DDP, GPT at 4 ranks, 3 launches,
-# default allocator: stage 1 1.08 / 1.08 / 1.08 with the bound, 0.98 / 0.99 / 1.01
-# without; stage 2 1.09 / 1.08 / 1.05 against 1.01 / 1.04 / 1.03.
+# A full buffer of more than this many bytes is gathered alone, straight into place, at
+# two ranks (docs/design.md, [Note: gather bursts]).
 _PACK_MAX_BYTES = 1 << 20
 
 
@@ -165,13 +157,13 @@ def gather_params(params: PyTree, mesh: Mesh, *, unit: UnitSpec | None = None) -
             f"rank {mesh.rank} (shard {mesh.shard_rank} of {mesh.shard_size})"
         )
     if members is None:
-        call = Call("", tuple(range(len(layout.buckets))))
-        return layout.unflatten(enter(Now(layout, mesh), call, params.buffers))
+        entry = Entry("", tuple(range(len(layout.buckets))))
+        return layout.unflatten(enter(Now(layout, mesh), entry, params.buffers))
     if members not in layout.members:
         raise ValueError(f"{unit!r} is not a unit of the layout (units: {list(layout.specs)})")
     name = name_of(members)
-    call = Call(name, layout.unit_buckets(name))
-    fulls = enter(Now(layout, mesh), call, tuple(params.buffers[i] for i in call.buckets))
+    entry = Entry(name, layout.unit_buckets(name))
+    fulls = enter(Now(layout, mesh), entry, tuple(params.buffers[i] for i in entry.buckets))
     views = layout.unflatten_unit(name, fulls)
     leaves = [views.get(p) for p in layout.paths]
     return _parts(tree_unflatten(layout.treedef, leaves), unit, members)
@@ -189,7 +181,7 @@ def reduce_scatter_grads(
 ) -> Shards:
     """This rank's shard of the mean over ranks of `grads`.
 
-    The transpose of `gather_params` (literally its backward, `_gather.Now.close`): packs
+    The transpose of `gather_params` (literally its backward, `Now.close`): packs
     the full gradient tree into the layout's flat buckets and reduce-scatters each, so a
     rank keeps only the gradient of what it owns.
 
@@ -205,8 +197,8 @@ def reduce_scatter_grads(
     """
     _check_mesh(layout, mesh)
     flats = layout.flatten(grads, what="grads")
-    call = Call("", tuple(range(len(layout.buckets))))
-    return Shards(Now(layout, mesh, dtype).close(call, flats), layout, mesh.shard_rank)
+    entry = Entry("", tuple(range(len(layout.buckets))))
+    return Shards(Now(layout, mesh, dtype).close(entry, flats), layout, mesh.shard_rank)
 
 
 def all_reduce_grads(grads: PyTree, mesh: Mesh) -> PyTree:

@@ -1,21 +1,11 @@
-"""The call check: every step, ranks agree on the units their forwards called.
+"""The call check: after each forward, ranks agree on the units they called.
 
-With module hooks a unit is called when its submodule runs, so a
-rank-dependent branch can skip one on some ranks. Collectives pair up across ranks by
-the order they start in: the backward's reductions (and at stage 3 its gathers) would
-then pair one unit with another, silently when the sizes match. Each rank sends 24 bytes
-(the call count, a hash of the sequence and whether it had a batch) after its forward;
-the answer is read before the backward's first collective, so the exchange runs behind
-the backward of the last unit called.
-
-The same exchange carries one flag per unit, which every rank gets OR-ed over the ranks:
-at stage 3, which resharded units some rank's backward may use the parameters of, so that
-every rank gathers again the same ones (`_gathers`). It also carries other small host
-values a step agrees on after the forward (`CallCheck.carry`: the losses' weights): a small
-collective costs every rank a round of thread wake-ups, on a busy host far more than its
-bytes. Measured on the GPT benchmark at 4 ranks on 2 cores, stepped in turn with DDP, 6
-launches each, the weights' own all-reduce against riding here: stage 0 1.06 -> 1.00 x
-DDP (median), stage 2 1.09 -> 1.06.
+With module hooks a unit is called when its submodule runs, so a rank-dependent branch
+can skip one on some ranks, and the backward's collectives, which pair up by the order
+they start in, would pair one unit with another. Each rank sends its calls after its
+forward and reads everyone's before its backward's first collective; the same exchange
+ORs a flag per unit over the ranks and carries the step's loss weights
+(docs/design.md, [Note: one exchange after the forward]).
 """
 
 from __future__ import annotations
@@ -34,20 +24,20 @@ class Agreement(NamedTuple):
     called: list[str]
     wait: Callable[[], list[list[int]]]
     flags: int  # how many flags follow the three values
-    carried: int = 0  # how many words of a rider's follow the flags' words
+    carried: int = 0  # how many carried words follow the flags' words
 
     def check(self, mesh: Mesh) -> tuple[list[bool], list[list[int]]]:
         """Raises ValueError on every rank, naming each rank's calls, if they differ;
         returns the flags, each OR-ed over the ranks, and every rank's carried words."""
         everyone = self.wait()
         cut = len(everyone[0]) - self.carried
-        riders = [e[cut:] for e in everyone]
+        carried = [e[cut:] for e in everyone]
         if all(e[:2] == everyone[0][:2] for e in everyone):
             words = [0] * (cut - 3)
             for e in everyone:
                 words = [a | b for a, b in zip(words, e[3:cut])]
             flags = [bool(words[k // _BITS] >> (k % _BITS) & 1) for k in range(self.flags)]
-            return flags, riders
+            return flags, carried
         calls = _comm.all_gather_object(self.called, mesh)
         said = "; ".join(
             f"rank {r}: {', '.join(map(repr, c)) or 'none'}" for r, c in enumerate(calls)
@@ -98,37 +88,50 @@ def start_agreement(
 
 
 class CallCheck:
-    """One step's check, shared by the engine's halves: started after the forward
-    (`start`), waited for before the backward's first collective (calling it)."""
+    """One micro-batch's exchange among ranks after its forward, in one collective: the
+    units each rank called (checked before the backward's first collective) and the words
+    the step sends along (the losses' weights, on a step's last micro-batch).
 
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
+    The engine calls `after_forward` once, when the forward is done, and
+    `before_collective` before each collective of its backward; the step reads `carried`
+    once the backward is done. Nothing else starts or reads the exchange.
+    """
+
+    def __init__(self, mesh: Mesh, carry: Callable[[], Sequence[int]] | None = None) -> None:
+        """`carry`: called once, after the forward, for this rank's int64 words to send
+        along (as many on every rank); None sends none."""
+        self.mesh, self.carry = mesh, carry
         self.pending: Agreement | None = None
         self.flags: list[bool] | None = None  # OR-ed over the ranks, once checked
-        self.rider: list[int] = []  # words for the next `start` to carry
-        self.carried: list[list[int]] | None = None  # every rank's, once checked
+        self.words: list[list[int]] | None = None  # every rank's carried words, once checked
+        self.alone: Callable[[], list[list[int]]] | None = None  # carried words sent alone
 
-    def carry(self, words: Sequence[int]) -> Callable[[], list[list[int]]]:
-        """Has the next `start` send `words` (int64, as many on every rank) along with the
-        check; returns what waits for every rank's words, in rank order (raising as the
-        check does if the ranks' calls differ)."""
-        self.rider, self.carried = list(words), None
+    def after_forward(
+        self, called: list[str] | None, present: bool = True, flags: Sequence[bool] = ()
+    ) -> None:
+        """Starts the exchange: this rank's unit calls (`called`, in call order; None when
+        the step checks none, and the carried words travel alone), whether it had a batch
+        (False: it followed last step's calls), per unit of the layout a flag to OR over
+        the ranks, and the carried words."""
+        words = [] if self.carry is None else list(self.carry())
+        if called is not None:
+            self.pending = start_agreement(called, self.mesh, present, flags, words)
+        elif self.carry is not None:
+            self.alone = _comm.all_gather_ints_async(words, self.mesh)
 
-        def wait() -> list[list[int]]:
-            self()
-            assert self.carried is not None, "CallCheck.carry: no check was started"
-            return self.carried
-
-        return wait
-
-    def start(self, called: list[str], present: bool = True, flags: Sequence[bool] = ()) -> None:
-        self.pending = start_agreement(called, self.mesh, present, flags, self.rider)
-        self.rider = []
-
-    def __call__(self) -> list[bool] | None:
-        """Waits for the check (raising if the ranks' calls differ); returns the flags
-        OR-ed over the ranks, or None if no check was started."""
+    def before_collective(self) -> list[bool] | None:
+        """Waits for the check (raising on every rank if the ranks' calls differ); returns
+        the flags OR-ed over the ranks, or None if no check was started."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self.flags, self.carried = pending.check(self.mesh)
+            self.flags, self.words = pending.check(self.mesh)
         return self.flags
+
+    def carried(self) -> list[list[int]]:
+        """Every rank's carried words, in rank order (raising as the check does if the
+        ranks' calls differ)."""
+        if self.alone is not None:
+            return self.alone()
+        self.before_collective()
+        assert self.words is not None, "CallCheck.carried: no words were sent"
+        return self.words

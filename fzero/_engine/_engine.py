@@ -1,32 +1,24 @@
-"""The engine: one step's units on one rank, for one micro-batch (or one forward without
-gradients, `sharded_forward`: the same entries, then everything freed, nothing reduced).
+"""The engine: one micro-batch's units on one rank (or one forward without gradients,
+`sharded_forward`: the same entries, then everything freed, nothing reduced).
 
 Every stage is the same program. The loss receives the parameter tree; each unit's
 parameters enter it through the per-unit primitive (`_entry.enter`): before the forward,
 or just in time, when a module hook or `fzero.gathered` asks for the unit. The backward
-of each entry hands the unit's gradient to the reductions. What differs by stage is read
-from the `Stage` (where the full parameters come from: `Replica` or `Gathers`; which
-reduction) and when things happen from the `Schedule`.
-
-The gradient engine is `torch.autograd.grad` on fresh leaf tensors, not
-`torch.func.grad`: nodes created mid-forward by hooks, saved-tensor hooks (resharding,
-activation checkpointing) and collectives issued from inside the backward are outside
-what torch.func's transforms accept. The user's loss may still use torch.func.
+of each entry hands the unit's gradient to the reductions. Where the full parameters
+come from is the `ParamSource` the schedule names (`Replica` or `Gatherer`); when things
+happen is the `Schedule`'s. See docs/design.md, [Note: the gradient engine] for why the
+backward is `torch.autograd.grad` on fresh leaf tensors and not `torch.func.grad`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from .._comm import Mesh
 from .._core import (
     PyTree,
-    ShardLayout,
-    Stage,
     check_loss,
     covers,
     sparse_gradient,
@@ -37,16 +29,22 @@ from .._core import (
     tree_unflatten,
 )
 from ._callcheck import CallCheck
-from ._entry import Call, enter, in_backward
+from ._context import Context
+from ._entry import Entry, enter, in_backward
 from ._gathered import ACTIVE
-from ._gatherer import Gathers, Handle
+from ._gatherer import Gatherer
 from ._hooks import ModuleHooks
-from ._placeholder import Placeholder
-from ._pool import Pool
-from ._reductions import Reductions
-from ._schedule import Schedule
-from ._source import Replica
-from ._unit_ledger import UnitLedger
+from ._reductions import LocalSums, Reductions
+from ._source import ParamSource, Replica
+
+
+class Pass(NamedTuple):
+    """What one micro-batch's pass gives back: the loss, the reduced gradient per bucket,
+    and the just-in-time units it called, in order (what the next step follows)."""
+
+    loss: torch.Tensor | None
+    grads: tuple[torch.Tensor, ...]
+    order: list[str]
 
 
 class Engine:
@@ -55,94 +53,57 @@ class Engine:
 
     def __init__(
         self,
-        stage: Stage,
-        schedule: Schedule,
-        layout: ShardLayout,
-        mesh: Mesh,
-        grads_like: tuple[torch.Tensor, ...],
-        local: tuple[torch.Tensor, ...] | None,
+        ctx: Context,
+        held: tuple[torch.Tensor, ...],
+        check: CallCheck,
         *,
-        ledger: UnitLedger | None,
-        order: list[str],
-        acc: dict[int, torch.Tensor] | None,
-        final: bool,
-        followable: bool = True,
-        pool: Pool | None = None,
-        placeholders: dict[str, list[tuple[int, Placeholder]]] | None = None,
+        local: tuple[torch.Tensor, ...] | None = None,
+        order: Sequence[str] | None = (),
+        sums: LocalSums | None = None,
+        final: bool = True,
     ) -> None:
-        """`grads_like`: per bucket, what this rank's reduced gradient looks like (its
-        shard, or the full buffer at stage 0); at stage 3 the shards to gather. `local`:
-        the replicated full buffers (stages 0-2). `order`: the just-in-time units called
-        last step, updated in place for the next (prefetching). `followable`: `order` is a
-        real last step's, which a rank without data may follow. `pool`: where gradient
-        bursts and gathered parameters take their host buffers (the step function's,
-        kept across calls). `placeholders`: per just-in-time unit, its leaves' index and
-        `Placeholder`, made once for the layout (filled in here where missing)."""
-        self.s, self.layout, self.mesh, self.order = schedule, layout, mesh, order
-        self.followable = followable
-        self.leaf_grads = schedule.bursts
+        """`held`: per bucket, what this rank holds of it, shaped as its reduced gradient
+        (its shard, or the full buffer at stage 0); at stage 3 the shards to gather.
+        `check`: the micro-batch's call check. `local`: the replicated full buffers
+        (stages 0-2). `order`: the just-in-time units last step called, in order (None:
+        there was no last step, which a rank without data could follow). `sums`,
+        `final`: local accumulation, and whether this is the step's last micro-batch."""
+        self.ctx, self.s, self.layout, self.mesh = ctx, ctx.schedule, ctx.layout, ctx.mesh
+        self.last = order
+        self.leaf_grads = self.s.bursts
         # The autograd leaves the backward differentiates: frozen buckets enter without
         # requires_grad, so they have no gradient and cost no reduction.
         self.inputs = tuple(
             x.detach() if b.frozen else x.detach().requires_grad_()
-            for x, b in zip(grads_like, layout.buckets)
+            for x, b in zip(held, self.layout.buckets)
         )
-        # Shared by both halves, which hold no reference back to the engine: a step's
-        # engine is freed (with what it holds) as soon as the step is done with it.
-        self.check = CallCheck(mesh)
-        pool = Pool() if pool is None else pool
-        if stage.enter == "all_gather":
-            self.source: Gathers | Replica = Gathers(
-                mesh,
-                layout,
-                self.inputs,
-                dtype=schedule.gather_dtype,
-                quant=schedule.quant_gather,
-                secondary=schedule.secondary,
-                prefetch=schedule.prefetch,
-                reshard=schedule.reshard,
-                keep_last=schedule.keep_last,
-                order=order,
-                ledger=ledger,
-                before=self.check,
-                pool=pool,
-            )
+        # Both halves hold the check, and neither holds the engine: a step's engine is
+        # freed (with what it holds) as soon as the step is done with it.
+        self.check = check
+        if self.s.gathers:
+            self.source: ParamSource = Gatherer(ctx, self.inputs, check, order or ())
         else:
             assert local is not None
             self.source = Replica(local)
-        self.reductions = Reductions(
-            schedule,
-            layout,
-            mesh,
-            [x.device for x in grads_like],
-            ledger=ledger,
-            acc=acc,
-            final=final,
-            before=self.check,
-            release=self.source.release,
-            pool=pool,
-        )
-        self.calls: list[Call] = []
+        devices = [x.device for x in held]
+        self.reductions = Reductions(ctx, devices, check, self.source, sums, final)
+        self.entries: list[Entry] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order
         self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf
-        self.placeholders = {} if placeholders is None else placeholders
 
-    # -- what a unit's node asks of the engine (`_entry.Engine`) ---------------------------
-    def open(self, call: Call, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        if in_backward():
-            twin = self._twin(call.unit)
-            if twin is not None:  # a recompute: the forward's parameters, no collective
-                call.twin = twin
-                return self.source.again(twin)
-        fulls = self.source.open(call, call.unit in self.s.jit)
-        self.calls.append(call)
-        self.reductions.enlist(call)
+    # -- what a unit's node asks of the engine (`_entry.Runner`) -------------------------
+    def open(self, entry: Entry, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if entry.twin is not None:  # a recompute: the forward's parameters, no collective
+            return self.source.again(entry.twin)
+        fulls = self.source.open(entry, entry.unit in self.s.jit)
+        self.entries.append(entry)
+        self.reductions.enlist(entry)
         return fulls
 
-    def close(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
-        return self.reductions.arrive(call, grads)
+    def close(self, entry: Entry, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+        return self.reductions.arrive(entry, grads)
 
-    def _twin(self, unit: str) -> Call | None:
+    def _twin(self, unit: str) -> Entry | None:
         """The forward's latest entry of `unit` whose gradient is not reduced yet.
 
         A checkpoint recomputes inside the backward of the region it wraps, before the
@@ -150,19 +111,20 @@ class Engine:
         reusing its parameters (re-gathered once for the backward if resharded) costs no
         second all-gather and no reduction of its own, and keeps every rank's sequence of
         collectives that of its forward, whether or not it recomputes."""
-        for call in reversed(self.calls):
-            if call.unit == unit and not call.reduced:
-                return call
+        for entry in reversed(self.entries):
+            if entry.unit == unit and not self.reductions.is_reduced(entry):
+                return entry
         return None
 
     # -- entering units ----------------------------------------------------------------------
     def enter(self, unit: str) -> dict[str, torch.Tensor]:
         """`unit` enters the loss now: views of its full leaves, by path."""
-        call = Call(unit, self.layout.unit_buckets(unit))
-        out = enter(self, call, tuple(self.inputs[i] for i in call.buckets))
-        if unit in self.s.jit and not in_backward():
+        backward = in_backward()
+        entry = Entry(unit, self.layout.unit_buckets(unit), self._twin(unit) if backward else None)
+        out = enter(self, entry, tuple(self.inputs[i] for i in entry.buckets))
+        if unit in self.s.jit and not backward:
             self.seen.append(unit)
-            self.source.prefetch_after(unit)
+            self.source.entered(unit)
         if self.leaf_grads:
             return dict(zip(self.layout.unit_paths(unit), out, strict=True))
         return self.layout.unflatten_unit(unit, out)
@@ -170,9 +132,9 @@ class Engine:
     def leave(self, unit: str) -> None:
         """The forward of `unit`'s latest entry is over (its module hook ran)."""
         if not in_backward():
-            for call in reversed(self.calls):
-                if call.unit == unit:
-                    self.source.drop(call)
+            for entry in reversed(self.entries):
+                if entry.unit == unit:
+                    self.source.left(entry)
                     break
 
     def params(self) -> PyTree:
@@ -181,22 +143,14 @@ class Engine:
         they enter, they fail loudly instead of training on stale values)."""
         lay = self.layout
         units = [u for u in lay.units if lay.unit_buckets(u)]  # not the empty root
-        self.source.prefetch_first([u for u in units if u not in self.s.jit])
+        self.source.start([u for u in units if u not in self.s.jit])
         leaves: list[Any] = [None] * len(lay.paths)
-        rank = self.mesh.rank
         for unit in units:
             if unit not in self.s.jit:
                 for path, view in self.enter(unit).items():
                     leaves[lay.path_index[path]] = view
                 continue
-            made = self.placeholders.get(unit)
-            if made is None:  # they hold no data: the same ones serve every step
-                spec = spec_of(lay.unit_members(unit))
-                made = self.placeholders[unit] = [
-                    (s.index, Placeholder(s.shape, b.dtype, path=s.path, unit=spec, rank=rank))
-                    for b in (lay.buckets[i] for i in lay.unit_buckets(unit))
-                    for s in b.slots
-                ]
+            made = self.ctx.placeholders[unit]
             for index, placeholder in made:
                 leaves[index] = placeholder
             if made:
@@ -232,19 +186,13 @@ class Engine:
         return _pick(path, [cut(tree) for cut in cuts])
 
     # -- one micro-batch -------------------------------------------------------------------
-    def value_and_grad(
-        self,
-        loss_fn: Callable[[PyTree, Any], torch.Tensor],
-        batch: Any,
-        after_forward: Callable[[CallCheck | None], None] | None = None,
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    def value_and_grad(self, loss_fn: Callable[[PyTree, Any], torch.Tensor], batch: Any) -> Pass:
         """This rank's loss on `batch` and its reduced gradient per bucket.
 
         `batch` None: this rank has no data, but takes part in every collective of the
         others' micro-batch (`_follow`), contributing zero gradients; its loss is None.
-        `after_forward` runs once the forward is done, before the backward (a step starts
-        its own small exchange there, so that it runs behind the backward), given the call
-        check that is about to start, if any, to send its words along (`CallCheck.carry`)."""
+        Once the forward is done, the call check starts (`CallCheck.after_forward`), so
+        that it runs behind the backward."""
         lay, mesh = self.layout, self.mesh
         trainable = [i for i, b in enumerate(lay.buckets) if not b.frozen]
         loss = None
@@ -253,16 +201,15 @@ class Engine:
             # Hooks and `gathered` stay live through the backward: a checkpoint's
             # recompute enters its units again there.
             with ModuleHooks(self, self.s.hooked):
-                with self._saved_tensors():
+                with self.source.saving():
                     if batch is None:
                         self._follow("step")
                     else:
                         loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
-                if after_forward is not None:  # its words travel with the check's
-                    after_forward(self.check if self.s.check_calls else None)
-                if self.s.check_calls:  # a rank-dependent branch may have skipped a unit
-                    called = [c.unit for c in self.calls if c.unit in self.s.jit]
-                    self.check.start(called, batch is not None, self.source.flags())
+                # A rank-dependent branch may have skipped a unit: every rank says what it
+                # called before the first reduction.
+                called = self._called() if self.s.check_calls else None
+                self.check.after_forward(called, batch is not None, self.source.flags())
                 if loss is not None and loss.requires_grad:  # gradients arrive via reductions
                     leaves = [self.inputs[i] for i in trainable]
                     try:
@@ -273,19 +220,19 @@ class Engine:
                         raise sparse_gradient(mesh.rank) from exc
         finally:
             ACTIVE.reset(token)
-        self.source.regather_rest()
+        self.source.end_backward()
         self.reductions.finish()
-        self.reductions.settle(self.calls)
+        self.reductions.settle(self.entries)
         self.source.settle()
-        if self.s.jit:
-            self.order[:] = self.seen
-        return (None if loss is None else loss.detach()), self.reductions.result(self.inputs)
+        grads = self.reductions.result(self.inputs)
+        return Pass(None if loss is None else loss.detach(), grads, self._order())
 
-    def forward(self, fn: Callable[[PyTree, Any], Any], batch: Any) -> Any:
-        """`fn(params, batch)` without gradients (`fzero.sharded_forward`): units enter
-        as in a step's forward and each is freed as soon as the forward is done with it;
-        nothing is gathered again. `batch` None: this rank has no data and enters, for
-        the others' gathers, the units the last forward called; it returns None."""
+    def forward(self, fn: Callable[[PyTree, Any], Any], batch: Any) -> tuple[Any, list[str]]:
+        """`fn(params, batch)` without gradients (`fzero.sharded_forward`), and the
+        just-in-time units it called: units enter as in a step's forward and each is
+        freed as soon as the forward is done with it; nothing is gathered again. `batch`
+        None: this rank has no data and enters, for the others' gathers, the units the
+        last forward called; it returns None."""
         out = None
         token = ACTIVE.set(self)
         try:
@@ -295,27 +242,27 @@ class Engine:
                 else:
                     out = fn(self.params(), batch)
             if self.s.check_calls:  # the gathers paired by order: say if they could not
-                called = [c.unit for c in self.calls if c.unit in self.s.jit]
-                self.check.start(called, present=batch is not None)
-                self.check()
+                self.check.after_forward(self._called(), present=batch is not None)
+                self.check.before_collective()
         finally:
             ACTIVE.reset(token)
         out = self._unaliased(out)
-        self.source.end_forward(self.calls)
-        if self.s.jit:
-            self.order[:] = self.seen
-        return out
+        self.source.end_forward(self.entries)
+        return out, self._order()
+
+    def _called(self) -> list[str]:
+        return [e.unit for e in self.entries if e.unit in self.s.jit]
+
+    def _order(self) -> list[str]:
+        """What the next step follows: the just-in-time units called, in order."""
+        return list(self.seen) if self.s.jit else list(self.last or ())
 
     def _unaliased(self, out: Any) -> Any:
         """`out` with copies of its tensors that share memory with the parameters (a
         forward returning a weight, or a view of one): gathered ones are freed next, and
         replicas are the state's own buffers, which a donating step updates in place."""
-        refs: list[torch.Tensor | None] = []
-        if isinstance(self.source, Replica):
-            refs += self.source.local
-        for call in self.calls:
-            refs += [*(h for h in call.held if h is not None), *(r() for r in call.followed)]
-        gathered = {t.untyped_storage().data_ptr() for t in refs if t is not None}
+        refs = self.source.aliases(self.entries)
+        gathered = {t.untyped_storage().data_ptr() for t in refs}
         if not gathered:
             return out
 
@@ -331,41 +278,28 @@ class Engine:
         """The forward of a rank without data: the units every rank enters before the
         forward, then the just-in-time units in the order the step called them last time
         (the call check confirms the others called the same). Nothing is computed; the
-        backward reduces zeros for every call, in the others' order, and re-gathers what
-        theirs re-gathers (`regather_rest`)."""
+        backward reduces zeros for every entry, in the others' order, and re-gathers what
+        theirs re-gathers (`ParamSource.end_backward`)."""
         self.params()
-        if self.s.jit and not self.followable:
+        if self.s.jit and self.last is None:
             raise ValueError(
                 f"rank {self.mesh.rank}: {what}(state, None) on the first call of a "
                 f"{what} function with just-in-time units (module= or just_in_time="
                 f"True): a rank without data enters the units the {what} called last "
                 "time, and there was no last time. Give every rank a batch on the first call"
             )
-        for unit in list(self.order) if self.s.jit else ():
+        for unit in list(self.last or ()) if self.s.jit else ():
             self.enter(unit)
             self.leave(unit)
 
-    def _saved_tensors(self) -> Any:
-        """While the forward runs, autograd saves handles to resharded units' parameters
-        (see `_gathers`), not the tensors."""
-        if isinstance(self.source, Gathers) and self.s.reshard:
-            return torch.autograd.graph.saved_tensors_hooks(self.source.pack, self.source.unpack)
-        return contextlib.nullcontext()
-
     # -- `fzero.remat` inside this step ----------------------------------------------------
     def hold(self, t: Any) -> Any:
-        """What a recompute keeps of `t` across the forward: a handle if resharding."""
-        if isinstance(self.source, Gathers) and self.s.reshard and isinstance(t, torch.Tensor):
-            return self.source.pack(t)
-        return t
+        """What a recompute keeps of `t` across the forward (`ParamSource.hold`)."""
+        return self.source.hold(t)
 
     def fetch(self, held: Any) -> Any:
-        """`t` again, for the recompute (gathered again if it was freed)."""
-        if not isinstance(held, Handle):
-            return held
-        assert isinstance(self.source, Gathers)
-        t = self.source.unpack(held)
-        return t.detach().requires_grad_() if held.requires_grad else t
+        """`t` again, for the recompute (`ParamSource.fetch`)."""
+        return self.source.fetch(held)
 
 
 def _pick(path: str | tuple[str, ...], parts: list[Any]) -> Any:

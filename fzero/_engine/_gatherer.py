@@ -1,159 +1,136 @@
-"""The forward half of a stage-3 step's units: where a unit's full parameters come from.
+"""Gatherer: stage 3's parameter source, the all-gather of every rank's shard.
 
-(Stages 0-2 have them at hand: `_replicated.Replica`.)
-
-`Gathers` (stage 3): the all-gather of every rank's shard, started ahead for the unit that
-came next last step (`prefetch`). Resharding after the forward (`reshard`): while the
-loss runs, autograd saves a *handle* to a just-in-time unit's parameters (`pack`: which
-call, which bucket, where in it) instead of the tensor, and the step follows the gathered
-buffer only weakly. Once the forward is done with it, it is freed: when its submodule's
-forward hook runs (`drop`), or, for a unit a pure loss took with `fzero.gathered`, when
-the loss lets go of it (reference counting, as in JAX). The backward gathers it again
-(`unpack`), in one order on every rank (`regather_through`). Units entered before the
-forward (the root, containers, everything without just-in-time entry) stay gathered
-until their gradient is reduced, and so do the forward's last calls (`keep_last`): the
-backward starts with them, so freeing them would only gather them again at once.
-
-A resharded unit whose parameters no rank's autograd saved (an embedding's backward needs
-only the indices; a first layer's input needs no gradient) is not gathered again: each
-rank flags the units it saved a handle to (`pack`), or entered where other saved-tensor
-hooks than the step's are on top (a checkpointed region, whose recompute may enter them
-again), and the call check ORs the flags over the ranks (`_agree`), so that every rank
-gathers again the same units.
-
-hpZ (`secondary`): as a resharded unit is gathered, each rank keeps its 1/k slice of the
-full buffer, and the backward gathers it again from those slices along the secondary
-axis (k ranks inside a group) instead of from the shards across the whole shard axis.
-qwZ (`quant`): the shards travel as int8 blocks; the secondary copy is cut from what
-the forward computed with, so the backward sees the same values.
+A unit's gather starts ahead of its entry where last step says it comes next
+(`prefetch`). With `reshard`, autograd saves a `Handle` to a just-in-time unit's
+parameters (`pack`) instead of the tensor, the gathered buffer is freed once the forward
+is done with it (`left`, or the loss letting go of it), and the backward gathers it again
+(`unpack`) in one order on every rank (`_regather_through`), except the forward's last
+entries (`keep_last`) and units no rank's backward uses (`flags`, OR-ed by the call
+check). hpZ (`secondary`) gathers again from each rank's 1/k copy inside its group.
+docs/design.md explains each: [Note: resharding], [Note: one re-gather order],
+[Note: hpZ and qwZ].
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _comm
-from .._comm import Axis, Mesh
-from .._core import ShardLayout
-from ._entry import Call, in_backward
-from ._pool import Pool
-from ._unit_ledger import UnitLedger
+from ._callcheck import CallCheck
+from ._context import Context
+from ._entry import Entry, in_backward
+from ._source import ParamSource
+from ._unit_ledger import Counted
 
 
-def _forget(by_storage: dict[int, tuple[Call, int]], key: int, entry: tuple[Call, int]) -> None:
+@dataclass(eq=False)
+class _Gathered:
+    """What the gatherer keeps of one entry: its full buffers, held or followed."""
+
+    entry: Entry
+    held: list[torch.Tensor | None]  # per bucket; None while the loss alone holds it
+    followed: list[Any] = field(default_factory=list)  # weak references to dropped buffers
+    refill: list[Any] = field(default_factory=list)  # (bucket position, full, work) in flight
+    secondary: list[torch.Tensor] = field(default_factory=list)  # hpZ: this rank's 1/k slices
+
+
+def _forget(
+    by_storage: dict[int, tuple[_Gathered, int]], key: int, found: tuple[_Gathered, int]
+) -> None:
     """A followed buffer's Python object is gone: forgets its address, unless the address
-    now belongs to another buffer. A buffer freed by `drop` can outlive its memory (gloo's
+    now belongs to another buffer. A buffer freed by `left` can outlive its memory (gloo's
     worker thread may still hold the finished gather), and the allocator hands that
     address to a later gather; forgetting the address then would make autograd save that
-    gather's parameters outright, and `drop` free them under it."""
-    if by_storage.get(key) is entry:
+    gather's parameters outright, and `left` free them under it."""
+    if by_storage.get(key) is found:
         del by_storage[key]
 
 
 class Handle(NamedTuple):
     """What autograd saves of a resharded unit's parameter: no tensor, only where it is."""
 
-    call: Call
-    k: int  # position of the bucket within the call
+    gathered: _Gathered
+    k: int  # position of the bucket within the entry
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
     requires_grad: bool
 
 
-class _Counted:
-    """A gathered buffer in the ledger: counted from its gather until it is freed, once."""
-
-    def __init__(self, ledger: UnitLedger, unit: str, full: torch.Tensor) -> None:
-        self.ledger: UnitLedger | None = ledger
-        self.unit, self.nbytes = unit, full.numel() * full.element_size()
-        ledger._add("params", unit, self.nbytes)
-
-    def close(self) -> None:
-        if self.ledger is not None:
-            self.ledger._add("params", self.unit, -self.nbytes)
-            self.ledger = None
-
-
-class Gathers:
+class Gatherer(ParamSource):
     """Stage 3: a unit enters as the all-gather of every rank's shard (see the module)."""
 
     def __init__(
         self,
-        mesh: Mesh,
-        layout: ShardLayout,
+        ctx: Context,
         shards: tuple[torch.Tensor, ...],
-        *,
-        dtype: torch.dtype | None,
-        quant: int | None = None,
-        secondary: Axis | None = None,
-        prefetch: bool,
-        reshard: bool,
-        keep_last: int = 0,
-        order: list[str],
-        ledger: UnitLedger | None,
-        before: Callable[[], list[bool] | None],
-        pool: Pool,
+        check: CallCheck,
+        order: Sequence[str],
     ) -> None:
-        self.mesh, self.layout, self.shards = mesh, layout, shards
-        self.dtype, self.prefetch, self.reshard = dtype, prefetch, reshard
-        self.quant, self.secondary = quant, secondary
-        self.order = order  # just-in-time units in last step's call order (same on every rank)
-        self.keep_last = keep_last  # the forward's last calls stay gathered (`Schedule`)
-        self.entered = 0  # just-in-time calls the forward has made
-        self.kept: list[Call] = []  # calls that `keep_last` exempts from resharding
-        self.ledger = ledger
-        self.pool = pool  # where gathered buffers come from (host ones are reused)
-        self.before = before  # waits for the call check before a backward collective
+        """`shards`: this rank's shard of every bucket. `check`: the micro-batch's call
+        check, waited for before a backward collective. `order`: the just-in-time units
+        last step called, in order (the same on every rank)."""
+        s = ctx.schedule
+        self.mesh, self.layout, self.shards = ctx.mesh, ctx.layout, shards
+        self.dtype, self.prefetch, self.reshard = s.gather_dtype, s.prefetch, s.reshard
+        self.quant, self.secondary, self.keep_last = s.quant_gather, s.secondary, s.keep_last
+        self.ledger, self.pool, self.check = ctx.ledger, ctx.pool, check
+        self.order = list(order)
+        self.calls = 0  # just-in-time entries the forward has made
+        self.records: dict[Entry, _Gathered] = {}
+        self.kept: list[_Gathered] = []  # entries that `keep_last` exempts from resharding
         self.needed: set[str] = set()  # units whose parameters this rank's backward may use
         self.agreed: set[str] | None = None  # the same, OR-ed over the ranks by the check
         self.pending: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # started ahead
-        self.followed: list[Call] = []  # resharded calls, in forward order
+        self.followed: list[_Gathered] = []  # resharded entries, in forward order
         self.turn: int | None = None  # the next of them to gather again, in the backward
-        self.by_storage: dict[int, tuple[Call, int]] = {}  # data_ptr -> followed buffer
+        self.by_storage: dict[int, tuple[_Gathered, int]] = {}  # data_ptr -> followed buffer
         self.counted: WeakIdKeyDictionary = WeakIdKeyDictionary()  # buffer -> ledger entry
 
     # -- forward -------------------------------------------------------------------------
-    def open(self, call: Call, jit: bool) -> tuple[torch.Tensor, ...]:
-        started = self.pending.pop(call.unit, None) or self._start(call.unit)
+    def open(self, entry: Entry, jit: bool) -> tuple[torch.Tensor, ...]:
+        started = self.pending.pop(entry.unit, None) or self._start(entry.unit)
         for _, work in started:
             if work is not None:
                 work.wait()
         fulls = tuple(full for full, _ in started)
+        # Held until the unit's gradient is reduced, unless resharded below; a
+        # checkpoint's recompute (inside the backward) needs them until the unit's own
+        # backward.
+        rec = self.records[entry] = _Gathered(entry, list(fulls))
         forward = jit and self.reshard and not in_backward()
         if forward and self._reshards():
             if not self._hooks_on_top():
-                self.needed.add(call.unit)
+                self.needed.add(entry.unit)
             # Followed, not held: the forward's references decide when it is freed.
-            call.held = [None] * len(fulls)
+            rec.held = [None] * len(fulls)
             if self.secondary is not None:
-                call.secondary = [self._slice(f) for f in fulls]
-            call.followed = [weakref.ref(f) for f in fulls]
+                rec.secondary = [self._slice(f) for f in fulls]
+            rec.followed = [weakref.ref(f) for f in fulls]
             for k, f in enumerate(fulls):
                 if f.numel():
                     key = f.untyped_storage().data_ptr()
-                    entry = self.by_storage[key] = (call, k)
-                    weakref.finalize(f, _forget, self.by_storage, key, entry)
-            self.followed.append(call)
-        else:
-            # Held until the unit's gradient is reduced; a checkpoint's recompute (inside
-            # the backward) needs them until the unit's own backward.
-            call.held = list(fulls)
-            if forward:
-                self.kept.append(call)
+                    found = self.by_storage[key] = (rec, k)
+                    weakref.finalize(f, _forget, self.by_storage, key, found)
+            self.followed.append(rec)
+        elif forward:
+            self.kept.append(rec)
         return fulls
 
     def _reshards(self) -> bool:
-        """Whether the forward's next just-in-time call is resharded: all but the last
-        `keep_last` of as many calls as last step made (the first step: every one). Every
-        rank decides alike, so their sequences of re-gathers pair up."""
-        self.entered += 1
-        return not self.order or len(self.order) - self.entered >= self.keep_last
+        """Whether the forward's next just-in-time entry is resharded: all but the last
+        `keep_last` of as many entries as last step made (the first step: every one).
+        Every rank decides alike, so their sequences of re-gathers pair up."""
+        self.calls += 1
+        return not self.order or len(self.order) - self.calls >= self.keep_last
 
     def _hooks_on_top(self) -> bool:
         """Whether the saved-tensor hooks autograd uses now are the step's own (`pack`)."""
@@ -161,17 +138,27 @@ class Gathers:
         return top is not None and (top(False) or (None,))[0] == self.pack
 
     def flags(self) -> list[bool]:
-        """For the call check to OR over the ranks: per unit of the layout, whether this
-        rank's backward may use its parameters (none without resharding)."""
+        """Per unit of the layout, whether this rank's backward may use its parameters
+        (none without resharding)."""
         return [u in self.needed for u in self.layout.units] if self.reshard else []
 
-    def again(self, call: Call) -> tuple[torch.Tensor, ...]:
-        """`call`'s full parameters once more, inside the backward (for a recompute): held,
-        or gathered again in the one order of `regather_through`."""
-        return tuple(self.full(call, k) for k in range(len(call.buckets)))
+    def again(self, entry: Entry) -> tuple[torch.Tensor, ...]:
+        """`entry`'s full parameters once more, inside the backward (for a recompute):
+        held, or gathered again in the one order of `_regather_through`."""
+        rec = self.records[entry]
+        return tuple(self._full(rec, k) for k in range(len(entry.buckets)))
+
+    def aliases(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for entry in entries:
+            rec = self.records.get(entry)
+            if rec is not None:
+                out += [h for h in rec.held if h is not None]
+                out += [f for f in (r() for r in rec.followed) if f is not None]
+        return out
 
     def _start(self, unit: str) -> list[tuple[torch.Tensor, Any]]:
-        self.before()  # a gather inside the backward (a recompute) comes after the check
+        self.check.before_collective()  # a gather inside the backward comes after the check
         return [self._gather(i, unit) for i in self.layout.unit_buckets(unit)]
 
     def _slice(self, full: torch.Tensor) -> torch.Tensor:
@@ -182,12 +169,12 @@ class Gathers:
         return full.narrow(0, ax.rank * n, n).clone()
 
     def _gather(
-        self, i: int, unit: str, call: Call | None = None, k: int = 0
+        self, i: int, unit: str, rec: _Gathered | None = None, k: int = 0
     ) -> tuple[torch.Tensor, Any]:
-        if call is not None and self.secondary is not None:
+        if rec is not None and self.secondary is not None:
             # hpZ: from the slices kept at the forward, inside the group; exact values
             # (no quantization or dtype again: they are what the forward computed with).
-            part = call.secondary[k]
+            part = rec.secondary[k]
             out = self.pool.take(part.numel() * self.secondary.size, part.dtype, part.device)
             full, work = _comm.all_gather_async(part, self.secondary, out=out)
         else:
@@ -204,18 +191,14 @@ class Gathers:
                 what=f"rank {self.mesh.rank}: the parameters of unit {unit!r}",
             )
         if self.ledger is not None:
-            counted = self.counted[full] = _Counted(self.ledger, unit, full)
+            counted = self.counted[full] = Counted(self.ledger, unit, full)
             weakref.finalize(full, counted.close)
         return full, work
 
-    def prefetch_first(self, upfront: list[str]) -> None:
-        """At the start of the forward, where the step holds least: starts gathering the
-        units entered before it (`upfront`), all together, then (with `prefetch`) the first
-        units of last step's order, until they add up to its largest unit. The forward
-        waits for the up-front units first, and gloo runs a group's collectives in the
-        order they start: behind the prefetch, the root's few parameters waited for
-        every first unit's gather. Small units first (embeddings) otherwise leave the
-        first large unit's gather exposed, as their forward is too short to hide it."""
+    def start(self, upfront: Sequence[str]) -> None:
+        """At the start of the forward: starts gathering the units entered before it
+        (`upfront`), all together, then (with `prefetch`) the first units of last step's
+        order up to the size of its largest unit ([Note: the forward's first gathers])."""
         for unit in upfront:
             self._ahead(unit)
         if not self.prefetch or not self.order:
@@ -227,7 +210,7 @@ class Gathers:
             self._ahead(unit)
             budget -= self.layout.unit_numel(unit)
 
-    def prefetch_after(self, unit: str) -> None:
+    def entered(self, unit: str) -> None:
         """Starts gathering the unit that followed `unit` last step, unless already started."""
         if not self.prefetch or unit not in self.order:
             return
@@ -240,16 +223,17 @@ class Gathers:
         if unit not in self.pending:
             self.pending[unit] = self._start(unit)
 
-    def drop(self, call: Call) -> None:
-        """The forward is done with `call` (its submodule's forward hook has run): frees
+    def left(self, entry: Entry) -> None:
+        """The forward is done with `entry` (its submodule's forward hook has run): frees
         its gathered parameters now. Waiting for their last reference to go would leave
         it to thread scheduling: gloo's worker thread holds a finished collective's
         tensors until it gets round to releasing them."""
-        for ref in call.followed:
+        rec = self.records[entry]
+        for ref in rec.followed:
             full = ref()
             if full is not None:
                 self._free(full)
-        call.followed = []
+        rec.followed = []
 
     def _free(self, full: torch.Tensor) -> None:
         """Frees `full`'s memory now (its views stay valid objects, with no data), or, a
@@ -264,35 +248,56 @@ class Gathers:
             counted.close()
 
     # -- saved tensors: handles instead of resharded parameters -------------------------
+    def saving(self) -> AbstractContextManager[Any]:
+        """While the forward runs, autograd saves handles to resharded units' parameters,
+        not the tensors."""
+        if self.reshard:
+            return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return contextlib.nullcontext()
+
     def pack(self, t: torch.Tensor) -> Any:
         found = self.by_storage.get(t.untyped_storage().data_ptr()) if t.numel() else None
         if found is None:
             return t
-        call, k = found
-        self.needed.add(call.unit)
-        return Handle(call, k, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad)
+        rec, k = found
+        self.needed.add(rec.entry.unit)
+        return Handle(rec, k, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad)
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, Handle):
             return saved
-        full = self.full(saved.call, saved.k)
+        full = self._full(saved.gathered, saved.k)
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
+    def hold(self, t: Any) -> Any:
+        """A handle if `t` is a resharded unit's parameter (`pack`)."""
+        if self.reshard and isinstance(t, torch.Tensor):
+            return self.pack(t)
+        return t
+
+    def fetch(self, held: Any) -> Any:
+        """`t` again (gathered again if it was freed)."""
+        if not isinstance(held, Handle):
+            return held
+        t = self.unpack(held)
+        return t.detach().requires_grad_() if held.requires_grad else t
+
     # -- backward ------------------------------------------------------------------------
-    def full(self, call: Call, k: int) -> torch.Tensor:
-        """Bucket `k` of `call`'s full parameters for the backward (see `regather_through`)."""
-        held = call.held[k]
+    def _full(self, rec: _Gathered, k: int) -> torch.Tensor:
+        """Bucket `k` of an entry's full parameters for the backward (see
+        `_regather_through`)."""
+        held = rec.held[k]
         if held is None:
-            i = self.followed.index(call)
-            self.regather_through(i)
-            self._wait(call)
+            i = self.followed.index(rec)
+            self._regather_through(i)
+            self._wait(rec)
             if self.prefetch:  # the unit whose backward comes next
                 self._regather_next(i)
-            held = call.held[k]
+            held = rec.held[k]
         if held is None:
             raise RuntimeError(
                 f"rank {self.mesh.rank}: the backward asked for the parameters of unit "
-                f"{call.unit!r}, which no rank's forward saved for it, so it was not "
+                f"{rec.entry.unit!r}, which no rank's forward saved for it, so it was not "
                 "gathered again. Saved-tensor hooks of your own inside the loss hide what "
                 "autograd saves from fzero: install them around the step instead"
             )
@@ -301,7 +306,7 @@ class Gathers:
     def _agreed(self) -> set[str]:
         """The units some rank's backward may use the parameters of (see the module)."""
         if self.agreed is None:
-            flags = self.before()
+            flags = self.check.before_collective()
             self.agreed = (
                 self.needed
                 if flags is None
@@ -310,83 +315,75 @@ class Gathers:
         return self.agreed
 
     def _regather_next(self, i: int) -> None:
-        """Starts gathering again the newest resharded call below `followed[i]` that a
+        """Starts gathering again the newest resharded entry below `followed[i]` that a
         backward may use (and skips the ones between, which none does)."""
         agreed = self._agreed()
         for j in range(i - 1, -1, -1):
-            if self.followed[j].unit in agreed:
-                self.regather_through(j)
+            if self.followed[j].entry.unit in agreed:
+                self._regather_through(j)
                 return
 
-    def regather_through(self, i: int) -> None:
-        """Starts gathering resharded calls again, newest first, down to `followed[i]`.
-
-        Every resharded call of a unit some rank's backward may use (`_agreed`, known
-        once the call check is in) is gathered again exactly once per backward, in this
-        one order on every rank: whether a rank's backward needs a unit (or needs it early)
-        depends on its graph, which may differ between ranks (an output used on some ranks
-        only), and collectives pair up by the order they start in. A backward that needs a
-        unit only moves the sequence on; what no backward asked for is gathered at the end
-        (`settle`). Gathers and reductions are separate sequences: gloo matches them
-        separately (broadcasts by the shard group's collective count, reduce-scatters by
-        the twin group's or by their own message tags, `Axis.twin`), so how the two
-        interleave may differ between ranks. (NCCL orders every operation of a
-        communicator: it will need them on two.)
+    def _regather_through(self, i: int) -> None:
+        """Starts gathering resharded entries again, newest first, down to `followed[i]`:
+        each entry of a unit some rank's backward may use (`_agreed`) exactly once per
+        backward, in this one order on every rank ([Note: one re-gather order]).
         """
         if self.turn is None:
             self.turn = len(self.followed) - 1
         while self.turn >= max(i, 0):
-            call = self.followed[self.turn]
+            rec = self.followed[self.turn]
             self.turn -= 1
-            if call.unit not in self._agreed():  # no backward uses it (after the check)
+            if rec.entry.unit not in self._agreed():  # no backward uses it (after the check)
                 continue
-            call.refill = [
-                (k, *self._gather(j, call.unit, call, k)) for k, j in enumerate(call.buckets)
+            rec.refill = [
+                (k, *self._gather(j, rec.entry.unit, rec, k))
+                for k, j in enumerate(rec.entry.buckets)
             ]
 
-    def _wait(self, call: Call) -> None:
-        for k, full, work in call.refill:
+    def _wait(self, rec: _Gathered) -> None:
+        for k, full, work in rec.refill:
             if work is not None:
                 work.wait()
-            call.held[k] = full
-        call.refill = []
-        call.secondary = []
+            rec.held[k] = full
+        rec.refill = []
+        rec.secondary = []
 
-    def release(self, call: Call) -> None:
-        """Frees a call's parameters once its gradient is reduced: every op that used
+    def reduced(self, entry: Entry) -> None:
+        """Frees an entry's parameters once its gradient is reduced: every op that used
         them has run its backward by then (the unit's node runs after all its consumers).
         A re-gather still in flight for it is left to `settle`: waiting for it here could
         wait for a peer that is itself waiting for this rank's next reduction."""
-        for full in call.held:
+        rec = self.records[entry]
+        for full in rec.held:
             if full is not None:
                 self._free(full)
-        call.held = [None] * len(call.held)
-        if self.prefetch and self.followed and any(c is call for c in self.kept):
-            # The backward is past a kept call: the newest resharded one is next.
+        rec.held = [None] * len(rec.held)
+        if self.prefetch and self.followed and any(r is rec for r in self.kept):
+            # The backward is past a kept entry: the newest resharded one is next.
             self._regather_next(len(self.followed))
 
-    def regather_rest(self) -> None:
+    def end_backward(self) -> None:
         """Before the end of the backward waits for any reduction: starts the re-gathers
         this rank's backward did not ask for, which a peer's backward may be waiting in."""
         if self.followed:
-            self.regather_through(0)
+            self._regather_through(0)
 
-    def end_forward(self, calls: list[Call]) -> None:
+    def end_forward(self, entries: Sequence[Entry]) -> None:
         """A forward without a backward (`sharded_forward`) is over: frees what it
         gathered, and finishes the gathers started ahead for a unit it never called."""
-        for call in calls:
-            self.drop(call)
-            self.release(call)
+        for entry in entries:
+            self.left(entry)
+            self.reduced(entry)
         self.followed = []
         self.settle()
 
     def settle(self) -> None:
         """After the backward: finishes and frees the re-gathers, and drops gathers that
         were started ahead for a unit the step never called."""
-        self.regather_rest()
-        for call in self.followed:
-            self._wait(call)
-            self.release(call)
+        self.end_backward()
+        for rec in self.followed:
+            self._wait(rec)
+            self.reduced(rec.entry)
         for started in self.pending.values():
             for _, work in started:
                 if work is not None:

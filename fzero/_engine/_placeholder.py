@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .._core import tree_flatten
+from .._core import ShardLayout, spec_of, tree_flatten
 
 
 class Placeholder(torch.Tensor):
@@ -56,3 +57,18 @@ class Placeholder(torch.Tensor):
             f"Placeholder({self.path!r} of just-in-time unit {self.unit!r}, "
             f"shape={tuple(self.shape)}, dtype={self.dtype})"
         )
+
+
+def placeholders_for(
+    layout: ShardLayout, jit: Iterable[str], rank: int
+) -> dict[str, tuple[tuple[int, Placeholder], ...]]:
+    """Per just-in-time unit of `jit`, its leaves' index in the tree and `Placeholder`."""
+    out = {}
+    for unit in jit:
+        spec = spec_of(layout.unit_members(unit))
+        out[unit] = tuple(
+            (s.index, Placeholder(s.shape, b.dtype, path=s.path, unit=spec, rank=rank))
+            for b in (layout.buckets[i] for i in layout.unit_buckets(unit))
+            for s in b.slots
+        )
+    return out

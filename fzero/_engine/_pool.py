@@ -1,14 +1,5 @@
-"""Pool: the host buffers a step function's collectives reuse from one call to the next.
-
-DDP allocates its gradient buckets once and keeps them; on a GPU the caching allocator
-does as much for any buffer. On the CPU, glibc returns the freed top of its heap to the
-OS (once more than its trim threshold is free there), and the next allocation faults
-every page back in, ~3 µs a page here: a step that allocates and frees tens of
-megabytes of gradient bursts and gathered parameters, in a process whose heap top lies
-just there (decided by every other allocation of the process: data loading, evaluation,
-a second model), took 4-25k page faults a step, 10-40 % of the Linear stack's step in
-benchmarks/RESULTS.md. These buffers come back in the same sizes every step, so they
-are kept.
+"""Pool: the host buffers a step function's collectives reuse from one call to the next,
+as DDP keeps its buckets (docs/design.md, [Note: the pool]).
 
 A buffer is free when nothing but the pool refers to its memory: the pool lends a tensor
 of its own on it, and every tensor that shares the memory (that one, views of it, what
@@ -40,13 +31,13 @@ def _refs(buf: torch.Tensor) -> int:
 def _lend(buf: torch.Tensor) -> torch.Tensor:
     """A tensor of its own on `buf`'s memory, not a view of `buf`: views of it keep it
     alive (a view's base is the root of its chain), as they would a fresh tensor, so
-    whoever watches it (`_gathers` follows gathered buffers weakly) sees it live as long
+    whoever watches it (`_gatherer` follows gathered buffers weakly) sees it live as long
     as anything reads it."""
     return buf.new_empty(0).set_(buf.untyped_storage(), 0, buf.shape)
 
 
 @dataclass
-class _Entry:
+class _Kept:
     buf: torch.Tensor
     own: int  # its storage's references when only the pool holds it
     taken: bool = True  # lent since the last `reclaim`
@@ -56,7 +47,7 @@ class Pool:
     """Host buffers by (elements, dtype, device), each lent while anything refers to it."""
 
     def __init__(self) -> None:
-        self._bufs: dict[_Key, list[_Entry]] = {}
+        self._bufs: dict[_Key, list[_Kept]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of `numel` elements (contents undefined), free again once it and
@@ -80,7 +71,7 @@ class Pool:
                 entry.taken = True
                 return _lend(entry.buf)
         buf = torch.empty(numel, dtype=dtype, device=device)
-        entries.append(_Entry(buf, _refs(buf)))
+        entries.append(_Kept(buf, _refs(buf)))
         return _lend(buf)
 
     def pools(self, buf: torch.Tensor) -> bool:

@@ -1,8 +1,8 @@
 """Schedule: when a step's units enter the loss and how their gradients leave it.
 
 The stage says *what* is communicated (`_stages`); the schedule says *when*, chosen once
-per step from the stage, the step's options and the state (`plan`). Nothing else in the
-engine branches on the stage or the options.
+per layout from the stage, the step's options and the state (`plan`). Nothing in the
+engine branches on the stage or the options: it reads the schedule.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ class Schedule:
     """One step's scheduling policy.
 
     Attributes:
+      gathers: units enter as the all-gather of every rank's shard (stage 3), not as the
+        rank's replica (stages 0-2).
+      by_leaf: nothing is communicated (stage 0 on one rank): the step differentiates by
+        leaf, as an eager loop does, and no unit enters through the engine.
       hooked: units entered by a forward pre-hook on their submodule (`module=`), each
         with its parameters' (path, owning module, attribute name).
       jit: units entered just in time, when the loss reaches them (`hooked`, or every
@@ -42,7 +46,7 @@ class Schedule:
       bursts: leaf gradients are written straight into reduction buffers of
         `hold_bytes` that the step function keeps (`_pool`), so buckets of several units
         cost one collective, as in DDP (stage 0: end to end, all-reduced; stages 1-3:
-        rank by rank, reduce-scattered; `_burst`).
+        rank by rank, reduce-scattered; `_bursts`).
       hold_bytes: how many bytes of gradients a burst holds before its reduction starts
         (stages 2-3: the largest unit's); without bursts, complete gradients are held
         until this many bytes are ready, then their reductions start together.
@@ -61,6 +65,7 @@ class Schedule:
       quant_reduce: qgZ: gradient reduce-scatters do.
     """
 
+    gathers: bool
     hooked: Mapping[str, Any]
     jit: frozenset[str]
     prefetch: bool
@@ -79,6 +84,7 @@ class Schedule:
     keep_last: int = 0
     quant_gather: int | None = None
     quant_reduce: int | None = None
+    by_leaf: bool = False
 
 
 def plan(
@@ -96,13 +102,17 @@ def plan(
     reduce_bucket_bytes: int,
     accumulate_locally: bool,
     comm_dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    backward: bool = True,
 ) -> Schedule:
-    """The schedule of one step of `stage` under the step's options.
+    """The schedule of one step of `stage` under the step's options (`backward` False: of
+    a forward without gradients, `sharded_forward`).
 
     Stage 0 holds every full gradient anyway (it keeps them reduced in place) and stage 1
     reduces a bucket of them at a time: both start a bucket's reductions without waiting
     for one another, as DDP does. Stages 2-3 keep one reduction in flight, so at most two
-    units of full gradients are alive.
+    units of full gradients are alive. A forward without a backward frees every unit as
+    it goes (no backward takes the last ones on), and checks the ranks' calls only where
+    they pair gathers (a replica's forward communicates nothing).
     """
     jit = set(hooked)
     if just_in_time:
@@ -122,6 +132,7 @@ def plan(
     else:
         hold = 0
     return Schedule(
+        gathers=gathers,
         hooked=hooked,
         jit=frozenset(jit),
         prefetch=prefetch and gathers,
@@ -134,14 +145,15 @@ def plan(
         unit_bursts=bursts and not buckets,
         in_flight=in_flight,
         drain=not all_reduce,
-        check_calls=bool(jit) and world_size > 1,
+        check_calls=bool(jit) and world_size > 1 and (backward or gathers),
         gather_dtype=comm_dtypes[0],
         reduce_dtype=comm_dtypes[1],
         secondary=secondary if reshard else None,
         keep_rows=buckets and not all_reduce,
-        keep_last=(2 if prefetch else 1) if reshard else 0,
+        keep_last=(2 if prefetch else 1) if reshard and backward else 0,
         quant_gather=q.block if q is not None and q.weights and gathers else None,
         quant_reduce=quant_reduce,
+        by_leaf=all_reduce and world_size == 1 and backward,
     )
 
 

@@ -1,12 +1,101 @@
-"""Replicated parameters (stages 0-2): the flat buffers a tree's leaves are views of, and
-`Replica`, how a unit enters a step from them (`_gathers.Gathers` is stage 3's)."""
+"""Parameter sources: where a step's units' full parameters come from.
+
+`ParamSource` is the contract between the engine and the two ways a stage holds its
+parameters (`Stage.params`): `Replica` (stages 0-2: the rank's replicated buffers, at
+hand) and `_gatherer.Gatherer` (stage 3: the all-gather of every rank's shard). The
+engine calls a source at fixed points of a micro-batch, the same for both:
+
+    forward    start(upfront) -> open(entry) per entry, entered(unit), left(entry) ...
+    backward   again(entry) for a recompute, reduced(entry) once an entry's gradient is
+               reduced, end_backward(), then settle() once every reduction is done
+    no backward (sharded_forward): end_forward(entries)
+
+The protocol's own methods are what a source whose parameters are at hand does: nothing.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
 from .._core import PyTree, ShardLayout, tree_flatten
-from ._entry import Call
+from ._entry import Entry
+
+
+class ParamSource(Protocol):
+    """Where the full parameters of a micro-batch's entries come from (see the module)."""
+
+    def open(self, entry: Entry, jit: bool) -> tuple[torch.Tensor, ...]:
+        """`entry`'s full flat buffers as the forward enters them (`jit`: the unit is
+        entered just in time, not before the forward)."""
+        ...
+
+    def again(self, entry: Entry) -> tuple[torch.Tensor, ...]:
+        """Inside the backward, `entry`'s full buffers once more (a recompute)."""
+        ...
+
+    def aliases(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
+        """The buffers a forward's outputs must not share memory with once it returns
+        (they are freed, or updated in place by a donating step)."""
+        ...
+
+    def start(self, upfront: Sequence[str]) -> None:
+        """The forward starts; `upfront` are the units it enters before the loss runs."""
+
+    def entered(self, unit: str) -> None:
+        """The forward entered just-in-time `unit`."""
+
+    def left(self, entry: Entry) -> None:
+        """The forward is done with `entry` (its submodule's forward hook ran)."""
+
+    def saving(self) -> AbstractContextManager[Any]:
+        """Around the forward: how autograd saves tensors for the backward."""
+        return contextlib.nullcontext()
+
+    def hold(self, t: Any) -> Any:
+        """What a recompute (`fzero.remat`) keeps of `t` across the forward."""
+        return t
+
+    def fetch(self, held: Any) -> Any:
+        """`hold`'s value again, for the recompute."""
+        return held
+
+    def flags(self) -> list[bool]:
+        """Per unit of the layout, a flag for the call check to OR over the ranks (what
+        this rank's backward may need); [] for none."""
+        return []
+
+    def reduced(self, entry: Entry) -> None:
+        """`entry`'s gradient is reduced: every use of its parameters is over."""
+
+    def end_backward(self) -> None:
+        """This rank's backward is over: starts what a peer's backward may still wait for."""
+
+    def settle(self) -> None:
+        """Every reduction is done: finishes and frees what is left."""
+
+    def end_forward(self, entries: Sequence[Entry]) -> None:
+        """A forward without a backward is over: frees what it entered."""
+
+
+class Replica(ParamSource):
+    """Stages 0-2: a unit enters as this rank's replica (identity), with no communication."""
+
+    def __init__(self, local: tuple[torch.Tensor, ...]) -> None:
+        self.local = local
+
+    def open(self, entry: Entry, jit: bool) -> tuple[torch.Tensor, ...]:
+        return tuple(self.local[i].detach() for i in entry.buckets)
+
+    def again(self, entry: Entry) -> tuple[torch.Tensor, ...]:
+        return self.open(entry, False)
+
+    def aliases(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
+        return list(self.local)  # the state's own buffers
 
 
 def full_buckets(params: PyTree, layout: ShardLayout) -> tuple[torch.Tensor, ...]:
@@ -28,40 +117,3 @@ def own_slices(
     return tuple(
         f.narrow(0, rank * b.shard_numel, b.shard_numel) for f, b in zip(full, layout.buckets)
     )
-
-
-class Replica:
-    """Stages 0-2: a unit enters as this rank's replica (identity)."""
-
-    def __init__(self, local: tuple[torch.Tensor, ...]) -> None:
-        self.local = local
-
-    def open(self, call: Call, jit: bool) -> tuple[torch.Tensor, ...]:
-        return tuple(self.local[i].detach() for i in call.buckets)
-
-    def again(self, call: Call) -> tuple[torch.Tensor, ...]:
-        return self.open(call, False)
-
-    def prefetch_after(self, unit: str) -> None:
-        pass
-
-    def prefetch_first(self, upfront: list[str]) -> None:
-        pass
-
-    def drop(self, call: Call) -> None:
-        pass
-
-    def regather_rest(self) -> None:
-        pass
-
-    def release(self, call: Call) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
-
-    def end_forward(self, calls: list[Call]) -> None:
-        pass
-
-    def flags(self) -> list[bool]:
-        return []

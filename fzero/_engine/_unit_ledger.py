@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class UnitLedger:
@@ -27,3 +29,17 @@ class UnitLedger:
             self.live_grads += nbytes
             self.peak_grads = max(self.peak_grads, self.live_grads)
         self.events.append((kind, unit, nbytes))
+
+
+class Counted:
+    """A gathered buffer in the ledger: counted from its gather until it is freed, once."""
+
+    def __init__(self, ledger: UnitLedger, unit: str, full: torch.Tensor) -> None:
+        self.ledger: UnitLedger | None = ledger
+        self.unit, self.nbytes = unit, full.numel() * full.element_size()
+        ledger._add("params", unit, self.nbytes)
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger._add("params", self.unit, -self.nbytes)
+            self.ledger = None

@@ -24,7 +24,6 @@ from .._core import (
     covers,
     device_of,
     leaf_paths,
-    members_of,
     pack,
     stage_of,
     tree_flatten,
@@ -34,7 +33,6 @@ from ..optim import Optimizer
 from ..optim._base import check_slices
 from ._agree_layout import agree_layout
 from ._deferred import check_init, materialize
-from ._donation import check_live
 from ._initializers import Init
 from ._loss_scale import DynamicLossScale, LossScaleState
 from ._precision import (
@@ -115,51 +113,30 @@ def shard_state(
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
-    Like DDP's constructor, rank 0's parameter values win: they are broadcast, so ranks
-    that initialised their models with different seeds still train one model. Every rank
-    must pass parameters of the same structure, shapes and dtypes; this is checked
-    (one small all-gather of metadata) and a mismatch raises on every rank, naming the
-    first differing leaf, instead of hanging in a collective of mismatched size.
+    Like DDP's constructor, rank 0's values win (they are broadcast). Every rank passes
+    parameters of the same structure, shapes and dtypes; a mismatch raises on every rank,
+    naming the first differing leaf. Each option at length: docs/training.md and
+    docs/checkpoints.md.
 
     Args:
-      params: a pytree of floating-point tensors (e.g. `dict(model.named_parameters())`);
-        not modified, and not aliased by the returned state.
+      params: a pytree of floating-point tensors (`dict(model.named_parameters())`); not
+        modified, and not aliased by the state.
       optimizer: an `fzero.optim.Optimizer`; its state is built for what this rank updates.
       mesh: the data-parallel mesh (`ProcessGroupMesh` or a rank of `simulate`).
       stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
-      layout: "flat" (default: flat buffers split evenly, any shapes) or "tensor" (whole
-        tensors per rank, greedy by size, for per-tensor optimizers such as Adafactor,
-        which stages 1-3 refuse on "flat": see `Optimizer.whole_tensors`).
-      units: parameter-path prefixes gathered and reduced as separate flat buffers (see
-        `fzero.units.by_module` / `by_size`), or tuples of prefixes, each one unit
-        (FSDP2's `fully_shard([m1, m2])`; `fzero.units.grouped`); parameters in no unit
-        form the root unit.
-      bucket_bytes: instead of `units`, group parameters into units of at least this
-        many bytes along the path hierarchy, runs of small siblings joined
-        (`fzero.units.by_size`; FairScale ShardedDDP's `reduce_buffer_size`, DeepSpeed's
-        buckets): the granularity of every stage's collectives.
-      frozen: which parameters are not trained: a pytree of bools like `params` (True =
-        frozen), or a list of path prefixes. By default, if some leaves of `params`
-        require grad (e.g. `dict(model.named_parameters())` after freezing some), the
-        others are frozen; otherwise nothing is. Frozen parameters get no gradient, no
-        communication beyond stage 3's all-gather, no optimizer state, and keep their
-        values bitwise.
-      buffers: module buffers to carry through steps (e.g. `dict(model.named_buffers())`):
-        replicated, rank 0's values broadcast here like DDP's constructor. The step then
-        calls `loss_fn(params, buffers, batch)`, which returns `(loss, new_buffers)`.
-      precision: a `fzero.Precision`: compute, gather and reduce dtypes, with master
-        copies of this rank's shard in the master dtype (see `Precision`). Parameters are
-        checked to fit the low-precision dtypes (a float16 overflow is an error).
-      loss_scale: a `fzero.DynamicLossScale`: the step scales the loss, unscales the
-        reduced gradients, and skips the update on every rank if any rank saw an inf or
-        NaN. Its state lives in the returned state (`state.scaler`).
-      init: an initializer from `fzero.init` (`from_module`, `by_leaf`, `from_file`):
-        the values of `params` (and of buffers on the meta device) are made or read by
-        it instead, a module or a leaf at a time, each rank keeping only what it holds.
-        `params` may then be meta tensors (values ignored): a model larger than one
-        rank is never materialized whole, and there is no broadcast. Ranks check that
-        they made the same values (a digest per leaf), so a non-deterministic init
-        raises instead of training diverged replicas.
+      layout: "flat" (flat buffers split evenly) or "tensor" (whole tensors per rank, for
+        per-tensor optimizers such as Adafactor: see `Optimizer.whole_tensors`).
+      units: path prefixes (or tuples of them), each gathered and reduced as one unit
+        (`fzero.units`); the parameters in none form the root unit.
+      bucket_bytes: instead of `units`, units of at least this many bytes (`by_size`).
+      frozen: a bool tree like `params` or a list of path prefixes; by default the leaves
+        that do not require grad, if some do. Frozen leaves keep their values bitwise.
+      buffers: module buffers carried through steps, rank 0's; the loss is then
+        `loss_fn(params, buffers, batch) -> (loss, new_buffers)`.
+      precision: a `fzero.Precision`: masters of this rank's shard, compute dtypes.
+      loss_scale: a `fzero.DynamicLossScale`; its state is `state.scaler`.
+      init: an initializer from `fzero.init`: each rank makes or reads only what it
+        holds, `params` may be meta tensors, and ranks check they made the same values.
 
     Returns:
       A ShardedState.
@@ -372,38 +349,3 @@ def _units_of_bytes(
     leaves = tree_flatten(params)[0]
     itemsize = max(x.element_size() for x in leaves if isinstance(x, torch.Tensor))
     return by_size(params, max(1, bucket_bytes // itemsize))
-
-
-def check_step_state(
-    state: ShardedState,
-    stage: int,
-    layout: str | None,
-    units: Sequence[UnitSpec] | None,
-    mesh: Mesh,
-) -> None:
-    """Raises unless a step for `stage` (and `layout`, `units`, `mesh`) can take `state`."""
-    if not isinstance(state, ShardedState):
-        raise TypeError(
-            f"step expects the ShardedState from shard_state, got {type(state).__name__}"
-        )
-    check_live(state, mesh.rank, "step")
-    if state.stage != stage:
-        raise ValueError(
-            f"this step is for stage {stage}, the state was built for stage {state.stage}"
-        )
-    if layout is not None and layout != state.layout.kind:
-        raise ValueError(f"this step is for layout {layout!r}, the state has {state.layout.kind!r}")
-    if units is not None and members_of(units) != state.layout.members[1:]:
-        raise ValueError(
-            f"this step is for units {list(units)}, the state has {list(state.layout.specs)}"
-        )
-    if state.layout.world_size != mesh.shard_size:
-        raise ValueError(
-            f"the state is sharded over {state.layout.world_size} ranks, the mesh shards over "
-            f"{mesh.shard_size}"
-        )
-    if isinstance(state.params, Shards) and state.params.rank != mesh.shard_rank:
-        raise ValueError(
-            f"the state's shards belong to shard {state.params.rank} of "
-            f"{mesh.shard_size}, this is rank {mesh.rank} (shard {mesh.shard_rank})"
-        )

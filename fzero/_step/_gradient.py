@@ -1,107 +1,84 @@
-"""Micro-batches: a step's batch cut into them, and the mean gradient over them.
-
-`o` is the step's options (`_train.Options`: accumulate, mesh, ledger); `Memory` what a
-step function carries from one call to the next.
-"""
+"""The mean gradient of a step's loss over its micro-batches, reduced as the stage reduces it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from .._core import (
-    LossFn,
-    ShardLayout,
-    Stage,
-    sparse_gradient,
-    tree_flatten,
-    tree_map,
-    value_and_grad,
-)
-from .._engine import CallCheck, Engine, Pool, Schedule, hookable_units
+from .._core import LossFn, Shards, sparse_gradient, tree_flatten, tree_map, value_and_grad
+from .._engine import Context, Engine
 from .._state import ShardedState
-
-
-@dataclass
-class Memory:
-    """What a step function carries from one call to the next."""
-
-    order: list[str] = field(default_factory=list)  # just-in-time units, last step's order
-    followable: bool = False  # `order` is a real step's (a rank without data follows it)
-    micro: int | None = None  # micro-batches of the last step (accumulating)
-    warned: bool = False  # a step with no weight anywhere was reported
-    hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units): walked once
-    pool: Pool = field(default_factory=Pool)  # gradient bursts' buffers, kept across calls
-    # (layout, precision, the schedule planned for them): planned once, as a step's
-    # options are the step function's and only the state's layout and precision vary.
-    planned: tuple[Any, Any, Schedule | None] = (None, None, None)
-    # (layout, per just-in-time unit its leaves' placeholders): made once, not every step
-    made: tuple[Any, dict[str, Any]] = (None, {})
-
-    def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
-        if self.hooked[0] is not layout:
-            self.hooked = (layout, hookable_units(layout, module))
-        return self.hooked[1]
-
-    def placeholders(self, layout: ShardLayout) -> dict[str, Any]:
-        if self.made[0] is not layout:
-            self.made = (layout, {})
-        return self.made[1]
+from ._sync import StepSync
 
 
 def mean_grad(
     loss_fn: LossFn,
     micro: list[Any],
-    o: Any,
-    memory: Memory,
-    stage: Stage,
-    schedule: Schedule,
+    ctx: Context,
     state: ShardedState,
-    grads_like: tuple[torch.Tensor, ...],
+    target: Any,
     local: tuple[torch.Tensor, ...] | None,
-    after_forward: Callable[[CallCheck | None], None],
-) -> tuple[torch.Tensor, ...]:
-    """This rank's reduced gradient per bucket, the mean over every micro-batch (None: no
-    data, zeros); `local`: the replicated full buffers (stages 0-2); `after_forward` runs
-    once the last forward is done."""
-    lay = state.layout
-    acc: dict[int, torch.Tensor] | None = {} if o.accumulate == "local" else None
+    sync: StepSync,
+    accumulate: str | None,
+    order: list[str] | None,
+) -> tuple[Any, list[str] | None]:
+    """This rank's part of the mean gradient over every micro-batch and rank, shaped as
+    what its optimizer updates.
+
+    Args:
+      loss_fn: the step's loss, `(params, batch) -> scalar`.
+      micro: the micro-batches (None: this rank has none for that one).
+      ctx: the engine's context (its schedule decides everything else).
+      state: the state stepped.
+      target: what this rank's optimizer updates (its shards, or the trainable tree).
+      local: the replicated full buffers (stages 0-2).
+      sync: the step's agreement among ranks (a call check per micro-batch).
+      accumulate: the step's `accumulate=` option.
+      order: the just-in-time units last step called (None: no step yet).
+
+    Returns:
+      `(grads, order)`: the trainable tree where the stage all-reduces, else this rank's
+      `Shards`; and the just-in-time units this step called, in order.
+    """
+    s, lay = ctx.schedule, ctx.layout
+    if s.by_leaf:
+        grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate)
+        sync.check(last=True).after_forward(None)  # the losses' weights travel alone
+        return grads, order
+    if s.all_reduce:  # every rank keeps the full mean gradient
+        assert local is not None
+        like = local
+    else:  # a rank keeps its shard of it, shaped as what it updates
+        like = state.params.buffers if s.gathers else target.buffers
+    # Local accumulation (DDP's no_sync) sums full gradients here across micro-batches.
+    sums: dict[int, torch.Tensor] | None = {} if accumulate == "local" else None
     total = None
     for j, mb in enumerate(micro):
         last = j == len(micro) - 1
-        engine = Engine(
-            stage,
-            schedule,
-            lay,
-            o.mesh,
-            grads_like,
-            local,
-            ledger=o.ledger,
-            order=memory.order,
-            acc=acc,
-            final=last,
-            followable=memory.followable,
-            pool=memory.pool,
-            placeholders=memory.placeholders(lay),
-        )
-        _, grads = engine.value_and_grad(loss_fn, mb, after_forward if last else None)
-        memory.followable = True
-        if total is None:
-            total = grads
-            continue
-        total = tuple(t + g for t, g in zip(total, grads))
+        check = sync.check(last)
+        engine = Engine(ctx, like, check, local=local, order=order, sums=sums, final=last)
+        _, grads, order = engine.value_and_grad(loss_fn, mb)
+        total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
     assert total is not None
     if len(micro) > 1:
         total = tuple(t / len(micro) for t in total)
-    return total
+    if s.all_reduce:
+        assert local is not None
+        full = [f if b.frozen else g for f, g, b in zip(local, total, lay.buckets)]
+        return lay.trainable(lay.unflatten(full)), order
+    return Shards(total, lay, ctx.mesh.shard_rank), order
 
 
-def leaf_grad(loss_fn: LossFn, micro: list[Any], o: Any, state: ShardedState) -> Any:
-    """Stage 0 on one rank: gradients by leaf, the mean over every micro-batch.
+def _by_leaf(
+    loss_fn: LossFn,
+    micro: list[Any],
+    state: ShardedState,
+    reduce_dtype: torch.dtype | None,
+    accumulate: str | None,
+) -> Any:
+    """Stage 0 on one rank (`Schedule.by_leaf`): gradients by leaf, the mean over every
+    micro-batch.
 
     With nothing to communicate there is nothing to gather or reduce unit by unit, so the
     gradient is taken with respect to the leaves themselves, as an eager loop's `.grad`:
@@ -111,7 +88,6 @@ def leaf_grad(loss_fn: LossFn, micro: list[Any], o: Any, state: ShardedState) ->
     accumulation sums them first, "sharded" after), and a mean over micro-batches.
     """
     lay = state.layout
-    reduce_dtype = None if state.precision is None else state.precision.reduce_dtype
     trainable = lay.trainable(state.params)
 
     def rounded(g: Any) -> Any:
@@ -127,39 +103,11 @@ def leaf_grad(loss_fn: LossFn, micro: list[Any], o: Any, state: ShardedState) ->
                 if g is not None and g.layout != torch.strided:
                     raise sparse_gradient(0, path)
         grads = tree_map(torch.zeros_like, trainable) if grads is None else lay.trainable(grads)
-        if o.accumulate != "local":
+        if accumulate != "local":
             grads = rounded(grads)
         total = grads if total is None else tree_map(torch.add, total, grads)
-    if o.accumulate == "local":
+    if accumulate == "local":
         total = rounded(total)
     if len(micro) > 1:
         total = tree_map(lambda t: t / len(micro), total)
     return total
-
-
-def micro_batches(batch: Any, o: Any, memory: Memory) -> list[Any]:
-    """The step's micro-batches (None: this rank has no data for that one)."""
-    if o.accumulate is None:
-        return [batch]
-    if batch is None:  # no data at all: as many empty micro-batches as last step
-        if memory.micro is None:
-            raise ValueError(
-                f"with accumulate={o.accumulate!r}, step(state, None) repeats the number of "
-                "micro-batches of the last step, and there was none: pass [None] * M"
-            )
-        return [None] * memory.micro
-    if not isinstance(batch, list) or not batch:
-        # Not a tuple: (x, y) is what one micro-batch looks like, and taken for two
-        # micro-batches x and y it may even run, training on the wrong data.
-        hint = (
-            " (a tuple reads as one micro-batch's fields, such as (x, y): pass [batch], or "
-            "a list of micro-batches)"
-            if isinstance(batch, tuple)
-            else ""
-        )
-        raise TypeError(
-            f"with accumulate={o.accumulate!r} a step takes a non-empty list of micro-batches, "
-            f"got {type(batch).__name__}{hint}"
-        )
-    memory.micro = len(batch)
-    return list(batch)

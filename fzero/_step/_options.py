@@ -1,65 +1,164 @@
-"""The step's options for hybrid meshes: hpZ's secondary axis and quantized communication."""
+"""StepOptions: what `sharded_step` was asked for, checked once; and whether a state fits."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
+from torch import nn
 
-from .._comm import Axis, Mesh, QuantizedComm, all_reduce_sum
-from .._core import Shards
+from .._comm import Axis, Mesh, QuantizedComm
+from .._core import ShardLayout, Shards, Stage, UnitSpec, members_of, stage_of
+from .._engine import Schedule, UnitLedger, plan
+from .._state import Precision, ShardedState, check_live
 
 
-def check_quantize(quantize: Any, stage: int) -> None:
+@dataclass(frozen=True)
+class StepOptions:
+    """`sharded_step`'s arguments, checked (`step_options`): fixed for the step
+    function's life. See `fzero.sharded_step` for what each means."""
+
+    mesh: Mesh
+    stage: Stage
+    layout: str | None
+    units: Sequence[UnitSpec] | None
+    module: nn.Module | None
+    just_in_time: bool
+    reshard_after_forward: bool
+    secondary: Axis | None  # hpZ: where the backward gathers resharded units from
+    quantize: QuantizedComm | None
+    prefetch: bool
+    ledger: UnitLedger | None
+    donate: bool
+    accumulate: str | None
+    buffer_sync: str
+    overlap_reduce: bool
+    reduce_bucket_bytes: int
+
+    def schedule(
+        self, layout: ShardLayout, precision: Precision | None, hooked: Mapping[str, Any]
+    ) -> Schedule:
+        """The step's schedule for a state of `layout` and `precision` (`hooked`: its
+        units entered by module hooks)."""
+        prec = precision
+        return plan(
+            self.stage,
+            layout,
+            self.mesh.size,
+            hooked,
+            just_in_time=self.just_in_time,
+            prefetch=self.prefetch,
+            reshard_after_forward=self.reshard_after_forward,
+            secondary=self.secondary,
+            quantize=self.quantize,
+            overlap_reduce=self.overlap_reduce,
+            reduce_bucket_bytes=self.reduce_bucket_bytes,
+            accumulate_locally=self.accumulate == "local",
+            comm_dtypes=(None, None) if prec is None else (prec.gather_dtype, prec.reduce_dtype),
+        )
+
+
+def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
+    """`sharded_step`'s options checked: a TypeError or ValueError naming the option
+    otherwise. `options` are `sharded_step`'s keyword arguments but `stage`."""
+    spec = stage_of(stage)
+    accumulate = options["accumulate"]
+    bucket = options["reduce_bucket_bytes"]
+    buffer_sync = options["buffer_sync"]
+    if accumulate not in (None, "local", "sharded"):
+        raise ValueError(f"accumulate must be None, 'local' or 'sharded', got {accumulate!r}")
+    if isinstance(bucket, bool) or not isinstance(bucket, int):
+        raise TypeError(f"reduce_bucket_bytes must be an int, got {bucket!r}")
+    if bucket < 0:
+        raise ValueError(f"reduce_bucket_bytes must be >= 0, got {bucket}")
+    if buffer_sync not in ("broadcast", "mean", "local"):
+        raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
+    _check_quantize(options["quantize"], spec)
+    reshard = options["reshard_after_forward"]
+    return StepOptions(
+        mesh=mesh,
+        stage=spec,
+        layout=options["layout"],
+        units=options["units"],
+        module=options["module"],
+        just_in_time=bool(options["just_in_time"]),
+        reshard_after_forward=bool(reshard),
+        secondary=_secondary_axis(reshard, spec, mesh),
+        quantize=options["quantize"],
+        prefetch=options["prefetch"],
+        ledger=options["ledger"],
+        donate=options["donate"],
+        accumulate=accumulate,
+        buffer_sync=buffer_sync,
+        overlap_reduce=options["overlap_reduce"],
+        reduce_bucket_bytes=bucket,
+    )
+
+
+def _check_quantize(quantize: Any, stage: Stage) -> None:
     if quantize is None:
         return
     if not isinstance(quantize, QuantizedComm):
         raise TypeError(f"quantize must be a fzero.QuantizedComm, got {quantize!r}")
     quantize.check()
-    if quantize.weights and stage != 3:
+    if quantize.weights and stage.enter != "all_gather":
         raise ValueError(
             f"QuantizedComm(weights=True) quantizes stage 3's per-unit parameter all-gathers "
-            f"(qwZ); stage {stage} has none (its parameters are gathered once after the "
-            f"update, into the replicas the optimizer reads): use weights=False"
+            f"(qwZ); stage {stage.number} has none (its parameters are gathered once after "
+            f"the update, into the replicas the optimizer reads): use weights=False"
         )
-    if quantize.grads and stage == 0:
+    if quantize.grads and stage.reduce != "reduce_scatter":
         raise ValueError(
             "QuantizedComm(grads=True) quantizes gradient reduce-scatters (qgZ, stages 1-3); "
             "stage 0 all-reduces: use stage >= 1 or grads=False"
         )
 
 
-def check_finite(grads: Any, mesh: Mesh, step: int) -> None:
-    """qgZ without a loss scaler: a non-finite gradient fails every rank, not one.
-
-    Int8 blocks carry inf or NaN as NaN to whichever rank owns them; that rank alone
-    would see it, so the ranks compare (one small all-reduce and a host sync per step).
-    """
-    if not isinstance(grads, Shards):
-        return
-    # One flag for every buffer, so one host sync (below) rather than one per buffer.
-    bad = sum((~torch.isfinite(g)).any().double() for g in grads.buffers if g.numel())
-    flags = all_reduce_sum(
-        torch.as_tensor(bad, dtype=torch.float64).clamp(max=1).view(1), mesh, control=True
-    )
-    if flags.item():
-        raise ValueError(
-            f"rank {mesh.rank}: step {step}: the gradients hold inf or NaN after the quantized "
-            f"reduction (QuantizedComm(grads=True)) on {int(flags.item())} rank(s); without "
-            f"a loss scaler the step cannot skip it. Find the overflow, use a "
-            f"DynamicLossScale, or turn qgZ off"
-        )
-
-
-def secondary_axis(reshard: Any, stage: int, mesh: Mesh) -> Axis | None:
+def _secondary_axis(reshard: Any, stage: Stage, mesh: Mesh) -> Axis | None:
     """hpZ's axis for an int `reshard_after_forward` (None for a bool)."""
     if isinstance(reshard, bool):
         return None
     if not isinstance(reshard, int):
         raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard!r}")
-    if stage != 3:
+    if not stage.shards_params:
         raise ValueError(
             f"reshard_after_forward={reshard} (hpZ's secondary copy) is for stage 3, whose "
-            f"parameters are sharded; this step is stage {stage}"
+            f"parameters are sharded; this step is stage {stage.number}"
         )
     return mesh.secondary(reshard)
+
+
+def check_step_state(
+    state: ShardedState,
+    stage: int,
+    layout: str | None,
+    units: Sequence[UnitSpec] | None,
+    mesh: Mesh,
+) -> None:
+    """Raises unless a step for `stage` (and `layout`, `units`, `mesh`) can take `state`."""
+    if not isinstance(state, ShardedState):
+        raise TypeError(
+            f"step expects the ShardedState from shard_state, got {type(state).__name__}"
+        )
+    check_live(state, mesh.rank, "step")
+    if state.stage != stage:
+        raise ValueError(
+            f"this step is for stage {stage}, the state was built for stage {state.stage}"
+        )
+    if layout is not None and layout != state.layout.kind:
+        raise ValueError(f"this step is for layout {layout!r}, the state has {state.layout.kind!r}")
+    if units is not None and members_of(units) != state.layout.members[1:]:
+        raise ValueError(
+            f"this step is for units {list(units)}, the state has {list(state.layout.specs)}"
+        )
+    if state.layout.world_size != mesh.shard_size:
+        raise ValueError(
+            f"the state is sharded over {state.layout.world_size} ranks, the mesh shards over "
+            f"{mesh.shard_size}"
+        )
+    if isinstance(state.params, Shards) and state.params.rank != mesh.shard_rank:
+        raise ValueError(
+            f"the state's shards belong to shard {state.params.rank} of "
+            f"{mesh.shard_size}, this is rank {mesh.rank} (shard {mesh.shard_rank})"
+        )

@@ -17,11 +17,21 @@ from typing import Any
 from torch import nn
 
 from .._comm import Mesh
-from .._core import PyTree, stage_of
-from .._engine import Engine, UnitLedger, full_buckets, plan
-from .._state import ShardedState, check_step_state
-from ._gradient import Memory
+from .._core import PyTree, Stage, stage_of
+from .._engine import (
+    CallCheck,
+    Context,
+    Engine,
+    Pool,
+    UnitLedger,
+    full_buckets,
+    placeholders_for,
+    plan,
+)
+from .._state import ShardedState
+from ._cache import StepCache
 from ._loss import copied
+from ._options import check_step_state
 from ._sharded_step import collector_paused
 
 Forward = Callable[[ShardedState, Any], Any]
@@ -38,24 +48,13 @@ def sharded_forward(
 ) -> Forward:
     """A forward without gradients: `forward(state, batch) -> fn(params, batch)`.
 
-    For evaluation and generation at any stage without gathering the whole model. At
-    stage 3 a unit's parameters enter `fn` as they do a step's loss (`sharded_step`'s
-    `module=` and `just_in_time=` mean the same here) and are freed as soon as the
-    forward is done with them (after their submodule's forward, or once `fn` lets go of
-    what `fzero.gathered` returned), while the next unit's gather is prefetched: a rank
-    holds its shards and a few units at a time. Without `module=` or `just_in_time`,
-    every unit is gathered before `fn` runs, and freed when it returns. Stages 0-2 run
-    `fn` on the replicated parameters, with no communication.
-
-    `fn` runs under `torch.no_grad()`; the state is read, never changed. A state with
-    buffers calls `fn(params, buffers, batch)` with copies of them (in-place updates,
-    such as a BatchNorm's in train mode, are not kept). At stage 3 every rank must call
-    `forward` the same number of times, its units in the same order (checked after each
-    call, as in a step); a rank without data passes `batch=None`, enters the units the
-    last call entered, and gets None. Tensors `fn` returns that share memory with the
-    parameters are copies: at stage 3 that memory is freed as the forward ends, at stages
-    0-2 it is the state's, which a donating step updates in place (a module hook frees
-    its unit at stage 3 as soon as the submodule returns, before any copy).
+    For evaluation and generation at any stage without gathering the whole model: at
+    stage 3 units enter `fn` as they enter a step's loss and each is freed as soon as the
+    forward is done with it, the next one's gather prefetched; stages 0-2 run `fn` on the
+    replicas, without communicating. `fn` runs under `torch.no_grad()` and the state is
+    read, never changed. Every rank calls `forward` as often as the others (a rank
+    without data passes `batch=None` and gets None). Returned tensors that share memory
+    with the parameters are copies (docs/training.md).
 
     Args:
       fn: `(params, batch) -> anything` (`(params, buffers, batch)` with buffers), params
@@ -72,7 +71,7 @@ def sharded_forward(
     Returns:
       `forward(state, batch) -> fn's result` (None for `batch=None` at stage 3).
     """
-    memory = Memory()
+    cache = StepCache()
 
     def forward(state: ShardedState, batch: Any) -> Any:
         check_step_state(state, state.stage, None, None, mesh)
@@ -83,12 +82,36 @@ def sharded_forward(
             def call(params: PyTree, batch: Any) -> Any:
                 return fn(params, buffers, batch)
 
-        stage, lay, prec = stage_of(state.stage), state.layout, state.precision
+        stage, lay = stage_of(state.stage), state.layout
+        key = (state.precision, stage)
+        ctx = cache.context(lay, key, lambda: _context(stage, state, mesh, cache, module, ledger))
+        # Replicas: nothing is communicated, so nothing can pair wrongly (`plan` checks no
+        # calls). The engine still enters the units, so that a parameter used outside its
+        # unit fails here as it does at stage 3 (and in a step at any stage).
+        local = None if stage.shards_params else full_buckets(state.params, lay)
+        order = cache.order if cache.order is not None or local is None else []
+        held = local if local is not None else state.params.buffers
+        # A forward keeps no buffers from one call to the next: a fresh pool each call.
+        ctx = dataclasses.replace(ctx, pool=Pool())
+        engine = Engine(ctx, held, CallCheck(mesh), local=local, order=order)
+        with collector_paused():
+            out, cache.order = engine.forward(call, batch)
+        return out
+
+    def _context(
+        stage: Stage,
+        state: ShardedState,
+        mesh: Mesh,
+        cache: StepCache,
+        module: nn.Module | None,
+        ledger: UnitLedger | None,
+    ) -> Context:
+        prec, lay = state.precision, state.layout
         schedule = plan(
             stage,
             lay,
             mesh.size,
-            memory.hooked_units(lay, module),
+            cache.hooked_units(lay, module),
             just_in_time=just_in_time,
             prefetch=prefetch,
             reshard_after_forward=True,
@@ -96,32 +119,9 @@ def sharded_forward(
             reduce_bucket_bytes=0,
             accumulate_locally=False,
             comm_dtypes=(None if prec is None else prec.gather_dtype, None),
+            backward=False,
         )
-        # No backward follows to need the forward's last units: free them all as it goes.
-        schedule = dataclasses.replace(schedule, keep_last=0)
-        local = None
-        if not stage.shards_params:
-            # Replicas: nothing is communicated, so nothing can pair wrongly to check for.
-            # The engine still enters the units, so that a parameter used outside its unit
-            # fails here as it does at stage 3 (and in a step at any stage).
-            schedule = dataclasses.replace(schedule, check_calls=False)
-            local = full_buckets(state.params, lay)
-        engine = Engine(
-            stage,
-            schedule,
-            lay,
-            mesh,
-            local if local is not None else state.params.buffers,
-            local,
-            ledger=ledger,
-            order=memory.order,
-            acc=None,
-            final=True,
-            followable=memory.followable or local is not None,
-        )
-        with collector_paused():
-            out = engine.forward(call, batch)
-        memory.followable = True
-        return out
+        placeholders = placeholders_for(lay, schedule.jit, mesh.rank)
+        return Context(schedule, lay, mesh, cache.pool, ledger, placeholders)
 
     return forward

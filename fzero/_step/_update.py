@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .._comm import Mesh
+from .._comm import Mesh, all_reduce_sum
 from .._core import PyTree, ShardLayout, Shards, Stage, leaf_paths, tree_flatten, tree_map
 from .._engine import gather_params_into
 from .._state import held_shards, unscale_
@@ -94,7 +94,7 @@ def _check_like(grads: PyTree, params: PyTree) -> None:
 # -- a step's update --------------------------------------------------------------------
 
 
-def rebuild_params(
+def after_update(
     stage: Stage,
     new: Any,
     local: Any,
@@ -130,7 +130,7 @@ def apply_update(
     """A step's optimizer update of `target` (parameters or masters; a tree or Shards).
 
     Gradients arrive in the reduce dtype and are cast to the target's, then multiplied by
-    `factor` (the step's weighting, `_weight`) in the target's precision. With a loss scaler
+    `factor` (the step's weighting, `_loss_weights`) in the target's precision. With a loss scaler
     they are unscaled, and if any rank found an inf or NaN, nothing is updated on any rank
     (the third value is then False).
     """
@@ -206,3 +206,25 @@ def _views_into(tree: PyTree, lay: ShardLayout, flats: list[torch.Tensor]) -> bo
     them; `full_buckets` tells them by each bucket's first leaf alike)."""
     leaves = tree_flatten(tree)[0]
     return all(leaves[b.slots[0].index]._base is f for b, f in zip(lay.buckets, flats) if b.slots)
+
+
+def check_finite(grads: Any, mesh: Mesh, step: int) -> None:
+    """qgZ without a loss scaler: a non-finite gradient fails every rank, not one.
+
+    Int8 blocks carry inf or NaN as NaN to whichever rank owns them; that rank alone
+    would see it, so the ranks compare (one small all-reduce and a host sync per step).
+    """
+    if not isinstance(grads, Shards):
+        return
+    # One flag for every buffer, so one host sync (below) rather than one per buffer.
+    bad = sum((~torch.isfinite(g)).any().double() for g in grads.buffers if g.numel())
+    flags = all_reduce_sum(
+        torch.as_tensor(bad, dtype=torch.float64).clamp(max=1).view(1), mesh, control=True
+    )
+    if flags.item():
+        raise ValueError(
+            f"rank {mesh.rank}: step {step}: the gradients hold inf or NaN after the quantized "
+            f"reduction (QuantizedComm(grads=True)) on {int(flags.item())} rank(s); without "
+            f"a loss scaler the step cannot skip it. Find the overflow, use a "
+            f"DynamicLossScale, or turn qgZ off"
+        )

@@ -22,6 +22,7 @@ from .._state import shard_state
 from .._step import sharded_step
 from ._memory import estimate_memory, memory_report
 from ._simulate import simulate
+from ._traffic import estimate_comm
 
 
 class Block(nn.Module):
@@ -217,7 +218,9 @@ def _row(
         "opt_formula": math.ceil(want.opt_state),
         # Nothing moves on one rank; otherwise ZeRO section 7's volumes per step.
         "comm_bytes": round(results[0]["comm"]),
-        "comm_formula": 0 if world_size == 1 else (3 if stage == 3 else 2) * psi * nbytes,
+        "comm_formula": 0
+        if world_size == 1
+        else round(sum(estimate_comm(psi, world_size, stage, elem_bytes=nbytes))),
         "seconds": time.perf_counter() - t0,
     }
 

@@ -55,56 +55,33 @@ def assert_stages_equivalent(
 ) -> None:
     """Asserts every ZeRO stage trains `params` exactly like one process with `torch.optim`.
 
-    The reference runs in this process: plain autograd and `cls(params, **kwargs)` from
-    `optimizer`. At step t its loss is the mean of `loss_fn` over the step's micro-batches,
-    `mean_r loss_fn(params, batches[t][r])`; for a loss that is a mean over examples and
-    micro-batches of equal size, that is exactly the loss on the concatenated batch. A
-    trainable parameter the loss does not use gets a zero gradient in the reference, as
-    it does in fzero's flat buffers. Each stage then runs on `fzero.simulate` with
-    `world_size = len(batches[t])` ranks, rank r calling `loss_fn(params, batches[t][r])`
-    at step t; the test passes when the parameters every rank gathers after the last
-    step, and the per-step losses averaged over ranks, match the reference.
+    The reference runs here: plain autograd and `cls(params, **kwargs)`, its loss at step
+    t the mean of `loss_fn` over the step's micro-batches (the loss on the concatenated
+    batch, for a mean loss over equal micro-batches). Each stage then runs on
+    `fzero.simulate` with one rank per micro-batch; the parameters every rank gathers
+    after the last step, and the per-step losses averaged over ranks, must match.
 
     Args:
-      loss_fn: `(params, batch) -> scalar tensor`, as for `fzero.sharded_step` (e.g. a
-        `torch.func.functional_call` of your module followed by a mean loss).
-      params: the initial parameter tree (e.g. `dict(model.named_parameters())`); not
-        modified. If some leaves require grad and others do not, the others are frozen
-        in the reference and in fzero (`shard_state`'s default).
-      batches: one entry per step, each a sequence of one micro-batch per rank, in rank
-        order (`split_batch` cuts a global batch); every step has the same length, the
-        world size.
-      optimizer: a `torch.optim.Optimizer` class, or `(cls, kwargs)` such as
-        `(torch.optim.AdamW, {"lr": 1e-3})`: the reference steps `cls(tensors, **kwargs)`
-        and the ranks run `fzero.optim.from_torch(cls, **kwargs)`.
+      loss_fn: `(params, batch) -> scalar tensor`, as for `fzero.sharded_step`.
+      params: the initial parameter tree; not modified. Leaves that do not require grad,
+        where others do, are frozen in both.
+      batches: per step, one micro-batch per rank in rank order (`split_batch`).
+      optimizer: a `torch.optim.Optimizer` class, or `(cls, kwargs)`: the ranks run
+        `fzero.optim.from_torch(cls, **kwargs)`.
       stages: the ZeRO stages to check.
-      fzero_optimizer: what the ranks run instead of `from_torch(cls, **kwargs)`, to
-        check an `fzero.optim` optimizer (e.g. `fzero.optim.adamw(lr=1e-3)`) against
-        its torch counterpart.
-      layout: `shard_state`'s layout, "flat" or "tensor".
-      units: `shard_state`'s units (parameter-path prefixes, or tuples of them).
-      module: `sharded_step`'s module (the module `loss_fn` calls through
-        `functional_call`), to check units gathered just in time by forward hooks.
-      rtol: relative tolerance; default by the least precise parameter dtype: 1e-7 for
-        float64, 1e-4 for float32, and for half precision 0 with a measured `atol`.
-      atol: absolute tolerance; default 1e-9 for float64, 1e-5 for float32. With half
-        precision (float16, bfloat16) the default is measured on every call: the
-        reference is trained a second time with its gradients reduced the way ranks
-        reduce them (one backward per micro-batch, summed in rank order, then divided)
-        instead of differentiating the mean loss, and a stage may differ from the
-        reference by 4 times what those two orders differ by (at least 2 ulps of the
-        largest parameter). A fixed half-precision tolerance is either loose enough to
-        pass a stage that barely trained or tight enough to fail a correct one.
-      timeout: seconds all stages together may take on the simulated ranks (None: no
-        limit); a rank stuck in a collective fails after 60 s regardless.
+      fzero_optimizer: what the ranks run instead, to check an `fzero.optim` optimizer.
+      layout, units, module: `shard_state`'s and `sharded_step`'s.
+      rtol, atol: tolerances; by default 1e-7 / 1e-9 for float64, 1e-4 / 1e-5 for float32,
+        and for half precision an `atol` measured on every call: 4 times what two
+        reduction orders of the reference differ by (docs/testing.md).
+      timeout: seconds all stages together may take (None: no limit); a rank stuck in a
+        collective fails after 60 s regardless.
 
     Raises:
-      AssertionError: naming each failing stage with its first differing leaf (dotted
-        path), the largest |Δ| and the tolerance, the first step whose loss differs, or
-        a stage whose parameters did not move where the reference's did.
-      ValueError: if `batches` is empty or its steps have different lengths, or if the
-        reference itself moves no parameter by more than the tolerance (the check could
-        then not tell training from a step that does nothing).
+      AssertionError: naming each failing stage with its first differing leaf, the
+        largest |Δ| and the tolerance, the first step whose loss differs, or a stage whose
+        parameters did not move where the reference's did.
+      ValueError: if `batches` is empty or ragged, or the reference moves nothing.
     """
     cls, kwargs = _optimizer_spec(optimizer)
     world_size = _world_size(batches)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .._core import stage_of
+
 
 class Traffic(NamedTuple):
     """Logical bytes one rank's collectives move per step (ZeRO's accounting: an
@@ -51,23 +53,28 @@ def estimate_comm(
     Returns:
       `Traffic(inside, across)`.
     """
-    if stage not in (0, 1, 2, 3) or world_size < 1:
-        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
+    spec = stage_of(stage)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     q = 1 + 4 / block  # bytes per element as int8 blocks
-    gather = num_params * (q if qwz and stage == 3 else elem_bytes)
-    reduce = num_params * (q if qgz and stage > 0 else elem_bytes)
+    gathers = spec.enter == "all_gather"  # parameters gathered for the forward (and backward)
+    quant_reduce = qgz and spec.reduce == "reduce_scatter"
+    gather = num_params * (q if qwz and gathers else elem_bytes)
+    reduce = num_params * (q if quant_reduce else elem_bytes)
+    all_reduce = 2 * num_params * elem_bytes  # stage 0: an all-reduce counts twice
+    after = num_params * elem_bytes  # the updated shards gathered after the update (exact)
     if shard_size is not None and shard_size < world_size:  # HSDP: 1/S crosses groups
-        s = shard_size
-        inside = 2 * num_params * elem_bytes if stage == 0 else reduce + gather
-        if stage == 3:
-            inside += gather  # the backward's gathers, from the shards
-        elif stage in (1, 2):
-            inside = reduce + num_params * elem_bytes  # gathers after the update
-        return Traffic(inside, 2 * (num_params / s) * (q if qgz and stage > 0 else elem_bytes))
+        if spec.reduce == "all_reduce":
+            inside = all_reduce
+        elif gathers:
+            inside = reduce + 2 * gather  # the forward's and the backward's gathers
+        else:
+            inside = reduce + after
+        return Traffic(inside, 2 * (num_params / shard_size) * (q if quant_reduce else elem_bytes))
     # A 1-D mesh shards over all N ranks: its collectives span the nodes (ZeRO++'s view),
     # except hpZ's backward gathers, inside groups of `hpz`.
-    if stage < 3:
-        return Traffic(0.0, 2 * num_params * elem_bytes if stage == 0 else reduce + gather)
+    if not gathers:
+        return Traffic(0.0, all_reduce if spec.reduce == "all_reduce" else reduce + after)
     if hpz:
         return Traffic(num_params * elem_bytes, gather + reduce)  # regathered exact
     return Traffic(0.0, 2 * gather + reduce)

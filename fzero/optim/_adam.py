@@ -152,11 +152,9 @@ class _Scratch:
     them), that every leaf's denominator is written into in turn.
 
     torch's single-tensor Adam allocates two temporaries per leaf (the square root, then
-    its quotient). Under glibc's default trimming a freed buffer at the top of the heap is
-    returned to the OS, so each such allocation may fault its pages in afresh: on a stack
-    of 4 MB leaves that was ~38k page faults, about a third of the step, in some launches.
-    Writing into one buffer computes the very same values (the same kernels, into a
-    buffer or in place) with one allocation per step.
+    its quotient), each of which may fault its pages in afresh (docs/design.md, [Note:
+    the pool]). Writing into one buffer computes the very same values (the same kernels,
+    into a buffer or in place) with one allocation per step.
     """
 
     def __init__(self, moments: list[torch.Tensor], groups: list[list[torch.Tensor]]) -> None:

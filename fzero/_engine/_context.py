@@ -1,0 +1,37 @@
+"""Context: what the parts of one rank's engine share, fixed while the layout is."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .._comm import Mesh
+from .._core import ShardLayout
+from ._placeholder import Placeholder
+from ._pool import Pool
+from ._schedule import Schedule
+from ._unit_ledger import UnitLedger
+
+
+@dataclass(frozen=True)
+class Context:
+    """The policy, the layout and the mesh a micro-batch's units run under, and the step
+    function's own buffers and ledger. The engine, its parameter source and its
+    reductions read it; none of them writes it.
+
+    Attributes:
+      schedule: when units enter and how their gradients leave (`plan`).
+      layout: the state's layout.
+      mesh: the mesh.
+      pool: where host buffers come from (the step function's, kept across calls).
+      ledger: where live full-unit bytes are recorded, or None.
+      placeholders: per just-in-time unit, its leaves' index and `Placeholder` (they hold
+        no data, so the same ones serve every step; `placeholders_for`).
+    """
+
+    schedule: Schedule
+    layout: ShardLayout
+    mesh: Mesh
+    pool: Pool
+    ledger: UnitLedger | None
+    placeholders: Mapping[str, tuple[tuple[int, Placeholder], ...]]

@@ -1,0 +1,53 @@
+"""StepCache: what a step function carries from one call to the next."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .._core import ShardLayout
+from .._engine import Context, Pool, hookable_units
+
+
+@dataclass
+class StepCache:
+    """What a step function (`sharded_step`, `sharded_forward`) keeps between calls.
+
+    Written by the step function alone, between its calls' parts: what it calls reads
+    the values it is given and returns what it learned.
+
+    Attributes:
+      order: the just-in-time units the last call called, in order (None: no call yet).
+        The next call prefetches by it, and a rank without data follows it.
+      micro: the micro-batches of the last step (accumulating), which a rank without
+        data repeats.
+      warned: a step with no weight anywhere was reported (once).
+      pool: the host buffers the step's collectives reuse (`_engine._pool`).
+    """
+
+    order: list[str] | None = None
+    micro: int | None = None
+    warned: bool = False
+    pool: Pool = field(default_factory=Pool)
+    # (layout, key, its engine context): planned once per layout and key (the state's
+    # precision, ...), as the options are the step function's and only the state varies.
+    _planned: tuple[Any, Any, Context | None] = (None, None, None)
+    _hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units)
+
+    def context(self, layout: ShardLayout, key: Any, make: Callable[[], Context]) -> Context:
+        """The engine context for `layout` and `key` (what else of the state it depends
+        on), made by `make` when either changed."""
+        planned_layout, planned_key, ctx = self._planned
+        if ctx is None or planned_layout is not layout or planned_key != key:
+            ctx = make()
+            self._planned = (layout, key, ctx)
+        return ctx
+
+    def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
+        """The units of `layout` entered by hooks on `module`'s submodules (walked once)."""
+        if self._hooked[0] is not layout:
+            self._hooked = (layout, hookable_units(layout, module))
+        return self._hooked[1]
