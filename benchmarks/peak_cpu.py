@@ -5,7 +5,7 @@ highest. On the CPU, torch.profiler records every tensor allocation and free wit
 size, so the same sum can be taken over a few steps, with no GPU. Two things differ from
 a GPU run, and this script makes them as on a GPU:
 - fzero's host pool keeps gathered buffers and gradient bursts across steps on the CPU
-  (`fzero/_pool.py`); on a device it hands out fresh tensors and leaves reuse to the
+  (`fzero/_engine/_pool.py`); on a device it hands out fresh tensors and leaves reuse to the
   caching allocator. Here the pool hands out fresh tensors, as on a device.
 - CPU AdamW is not fused: torch's and fzero's rows both use the `foreach=False` loop.
 

@@ -268,7 +268,7 @@ def bounds_table(rows: list[Row]) -> list[str]:
 
     fzero runs with overlap_reduce=True (its default): one unit's reduce-scatter stays in
     flight while the next unit differentiates, so two units of full gradients are the
-    bound (one with overlap_reduce=False, checked in tests/test_units.py). The root unit is
+    bound (one with overlap_reduce=False, checked in tests/engine/test_units.py). The root unit is
     gathered before the forward and kept for the step, so stage 3's bound includes it.
     """
     out = ["| model | configuration | own shards MiB | peak full-unit params MiB "

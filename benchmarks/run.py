@@ -181,7 +181,7 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
               "which keeps one burst's reduce-scatter in flight (a unit, or consecutive "
               "units no larger together than the largest) while the next unit "
               "differentiates: the gradient bound below is therefore two of the largest unit "
-              "(one with overlap_reduce=False, checked in tests/test_units.py), and stage 3's "
+              "(one with overlap_reduce=False, checked in tests/engine/test_units.py), and stage 3's "
               "includes the root unit, gathered for the whole step. The ledger counts the "
               "full-unit buffers fzero itself holds, not activations or allocator slack; its "
               "params and grads peaks may come from different moments, so their sum "

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -28,6 +30,7 @@ def test_ci_runs_the_readme_test_command() -> None:
         assert cmd.index("torch==2.13.0") < cmd.index("-e ")
 
 
+@pytest.mark.multiprocess
 def test_quickstart_runs() -> None:
     quickstart = _blocks("python")[0]
     namespace: dict = {"__name__": "readme"}

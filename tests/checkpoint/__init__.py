@@ -1,0 +1,1 @@
+"""Tests of fzero.checkpoint: resharding, resume, crashes, exports."""

@@ -1,0 +1,1 @@
+"""Tests of fzero._comm: the ledger's volumes and int8 quantization."""

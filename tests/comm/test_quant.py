@@ -1,0 +1,307 @@
+"""Quantized communication (qwZ, qgZ): error bounds per collective, training, bytes, errors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+import fzero
+from fzero import _comm
+from fzero._comm import _quant
+from fzero._tools._demo import TinyGPT, make_data
+from tests.support import errors_on_every_rank, run
+
+KINDS = ["normal", "zeros", "tiny", "huge", "sparse"]
+SLACK = 2.0**-20  # float32 sums of what arrives: relative round-off per term
+
+
+def _values(kind: str, n: int, seed: int) -> torch.Tensor:
+    """float32 values of a kind: ordinary, all zeros, subnormal, 60 decades, mostly zero."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    if kind == "zeros":
+        return torch.zeros(n)
+    if kind == "tiny":
+        return x * 1e-40  # subnormal float32: a scale must not underflow
+    if kind == "huge":
+        return x * torch.pow(10.0, torch.randint(-30, 31, (n,), generator=g).float())
+    if kind == "sparse":
+        return x * (torch.rand(n, generator=g) < 0.05)
+    return x
+
+
+def _block_bounds(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per element of `x`: the documented bound of its block."""
+    nb = -(-x.numel() // block)
+    padded = torch.nn.functional.pad(x.abs().double(), (0, nb * block - x.numel()))
+    absmax = padded.view(nb, block).amax(1)
+    bound = torch.tensor([_quant.error_bound(a) for a in absmax.tolist()], dtype=torch.float64)
+    return bound.repeat_interleave(block)[: x.numel()]
+
+
+def test_quantize_round_trip_within_its_bound() -> None:
+    @settings(max_examples=60)
+    @given(
+        kind=st.sampled_from(KINDS),
+        n=st.integers(1, 700),
+        block=st.sampled_from([1, 5, 64, 256]),
+        seed=st.integers(0, 2**16),
+    )
+    def check(kind: str, n: int, block: int, seed: int) -> None:
+        x = _values(kind, n, seed)
+        codes, scales = _quant.quantize(x, block)
+        assert codes.dtype == torch.int8 and scales.shape == (1, -(-n // block))
+        back = _quant.dequantize(codes, scales, block, torch.float32).view(-1)
+        err = (back.double() - x.double()).abs()
+        assert bool((err <= _block_bounds(x, block)).all()), err.max().item()
+        assert bool((back[x == 0] == 0).all())  # zeros arrive exact
+
+    check()
+
+
+def test_nonfinite_blocks_travel_as_nan() -> None:
+    x = torch.tensor([1.0, float("inf"), 2.0, 3.0])
+    codes, scales = _quant.quantize(x, 2)
+    back = _quant.dequantize(codes, scales, 2, torch.float32).view(-1)
+    assert back[:2].isnan().all() and torch.allclose(back[2:], x[2:], atol=0.02)
+    with pytest.raises(ValueError, match="met inf or NaN"):
+        _quant.check_finite(scales, "here")
+
+
+CASES = st.lists(
+    st.tuples(
+        st.sampled_from(KINDS), st.integers(1, 300), st.sampled_from([1, 7, 256]), st.integers()
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@settings(max_examples=6)
+@given(shape=st.sampled_from([(3, None), (4, 2), (2, 1)]), cases=CASES)
+def test_quantized_collectives_within_their_bounds(shape: Any, cases: Any) -> None:
+    """qwZ's all-gather: each element within its block's bound. qgZ's reduce-scatter:
+    the sum within the bounds of what was quantized on the way (the owner's own part
+    exact); on a 2-D mesh the partial sums are quantized twice more across groups, and
+    every replica gets the same values."""
+    n, s = shape
+
+    def fn(mesh: fzero.Mesh) -> list[Any]:
+        out = []
+        for kind, m, block, seed in cases:
+            k = mesh.shard_size
+
+            def shard_of(r: int, kind: str = kind, m: int = m, seed: int = seed) -> torch.Tensor:
+                return _values(kind, m, (seed * 131 + r) % 2**31)
+
+            def full_of(r: int, kind: str = kind, n: int = k * m, seed: int = seed) -> torch.Tensor:
+                return _values(kind, n, (seed * 137 + r) % 2**31)
+
+            got = _comm.all_gather(shard_of(mesh.shard_rank), mesh, quant=block)
+            want = torch.cat([shard_of(j) for j in range(k)])
+            bound = torch.cat([_block_bounds(shard_of(j), block) for j in range(k)])
+            gather_ok = bool(((got.double() - want.double()).abs() <= bound).all())
+            part, work = _comm.reduce_scatter_async(full_of(mesh.rank), mesh, quant=block)
+            if work is not None:
+                work.wait()
+            i = mesh.shard_rank
+            rows = [full_of(r).view(k, m)[i].double() for r in range(mesh.size)]
+            exact = torch.stack(rows).sum(0)
+            mine = mesh.replica_rank * k + i
+            if mesh.replicas == 1:
+                bound = sum(_block_bounds(rows[r], block) for r in range(mesh.size) if r != mine)
+            else:  # a coarse bound: every quantization, at the largest |value| it can see
+                absmax = [x.abs().max().item() for x in rows]
+                groups = [sum(absmax[g * k : (g + 1) * k]) for g in range(mesh.replicas)]
+                bound = (
+                    sum(map(_quant.error_bound, absmax))
+                    + sum(_quant.error_bound(a * 1.01) for a in groups)
+                    + _quant.error_bound(sum(absmax) * 1.02)
+                )
+            bound = bound + SLACK * torch.stack(rows).abs().sum(0) * mesh.size
+            reduce_ok = bool(((part.double() - exact).abs() <= bound).all())
+            out.append((gather_ok, reduce_ok, part))
+        return out
+
+    results = fzero.Simulation(n, collective_timeout=30, shard_size=s).run(fn)
+    for rank, per in enumerate(results):
+        for j, (gather_ok, reduce_ok, part) in enumerate(per):
+            assert gather_ok and reduce_ok, (rank, cases[j], gather_ok, reduce_ok)
+            k = s or n
+            twin = results[rank % k][j][2]  # the first group's rank with the same shard
+            assert torch.equal(part, twin)  # the replicas agree bitwise
+
+
+def _gpt_loss(model: nn.Module) -> Any:
+    def loss(p: dict[str, torch.Tensor], seq: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, p, (seq[:, :-1],))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
+
+    return loss
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_gpt_with_qwz_and_qgz_trains_like_fp32() -> None:
+    """200 steps of a GPT-like decoder at stage 3 on a 2 x 2 mesh with hpZ, qwZ and qgZ end
+    within 2 % of one process training in float32 with torch.optim.AdamW."""
+    steps, batch = 200, 8
+    torch.manual_seed(0)
+    model = TinyGPT()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    data = make_data(steps, batch, seed=1)
+    loss = _gpt_loss(model)
+    ts = {k: v.clone().requires_grad_() for k, v in start.items()}
+    opt = torch.optim.AdamW(list(ts.values()), lr=3e-3, foreach=False)
+    ref = []
+    for t in range(steps):
+        opt.zero_grad()
+        out = loss(ts, data[t])
+        out.backward()
+        opt.step()
+        ref.append(out.item())
+    units = ["tok", "pos", "blocks.0", "blocks.1", "head"]
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        o = fzero.optim.adamw(lr=3e-3)
+        state = fzero.shard_state(dict(start), o, mesh, stage=3, units=units)
+        step = fzero.sharded_step(
+            loss,
+            o,
+            mesh,
+            stage=3,
+            module=model,
+            reshard_after_forward=2,
+            quantize=fzero.QuantizedComm(),
+        )
+        m = batch // mesh.size
+        losses = []
+        for t in range(steps):
+            state, out = step(state, data[t, mesh.rank * m : (mesh.rank + 1) * m])
+            losses.append(out.item())
+        return losses
+
+    per_rank = fzero.Simulation(4, collective_timeout=30, timeout=600, shard_size=2).run(fn)
+    mean = [sum(ls[t] for ls in per_rank) / 4 for t in range(steps)]
+    final, want = sum(mean[-20:]) / 20, sum(ref[-20:]) / 20
+    assert want < 0.5 * ref[0]  # it learned
+    assert abs(final - want) <= 0.02 * want, (final, want)
+
+
+@pytest.mark.multiprocess
+def test_quantized_bytes_follow_the_formula() -> None:
+    """Stage 3, hpZ over groups of 2 of 4 ranks, qwZ + qgZ, per step and bucket of P
+    padded elements (shard n = P/4, blocks of B): the forward's all-gather sends P int8
+    and 4 ceil(n/B) float32 scales per rank over all 4 ranks; the all-to-all the same;
+    the backward gathers the second layer's P2 float64 inside the pairs (the first layer's
+    input needs no gradient, so no backward uses its weight); nothing else moves data."""
+    model = nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 3)).double()
+    block = 64
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        opt = fzero.optim.sgd(lr=0.1)
+        state = fzero.shard_state(params, opt, mesh, stage=3, units=["0", "2"])
+        q = fzero.QuantizedComm(block=block)
+
+        def loss(p: Any, b: Any) -> torch.Tensor:
+            return ((functional_call(model, p, (b[0],)) - b[1]) ** 2).mean()
+
+        step = fzero.sharded_step(
+            loss, opt, mesh, stage=3, module=model, reshard_after_forward=2, quantize=q
+        )
+        x = (torch.randn(2, 40, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64))
+        with fzero.comm_ledger() as ledger:
+            step(state, x)
+        lay = state.layout
+        fulls = [b.full_numel for b in lay.buckets if b.full_numel]
+        second = sum(lay.buckets[i].full_numel for i in lay.unit_buckets("2"))
+        return fulls, second, ledger.by_axis(), ledger.by_op(data_only=True)
+
+    fulls, p2, axes, ops = run(4, fn)[0]
+    scales = sum(4 * 4 * math.ceil(p / 4 / block) for p in fulls)
+    p = sum(fulls)
+    assert ops == {
+        "all_gather:int8": p,
+        "all_gather:float32": scales,
+        "all_to_all:int8": p,
+        "all_to_all:float32": scales,
+        "all_gather:float64": 8 * p2,
+    }, ops
+    assert axes == {"shard": 2 * (p + scales), "secondary": 8 * p2}
+    # Across pairs: everything but the secondary gathers, against 8P + 8P in float64
+    # (or 4P + 4P in float32: the ratio the issue asks for, >= 3.5).
+    assert (4 * p + 4 * p) / axes["shard"] >= 3.5
+
+
+def _tiny(mesh: fzero.Mesh, stage: int, **kw: Any) -> tuple[Any, Any]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.sgd(lr=0.1)
+    scale = kw.pop("loss_scale", None)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=["0", "2"], loss_scale=scale)
+
+    def loss(p: Any, b: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (b,)).sum()
+
+    return state, fzero.sharded_step(loss, opt, mesh, stage=stage, module=model, **kw)
+
+
+@pytest.mark.multiprocess
+def test_nonfinite_values_fail_every_rank_or_skip_under_a_scaler() -> None:
+    q = fzero.QuantizedComm()
+
+    def inf_weight(mesh: fzero.Mesh) -> None:
+        state, step = _tiny(mesh, 3, quantize=q)
+        if mesh.rank == 1:  # one rank's shard holds an inf: every rank learns of it
+            state.params.buffers[0][0] = float("inf")
+        step(state, torch.ones(2, 4))
+
+    for msg in errors_on_every_rank(2, inf_weight):
+        assert "the parameters of unit" in msg and "met inf or NaN" in msg
+
+    def nan_grad(mesh: fzero.Mesh) -> None:
+        state, step = _tiny(mesh, 2, quantize=fzero.QuantizedComm(weights=False))
+        batch = torch.full((2, 4), float("nan") if mesh.rank == 0 else 1.0)
+        step(state, batch)
+
+    for msg in errors_on_every_rank(2, nan_grad):
+        assert "the gradients hold inf or NaN after the quantized reduction" in msg
+
+    def scaled(mesh: fzero.Mesh) -> Any:
+        state, step = _tiny(mesh, 3, quantize=q, loss_scale=fzero.DynamicLossScale())
+        before = fzero.gather_params(state.params, mesh)
+        batch = torch.full((2, 4), float("nan") if mesh.rank == 0 else 1.0)
+        new, _ = step(state, batch)
+        return before, fzero.gather_params(new.params, mesh), new.step, new.scaler.scale.item()
+
+    for before, after, count, scale in run(2, scaled):
+        fzero.assert_trees_close(after, before, rtol=0, atol=0)  # skipped, not corrupted
+        assert count == 0 and scale < fzero.DynamicLossScale().init().scale.item()
+
+
+@pytest.mark.multiprocess
+def test_quantize_is_refused_where_it_does_not_apply() -> None:
+    def weights_at_stage_2(mesh: fzero.Mesh) -> None:
+        _tiny(mesh, 2, quantize=fzero.QuantizedComm())
+
+    for msg in errors_on_every_rank(2, weights_at_stage_2):
+        assert "quantizes stage 3's per-unit parameter all-gathers" in msg
+
+    def grads_at_stage_0(mesh: fzero.Mesh) -> None:
+        _tiny(mesh, 0, quantize=fzero.QuantizedComm(weights=False))
+
+    for msg in errors_on_every_rank(2, grads_at_stage_0):
+        assert "stage 0 all-reduces" in msg
+
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        fzero.QuantizedComm(block=0).check()

@@ -1,0 +1,1 @@
+"""Tests of fzero._core: layouts and units, without communication."""

@@ -1,0 +1,1 @@
+"""End-to-end tests: every stage against one process, real gloo, torchrun, devices, notebooks."""

@@ -1,0 +1,115 @@
+"""fzero.remat: activation checkpointing inside and around units, at every stage."""
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+import fzero
+from tests.support import counting, run
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, how: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(d, d), nn.Linear(d, d), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.how == "inside":  # FSDP(checkpoint(m)): the unit's body is checkpointed
+            h = fzero.remat(self.fc2)(h)
+        elif self.how == "plain":  # torch's checkpoint under functional_call: stale recompute
+            h = checkpoint(self.fc2, h, use_reentrant=False)
+        else:
+            h = self.fc2(h)
+        return x + torch.tanh(h)
+
+
+class Net(nn.Module):
+    def __init__(self, how: str, d: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, how) for _ in range(3))
+        self.out, self.how = nn.Linear(d, 2), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            # checkpoint(FSDP(m)): the whole unit is checkpointed, its gather included
+            x = fzero.remat(block)(x) if self.how == "outside" else block(x)
+        return self.out(x)
+
+
+def make(how: str, n: int = 2) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return (
+        Net(how).double(),
+        torch.randn(4, n * 2, 4, generator=g, dtype=torch.float64),
+        torch.randn(4, n * 2, 2, generator=g, dtype=torch.float64),
+    )
+
+
+def reference(n: int = 2) -> dict[str, torch.Tensor]:
+    model, xs, ys = make("none", n)
+    model = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        ((model(xs[t]) - ys[t]) ** 2).mean().backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int, int]:
+    model, xs, ys = make(how, mesh.size)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    units = fzero.units.by_module(model, Block)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
+    sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+    reductions = ("reduce_scatter_async", "all_reduce_async", "reduce_scatter_mean")
+    with counting(("all_gather_async",)) as gathers, counting(reductions) as reduced:
+        for t in range(xs.shape[0]):
+            state, _ = step(state, (xs[t, sl], ys[t, sl]))
+    return fzero.gather_params(state.params, mesh), len(gathers), len(reduced)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("how", ["inside", "outside"])
+def test_remat_matches_single_process(stage: int, how: str) -> None:
+    expected = reference()
+    for params, _, _ in run(2, train, how, stage):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{how} {stage}")
+
+
+@pytest.mark.multiprocess
+def test_torch_checkpoint_under_functional_call_recomputes_with_stale_weights() -> None:
+    # Why fzero.remat exists: the same model with torch's checkpoint trains wrong.
+    params, _, _ = run(2, train, "plain", 0)[0]
+    assert fzero._core._tree.max_abs_diff(params, reference()) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpointing_around_units_communicates_no_more_than_inside_them(stage: int) -> None:
+    # FSDP(checkpoint(m)) vs checkpoint(FSDP(m)): around a unit, the recompute re-enters
+    # the unit's hook inside the backward. It reuses the forward's entry (at stage 3 the
+    # one re-gather every resharded unit gets for its backward): no second all-gather, no
+    # reduction of its own.
+    _, inside_gathers, inside_reduced = run(2, train, "inside", stage)[0]
+    _, outside_gathers, outside_reduced = run(2, train, "outside", stage)[0]
+    steps, blocks = 4, 3
+    assert outside_gathers == inside_gathers
+    if stage == 3:  # per step: the root and each block in the forward, each block again,
+        # but from the second step the last two blocks, which stay gathered into the backward
+        assert inside_gathers == steps * (1 + 2 * blocks) - (steps - 1) * 2
+    assert outside_reduced == inside_reduced

@@ -1,0 +1,1 @@
+"""Tests of fzero.optim: bitwise agreement with torch.optim."""

@@ -1,0 +1,1 @@
+"""Tests of fzero._state: deferred init, precision and loss scaling, frozen parameters."""

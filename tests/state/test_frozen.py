@@ -1,0 +1,114 @@
+"""Frozen parameters mixed with trainable ones, even inside one unit, at every stage."""
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import fzero
+from fzero._core._tree import tree_flatten
+from tests.engine.test_units import make_case
+from tests.support import counting, run
+
+# layers.0 mixes a frozen weight with a trainable bias; scale (root) is frozen too.
+FROZEN = ["layers.0.weight", "scale"]
+
+
+def reference(case: dict) -> dict[str, torch.Tensor]:
+    """torch.optim.Adam over the trainable parameters of a plain copy of the module."""
+    model = copy.deepcopy(case["model"])
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in FROZEN)
+    opt = torch.optim.Adam(
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, foreach=False
+    )
+    for t in range(case["xs"].shape[0]):
+        opt.zero_grad()
+        ((model(case["xs"][t]) - case["ys"][t]) ** 2).mean().backward()
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)  # fzero's unused-parameter semantics
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def train(mesh: fzero.Mesh, case: dict, stage: int, how: str, hooked: bool) -> Any:
+    model = case["model"]
+    if how == "requires_grad":  # dict(model.named_parameters()) after freezing some
+        params = {
+            k: v.detach().clone().requires_grad_(k not in FROZEN)
+            for k, v in model.named_parameters()
+        }
+        frozen = None
+    else:
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        frozen = FROZEN if how == "prefixes" else {k: k in FROZEN for k in params}
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    opt = fzero.optim.adam(lr=0.05)
+    units = [f"layers.{i}" for i in range(len(model.layers))]
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, frozen=frozen)
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model if hooked else None)
+    # elements this rank reduce-scatters or all-reduces
+    with counting(
+        ("reduce_scatter_mean", "reduce_scatter_async", "all_reduce_mean", "all_reduce_async")
+    ) as reduced:
+        for t in range(case["xs"].shape[0]):
+            sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+            state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
+    opt_elems = sum(
+        x.numel()
+        for x in tree_flatten(state.opt_state)[0]
+        if isinstance(x, torch.Tensor) and x.dim()
+    )
+    return fzero.gather_params(state.params, mesh), opt_elems, sum(reduced), state.layout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("how", ["requires_grad", "prefixes", "mask"])
+def test_frozen_parameters_stay_bitwise_and_the_rest_trains_like_torch(
+    stage: int, how: str
+) -> None:
+    case = make_case([3, 4, 4, 2], 2, seed=9)
+    expected = reference(case)
+    initial = {k: v.detach() for k, v in case["model"].named_parameters()}
+    psi = sum(v.numel() for v in initial.values())
+    frozen_numel = sum(initial[k].numel() for k in FROZEN)
+    for params, opt_elems, reduced, layout in run(2, train, case, stage, how, stage >= 2):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+        for name in FROZEN:
+            assert torch.equal(params[name], initial[name]), f"{name} moved"
+        # No optimizer state for frozen parameters (Adam: two moments per element) ...
+        trainable = psi - frozen_numel
+        owned = (
+            trainable if stage == 0 else sum(b.shard_numel for b in layout.buckets if not b.frozen)
+        )
+        assert opt_elems == 2 * owned
+        # ... and no gradient communication: every reduction covers trainable buckets only.
+        per_step = sum(b.full_numel for b in layout.buckets if not b.frozen)
+        assert reduced <= case["xs"].shape[0] * per_step
+        assert frozen_numel > 0 and all(
+            b.frozen
+            for b in layout.buckets
+            if b.unit == "" and any(s.path == "scale" for s in b.slots)
+        )
+
+
+@pytest.mark.multiprocess
+def test_frozen_must_name_parameters() -> None:
+    case = make_case([3, 2], 1, seed=1)
+    params = {k: v.detach() for k, v in case["model"].named_parameters()}
+
+    def fn(mesh: fzero.Mesh, frozen: Any) -> None:
+        fzero.shard_state(params, fzero.optim.sgd(), mesh, stage=1, frozen=frozen)
+
+    with pytest.raises(ValueError, match="matches no parameter"):
+        run(1, fn, ["nope"])
+    with pytest.raises(ValueError, match="pytree of bools"):
+        run(1, fn, {"layers.0.weight": True})

@@ -1,0 +1,146 @@
+"""Buffers (BatchNorm statistics) carried through steps, with each cross-rank policy."""
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import fzero
+from tests.support import run
+
+N, B, STEPS = 3, 4, 3  # simulated ranks; the gloo tests pass their own world size
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    # No bias before BatchNorm: its true gradient is zero, so Adam would amplify round-off.
+    return nn.Sequential(
+        nn.Linear(3, 5, bias=False), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2)
+    ).double()
+
+
+def data(n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (
+        torch.randn(STEPS, n * B, 3, generator=g, dtype=torch.float64),
+        torch.randn(STEPS, n * B, 2, generator=g, dtype=torch.float64),
+    )
+
+
+def loss_and_buffers(model: nn.Module, params: dict, buffers: dict, batch: tuple) -> tuple:
+    x, y = batch
+    state = {**params, **buffers}
+    out = functional_call(model, state, (x,))  # writes BatchNorm's new statistics into `state`
+    return ((out - y) ** 2).mean(), {k: state[k] for k in buffers}
+
+
+def reference(policy: str, n: int = N) -> tuple[dict, list[dict]]:
+    """One process: each rank's micro-batch with its own batch statistics (DDP semantics),
+    the mean of their gradients, torch.optim.Adam, and the buffer policy applied by hand."""
+    model = make_model()
+    xs, ys = data(n)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    start = {k: v.detach().clone() for k, v in model.named_buffers()}
+    per_rank = [dict(start) for _ in range(n)]
+    opt = torch.optim.Adam(params.values(), lr=0.05, foreach=False)
+    for t in range(STEPS):
+        opt.zero_grad()
+        losses, new = [], []
+        for r in range(n):
+            sl = slice(r * B, (r + 1) * B)
+            # BatchNorm updates the statistics it is given in place: give each rank its own.
+            mine = {k: v.clone() for k, v in per_rank[r].items()}
+            loss, bufs = loss_and_buffers(model, params, mine, (xs[t, sl], ys[t, sl]))
+            losses.append(loss)
+            new.append(bufs)
+        (sum(losses) / n).backward()
+        opt.step()
+        for r in range(n):
+            if policy == "broadcast":
+                per_rank[r] = dict(new[0])
+            elif policy == "mean":
+                per_rank[r] = {
+                    k: (sum(b[k] for b in new) / n if v.is_floating_point() else new[0][k])
+                    for k, v in new[0].items()
+                }
+            else:
+                per_rank[r] = new[r]
+    return {k: v.detach() for k, v in params.items()}, per_rank
+
+
+def train(mesh: fzero.Mesh, stage: int, policy: str) -> tuple[Any, dict]:
+    model = make_model()
+    xs, ys = data(mesh.size)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(
+        params, opt, mesh, stage=stage, units=["0", "3"], buffers=dict(model.named_buffers())
+    )
+    step = fzero.sharded_step(
+        lambda p, bufs, batch: loss_and_buffers(model, p, bufs, batch),
+        opt,
+        mesh,
+        stage=stage,
+        module=model,
+        buffer_sync=policy,
+    )
+    sl = slice(mesh.rank * B, (mesh.rank + 1) * B)
+    for t in range(STEPS):
+        state, _ = step(state, (xs[t, sl], ys[t, sl]))
+    return fzero.gather_params(state.params, mesh), state.buffers
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("policy", ["broadcast", "mean", "local"])
+def test_buffers_follow_the_policy_and_params_train_like_ddp(stage: int, policy: str) -> None:
+    expected, expected_buffers = reference(policy)
+    results = run(N, train, stage, policy)
+    for rank, (params, buffers) in enumerate(results):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"rank {rank}")
+        fzero.assert_trees_close(
+            buffers,
+            expected_buffers[rank],
+            rtol=1e-12,
+            atol=1e-14,
+            what=f"{policy} buffers, rank {rank}",
+        )
+    if policy == "local":  # each rank saw other data, so their statistics really differ
+        assert not torch.equal(results[0][1]["1.running_mean"], results[1][1]["1.running_mean"])
+
+
+@pytest.mark.multiprocess
+def test_a_loss_without_new_buffers_is_a_clear_error() -> None:
+    model = make_model()
+
+    def fn(mesh: fzero.Mesh) -> None:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        opt = fzero.optim.sgd(lr=0.1)
+        state = fzero.shard_state(params, opt, mesh, stage=0, buffers=dict(model.named_buffers()))
+        step = fzero.sharded_step(
+            lambda p, b, x: functional_call(model, {**p, **b}, (x,)).sum(), opt, mesh, stage=0
+        )
+        step(state, torch.randn(4, 3, dtype=torch.float64))
+
+    with pytest.raises(TypeError, match=r"must return \(loss, new_buffers\)"):
+        run(1, fn)
+
+
+def export_with_buffers(mesh: fzero.Mesh) -> Any:
+    params, buffers = train(mesh, 2, "mean")
+    model = make_model()
+    opt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(params, opt, mesh, stage=2, buffers=buffers)
+    out = fzero.checkpoint.export_torch(state, None, mesh)
+    return None if out is None else (out[0], buffers, list(dict(model.named_buffers())))
+
+
+@pytest.mark.multiprocess
+def test_export_includes_buffers_so_a_plain_module_loads_it_strictly() -> None:
+    model_sd, buffers, names = run(2, export_with_buffers)[0]
+    plain = make_model()
+    plain.load_state_dict(model_sd, strict=True)
+    for name in names:
+        assert torch.equal(dict(plain.named_buffers())[name], buffers[name])

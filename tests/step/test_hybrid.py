@@ -1,0 +1,337 @@
+"""Hybrid sharding (2-D meshes) and hpZ: every stage against one-process torch.optim."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+import fzero
+from fzero._tools._traffic import estimate_comm
+from tests.support import errors_on_every_rank, run
+
+UNITS = ["0", "2", "4"]
+STEPS = 3
+
+
+def _model(seed: int, dims: tuple[int, ...] = (5, 8, 7, 3)) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(dims):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+def _data(seed: int, n: int, micro: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(STEPS, n * micro, 5, generator=g, dtype=torch.float64)
+    return xs, torch.randn(STEPS, n * micro, 3, generator=g, dtype=torch.float64)
+
+
+def _module_loss(model: nn.Module) -> Any:
+    def loss(p: dict[str, torch.Tensor], b: Any) -> torch.Tensor:
+        return ((functional_call(model, p, (b[0],)) - b[1]) ** 2).mean()
+
+    return loss
+
+
+def _pure_loss(p: dict[str, torch.Tensor], b: Any) -> torch.Tensor:
+    """The same network as a pure function over the dict, unit by unit (no module)."""
+    h = b[0]
+    for i, unit in enumerate(UNITS):
+        u = fzero.gathered(p, unit)
+        h = h @ u["weight"].T + u["bias"]
+        if i < len(UNITS) - 1:
+            h = torch.tanh(h)
+    return ((h - b[1]) ** 2).mean()
+
+
+def _reference(params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> Any:
+    """Plain torch.optim.Adam on one process over the concatenated batches."""
+    ts = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.Adam(list(ts.values()), lr=0.01, weight_decay=0.01, foreach=False)
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        _pure_loss(ts, (xs[t], ys[t])).backward()
+        opt.step()
+    return {k: v.detach() for k, v in ts.items()}
+
+
+def _train(mesh: fzero.Mesh, model: nn.Module, xs: Any, ys: Any, how: str, **kw: Any) -> Any:
+    """Trains on `mesh`; `how`: "module" (hooks), "pure" (fzero.gathered, just in time)
+    or "upfront" (the pure loss, every unit gathered before the forward)."""
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
+    stage, units = kw.pop("stage"), kw.pop("units", UNITS)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+    if how == "module":
+        step = fzero.sharded_step(_module_loss(model), opt, mesh, stage=stage, module=model, **kw)
+    else:
+        jit = how == "pure"
+        step = fzero.sharded_step(_pure_loss, opt, mesh, stage=stage, just_in_time=jit, **kw)
+    m = xs.shape[1] // mesh.size
+    rows = slice(mesh.rank * m, (mesh.rank + 1) * m)
+    with fzero.comm_ledger() as ledger:
+        for t in range(xs.shape[0]):
+            state, _ = step(state, (xs[t, rows], ys[t, rows]))
+    return fzero.gather_params(state.params, mesh), ledger.by_axis()
+
+
+def _check(got: Any, ref: Any, start: Any) -> None:
+    fzero.assert_trees_close(got, ref, rtol=1e-10, atol=1e-12)
+    moved = max((got[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3  # training moved the parameters
+
+
+SHAPES = [(4, 2), (6, 2), (6, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "s"), SHAPES)
+def test_hsdp_every_stage_matches_torch_optim(n: int, s: int) -> None:
+    model = _model(n + s)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(n * s, n)
+    ref = _reference(start, xs, ys)
+
+    def fn(mesh: fzero.Mesh) -> list[Any]:
+        assert (mesh.shard_size, mesh.replicas) == (s, n // s)
+        assert (mesh.shard_rank, mesh.replica_rank) == (mesh.rank % s, mesh.rank // s)
+        return [
+            (stage, how, *_train(mesh, model, xs, ys, how, stage=stage))
+            for stage in range(4)
+            for how in ("upfront", "module", "pure")
+        ]
+
+    results = fzero.Simulation(n, collective_timeout=30, timeout=240, shard_size=s).run(fn)
+    for per_rank in results:
+        for stage, how, params, axes in per_rank:
+            _check(params, ref, start)
+            # Gradients leave the group only as 1/S of them: the replica axis carries
+            # data, no parameter gather or full gradient crosses.
+            assert set(axes) == {"shard", "replica"}, (stage, how, axes)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "s"), SHAPES)
+def test_hpz_matches_torch_optim_and_keeps_backward_gathers_inside(n: int, s: int) -> None:
+    model = _model(n * s)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(n + s, n)
+    ref = _reference(start, xs, ys)
+
+    def fn(mesh: fzero.Mesh) -> list[Any]:
+        return [
+            (how, *_train(mesh, model, xs, ys, how, stage=3, reshard_after_forward=s))
+            for how in ("module", "pure")
+        ]
+
+    for per_rank in run(n, fn):
+        for how, params, axes in per_rank:
+            _check(params, ref, start)
+            # The backward's gathers ran inside groups of s: as many bytes as the
+            # forward's, which ran over all n (the shard axis of a 1-D mesh).
+            assert axes["secondary"] > 0, (how, axes)
+
+
+@pytest.mark.multiprocess
+def test_hpz_with_a_unit_of_several_submodules_matches_torch_optim() -> None:
+    model = _model(5)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(4, 4)
+    ref = _reference(start, xs, ys)
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        units = [("0", "4"), "2"]  # the first and last Linear as one unit
+        return _train(mesh, model, xs, ys, "module", stage=3, reshard_after_forward=2, units=units)
+
+    for params, axes in run(4, fn):
+        _check(params, ref, start)
+        assert axes["secondary"] > 0, axes
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_hsdp_with_hpz_inside_the_group() -> None:
+    """hpZ on a 2-D mesh: k divides S; the backward gathers inside groups of k."""
+    model = _model(7)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(8, 8)
+    ref = _reference(start, xs, ys)
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        return _train(mesh, model, xs, ys, "module", stage=3, reshard_after_forward=2)
+
+    for params, axes in fzero.Simulation(8, collective_timeout=30, shard_size=4).run(fn):
+        _check(params, ref, start)
+        assert set(axes) == {"shard", "replica", "secondary"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@settings(max_examples=4)
+@example(shape=(4, 2), splits=[("4", "0"), "2"], stage=3)  # a group, on a 2-D mesh
+@given(
+    shape=st.sampled_from([(4, 2), (4, 1), (4, 4), (6, 3)]),
+    splits=st.sampled_from([["0", "2", "4"], ["0"], ["2", "4"], [], [("4", "0"), "2"]]),
+    stage=st.integers(0, 3),
+)
+def test_hsdp_any_units_any_shape(shape: tuple[int, int], splits: list[str], stage: int) -> None:
+    """S = 1 is DDP over the replicas, S = N today's 1-D mesh; any unit split."""
+    n, s = shape
+    model = _model(11)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(12, n)
+    ref = _reference(start, xs, ys)
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
+        state = fzero.shard_state(params, opt, mesh, stage=stage, units=splits)
+        step = fzero.sharded_step(_module_loss(model), opt, mesh, stage=stage, module=model)
+        m = xs.shape[1] // mesh.size
+        rows = slice(mesh.rank * m, (mesh.rank + 1) * m)
+        for t in range(STEPS):
+            state, _ = step(state, (xs[t, rows], ys[t, rows]))
+        return fzero.gather_params(state.params, mesh)
+
+    for params in fzero.Simulation(n, collective_timeout=30, shard_size=s).run(fn):
+        _check(params, ref, start)
+
+
+@pytest.mark.multiprocess
+def test_bytes_per_axis_follow_the_formulas() -> None:
+    """Per step, with P the padded elements of the parameters (bytes b each) and S ranks
+    sharding: stages 0-2 move 2P inside the group and 2P/S across; stage 3 with
+    resharding 3P inside, less the units it does not gather again for the backward, and
+    2P/S across (an all-reduce counts twice, ZeRO's way)."""
+    model = _model(3, (5, 16, 16, 3))
+
+    def fn(mesh: fzero.Mesh) -> list[Any]:
+        out = []
+        for stage in range(4):
+            params = {k: v.detach().clone() for k, v in model.named_parameters()}
+            opt = fzero.optim.sgd(lr=0.1)
+            state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
+            lay = state.layout
+            p = sum(b.full_numel for b in lay.buckets)
+            # Stage 3 gathers none of the units again: the last two stay gathered for the
+            # backward, and the first layer's input needs no gradient, so autograd saves
+            # not its weight.
+            kept = sum(lay.buckets[i].full_numel for u in UNITS for i in lay.unit_buckets(u))
+            loss = _module_loss(model)
+            step = fzero.sharded_step(loss, opt, mesh, stage=stage, module=model)
+            x = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+            state, _ = step(state, x)  # warm: the first step is like the others anyway
+            with fzero.comm_ledger() as ledger:
+                state, _ = step(state, x)
+            out.append((stage, p, kept if stage == 3 else 0, ledger.by_axis()))
+        return out
+
+    for stage, p, kept, axes in fzero.Simulation(4, collective_timeout=30, shard_size=2).run(fn)[0]:
+        inside = ((3 if stage == 3 else 2) * p - kept) * 8
+        assert axes == {"shard": inside, "replica": 2 * (p // 2) * 8}, (stage, p, axes)
+        # `fzero estimate`'s formula, on the padded count, says the same but for the units
+        # kept (it knows no units: ZeRO's count, every unit gathered again).
+        est = estimate_comm(p, 4, stage, shard_size=2, elem_bytes=8)
+        assert est == (axes["shard"] + kept * 8, axes["replica"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_checkpoint_moves_between_1d_and_2d_meshes(tmp_path: Any) -> None:
+    """Saved on (4, 2) at stage 3, loaded on a 1-D mesh of 3 at stage 1, saved again,
+    loaded on (6, 3) at stage 2: every load holds the saved values, and training
+    continues as torch.optim would from them."""
+    model = _model(5)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(6, 12)
+    ref = _reference(start, xs, ys)
+    path = str(tmp_path / "ckpt")
+    loss = _module_loss(model)
+
+    def steps(mesh: fzero.Mesh, state: Any, stage: int, ts: range) -> Any:
+        opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
+        step = fzero.sharded_step(loss, opt, mesh, stage=stage, module=model)
+        m = xs.shape[1] // mesh.size
+        rows = slice(mesh.rank * m, (mesh.rank + 1) * m)
+        for t in ts:
+            state, _ = step(state, (xs[t, rows], ys[t, rows]))
+        return state
+
+    def first(mesh: fzero.Mesh) -> None:
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
+        state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+        fzero.checkpoint.save(steps(mesh, state, 3, range(1)), path, mesh)
+
+    def then(stage: int, ts: range, save: bool) -> Any:
+        def fn(mesh: fzero.Mesh) -> Any:
+            opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
+            state = fzero.checkpoint.load(path, mesh, opt, start, stage=stage, units=UNITS)
+            state = steps(mesh, state, stage, ts)
+            if save:
+                fzero.checkpoint.save(state, path, mesh)
+            return fzero.gather_params(state.params, mesh)
+
+        return fn
+
+    fzero.Simulation(4, collective_timeout=30, shard_size=2).run(first)
+    run(3, then(1, range(1, 2), True))
+    out = fzero.Simulation(6, collective_timeout=30, shard_size=3).run(then(2, range(2, 3), False))
+    for params in out:
+        _check(params, ref, start)
+
+
+@pytest.mark.multiprocess
+def test_bad_shard_sizes_fail_on_every_rank() -> None:
+    def not_dividing(mesh: fzero.Mesh) -> None:
+        fzero.ProcessGroupMesh(shard_size=3)
+
+    for msg in errors_on_every_rank(4, not_dividing):
+        assert (
+            msg.startswith("ValueError") and "shard_size=3 must be a positive int dividing" in msg
+        )
+
+    def disagreeing(mesh: fzero.Mesh) -> None:
+        fzero.ProcessGroupMesh(shard_size=2 if mesh.rank else 4)
+
+    for msg in errors_on_every_rank(4, disagreeing):
+        assert "the ranks disagree on the mesh's shard_size" in msg and "rank 0: 4" in msg
+
+    def hpz_not_dividing(mesh: fzero.Mesh) -> None:
+        fzero.sharded_step(
+            _pure_loss, fzero.optim.sgd(lr=0.1), mesh, stage=3, reshard_after_forward=3
+        )
+
+    for msg in errors_on_every_rank(4, hpz_not_dividing):
+        assert "reshard_after_forward=3 must be the same int dividing the 4 ranks" in msg
+
+    def hpz_stage_2(mesh: fzero.Mesh) -> None:
+        fzero.sharded_step(
+            _pure_loss, fzero.optim.sgd(lr=0.1), mesh, stage=2, reshard_after_forward=2
+        )
+
+    for msg in errors_on_every_rank(2, hpz_stage_2):
+        assert "is for stage 3" in msg
+
+
+@pytest.mark.multiprocess
+def test_a_state_from_another_mesh_shape_is_refused() -> None:
+    def fn(mesh: fzero.Mesh) -> None:
+        params = {k: v.detach() for k, v in _model(1).named_parameters()}
+        state = fzero.shard_state(params, fzero.optim.sgd(lr=0.1), mesh, stage=3)
+        other = fzero.ProcessGroupMesh(shard_size=2)
+        step = fzero.sharded_step(_pure_loss, fzero.optim.sgd(lr=0.1), other, stage=3)
+        step(state, None)
+
+    for msg in errors_on_every_rank(4, fn):
+        assert "the state is sharded over 4 ranks, the mesh shards over 2" in msg
