@@ -127,10 +127,13 @@ class Gatherer(ParamSource):
 
     def _reshards(self) -> bool:
         """Whether the forward's next just-in-time entry is resharded: all but the last
-        `keep_last` of as many entries as last step made (the first step: every one).
-        Every rank decides alike, so their sequences of re-gathers pair up."""
+        `keep_last` of as many entries as last step made (the first step, or with nothing
+        to keep, as in a forward without a backward: every one). Every rank decides
+        alike, so their sequences of re-gathers pair up."""
         self.calls += 1
-        return not self.order or len(self.order) - self.calls >= self.keep_last
+        if not self.keep_last or not self.order:
+            return True
+        return len(self.order) - self.calls >= self.keep_last
 
     def _hooks_on_top(self) -> bool:
         """Whether the saved-tensor hooks autograd uses now are the step's own (`pack`)."""

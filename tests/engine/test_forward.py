@@ -288,6 +288,42 @@ def test_a_first_call_without_data_says_there_is_no_last_call_to_follow() -> Non
         run(2, _swapped, "none")
 
 
+def _more_entries_than_last_call(mesh: fzero.Mesh) -> list[torch.Tensor]:
+    params = make_params([3, 4, 4, 2], torch.float64, seed=0)
+    units = ["layers.0", "layers.1", "layers.2"]
+    state = fzero.shard_state(params, fzero.optim.sgd(lr=0.1), mesh, stage=3, units=units)
+
+    def fn(p: dict, x: torch.Tensor, repeat: int) -> torch.Tensor:
+        for i in [0, *([1] * repeat), 2]:  # layers.1 entered `repeat` times
+            layer = fzero.gathered(p, f"layers.{i}")
+            x = torch.tanh(x @ layer["w"] + layer["b"]) if i != 1 else x @ layer["w"]
+        return x
+
+    forward = fzero.sharded_forward(lambda p, b: fn(p, *b), mesh, just_in_time=True)
+    x = torch.ones(2, 3, dtype=torch.float64)
+    return [forward(state, (x, repeat)) for repeat in (1, 3, 1)]
+
+
+@pytest.mark.multiprocess
+def test_a_forward_may_enter_more_units_than_the_last_one() -> None:
+    # No backward follows a forward, so every just-in-time entry is freed as it goes,
+    # however many the last call made: none is kept back for a backward (and then
+    # gathered again by nothing, or asked for flags the forward's check has none of).
+    params = make_params([3, 4, 4, 2], torch.float64, seed=0)
+    lay = params["layers"]
+    x = torch.ones(2, 3, dtype=torch.float64)
+
+    def plain(repeat: int) -> torch.Tensor:
+        h = torch.tanh(x @ lay[0]["w"] + lay[0]["b"])
+        for _ in range(repeat):
+            h = h @ lay[1]["w"]
+        return torch.tanh(h @ lay[2]["w"] + lay[2]["b"])
+
+    for outs in run(2, _more_entries_than_last_call):
+        for out, repeat in zip(outs, (1, 3, 1), strict=True):
+            fzero.assert_trees_close(out, plain(repeat), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.multiprocess
 def test_a_donated_state_is_refused() -> None:
     params = make_params([3, 2], torch.float64, seed=0)
