@@ -24,14 +24,15 @@ from ._by_hand import local_shard as local_shard
 from ._by_hand import reduce_scatter_grads as reduce_scatter_grads
 from ._callcheck import CallCheck as CallCheck
 from ._context import Context as Context
+from ._context import context as context
 from ._engine import Engine as Engine
 from ._gathered import gathered as gathered
 from ._hooks import hookable_units as hookable_units
-from ._placeholder import placeholders_for as placeholders_for
 from ._pool import Pool as Pool
 from ._reductions import LocalSums as LocalSums
 from ._remat import remat as remat
 from ._schedule import Schedule as Schedule
+from ._schedule import differentiates_by_leaf as differentiates_by_leaf
 from ._schedule import plan as plan
 from ._source import full_buckets as full_buckets
 from ._source import own_slices as own_slices

@@ -92,9 +92,10 @@ class CallCheck:
     units each rank called (checked before the backward's first collective) and the words
     the step sends along (the losses' weights, on a step's last micro-batch).
 
-    The engine calls `after_forward` once, when the forward is done, and
-    `before_collective` before each collective of its backward; the step reads `carried`
-    once the backward is done. Nothing else starts or reads the exchange.
+    `after_forward` starts it once the forward is done (the engine's, or a step's that
+    differentiates by leaf); `before_collective` waits for it before any collective that
+    must come after the check (it returns at once while none is pending); the step reads
+    `carried` once its backward is done.
     """
 
     def __init__(self, mesh: Mesh, carry: Callable[[], Sequence[int]] | None = None) -> None:

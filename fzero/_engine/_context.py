@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .._comm import Mesh
 from .._core import ShardLayout
-from ._placeholder import Placeholder
+from ._placeholder import Placeholder, placeholders_for
 from ._pool import Pool
 from ._schedule import Schedule
 from ._unit_ledger import UnitLedger
@@ -23,7 +23,8 @@ class Context:
       schedule: when units enter and how their gradients leave (`plan`).
       layout: the state's layout.
       mesh: the mesh.
-      pool: where host buffers come from (the step function's, kept across calls).
+      pool: where host buffers come from (a step function's, kept across its calls; a
+        forward's, made afresh each call).
       ledger: where live full-unit bytes are recorded, or None.
       placeholders: per just-in-time unit, its leaves' index and `Placeholder` (they hold
         no data, so the same ones serve every step; `placeholders_for`).
@@ -35,3 +36,11 @@ class Context:
     pool: Pool
     ledger: UnitLedger | None
     placeholders: Mapping[str, tuple[tuple[int, Placeholder], ...]]
+
+
+def context(
+    schedule: Schedule, layout: ShardLayout, mesh: Mesh, pool: Pool, ledger: UnitLedger | None
+) -> Context:
+    """The context of a schedule over a layout, with its just-in-time units' placeholders."""
+    placeholders = placeholders_for(layout, schedule.jit, mesh.rank)
+    return Context(schedule, layout, mesh, pool, ledger, placeholders)

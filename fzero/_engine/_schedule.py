@@ -153,8 +153,14 @@ def plan(
         keep_last=(2 if prefetch else 1) if reshard and backward else 0,
         quant_gather=q.block if q is not None and q.weights and gathers else None,
         quant_reduce=quant_reduce,
-        by_leaf=all_reduce and world_size == 1 and backward,
+        by_leaf=backward and differentiates_by_leaf(stage, world_size),
     )
+
+
+def differentiates_by_leaf(stage: Stage, world_size: int) -> bool:
+    """Whether a step of `stage` on `world_size` ranks has nothing to communicate (an
+    all-reduce over one rank), and so differentiates by leaf, entering no unit."""
+    return stage.reduce == "all_reduce" and world_size == 1
 
 
 def unit_grad_numels(

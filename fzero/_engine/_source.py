@@ -10,12 +10,14 @@ engine calls a source at fixed points of a micro-batch, the same for both:
                reduced, end_backward(), then settle() once every reduction is done
     no backward (sharded_forward): end_forward(entries)
 
-The protocol's own methods are what a source whose parameters are at hand does: nothing.
+A source implements `open`, `again` and `aliases`; the protocol's other methods are what
+a source whose parameters are at hand does: nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+from abc import abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -29,15 +31,18 @@ from ._entry import Entry
 class ParamSource(Protocol):
     """Where the full parameters of a micro-batch's entries come from (see the module)."""
 
+    @abstractmethod
     def open(self, entry: Entry, jit: bool) -> tuple[torch.Tensor, ...]:
         """`entry`'s full flat buffers as the forward enters them (`jit`: the unit is
         entered just in time, not before the forward)."""
         ...
 
+    @abstractmethod
     def again(self, entry: Entry) -> tuple[torch.Tensor, ...]:
         """Inside the backward, `entry`'s full buffers once more (a recompute)."""
         ...
 
+    @abstractmethod
     def aliases(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
         """The buffers a forward's outputs must not share memory with once it returns
         (they are freed, or updated in place by a donating step)."""

@@ -24,8 +24,8 @@ from .._engine import (
     Engine,
     Pool,
     UnitLedger,
+    context,
     full_buckets,
-    placeholders_for,
     plan,
 )
 from .._state import ShardedState
@@ -52,9 +52,10 @@ def sharded_forward(
     stage 3 units enter `fn` as they enter a step's loss and each is freed as soon as the
     forward is done with it, the next one's gather prefetched; stages 0-2 run `fn` on the
     replicas, without communicating. `fn` runs under `torch.no_grad()` and the state is
-    read, never changed. Every rank calls `forward` as often as the others (a rank
-    without data passes `batch=None` and gets None). Returned tensors that share memory
-    with the parameters are copies (docs/training.md).
+    read, never changed. At stage 3 every rank calls `forward` as often as the others,
+    its units in the same order (checked after each call); a rank without data passes
+    `batch=None` and gets None. Returned tensors that share memory with the parameters
+    are copies (docs/training.md).
 
     Args:
       fn: `(params, batch) -> anything` (`(params, buffers, batch)` with buffers), params
@@ -121,7 +122,6 @@ def sharded_forward(
             comm_dtypes=(None if prec is None else prec.gather_dtype, None),
             backward=False,
         )
-        placeholders = placeholders_for(lay, schedule.jit, mesh.rank)
-        return Context(schedule, lay, mesh, cache.pool, ledger, placeholders)
+        return context(schedule, lay, mesh, Pool(), ledger)
 
     return forward

@@ -20,7 +20,7 @@ from torch import nn
 
 from .._comm import Mesh, QuantizedComm, is_peer_failure
 from .._core import LossFn, UnitSpec, differentiating
-from .._engine import Context, UnitLedger, placeholders_for
+from .._engine import Context, UnitLedger, context, differentiates_by_leaf
 from .._state import ShardedState, mark_consumed
 from ..optim import Optimizer
 from ._body import body
@@ -86,7 +86,8 @@ def sharded_step(
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
-      micro-batches for scalar losses, the global weighted mean (float64) for pairs.
+      micro-batches for scalar losses (a rank without data: the mean over the ranks that
+      had some, float64), the global weighted mean (float64) for pairs.
     """
     o = step_options(
         mesh,
@@ -113,8 +114,8 @@ def sharded_step(
 
     def _step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         check_step_state(state, o.stage.number, o.layout, o.units, mesh)
-        ctx = cache.context(state.layout, state.precision, lambda: _context(o, cache, state))
         micro = micro_batches(batch, o.accumulate, cache.micro)
+        ctx = cache.context(state.layout, state.precision, lambda: _context(o, cache, state))
         fn: LossFn = loss_fn
         threaded = None
         if state.buffers is not None:
@@ -165,11 +166,12 @@ def sharded_step(
 
 
 def _context(o: StepOptions, cache: StepCache, state: ShardedState) -> Context:
-    """The engine's context for the state's layout and precision, under the options."""
+    """The engine's context for the state's layout and precision, under the options. A
+    step that differentiates by leaf enters no unit: it never reads `module=`."""
     lay = state.layout
-    schedule = o.schedule(lay, state.precision, cache.hooked_units(lay, o.module))
-    placeholders = placeholders_for(lay, schedule.jit, o.mesh.rank)
-    return Context(schedule, lay, o.mesh, cache.pool, o.ledger, placeholders)
+    by_leaf = differentiates_by_leaf(o.stage, o.mesh.size)
+    hooked = {} if by_leaf else cache.hooked_units(lay, o.module)
+    return context(o.schedule(lay, state.precision, hooked), lay, o.mesh, cache.pool, o.ledger)
 
 
 @contextlib.contextmanager

@@ -425,6 +425,7 @@ def test_a_leaf_frozen_when_saved_has_no_state_to_train_from(tmp_path: Path) -> 
     assert "'scale' has no saved optimizer state" in _load_error(tmp_path, job, frozen=[])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_per_tensor_state_moves_between_tensor_layouts_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

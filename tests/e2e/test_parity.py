@@ -77,6 +77,7 @@ def _adafactor_case(layout: str) -> Case:
     return Case(params, xs, ys, world_size=3, optimizer="torch_adafactor", stage=2, layout=layout)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tensor_layout_makes_per_tensor_optimizers_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     # Registered for this test only: `cases()` draws from the registry.

@@ -210,6 +210,7 @@ def test_a_step_for_other_units_names_both() -> None:
         assert "units ['layers.0'], the state has [('layers.0', 'layers.1')]" in msg, msg
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("n1", "n2"), [(2, 3), (3, 1)])
 def test_a_checkpoint_of_grouped_units_reshards_and_trains_on(n1: int, n2: int) -> None:

@@ -385,6 +385,7 @@ class _PartlyUsed(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_unit_leaf_its_forward_never_uses_trains_like_one_process(n: int) -> None:
@@ -422,6 +423,7 @@ class _Skip(nn.Module):
         return self.c(mid if bool(use) else h)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("hooks", [False, True])
 @pytest.mark.parametrize("n", [2, 3])

@@ -202,6 +202,7 @@ def test_training_from_deferred_init_matches_torch_optim(world: int, stage: int)
         assert any(not torch.equal(got[k], start[k]) for k in want)  # training moved them
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_by_leaf_values_do_not_depend_on_world_size_or_units() -> None:
     shapes = {"a.w": (5, 7), "a.b": (7,), "b.w": (11, 3), "c": ()}

@@ -291,6 +291,7 @@ def test_checkpoint_moves_between_1d_and_2d_meshes(tmp_path: Any) -> None:
         _check(params, ref, start)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bad_shard_sizes_fail_on_every_rank() -> None:
     def not_dividing(mesh: fzero.Mesh) -> None:

@@ -461,6 +461,7 @@ def test_refuses_a_reference_that_does_not_move_beyond_the_tolerance() -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_half_precision_tolerance_is_measured_and_catches_a_5_percent_slower_stage() -> None:
     # bfloat16 parameters: the tolerance is 4x how far the reference moves when its
