@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._core import LossFn, Shards, sparse_gradient, tree_flatten, tree_map, value_and_grad
-from .._engine import Context, Engine
+from .._engine import Context, Engine, LocalSums
 from .._state import ShardedState
 from ._sync import StepSync
 
@@ -52,7 +52,7 @@ def mean_grad(
     else:  # a rank keeps its shard of it, shaped as what it updates
         like = state.params.buffers if s.gathers else target.buffers
     # Local accumulation (DDP's no_sync) sums full gradients here across micro-batches.
-    sums: dict[int, torch.Tensor] | None = {} if accumulate == "local" else None
+    sums: LocalSums | None = {} if accumulate == "local" else None
     total = None
     for j, mb in enumerate(micro):
         last = j == len(micro) - 1
