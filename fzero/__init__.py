@@ -8,6 +8,7 @@ from . import units as units
 from ._comm import CommLedger as CommLedger
 from ._comm import CommRecord as CommRecord
 from ._comm import Mesh as Mesh
+from ._comm import PeerError as PeerError
 from ._comm import ProcessGroupMesh as ProcessGroupMesh
 from ._comm import QuantizedComm as QuantizedComm
 from ._comm import comm_ledger as comm_ledger

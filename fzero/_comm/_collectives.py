@@ -15,6 +15,7 @@ from torch._C._functorch import get_unwrapped, is_gradtrackingtensor
 
 from . import _quant
 from ._axis import Axis
+from ._failure import Polled, check_alive
 from ._gloo import _gather_by_broadcast, _is_gloo, _reduce_scatter_gloo
 from ._ledger import record
 from ._mesh import Mesh
@@ -82,6 +83,7 @@ def all_gather_async(
     dequantized values (`_quant`); inf or NaN raise a ValueError naming `what` on every
     rank at `wait()` (None: they arrive as NaN).
     """
+    check_alive()
     axis = _over(mesh)
     with _plain_tensors():
         shard = _unwrap(shard).detach().contiguous()
@@ -129,6 +131,7 @@ def all_gather_many_async(
     for a model's worth of small buckets costs more. This rank's own piece is not copied
     back where `outs` already holds it in `dtype` (a donated shard updated in place).
     """
+    check_alive()
     axis = _over(mesh)
     with _plain_tensors():
         widths = [s.numel() for s in shards]
@@ -203,6 +206,7 @@ def reduce_scatter_async(
     order: the reduce-scatter's volume, and `full` is never written. Up to 8 MiB that is
     one all-to-all on the shard axis's twin group, beyond it point-to-point messages.
     """
+    check_alive()
     axis, across = mesh.shard, mesh.replica
     with _plain_tensors():
         full = _unwrap(full).detach().to(dtype or full.dtype).contiguous()
@@ -239,7 +243,14 @@ def reduce_scatter_async(
 def _all_reduce_on(out: torch.Tensor, axis: Axis, control: bool = False) -> Any:
     """Starts summing `out` in place along `axis`."""
     record("all_reduce", out.dtype, 2 * out.numel(), axis.name, control=control)
-    return dist.all_reduce(out, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    return _polled(work, axis, out)
+
+
+def _polled(work: Any, axis: Axis, tensor: torch.Tensor) -> Any:
+    """`work`, polling for a peer's failure while waited for where the host waits for
+    it (gloo); a GPU backend's wait only orders streams, and stays as it is."""
+    return Polled(work) if _is_gloo(axis, tensor) else work
 
 
 def _all_to_all(rows: torch.Tensor, axis: Axis) -> tuple[torch.Tensor, Any]:
@@ -247,7 +258,7 @@ def _all_to_all(rows: torch.Tensor, axis: Axis) -> tuple[torch.Tensor, Any]:
     record("all_to_all", rows.dtype, rows.numel(), axis.name)
     # A reduction: on the twin group where there is one, apart from the gathers.
     group = axis.twin if axis.twin is not None and _is_gloo(axis, rows) else axis.group
-    return got, dist.all_to_all_single(got, rows, group=group, async_op=True)
+    return got, _polled(dist.all_to_all_single(got, rows, group=group, async_op=True), axis, rows)
 
 
 def _reduce_scatter_quantized(
@@ -288,6 +299,7 @@ def all_reduce_async(
     On a 2-D mesh it is hierarchical: reduce-scatter inside the group, all-reduce of the
     slice across the groups, all-gather inside the group (1/S of it crosses groups).
     """
+    check_alive()
     with _plain_tensors():
         flat = _unwrap(flat).detach()
         if dtype is not None and dtype != flat.dtype:
@@ -325,6 +337,7 @@ def all_reduce_mean(
 def all_reduce_sum(tensor: torch.Tensor, mesh: Mesh | Axis, control: bool = False) -> torch.Tensor:
     """Sum of `tensor` over the ranks of a mesh, or along an `Axis` (a new tensor);
     `control`: a few bytes of agreement, not data (for the ledger)."""
+    check_alive()
     axis = mesh if isinstance(mesh, Axis) else mesh.world
     out = tensor.detach().clone()
     if axis.size > 1 and out.numel():
@@ -336,6 +349,7 @@ def all_reduce_sum_async(tensor: torch.Tensor, axis: Axis) -> tuple[torch.Tensor
     """Starts summing small metadata `tensor` along `axis` in place; returns
     `(tensor, work)` (work None on one rank). Not a gradient reduction: kept apart from
     those. Host values go along `mesh.control` (a CPU tensor: no wait for the GPU)."""
+    check_alive()
     if axis.size == 1:
         return tensor, None
     return tensor, _all_reduce_on(tensor, axis, control=True)
@@ -343,41 +357,10 @@ def all_reduce_sum_async(tensor: torch.Tensor, axis: Axis) -> tuple[torch.Tensor
 
 def broadcast_(tensor: torch.Tensor, mesh: Mesh, src: int = 0) -> torch.Tensor:
     """Overwrites `tensor` in place with rank `src`'s values and returns it."""
+    check_alive()
     if mesh.size > 1:
         record("broadcast", tensor.dtype, tensor.numel(), "world")
-        dist.broadcast(
-            tensor,
-            src=dist.get_global_rank(mesh.group, src) if mesh.group else src,
-            group=mesh.group,
-        )
+        src = dist.get_global_rank(mesh.group, src) if mesh.group else src
+        work = dist.broadcast(tensor, src=src, group=mesh.group, async_op=True)
+        _polled(work, mesh.world, tensor).wait()
     return tensor
-
-
-def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[list[int]]]:
-    """Starts gathering every rank's short list of int64 `values` (the same length on every
-    rank); the returned function waits and gives them in rank order. One small all-gather
-    (not `all_gather_async`, which on gloo broadcasts once per rank), for checks that run
-    every step behind other work. Sent from the CPU on the control axis, so waiting for
-    it never waits for the GPU's queue."""
-    mine = torch.tensor(values, dtype=torch.int64, device="cpu")
-    if mesh.size == 1:
-        return lambda: [values]
-    out = [torch.empty_like(mine) for _ in range(mesh.size)]
-    record("all_gather", mine.dtype, mine.numel() * mesh.size, "control", control=True)
-    work = dist.all_gather(out, mine, group=mesh.control.group, async_op=True)
-
-    def wait() -> list[list[int]]:
-        work.wait()
-        return [t.tolist() for t in out]
-
-    return wait
-
-
-def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
-    """Every rank's picklable `obj`, in rank order (small metadata only; on the control
-    axis, from the CPU)."""
-    if mesh.size == 1:
-        return [obj]
-    out: list[Any] = [None] * mesh.size
-    dist.all_gather_object(out, obj, group=mesh.control.group)
-    return out

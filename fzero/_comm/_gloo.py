@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ._axis import Axis
+from ._failure import Polled
 from ._groups import backend_for
 from ._pending import _CastOnWait, _SumOnWait, _SumRows, _Works
 
@@ -25,7 +26,9 @@ def _gather_by_broadcast(shard: torch.Tensor, out: torch.Tensor, axis: Axis) -> 
     works = []
     for r in range(axis.size):
         part = out.narrow(0, r * n, n)
-        works.append(dist.broadcast(part, src=axis.global_rank(r), group=axis.group, async_op=True))
+        works.append(
+            Polled(dist.broadcast(part, src=axis.global_rank(r), group=axis.group, async_op=True))
+        )
     return _Works(works)
 
 
@@ -56,7 +59,7 @@ def _reduce_scatter_gloo(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> A
         # On the twin group: a collective on the shard group itself would pair with a
         # peer's re-gather started in its place (see `Axis.twin`).
         got = torch.empty_like(full)
-        work = dist.all_to_all_single(got, full, group=axis.twin, async_op=True)
+        work = Polled(dist.all_to_all_single(got, full, group=axis.twin, async_op=True))
         return _SumRows(work, got.view(axis.size, -1), out)
     return _reduce_scatter_p2p(full, out, axis)
 
@@ -76,9 +79,9 @@ def _reduce_scatter_p2p(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> An
             parts.append(mine)
             continue
         peer = axis.global_rank(r)
-        works.append(dist.isend(mine, dst=peer, group=axis.group, tag=tag))
+        works.append(Polled(dist.isend(mine, dst=peer, group=axis.group, tag=tag)))
         got = out if r == first else full.new_empty(n)
-        works.append(dist.irecv(got, src=peer, group=axis.group, tag=tag))
+        works.append(Polled(dist.irecv(got, src=peer, group=axis.group, tag=tag)))
         if r != first:
             parts.append(got)
     return _SumOnWait(works, parts, out)

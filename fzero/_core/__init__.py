@@ -12,8 +12,11 @@ part may import it (through this face).
 """
 
 from ._autodiff import LossFn as LossFn
+from ._autodiff import bad_loss as bad_loss
+from ._autodiff import check_differentiable as check_differentiable
 from ._autodiff import check_loss as check_loss
 from ._autodiff import differentiating as differentiating
+from ._autodiff import is_bad_loss as is_bad_loss
 from ._autodiff import sparse_gradient as sparse_gradient
 from ._autodiff import value_and_grad as value_and_grad
 from ._flat import Bucket as Bucket
@@ -27,6 +30,7 @@ from ._shards import Shards as Shards
 from ._stages import STAGES as STAGES
 from ._stages import Stage as Stage
 from ._stages import stage_of as stage_of
+from ._tensorfile import OffsetWriter as OffsetWriter
 from ._tensorfile import TensorFile as TensorFile
 from ._tensorfile import as_bytes as as_bytes
 from ._tensorfile import fsync_dir as fsync_dir

@@ -43,17 +43,48 @@ def differentiating(what: str, rank: int | None = None) -> Iterator[None]:
         yield
 
 
+def bad_loss(exc: Exception) -> Exception:
+    """Marks `exc` as a loss's returned value failing fzero's checks, raised once the
+    forward is done: a step can have every rank raise it together (the call check)."""
+    exc.__dict__["fzero_bad_loss"] = True
+    return exc
+
+
+def is_bad_loss(exc: BaseException) -> bool:
+    return bool(exc.__dict__.get("fzero_bad_loss", False))
+
+
 def check_loss(out: Any, what: str = "loss_fn", rank: int | None = None) -> torch.Tensor:
-    """Returns `out` if it is a real scalar tensor, else raises naming the problem."""
+    """Returns `out` if it is a real scalar tensor, else raises naming the problem
+    (marked by `bad_loss`)."""
     where = "" if rank is None else f" on rank {rank}"
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{what} must return a scalar tensor, got {type(out).__name__}{where}")
+        raise bad_loss(
+            TypeError(f"{what} must return a scalar tensor, got {type(out).__name__}{where}")
+        )
     if out.dim() != 0 or not out.is_floating_point():
-        raise ValueError(
-            f"{what} must return a real scalar tensor (shape ()), got shape "
-            f"{tuple(out.shape)} dtype {out.dtype}{where}"
+        raise bad_loss(
+            ValueError(
+                f"{what} must return a real scalar tensor (shape ()), got shape "
+                f"{tuple(out.shape)} dtype {out.dtype}{where}"
+            )
         )
     return out
+
+
+def check_differentiable(loss: torch.Tensor, what: str, rank: int | None) -> None:
+    """Raises (marked by `bad_loss`) if `loss` carries no gradient: computed under
+    `torch.no_grad()` or detached, a step would update with zero gradients."""
+    if not loss.requires_grad:
+        where = "" if rank is None else f"rank {rank}: "
+        raise bad_loss(
+            ValueError(
+                f"{where}{what} does not require grad: it was computed under torch.no_grad() "
+                "or detached from the parameters, so its gradient is zero and a step would "
+                "still move them (weight decay, momentum). Compute it from the params it is "
+                "given, with gradients enabled"
+            )
+        )
 
 
 def value_and_grad(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -112,33 +113,101 @@ class TensorFile:
             done += n
 
     def digest(self) -> str:
-        """What ranks compare to know they read the same file: its size and its index."""
-        index = sorted((k, e.offset, str(e.dtype), e.shape) for k, e in self.entries.items())
-        key = hashlib.blake2b(repr(index).encode(), digest_size=8).hexdigest()
-        return f"{os.path.getsize(self.path)}:{key}"
+        """What ranks compare to know they read the same file: its size, its index, and
+        a sample of every tensor's bytes (at its start, middle and end), so that two
+        copies with the same names and shapes but other values differ. A few small reads
+        per tensor, whatever its size."""
+        h = hashlib.blake2b(digest_size=8)
+        fd = self._file.fileno()
+        for name, e in sorted(self.entries.items()):
+            h.update(repr((name, e.offset, str(e.dtype), e.shape, e.stride)).encode())
+            nbytes = (e.span or e.numel) * e.dtype.itemsize
+            for at in sorted({0, max(0, nbytes // 2 - _SAMPLE // 2), max(0, nbytes - _SAMPLE)}):
+                h.update(os.pread(fd, min(_SAMPLE, nbytes), e.offset + at))
+        return f"{os.path.getsize(self.path)}:{h.hexdigest()}"
+
+
+_SAMPLE = 64  # bytes read per sample of a tensor for `TensorFile.digest`
 
 
 def _safetensors_entries(path: str) -> dict[str, Entry]:
+    """The tensors of a safetensors file, its header checked as strictly as the
+    `safetensors` library checks it: a file that library refuses is refused here, never
+    read as garbage (a dtype whose size disagrees with its byte span, spans outside the
+    file or overlapping, a data region not wholly indexed)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"{path}: neither a safetensors nor a torch.save file (too short)")
         (n,) = struct.unpack("<Q", head)
-        if n > 100 * 2**20:
-            raise ValueError(f"{path}: neither a safetensors nor a torch.save file")
+        if n > 100 * 2**20 or 8 + n > size:
+            raise ValueError(
+                f"{path}: neither a safetensors nor a torch.save file (its first 8 bytes "
+                f"announce a {n}-byte header in a {size}-byte file)"
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as exc:
             raise ValueError(f"{path}: not a safetensors file ({exc})") from None
-    out = {}
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise ValueError(f"{path}: safetensors __metadata__ must map strings to strings")
+    data = size - 8 - n
+    out, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not supported")
-        begin = info["data_offsets"][0]
-        out[name] = Entry(8 + n + begin, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
+        begin, end, dtype, shape = _checked_entry(path, name, info, data)
+        spans.append((begin, end, name))
+        out[name] = Entry(8 + n + begin, dtype, shape)
+    cursor, last = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != cursor:
+            what = (
+                f"overlaps {last!r}"
+                if begin < cursor
+                else f"leaves bytes {cursor}-{begin} unindexed"
+            )
+            raise ValueError(f"{path}: tensor {name!r} (bytes {begin}-{end}) {what}")
+        cursor, last = end, name
+    if cursor != data:
+        raise ValueError(f"{path}: the tensors index {cursor} of the {data} data bytes")
     return out
+
+
+def _checked_entry(
+    path: str, name: str, info: Any, data: int
+) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
+    """One header entry's byte span, dtype and shape, or a ValueError naming the tensor."""
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: tensor {name!r} has no dtype, shape and data_offsets")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{path}: tensor {name!r} has dtype {dtype!r}, not supported")
+    if not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
+        raise ValueError(f"{path}: tensor {name!r} has shape {shape!r}, data_offsets {offsets!r}")
+    begin, end = offsets
+    nbytes = SAFETENSORS_DTYPES[dtype].itemsize * math.prod(shape)
+    if end - begin != nbytes:
+        raise ValueError(
+            f"{path}: tensor {name!r} is {dtype} {shape} ({nbytes} bytes) but its data_offsets "
+            f"span {end - begin} bytes"
+        )
+    if end > data:
+        raise ValueError(f"{path}: tensor {name!r} ends at byte {end} of {data}: truncated?")
+    return begin, end, SAFETENSORS_DTYPES[dtype], tuple(shape)
+
+
+def _naturals(v: Any) -> bool:
+    """Whether `v` is a JSON list of non-negative ints."""
+    return isinstance(v, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
+    )
 
 
 def _torch_entries(path: str) -> dict[str, Entry]:
@@ -152,9 +221,11 @@ def _torch_entries(path: str) -> dict[str, Entry]:
             f"{path}: expected a torch.save'd state dict (a flat dict of tensors), got "
             f"{type(obj).__name__}"
         )
-    out = {}
+    out, size = {}, os.path.getsize(path)
     for name, t in obj.items():
         base = t.untyped_storage()._checkpoint_offset
+        if base + t.untyped_storage().nbytes() > size:
+            raise ValueError(f"{path}: tensor {name!r} ends past the end of the file: truncated?")
         start = base + t.storage_offset() * t.element_size()
         if t.is_contiguous():
             out[name] = Entry(start, t.dtype, tuple(t.shape))
@@ -175,10 +246,15 @@ class OffsetWriter:
         self._fd = -1
 
     def open(self, build: Callable[[Any], None]) -> None:
-        """Creates the temporary file; `build(file)` writes its headers."""
-        with open(self.tmp, "wb") as f:
-            build(f)
-        self._fd = os.open(self.tmp, os.O_RDWR)
+        """Creates the temporary file; `build(file)` writes its headers. Removes it again
+        if that fails."""
+        try:
+            with open(self.tmp, "wb") as f:
+                build(f)
+            self._fd = os.open(self.tmp, os.O_RDWR)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, key: Any, lo: int, values: torch.Tensor) -> None:
         """Writes `values` as elements lo, lo+1, ... of tensor `key`."""
@@ -189,6 +265,7 @@ class OffsetWriter:
             done += os.pwrite(self._fd, view[done:], offset + lo * dtype.itemsize + done)
 
     def commit(self) -> None:
+        """fsync, then the atomic rename over `path` (an older file stays until then)."""
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
@@ -196,17 +273,31 @@ class OffsetWriter:
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
+        """Removes the temporary file (the file at `path` is left as it was)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if os.path.exists(self.tmp):
+        if os.path.lexists(self.tmp):
             os.remove(self.tmp)
 
 
 def safetensors_writer(
     path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
 ) -> OffsetWriter:
-    """A writer of a safetensors file holding `specs` (name -> dtype, shape), in that order."""
+    """A writer of a safetensors file holding `specs` (name -> dtype, shape), in that order;
+    `metadata` must map strings to strings (the format's rule, checked before anything
+    is written)."""
+    bad = [
+        (k, v)
+        for k, v in (metadata or {}).items()
+        if not (isinstance(k, str) and isinstance(v, str))
+    ]
+    if bad:
+        k, v = bad[0]
+        raise TypeError(
+            f"safetensors metadata maps strings to strings; {k!r}: {v!r} is "
+            f"{type(k).__name__} -> {type(v).__name__} (write str({v!r}), or json.dumps it)"
+        )
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     cursor = 0
     for name, (dtype, shape) in specs.items():

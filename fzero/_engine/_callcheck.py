@@ -1,4 +1,5 @@
-"""The call check: after each forward, ranks agree on the units they called.
+"""The call check: after each forward, ranks agree on the units they called (and on
+what else a step must agree on before its backward).
 
 With module hooks a unit is called when its submodule runs, so a rank-dependent branch
 can skip one on some ranks, and the backward's collectives, which pair up by the order
@@ -23,19 +24,33 @@ class Agreement(NamedTuple):
 
     called: list[str]
     wait: Callable[[], list[list[int]]]
-    flags: int  # how many flags follow the three values
+    flags: int  # how many flags follow the header's words
     carried: int = 0  # how many carried words follow the flags' words
+    error: BaseException | None = None  # this rank's loss failed its checks
 
     def check(self, mesh: Mesh) -> tuple[list[bool], list[list[int]]]:
-        """Raises ValueError on every rank, naming each rank's calls, if they differ;
-        returns the flags, each OR-ed over the ranks, and every rank's carried words."""
+        """Raises on every rank, the same error, if a rank's loss failed its checks, the
+        ranks' micro-batch counts differ or their calls do; returns the flags, each OR-ed
+        over the ranks, and every rank's carried words."""
         everyone = self.wait()
         cut = len(everyone[0]) - self.carried
         carried = [e[cut:] for e in everyone]
+        if any(e[_ERROR] for e in everyone):
+            raise _loss_errors(self.error, mesh)
+        counts = [e[_MICRO] for e in everyone]
+        if len(set(counts)) > 1:
+            said = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            raise _comm.agreed(
+                ValueError(
+                    f"the ranks stepped different numbers of micro-batches ({said}). Every "
+                    "rank accumulates over the same number each step (their backwards reduce "
+                    "together): pad a short rank's list with None (a micro-batch without data)"
+                )
+            )
         if all(e[:2] == everyone[0][:2] for e in everyone):
-            words = [0] * (cut - 3)
+            words = [0] * (cut - _HEADER)
             for e in everyone:
-                words = [a | b for a, b in zip(words, e[3:cut])]
+                words = [a | b for a, b in zip(words, e[_HEADER:cut])]
             flags = [bool(words[k // _BITS] >> (k % _BITS) & 1) for k in range(self.flags)]
             return flags, carried
         calls = _comm.all_gather_object(self.called, mesh)
@@ -44,81 +59,124 @@ class Agreement(NamedTuple):
         )
         absent = [r for r, e in enumerate(everyone) if not e[2]]
         if absent:
-            raise ValueError(
-                f"rank {mesh.rank}: rank(s) {absent} had no batch this step and repeated "
-                f"the units the step called last time, but the others called different "
-                f"ones ({said}). A rank without data can only follow a forward whose unit "
-                "calls do not change from step to step; give it a batch (with weight 0) "
-                "instead"
+            raise _comm.agreed(
+                ValueError(
+                    f"rank(s) {absent} had no batch this step and repeated the units the step "
+                    f"called last time, but the others called different ones ({said}). A rank "
+                    "without data can only follow a forward whose unit calls do not change "
+                    "from step to step; give it a batch (with weight 0) instead"
+                )
             )
-        raise ValueError(
-            f"rank {mesh.rank}: the forward called different units on different ranks "
-            f"({said}). Every rank must call the same units in the same order: fzero reduces "
-            "unit gradients (and stage 3 gathers unit parameters) in call order, so a unit "
-            "skipped on some ranks would be paired with another unit's collective. Run the "
-            "unit on every rank (multiplying its output by 0 where it should not count), or "
-            "leave it out of units= so its parameters join the root unit"
+        raise _comm.agreed(
+            ValueError(
+                f"the forward called different units on different ranks ({said}). Every rank "
+                "must call the same units in the same order: fzero reduces unit gradients (and "
+                "stage 3 gathers unit parameters) in call order, so a unit skipped on some "
+                "ranks would be paired with another unit's collective. Run the unit on every "
+                "rank (multiplying its output by 0 where it should not count), or leave it out "
+                "of units= so its parameters join the root unit"
+            )
         )
 
 
+def _loss_errors(error: BaseException | None, mesh: Mesh) -> BaseException:
+    """The same error on every rank for the ranks whose loss failed its checks: the first
+    one's class, every one's message (each names its rank)."""
+    mine = None if error is None else (type(error).__name__, str(error))
+    said = [(r, m) for r, m in enumerate(_comm.all_gather_object(mine, mesh)) if m is not None]
+    cls = {"TypeError": TypeError}.get(said[0][1][0], ValueError)
+    return _comm.agreed(
+        cls("; ".join(m if m.startswith(f"rank {r}") else f"rank {r}: {m}" for r, (_, m) in said))
+    )
+
+
+# The header's words: how many units this rank called (-1: calls not compared), their
+# digest, whether it had a batch, its micro-batch count, whether its loss failed.
+_HEADER, _MICRO, _ERROR = 5, 3, 4
 _BITS = 62  # flags per int64 word, clear of the sign bit
 
 
 def start_agreement(
-    called: list[str],
+    called: list[str] | None,
     mesh: Mesh,
     present: bool = True,
     flags: Sequence[bool] = (),
     carry: Sequence[int] = (),
+    micro: int = 1,
+    error: BaseException | None = None,
 ) -> Agreement:
-    """Starts comparing this rank's unit calls (`called`, unit names in call order) with the
-    other ranks' (host values on the control axis: checking them never waits for a GPU).
-    `present`: whether this rank ran a forward (False: it had no batch and followed the
-    units called last step). `flags`: as many on every rank (one per unit of the layout),
-    OR-ed over the ranks by the check. `carry`: int64 words (as many on every rank) that
-    travel along, handed back per rank by the check."""
+    """Starts comparing this rank's unit calls (`called`, unit names in call order; None:
+    not compared) with the other ranks' (host values on the control axis: checking them
+    never waits for a GPU). `present`: whether this rank ran a forward (False: it had no
+    batch and followed the units called last step). `flags`: as many on every rank (one
+    per unit of the layout), OR-ed over the ranks by the check. `carry`: int64 words (as
+    many on every rank) that travel along, handed back per rank by the check. `micro`:
+    the step's micro-batch count; `error`: this rank's loss failed its checks (every rank
+    raises it at the check)."""
     # A digest of the names, not Python's hash(): that one is salted per process.
-    digest = hashlib.blake2b("\0".join(called).encode(), digest_size=8).digest()
+    names = "\0".join(called or ())
+    digest = hashlib.blake2b(names.encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True)
     words = [0] * -(-len(flags) // _BITS)
     for k, f in enumerate(flags):
         words[k // _BITS] |= int(f) << (k % _BITS)
-    values = [len(called), h, int(present), *words, *carry]
-    return Agreement(called, _comm.all_gather_ints_async(values, mesh), len(flags), len(carry))
+    count = -1 if called is None else len(called)
+    values = [count, h, int(present), micro, int(error is not None), *words, *carry]
+    wait = _comm.all_gather_ints_async(values, mesh)
+    return Agreement(called or [], wait, len(flags), len(carry), error)
 
 
 class CallCheck:
     """One micro-batch's exchange among ranks after its forward, in one collective: the
-    units each rank called (checked before the backward's first collective) and the words
-    the step sends along (the losses' weights, on a step's last micro-batch).
+    units each rank called (checked before the backward's first collective), the step's
+    micro-batch count, whether a rank's loss failed its checks, and the words the step
+    sends along (the losses' weights, on a step's last micro-batch).
 
     `after_forward` starts it once the forward is done (the engine's, or a step's that
     differentiates by leaf); `before_collective` waits for it before any collective that
     must come after the check (it returns at once while none is pending); the step reads
-    `carried` once its backward is done.
+    `carried` once its backward is done. A check that does not `exchange` sends nothing
+    (a middle micro-batch whose calls need no comparing): an error it is given is raised
+    on this rank alone, and published to the others (`fzero._comm.together`).
     """
 
-    def __init__(self, mesh: Mesh, carry: Callable[[], Sequence[int]] | None = None) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        carry: Callable[[], Sequence[int]] | None = None,
+        *,
+        micro: int = 1,
+        exchange: bool = True,
+    ) -> None:
         """`carry`: called once, after the forward, for this rank's int64 words to send
-        along (as many on every rank); None sends none."""
-        self.mesh, self.carry = mesh, carry
+        along (as many on every rank, on every check of a step that exchanges); None
+        sends none. `micro`: the step's micro-batch count. `exchange`: whether this check
+        exchanges even where it compares no calls."""
+        self.mesh, self.carry, self.micro, self.exchanges = mesh, carry, micro, exchange
         self.pending: Agreement | None = None
         self.flags: list[bool] | None = None  # OR-ed over the ranks, once checked
         self.words: list[list[int]] | None = None  # every rank's carried words, once checked
-        self.alone: Callable[[], list[list[int]]] | None = None  # carried words sent alone
 
     def after_forward(
-        self, called: list[str] | None, present: bool = True, flags: Sequence[bool] = ()
+        self,
+        called: list[str] | None,
+        present: bool = True,
+        flags: Sequence[bool] = (),
+        error: BaseException | None = None,
     ) -> None:
         """Starts the exchange: this rank's unit calls (`called`, in call order; None when
-        the step checks none, and the carried words travel alone), whether it had a batch
-        (False: it followed last step's calls), per unit of the layout a flag to OR over
-        the ranks, and the carried words."""
+        the step compares none), whether it had a batch (False: it followed last step's
+        calls), per unit of the layout a flag to OR over the ranks, the carried words, and
+        `error` if its loss failed its checks (raised on every rank by the check; at once
+        here where there is no exchange)."""
+        if called is None and not self.exchanges:
+            if error is not None:
+                raise error
+            return
         words = [] if self.carry is None else list(self.carry())
-        if called is not None:
-            self.pending = start_agreement(called, self.mesh, present, flags, words)
-        elif self.carry is not None:
-            self.alone = _comm.all_gather_ints_async(words, self.mesh)
+        self.pending = start_agreement(called, self.mesh, present, flags, words, self.micro, error)
+        if error is not None:
+            self.before_collective()  # raises, as every other rank does at its check
 
     def before_collective(self) -> list[bool] | None:
         """Waits for the check (raising on every rank if the ranks' calls differ); returns
@@ -131,8 +189,6 @@ class CallCheck:
     def carried(self) -> list[list[int]]:
         """Every rank's carried words, in rank order (raising as the check does if the
         ranks' calls differ)."""
-        if self.alone is not None:
-            return self.alone()
         self.before_collective()
         assert self.words is not None, "CallCheck.carried: no words were sent"
         return self.words

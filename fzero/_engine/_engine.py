@@ -21,6 +21,7 @@ from .._core import (
     PyTree,
     check_loss,
     covers,
+    is_bad_loss,
     sparse_gradient,
     spec_of,
     subtree,
@@ -195,7 +196,7 @@ class Engine:
         that it runs behind the backward."""
         lay, mesh = self.layout, self.mesh
         trainable = [i for i, b in enumerate(lay.buckets) if not b.frozen]
-        loss = None
+        loss = error = None
         token = ACTIVE.set(self)
         try:
             # Hooks and `gathered` stay live through the backward: a checkpoint's
@@ -205,11 +206,19 @@ class Engine:
                     if batch is None:
                         self._follow("step")
                     else:
-                        loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
+                        try:
+                            loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
+                        except Exception as exc:
+                            # The forward is done but what it returned is refused: every
+                            # rank raises it at the check below ([Note: failing together]).
+                            # Anything else left the forward half-done: it is published.
+                            if not is_bad_loss(exc):
+                                raise
+                            error = exc
                 # A rank-dependent branch may have skipped a unit: every rank says what it
                 # called before the first reduction.
                 called = self._called() if self.s.check_calls else None
-                self.check.after_forward(called, batch is not None, self.source.flags())
+                self.check.after_forward(called, batch is not None, self.source.flags(), error)
                 if loss is not None and loss.requires_grad:  # gradients arrive via reductions
                     leaves = [self.inputs[i] for i in trainable]
                     try:

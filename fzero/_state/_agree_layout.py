@@ -9,6 +9,7 @@ from .._comm import Mesh
 from .._core import ShardLayout, UnitSpec, spec_of
 
 
+@_comm.agreement
 def agree_layout(
     lay: ShardLayout | None, problem: str | None, stage: tuple[int, bool], mesh: Mesh
 ) -> None:

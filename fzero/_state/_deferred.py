@@ -114,15 +114,14 @@ def _leaf_values(
     return out
 
 
+@_comm.agreement
 def _agree(error: Exception | None, digests: dict[str, str], mesh: Mesh) -> None:
     """Raises on every rank if any rank's init failed or made other values than rank 0's."""
     mine = (None if error is None else f"{type(error).__name__}: {error}", digests)
     everyone = _comm.all_gather_object(mine, mesh)
     for rank, (problem, _) in enumerate(everyone):
-        if problem is not None:
-            if error is not None:
-                raise error
-            raise _kind(problem)(f"shard_state: rank {rank}'s init failed: {problem}")
+        if problem is not None:  # the same error on every rank, its cause on the failing one
+            raise _kind(problem)(f"shard_state: rank {rank}'s init failed: {problem}") from error
     ref = everyone[0][1]
     for rank, (_, theirs) in enumerate(everyone[1:], start=1):
         for path in ref:

@@ -134,7 +134,7 @@ class ModuleInit(Init):
         fn = self._init_of(prefix, m, [n for _, n, _ in own])
         fresh = {}
         for kind, name, t in own:
-            x = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            x = _poisoned(torch.empty(t.shape, dtype=t.dtype, device=self.device))
             if kind == "p":
                 x = nn.Parameter(x, requires_grad=t.requires_grad)
             (m._parameters if kind == "p" else m._buffers)[name] = x
@@ -154,6 +154,8 @@ class ModuleInit(Init):
                     "hold uninitialised memory; fill it there (reset_parameters) or pass "
                     f"init={{{prefix or type(m).__name__!r}: fn}}"
                 )
+            if value is made:
+                _check_written(value, prefix, m, name)
             yield name, orig, value
 
     def _init_of(self, prefix: str, m: nn.Module, names: list[str]) -> Callable[[nn.Module], Any]:
@@ -170,6 +172,34 @@ class ModuleInit(Init):
             f"{names} but has no reset_parameters(); define one that fills every tensor "
             f"the module owns directly, or pass init={{{prefix or type(m).__name__!r}: fn}} "
             "(fn(module) fills them in place)"
+        )
+
+
+def _poisoned(x: torch.Tensor) -> torch.Tensor:
+    """`x` filled with what no init writes (NaN; an integer dtype's least value), so that
+    what an init leaves unwritten shows afterwards (`_check_written`). bool: unchecked."""
+    if x.is_floating_point() or x.is_complex():
+        return x.fill_(float("nan"))
+    if x.dtype != torch.bool:
+        x.fill_(torch.iinfo(x.dtype).min)
+    return x
+
+
+def _check_written(value: torch.Tensor, prefix: str, m: nn.Module, name: str) -> None:
+    """Raises naming the module and tensor if its init left part of it as poisoned."""
+    if value.dtype == torch.bool or value.numel() == 0:
+        return
+    if value.is_floating_point() or value.is_complex():
+        left = torch.isnan(value)
+    else:
+        left = value == torch.iinfo(value.dtype).min
+    count = int(left.sum())
+    if count:
+        raise ValueError(
+            f"fzero.init.from_module: module {prefix or '<root>'!r} ({type(m).__name__}): its "
+            f"init left {count} of the {value.numel()} elements of {name!r} unwritten (or "
+            "wrote NaN), which would hold uninitialised memory; fill all of it there "
+            f"(reset_parameters) or pass init={{{prefix or type(m).__name__!r}: fn}}"
         )
 
 

@@ -96,6 +96,7 @@ optree.register_pytree_node(
 )
 
 
+@_comm.collective("shard_state")
 def shard_state(
     params: PyTree,
     optimizer: Optimizer,
@@ -222,7 +223,7 @@ def _shard_params(
     else:
         flats = (_comm.broadcast_(_packed(b, leaves, convert), mesh) for b in lay.buckets)
         held = lay.unflatten(tuple(flats))
-    return held, _init_optimizer(held, optimizer, stage, lay, rank, master)
+    return held, init_optimizer(held, optimizer, stage, lay, rank, master)
 
 
 def _packed(b: Bucket, leaves: list[Any], convert: Convert) -> torch.Tensor:
@@ -256,7 +257,7 @@ def _rank0_slices(
     return tuple(own)
 
 
-def _init_optimizer(
+def init_optimizer(
     held: PyTree, optimizer: Optimizer, stage: Stage, lay: ShardLayout, rank: int, master: Any
 ) -> Any:
     """The optimizer state of what this rank updates: its masters if any, else `held`'s
@@ -286,7 +287,7 @@ def _from_init(
     rank = mesh.shard_rank
     flats, buffers = materialize(init, lay, mesh, stage, buffers, precision)
     held: PyTree = Shards(flats, lay, rank) if stage.shards_params else lay.unflatten(flats)
-    opt_state = _init_optimizer(held, optimizer, stage, lay, rank, None)
+    opt_state = init_optimizer(held, optimizer, stage, lay, rank, None)
     master = None
     if precision is not None:  # the made values become the masters, as a loaded checkpoint's
         held, lay, master = to_mixed(held, lay, stage, precision, rank)

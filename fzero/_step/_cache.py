@@ -31,6 +31,7 @@ class StepCache:
     order: list[str] | None = None
     micro: int | None = None
     warned: bool = False
+    present: list[bool] = field(default_factory=list)  # first step: which ranks had data
     pool: Pool = field(default_factory=Pool)
     # (layout, key, its engine context): planned once per layout and key (the state's
     # precision, ...), as the options are the step function's and only the state varies.

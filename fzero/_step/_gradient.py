@@ -44,7 +44,7 @@ def mean_grad(
     s, lay = ctx.schedule, ctx.layout
     if s.by_leaf:
         grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate)
-        sync.check(last=True).after_forward(None)  # the losses' weights travel alone
+        sync.check(len(micro) - 1).after_forward(None)  # the losses' weights travel alone
         return grads, order
     if s.all_reduce:  # every rank keeps the full mean gradient
         assert local is not None
@@ -56,9 +56,12 @@ def mean_grad(
     total = None
     for j, mb in enumerate(micro):
         last = j == len(micro) - 1
-        check = sync.check(last)
+        check = sync.check(j)
         engine = Engine(ctx, like, check, local=local, order=order, sums=sums, final=last)
         _, grads, order = engine.value_and_grad(loss_fn, mb)
+        # Every exchange a micro-batch started ends in it (locally accumulated backwards
+        # reduce nothing before the last): a disagreement raises on every rank together.
+        check.before_collective()
         total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
     assert total is not None
     if len(micro) > 1:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._core import LossFn, PyTree, check_loss
+from .._core import LossFn, PyTree, bad_loss, check_differentiable, check_loss
 
 
 class Weighed:
@@ -29,8 +29,10 @@ class Weighed:
 
     A pair's total is what is differentiated; a scalar counts with weight 1."""
 
-    def __init__(self, loss_fn: LossFn, rank: int) -> None:
-        self.loss_fn, self.rank = loss_fn, rank
+    def __init__(self, loss_fn: LossFn, rank: int, trainable: bool = True) -> None:
+        """`trainable`: the state has trainable parameters, so a loss (of weight > 0)
+        without a gradient is an error."""
+        self.loss_fn, self.rank, self.trainable = loss_fn, rank, trainable
         self.totals: list[torch.Tensor] = []  # detached, as returned
         self.weights: list[float] = []
         self.pairs = self.scalars = 0
@@ -39,9 +41,11 @@ class Weighed:
         out = self.loss_fn(params, batch)
         if isinstance(out, tuple):
             if len(out) != 2:
-                raise TypeError(
-                    f"rank {self.rank}: loss_fn returned a tuple of {len(out)}; it must return "
-                    "a scalar loss or a pair (total, weight)"
+                raise bad_loss(
+                    TypeError(
+                        f"rank {self.rank}: loss_fn returned a tuple of {len(out)}; it must return "
+                        "a scalar loss or a pair (total, weight)"
+                    )
                 )
             total = check_loss(out[0], "loss_fn's total", self.rank)
             weight = _weight_value(out[1], self.rank)
@@ -49,6 +53,8 @@ class Weighed:
         else:
             total, weight = check_loss(out, rank=self.rank), 1.0
             self.scalars += 1
+        if self.trainable and weight > 0:
+            check_differentiable(total, "loss_fn's loss", self.rank)
         self.totals.append(total.detach())
         self.weights.append(weight)
         return total
@@ -61,16 +67,23 @@ class Weighed:
 def _weight_value(weight: Any, rank: int) -> float:
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1 or weight.is_complex():
-            raise ValueError(
-                f"rank {rank}: loss_fn's weight must be a real number or one-element "
-                f"tensor, got shape {tuple(weight.shape)} dtype {weight.dtype}"
+            raise bad_loss(
+                ValueError(
+                    f"rank {rank}: loss_fn's weight must be a real number or one-element "
+                    f"tensor, got shape {tuple(weight.shape)} dtype {weight.dtype}"
+                )
             )
         weight = weight.detach().item()
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise TypeError(
-            f"rank {rank}: loss_fn's weight must be a number or tensor, got {type(weight).__name__}"
+        raise bad_loss(
+            TypeError(
+                f"rank {rank}: loss_fn's weight must be a number or tensor, got "
+                f"{type(weight).__name__}"
+            )
         )
     w = float(weight)
     if not (math.isfinite(w) and w >= 0):
-        raise ValueError(f"rank {rank}: loss_fn's weight must be finite and >= 0, got {w}")
+        raise bad_loss(
+            ValueError(f"rank {rank}: loss_fn's weight must be finite and >= 0, got {w}")
+        )
     return w

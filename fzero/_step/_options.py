@@ -26,7 +26,7 @@ class StepOptions:
     module: nn.Module | None
     just_in_time: bool
     reshard_after_forward: bool
-    secondary: Axis | None  # hpZ: where the backward gathers resharded units from
+    reshard: bool | int  # as given: an int k is hpZ's (its axis made on the first step)
     quantize: QuantizedComm | None
     prefetch: bool
     ledger: UnitLedger | None
@@ -35,6 +35,13 @@ class StepOptions:
     buffer_sync: str
     overlap_reduce: bool
     reduce_bucket_bytes: int
+
+    def secondary(self) -> Axis | None:
+        """hpZ's axis, where the backward gathers a resharded unit from (None without
+        hpZ). Made collectively on first use: by the step, once the ranks agreed on k."""
+        if isinstance(self.reshard, bool):
+            return None
+        return self.mesh.secondary(self.reshard)
 
     def schedule(
         self, layout: ShardLayout, precision: Precision | None, hooked: Mapping[str, Any]
@@ -50,7 +57,7 @@ class StepOptions:
             just_in_time=self.just_in_time,
             prefetch=self.prefetch,
             reshard_after_forward=self.reshard_after_forward,
-            secondary=self.secondary,
+            secondary=self.secondary(),
             quantize=self.quantize,
             overlap_reduce=self.overlap_reduce,
             reduce_bucket_bytes=self.reduce_bucket_bytes,
@@ -84,7 +91,7 @@ def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
         module=options["module"],
         just_in_time=bool(options["just_in_time"]),
         reshard_after_forward=bool(reshard),
-        secondary=_secondary_axis(reshard, spec, mesh),
+        reshard=_check_reshard(reshard, spec, mesh),
         quantize=options["quantize"],
         prefetch=options["prefetch"],
         ledger=options["ledger"],
@@ -115,10 +122,11 @@ def _check_quantize(quantize: Any, stage: Stage) -> None:
         )
 
 
-def _secondary_axis(reshard: Any, stage: Stage, mesh: Mesh) -> Axis | None:
-    """hpZ's axis for an int `reshard_after_forward` (None for a bool)."""
+def _check_reshard(reshard: Any, stage: Stage, mesh: Mesh) -> bool | int:
+    """`reshard_after_forward` checked on this rank (its axis is made on the first step,
+    once every rank agreed on it)."""
     if isinstance(reshard, bool):
-        return None
+        return reshard
     if not isinstance(reshard, int):
         raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard!r}")
     if not stage.shards_params:
@@ -126,7 +134,12 @@ def _secondary_axis(reshard: Any, stage: Stage, mesh: Mesh) -> Axis | None:
             f"reshard_after_forward={reshard} (hpZ's secondary copy) is for stage 3, whose "
             f"parameters are sharded; this step is stage {stage.number}"
         )
-    return mesh.secondary(reshard)
+    if reshard < 1 or mesh.shard_size % reshard:
+        raise ValueError(
+            f"reshard_after_forward={reshard} must divide the {mesh.shard_size} ranks that "
+            "shard (hpZ keeps a copy over groups of k of them)"
+        )
+    return reshard
 
 
 def check_step_state(

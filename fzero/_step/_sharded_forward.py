@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import _comm
 from .._comm import Mesh
 from .._core import PyTree, Stage, stage_of
 from .._engine import (
@@ -75,6 +76,10 @@ def sharded_forward(
     cache = StepCache()
 
     def forward(state: ShardedState, batch: Any) -> Any:
+        with _comm.together(mesh.rank, mesh.size, "sharded_forward"):
+            return _forward(state, batch)
+
+    def _forward(state: ShardedState, batch: Any) -> Any:
         check_step_state(state, state.stage, None, None, mesh)
         call: Callable[[PyTree, Any], Any] = fn
         if state.buffers is not None:

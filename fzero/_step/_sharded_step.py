@@ -18,13 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._comm import Mesh, QuantizedComm, is_peer_failure
+from .. import _comm
+from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure
 from .._core import LossFn, UnitSpec, differentiating
 from .._engine import Context, UnitLedger, context, differentiates_by_leaf
 from .._state import ShardedState, mark_consumed
 from ..optim import Optimizer
 from ._body import body
 from ._cache import StepCache
+from ._config import agree, check_optimizer_state, configuration
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
@@ -109,24 +111,34 @@ def sharded_step(
     cache = StepCache()
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
-        with collector_paused(), differentiating("sharded_step", mesh.rank):
+        with (
+            collector_paused(),
+            differentiating("sharded_step", mesh.rank),
+            _comm.together(mesh.rank, mesh.size, "sharded_step"),
+        ):
             return _step(state, batch)
 
     def _step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
-        check_step_state(state, o.stage.number, o.layout, o.units, mesh)
-        micro = micro_batches(batch, o.accumulate, cache.micro)
+        if cache.order is None and cache.micro is None:
+            micro = _first_step(o, optimizer, cache, state, batch)
+        else:
+            check_step_state(state, o.stage.number, o.layout, o.units, mesh)
+            micro = micro_batches(batch, o.accumulate, cache.micro)
         ctx = cache.context(state.layout, state.precision, lambda: _context(o, cache, state))
+        if cache.order is None and cache.micro is None:
+            _first_batches(ctx, cache, micro, mesh)
         fn: LossFn = loss_fn
         threaded = None
         if state.buffers is not None:
             fn = threaded = BufferThread(loss_fn, state.buffers)
-        fn = weighed = Weighed(fn, mesh.rank)
+        trainable = not all(b.frozen for b in state.layout.buckets)
+        fn = weighed = Weighed(fn, mesh.rank, trainable)
         if state.scaler is not None:
             fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
         try:
             out = body(fn, weighed, optimizer, o, ctx, state, micro, cache.order)
         except RuntimeError as exc:
-            if not is_peer_failure(exc):
+            if isinstance(exc, PeerError) or not is_peer_failure(exc):
                 raise
             raise _stalled(exc, state, mesh) from exc
         cache.pool.reclaim()
@@ -163,6 +175,43 @@ def sharded_step(
         return new, loss
 
     return step
+
+
+def _first_step(
+    o: StepOptions, optimizer: Optimizer, cache: StepCache, state: ShardedState, batch: Any
+) -> list[Any]:
+    """The first call's checks, agreed among the ranks before any collective of the step:
+    each rank's own (its state, its batch, its optimizer state), then the configuration
+    every rank must share (`_config`). The same error on every rank otherwise. Returns the
+    micro-batches."""
+    mesh = o.mesh
+    micro, config, error = [], None, None
+    try:
+        check_step_state(state, o.stage.number, o.layout, o.units, mesh)
+        micro = micro_batches(batch, o.accumulate, cache.micro)
+        check_optimizer_state(optimizer, state, mesh.rank)
+        config = configuration(o, state, optimizer)
+        config["micro-batches"] = str(len(micro))
+    except Exception as exc:
+        error = exc
+    cache.present = agree(mesh, config, error, any(mb is not None for mb in micro))
+    return micro
+
+
+def _first_batches(ctx: Context, cache: StepCache, micro: list[Any], mesh: Mesh) -> None:
+    """On the first call, a rank without data has no units to follow where the forward
+    enters units just in time: every rank raises, naming the ranks without a batch."""
+    absent = [r for r, p in enumerate(cache.present) if not p]
+    if ctx.schedule.jit and absent:
+        raise _comm.agreed(
+            ValueError(
+                f"rank(s) {absent} called step(state, None) on the first call of a step "
+                "function with just-in-time units (module= or just_in_time=True): a rank "
+                "without data enters the units the step called last time, and there was no "
+                "last time. Give every rank a batch on the first call (with weight 0 if it "
+                "should not count)"
+            )
+        )
 
 
 def _context(o: StepOptions, cache: StepCache, state: ShardedState) -> Context:

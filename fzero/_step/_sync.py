@@ -54,18 +54,28 @@ class StepSync:
     """
 
     def __init__(
-        self, mesh: Mesh, weighed: Weighed, present: bool, device: torch.device | None
+        self,
+        mesh: Mesh,
+        weighed: Weighed,
+        present: bool,
+        device: torch.device | None,
+        micro: int = 1,
     ) -> None:
         """`weighed`: the step's loss, keeping what each call returned. `present`: whether
         this rank has any data this step. `device`: where the losses' total lives if the
-        rank has none (the parameters')."""
-        self.mesh = mesh
+        rank has none (the parameters'). `micro`: the step's micro-batch count."""
+        self.mesh, self.micro = mesh, micro
         self.words = _Words(mesh, weighed, present, device)
         self.last: CallCheck | None = None  # the check that carries the words
 
-    def check(self, last: bool) -> CallCheck:
-        """A micro-batch's call check; the step's `last` one carries the weights."""
-        check = CallCheck(self.mesh, self.words if last else None)
+    def check(self, j: int) -> CallCheck:
+        """Micro-batch `j`'s call check. The first exchanges (the ranks agree on the
+        micro-batch count before any backward reduces), the last carries the weights (the
+        others as many zero words); the middle ones exchange only where the engine
+        compares calls."""
+        last = j == self.micro - 1
+        carry = self.words if last else _no_words
+        check = CallCheck(self.mesh, carry, micro=self.micro, exchange=j == 0 or last)
         if last:
             self.last = check
         return check
@@ -119,9 +129,18 @@ class _Words:
         ]
         if total.device.type == "cpu":
             words.append(_bits(total.item()))
-        else:
+        else:  # summed on the device; the word keeps every rank's count the same
             self.total = _comm.all_reduce_sum_async(total, self.mesh.world)
+            words.append(0)
         return words
+
+
+_WORDS = 5  # what `_Words` sends: weights' sum, pairs, scalars, present, a CPU total
+
+
+def _no_words() -> list[int]:
+    """What a check before the last carries: as many words, all 0."""
+    return [0] * _WORDS
 
 
 def _bits(x: float) -> int:

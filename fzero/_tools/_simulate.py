@@ -164,7 +164,8 @@ class Simulation:
             )
             raise failure from (errors[0] if errors else None)
         if errors:
-            raise errors[0]
+            # Where one rank's failure made the others raise it too, the cause is its own.
+            raise next((e for e in errors if not isinstance(e, _comm.PeerError)), errors[0])
         return [results[r] for r in range(n)]
 
 

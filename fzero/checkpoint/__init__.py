@@ -29,6 +29,12 @@ Per-tensor optimizer state moves between layouts when it is one scalar shared by
 tensor (torch's "step"); otherwise (Adafactor's factors) only between "tensor" layouts
 and stage 0, where pieces are whole tensors, and other requests fail with an error.
 
+Failures. Every function here is collective and fails together: an error on any rank
+(a full disk, a file that is not what it says) raises on every rank, the same error
+(`CheckpointIOError`, an `OSError` with its errno, for the OS's), after the ranks agree on
+it; a failed save or export removes its temporary files and leaves the previous file or
+checkpoint as it was.
+
 Why not `torch.distributed.checkpoint`: its metadata file is a pickle (loading it
 unpickles), its resharding works on DTensor/ShardedTensor placements rather than fzero's
 padded flat buckets, and it writes in place without an atomic switch.
@@ -39,6 +45,7 @@ from ._export import export_torch as export_torch
 from ._save import load as load
 from ._save import save as save
 from ._schema import CheckpointError as CheckpointError
+from ._schema import CheckpointIOError as CheckpointIOError
 from ._torch import import_torch as import_torch
 
 __all__ = [

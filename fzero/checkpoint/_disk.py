@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._core import ShardLayout, TensorFile, fsync_dir
-from ._schema import CheckpointError, Entry, Schema, dtype_of
+from ._schema import CheckpointError, Entry, Schema, dtype_of, find_os_error
 
 FORMAT = "fzero-checkpoint"
 VERSION = 1
@@ -69,11 +69,18 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 def write_tensors(directory: str, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Writes and fsyncs one rank's tensors; returns the file's name, size and SHA-256."""
     path = os.path.join(directory, name)
-    with open(path, "wb") as f:
-        torch.save({k: _compact(v) for k, v in tensors.items()}, f)
-        f.flush()
-        _crash_point("rank-file", path)
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            torch.save({k: _compact(v) for k, v in tensors.items()}, f)
+            f.flush()
+            _crash_point("rank-file", path)
+            os.fsync(f.fileno())
+    except Exception as exc:
+        # torch.save reports a full disk as "unexpected pos": the OS error is its context.
+        os_error = find_os_error(exc)
+        if os_error is None:
+            raise
+        raise OSError(os_error.errno, os_error.strerror, path) from exc
     return {"name": name, "bytes": os.path.getsize(path), "sha256": sha256(path)}
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _comm
 from .._comm import Mesh
 from .._state import ShardedState
 from ._extra import full_precision
@@ -15,6 +16,7 @@ from ._stream import export_safetensors as stream_safetensors
 from ._stream import export_torch as stream_torch
 
 
+@_comm.collective("checkpoint.export_torch")
 def export_torch(
     state: ShardedState,
     path: str | None,
@@ -64,6 +66,7 @@ def export_torch(
     return stream_torch(full, path, mesh, hyperparams, *_names(module))
 
 
+@_comm.collective("checkpoint.export_safetensors")
 def export_safetensors(
     state: ShardedState,
     path: str,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any
 
 import torch
 
+from .. import _comm
 from .._comm import Mesh
 from .._core import PyTree, ShardLayout, Shards, build_layout, leaf_paths, stage_of, tree_flatten
 from .._state import ShardedState, check_live, frozen_leaves
@@ -39,6 +41,7 @@ def check_state(state: Any, mesh: Mesh, what: str) -> None:
         raise ValueError(f"{what}: the state's shards belong to rank {state.params.rank}")
 
 
+@_comm.collective("checkpoint.save")
 def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     """Writes `state` as a sharded checkpoint at `path` (collective: every rank calls it).
 
@@ -82,39 +85,45 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
         error = exc
     everyone = agree(error, (tmp, rep), mesh, what)
     tmp, schema = everyone[0][0], merge([r for _, r in everyone[:s]])
-    # 2. every rank writes (and fsyncs) its own file.
-    error, info = None, None
     try:
-        assert local is not None
-        if writes:
-            tensors = _rank_tensors(state, local, schema, rank)
-            if rank == 0:
-                tensors.update(extra)
-            info = disk.write_tensors(os.path.join(path, tmp), disk.rank_file(rank, s), tensors)
-            del tensors
-    except Exception as exc:
-        error = exc
-    files = agree(error, info, mesh, what)[:s]
-    # 3. rank 0 commits; the others wait, so no rank returns before the switch.
-    error, name = None, None
-    if mesh.rank == 0:
+        # 2. every rank writes (and fsyncs) its own file.
+        error, info = None, None
         try:
-            body = {
-                "format": disk.FORMAT,
-                "version": disk.VERSION,
-                "world_size": s,
-                "stage": stage.number,
-                "step": int(state.step),
-                "torch": torch.__version__,
-                "layout": disk.layout_json(lay),
-                "optimizer": disk.schema_json(schema),
-                "files": files,
-                **extra_body,
-            }
-            name = disk.commit(path, tmp, body)
+            assert local is not None
+            if writes:
+                tensors = _rank_tensors(state, local, schema, rank)
+                if rank == 0:
+                    tensors.update(extra)
+                info = disk.write_tensors(os.path.join(path, tmp), disk.rank_file(rank, s), tensors)
+                del tensors
         except Exception as exc:
             error = exc
-    return os.path.join(path, agree(error, name, mesh, what)[0])
+        files = agree(error, info, mesh, what)[:s]
+        # 3. rank 0 commits; the others wait, so no rank returns before the switch.
+        error, name = None, None
+        if mesh.rank == 0:
+            try:
+                body = {
+                    "format": disk.FORMAT,
+                    "version": disk.VERSION,
+                    "world_size": s,
+                    "stage": stage.number,
+                    "step": int(state.step),
+                    "torch": torch.__version__,
+                    "layout": disk.layout_json(lay),
+                    "optimizer": disk.schema_json(schema),
+                    "files": files,
+                    **extra_body,
+                }
+                name = disk.commit(path, tmp, body)
+            except Exception as exc:
+                error = exc
+        return os.path.join(path, agree(error, name, mesh, what)[0])
+    except CheckpointError:
+        # A failed save leaves no debris: the previous checkpoint is as it was.
+        if mesh.rank == 0:
+            shutil.rmtree(os.path.join(path, tmp), ignore_errors=True)
+        raise
 
 
 def _rank_tensors(
@@ -140,6 +149,7 @@ def _rank_tensors(
     return out
 
 
+@_comm.collective("checkpoint.load")
 def load(
     path: str,
     mesh: Mesh,

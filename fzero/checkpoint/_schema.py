@@ -24,6 +24,11 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be written, read or used as asked; the message says why."""
 
 
+class CheckpointIOError(OSError, CheckpointError):
+    """Writing or reading a file failed with the OS error it carries (`errno`: ENOSPC,
+    EFBIG, EROFS, ...): an `OSError` and a `CheckpointError` alike."""
+
+
 @dataclass(frozen=True)
 class Piece:
     """One tensor the optimizer updates on a rank, and where it lies in its bucket.
@@ -296,12 +301,37 @@ def agree(error: BaseException | None, payload: Any, mesh: Mesh, what: str) -> l
 
     A rank that fails alone must not leave its peers waiting in the next collective.
     """
-    problem = None if error is None else f"{type(error).__name__}: {error}"
-    if isinstance(error, CheckpointError):
-        problem = str(error)
+    problem: Any = None
+    if error is not None:
+        problem = (
+            str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        )
+        # An OS error travels as itself, on every rank (fzero's own say more: kept).
+        os_error = None if isinstance(error, CheckpointError) else find_os_error(error)
+        if os_error is not None:
+            problem = (os_error.errno, os_error.strerror, os_error.filename)
     everyone = _comm.all_gather_object((problem, payload), mesh)
     for rank, (prob, _) in enumerate(everyone):
         if prob is not None:
             where = f" on rank {rank} of {mesh.size}" if mesh.size > 1 else ""
-            raise CheckpointError(f"{what} failed{where}: {prob}") from error
+            if isinstance(prob, tuple):
+                number, text, filename = prob
+                exc: CheckpointError = CheckpointIOError(
+                    number, f"{text} ({what} failed{where})", filename
+                )
+            else:
+                exc = CheckpointError(f"{what} failed{where}: {prob}")
+            raise _comm.agreed(exc) from error
     return [p for _, p in everyone]
+
+
+def find_os_error(exc: BaseException | None) -> OSError | None:
+    """The OS error behind `exc` (itself, or one it was raised from or while handling):
+    torch.save reports a full disk as "unexpected pos" with the OSError as its context."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None

@@ -12,6 +12,7 @@ import torch
 from .. import _comm
 from .._comm import Mesh
 from .._core import (
+    OffsetWriter,
     ShardLayout,
     Stage,
     leaf_paths,
@@ -90,22 +91,26 @@ def export_torch(
         except Exception as exc:
             error = exc
 
+    latch = _Latch(writer)
+
     def put_param(leaf: int, value: torch.Tensor) -> None:
         if writer is None:
             params[leaf] = value.clone()
         elif leaf in params:
-            writer.write(id(params[leaf]), 0, value)
+            latch.write(id(params[leaf]), value)
 
     def put_elem(entry: int, leaf: int, value: torch.Tensor) -> None:
         if writer is None:
             elems[entry, leaf] = value.clone()
         elif (entry, leaf) in elems:
-            writer.write(id(elems[entry, leaf]), 0, value)
+            latch.write(id(elems[entry, leaf]), value)
 
     if error is None:
         try:
             gather_leaves(state, local, schema, mesh, put_param, put_elem)
-            if rank == 0 and writer is not None:
+            if latch.error is not None:
+                error = latch.error
+            elif rank == 0 and writer is not None:
                 writer.commit()
             elif rank == 0:
                 out = build(params, elems)
@@ -117,6 +122,24 @@ def export_torch(
         writer.abort()
     agree(error, None, mesh, "checkpoint.export_torch")
     return out
+
+
+class _Latch:
+    """Rank 0's writes during the gathers: the first that fails stops the writing, not the
+    gathers, which every other rank is in too; the error is agreed on after the last."""
+
+    def __init__(self, writer: OffsetWriter | None) -> None:
+        self.writer, self.error = writer, None
+
+    def write(self, key: Any, value: torch.Tensor) -> None:
+        if self.error is not None or self.writer is None:
+            return
+        try:
+            self.writer.write(key, 0, value)
+        except Exception as exc:
+            if isinstance(exc, OSError) and exc.filename is None:
+                exc.filename = self.writer.path  # os.pwrite names no file
+            self.error = exc
 
 
 def _fakes(lay: ShardLayout, schema: Schema) -> tuple[Any, Any]:
@@ -291,14 +314,16 @@ def export_safetensors(
         except Exception as exc:
             error = exc
 
+    latch = _Latch(writer)
+
     def put_param(leaf: int, value: torch.Tensor) -> None:
-        if writer is not None:
-            for n in names[leaf]:
-                writer.write(n, 0, value.to(dtype) if dtype is not None else value)
+        for n in names[leaf] if writer is not None else ():
+            latch.write(n, value.to(dtype) if dtype is not None else value)
 
     try:
         gather_leaves(state, None, None, mesh, put_param, None)
-        if writer is not None:
+        error = error or latch.error
+        if writer is not None and error is None:
             writer.commit()
     except Exception as exc:
         error = error or exc

@@ -7,6 +7,7 @@ from typing import Any
 import optree
 import torch
 
+from .. import _comm
 from .._comm import Mesh
 from .._core import (
     NAMESPACE,
@@ -89,6 +90,7 @@ class DictSource:
         return (e.node, e.sub)
 
 
+@_comm.collective("checkpoint.import_torch")
 def import_torch(
     model_state_dict: dict[str, torch.Tensor],
     optim_state_dict: dict[str, Any],

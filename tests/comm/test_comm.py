@@ -53,18 +53,24 @@ def volumes(
 
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=UNITS, **options)
     per_step = []
-    for _ in range(3):
+    for i in range(3):
         with fzero.comm_ledger() as ledger:
             state, _ = step(state, torch.randn(2, dims[0], dtype=torch.float64))
         ops: dict[str, int] = {}
         control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
-        # One small all-gather: each rank's losses' weights, calls of each kind, presence and
-        # total (5 words); with hooks, in front of them the check that ranks called alike (3
-        # words; resharding: and a word of flags, which units a backward uses the parameters
-        # of), all in one collective.
-        flags = 1 if stage == 3 and options.get("reshard_after_forward", True) else 0
-        words = 5 + (3 + flags if hooks else 0)
-        tally = ("all_gather", torch.int64, words * mesh.size)
+        # One small all-gather: the check's header (the calls' count and digest, presence,
+        # the micro-batch count, a loss error: 5 words), with hooks at stage 3 resharding a
+        # word of flags (which units a backward uses the parameters of), then each rank's
+        # losses' weights, calls of each kind, presence and total (5 words). The first
+        # step agrees on the configuration before that (sizes, then the bytes).
+        flags = 1 if stage == 3 and hooks and options.get("reshard_after_forward", True) else 0
+        tally = ("all_gather", torch.int64, (10 + flags) * mesh.size)
+        if i == 0 and mesh.size > 1:
+            assert [c[:2] for c in control[:2]] == [
+                ("all_gather", torch.int64),
+                ("all_gather", torch.uint8),
+            ]
+            control = control[2:]
         assert control == ([tally] if mesh.size > 1 else [])
         for r in ledger.data:
             assert r.dtype == torch.float64

@@ -1,0 +1,57 @@
+"""Control: a few host values per rank, all-gathered on the control axis (agreement
+checks, loss weights, the first step's configuration), from the CPU: waiting for them
+never waits for a GPU's queue, and every wait looks for a peer's failure (`_failure`)."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._failure import check_alive
+from ._failure import wait as _wait
+from ._ledger import record
+from ._mesh import Mesh
+
+
+def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[list[int]]]:
+    """Starts gathering every rank's short list of int64 `values` (the same length on every
+    rank); the returned function waits and gives them in rank order. One small all-gather
+    (not `all_gather_async`, which on gloo broadcasts once per rank), for checks that run
+    every step behind other work. Sent from the CPU on the control axis, so waiting for
+    it never waits for the GPU's queue."""
+    check_alive()
+    mine = torch.tensor(values, dtype=torch.int64, device="cpu")
+    if mesh.size == 1:
+        return lambda: [values]
+    out = [torch.empty_like(mine) for _ in range(mesh.size)]
+    record("all_gather", mine.dtype, mine.numel() * mesh.size, "control", control=True)
+    work = dist.all_gather(out, mine, group=mesh.control.group, async_op=True)
+
+    def wait() -> list[list[int]]:
+        _wait(work)
+        return [t.tolist() for t in out]
+
+    return wait
+
+
+def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (small metadata only; on the control
+    axis, from the CPU)."""
+    check_alive()
+    if mesh.size == 1:
+        return [obj]
+    # torch's all_gather_object waits where no peer's failure can be seen: the same two
+    # collectives (sizes, then the padded bytes), waited for as every other.
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = all_gather_ints_async([data.numel()], mesh)()
+    most = max(s[0] for s in sizes)
+    mine = torch.zeros(most, dtype=torch.uint8, device="cpu")
+    mine[: data.numel()] = data
+    rows = [torch.empty_like(mine) for _ in range(mesh.size)]
+    record("all_gather", mine.dtype, most * mesh.size, "control", control=True)
+    _wait(dist.all_gather(rows, mine, group=mesh.control.group, async_op=True))
+    return [pickle.loads(r[: s[0]].numpy().tobytes()) for r, s in zip(rows, sizes)]

@@ -1,0 +1,139 @@
+"""The step's configuration, agreed among the ranks on its first call.
+
+Everything a step's collectives depend on must be the same on every rank: a rank built
+with another stage, unit list, `quantize=` or `reshard_after_forward=` issues other
+collectives, which hang or, on gloo, abort the process ("Received data size doesn't match
+expected size"). The first call compares them, with what each rank's first step has to
+say (an error of its own checks, whether it has a batch), in one exchange before its first
+collective, and every rank raises the same error if they differ (docs/design.md, [Note:
+failing together]). Later steps agree on their micro-batch count in the call check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from .. import _comm
+from .._comm import Mesh
+from .._core import leaf_paths, stage_of, tree_map
+from .._state import ShardedState, init_optimizer
+from ..optim import Optimizer
+from ._options import StepOptions
+
+
+def configuration(o: StepOptions, state: ShardedState, optimizer: Optimizer) -> dict[str, str]:
+    """What must be equal on every rank, each as a readable string."""
+    lay, mesh = state.layout, o.mesh
+    shapes = "|".join(f"{p}:{s}:{d}" for p, s, d in zip(lay.paths, lay.shapes, lay.dtypes))
+    return {
+        "stage": str(o.stage.number),
+        "mesh": f"{mesh.size} ranks, shard_size {mesh.shard_size}",
+        "layout": repr(lay.kind),
+        "units": repr(list(lay.members)),
+        "parameters": f"{len(lay.paths)} leaves, digest {_digest(shapes)}",
+        "frozen": repr([b.frozen for b in lay.buckets]),
+        "precision": repr(state.precision),
+        "loss scaler": type(state.scaler).__name__,
+        "buffers": "none" if state.buffers is None else _digest(str(leaf_paths(state.buffers))),
+        "optimizer": optimizer_kind(optimizer),
+        "reshard_after_forward": repr(o.reshard),
+        "quantize": repr(o.quantize),
+        "accumulate": repr(o.accumulate),
+        "just_in_time": repr(o.just_in_time),
+        "module": "given" if o.module is not None else "none",
+        "prefetch": repr(o.prefetch),
+        "overlap_reduce": repr(o.overlap_reduce),
+        "reduce_bucket_bytes": repr(o.reduce_bucket_bytes),
+        "buffer_sync": repr(o.buffer_sync),
+    }
+
+
+def optimizer_kind(optimizer: Optimizer) -> str:
+    """The optimizer's kind and hyperparameters, as far as they show."""
+    update = optimizer.update
+    return f"{getattr(update, '__module__', '?')}.{getattr(update, '__qualname__', '?')}"
+
+
+def check_optimizer_state(optimizer: Optimizer, state: ShardedState, rank: int) -> None:
+    """Raises a TypeError naming both if `state.opt_state` was not made by `optimizer`:
+    its structure against what `optimizer.init` makes of the same parameters (on the
+    meta device: nothing is allocated). A state another optimizer made would otherwise
+    step silently (SGD reading an Adam state) or fail deep inside the update."""
+
+    def meta(tree: Any) -> Any:
+        return tree_map(lambda x: torch.empty_like(x, device="meta"), tree)
+
+    try:
+        stage, lay = stage_of(state.stage), state.layout
+        master = None if state.master is None else meta(state.master)
+        expected = init_optimizer(meta(state.params), optimizer, stage, lay, rank, master)
+    except Exception:
+        return
+    want, got = _skeleton(expected), _skeleton(state.opt_state)
+    if want != got:
+        raise TypeError(
+            f"rank {rank}: the state's optimizer state is not this step's optimizer's: it "
+            f"holds {_short(got)}, while the step's optimizer ({optimizer_kind(optimizer)}) "
+            f"makes {_short(want)}. Build the state with the optimizer that steps it "
+            "(shard_state(..., optimizer) and sharded_step(..., optimizer) take the same one)"
+        )
+
+
+def _skeleton(x: Any) -> Any:
+    """The containers of an optimizer state, without what fills in as it steps: a dict
+    (torch's per-parameter state, empty until the first step) counts as any dict."""
+    if isinstance(x, dict):
+        return "dict"
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_skeleton(v) for v in x))
+    return "tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _short(skeleton: Any) -> str:
+    text = str(skeleton).replace("'", "")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def agree(
+    mesh: Mesh, config: dict[str, str] | None, error: BaseException | None, present: bool
+) -> list[bool]:
+    """Compares this rank's `config` (None when its own checks raised `error`) with every
+    other rank's; raises the same error on every rank when a rank's checks failed or the
+    configurations differ. Returns per rank whether it has a batch."""
+    mine = {
+        "config": config,
+        "error": None if error is None else (type(error).__name__, str(error)),
+        "present": present,
+    }
+    everyone = _comm.all_gather_object(mine, mesh)
+    errors = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
+    if errors:
+        cls = {"TypeError": TypeError}.get(errors[0][1][0], ValueError)
+        raise _comm.agreed(cls("; ".join(_naming(r, message) for r, (_, message) in errors)))
+    configs = [e["config"] for e in everyone]
+    differ = [k for k in configs[0] if len({repr(c.get(k)) for c in configs}) > 1]
+    if differ:
+        lines = "; ".join(
+            f"{k}: " + ", ".join(f"rank {r}: {c.get(k)}" for r, c in enumerate(configs))
+            for k in differ
+        )
+        raise _comm.agreed(
+            ValueError(
+                f"the ranks' steps differ ({lines}). Every rank must build its state and "
+                "sharded_step alike: their collectives pair up only if each rank issues the "
+                "same ones"
+            )
+        )
+    return [bool(e["present"]) for e in everyone]
+
+
+def _naming(rank: int, message: str) -> str:
+    """`message`, beginning with the rank that said it."""
+    return message if message.startswith(f"rank {rank}") else f"rank {rank}: {message}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()

@@ -1,0 +1,301 @@
+"""Faults in a step: one rank's error raises on every rank, at once.
+
+Agreed errors (a loss's value refused, a configuration that differs, a first step
+without data where units enter just in time) raise on every rank at the same exchange
+and leave the step usable; an exception inside one rank's loss is published and raised
+by the others as a `fzero.PeerError` of the same class and message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import fzero
+from tests.faults.harness import outcomes, raised_together
+
+UNITS = ["a", "b"]
+D = 4
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def model() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def batches(world: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps, world * 2, D, generator=g, dtype=torch.float64)
+    return x, x.sum(-1, keepdim=True).sin()
+
+
+def mine(x: torch.Tensor, rank: int) -> torch.Tensor:
+    return x[2 * rank : 2 * rank + 2]
+
+
+def setup(mesh: fzero.Mesh, stage: int, hooks: bool = True, **options: Any) -> tuple[Any, Any, Net]:
+    net = model()
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
+    return state, opt, net
+
+
+def reference(steps: list[int], world: int) -> dict[str, torch.Tensor]:
+    """One process, torch.optim.Adam over the concatenated batches of `steps`."""
+    net = model()
+    opt = torch.optim.Adam(net.parameters(), lr=0.05, foreach=False)
+    x, y = batches(world, 4)
+    for t in steps:
+        opt.zero_grad()
+        (net(x[t]) - y[t]).square().mean().backward()
+        opt.step()
+    return {k: v.detach() for k, v in net.named_parameters()}
+
+
+# -- an exception inside one rank's loss: published, raised by every rank -----------------
+def _loss_raises_on_rank_1(mesh: fzero.Mesh, stage: int, hooks: bool) -> None:
+    state, opt, net = setup(mesh, stage)
+    x, y = batches(mesh.size, 4)
+
+    def loss_fn(p: dict, batch: Any) -> torch.Tensor:
+        xb, yb, t = batch
+        out = functional_call(net, p, (xb,))
+        if mesh.rank == 1 and t == 1:
+            raise RuntimeError("rank 1's data loader handed a corrupt batch")
+        return (out - yb).square().mean()
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=UNITS, module=net if hooks else None
+    )
+    for t in range(3):
+        state, _ = step(state, (mine(x[t], mesh.rank), mine(y[t], mesh.rank), t))
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["up-front", "hooks"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_exception_in_one_ranks_loss_raises_on_every_rank(stage: int, hooks: bool) -> None:
+    outs = outcomes(3, _loss_raises_on_rank_1, stage, hooks)
+    raised_together(outs, RuntimeError, "corrupt batch")
+    assert [o.peer for o in outs] == [True, False, True]
+
+
+def _then_again(mesh: fzero.Mesh) -> None:
+    """A step after a published failure raises at once: its collectives could never end."""
+    with contextlib.suppress(RuntimeError):
+        _loss_raises_on_rank_1(mesh, 3, True)
+    state, opt, _net = setup(mesh, 3)
+    step = fzero.sharded_step(lambda p, b: p["a.weight"].sum(), opt, mesh, stage=3, units=UNITS)
+    step(state, None)
+
+
+def test_after_a_published_failure_every_call_raises_it_again_at_once() -> None:
+    outs = outcomes(2, _then_again)
+    raised_together(outs, RuntimeError, "corrupt batch")
+    assert all(o.peer for o in outs)
+
+
+# -- a loss whose value is refused: agreed at the call check, the step stays usable ---------
+BAD = {
+    "nan weight": lambda out: (out.sum(), float("nan")),
+    "negative weight": lambda out: (out.sum(), -1.0),
+    "infinite weight": lambda out: (out.sum(), float("inf")),
+    "non-scalar loss": lambda out: out,
+    "no grad": lambda out: out.mean(),
+}
+
+
+def _bad_then_good(mesh: fzero.Mesh, stage: int, hooks: bool, bad: str) -> dict[str, Any]:
+    state, opt, net = setup(mesh, stage)
+    x, y = batches(mesh.size, 4)
+
+    def loss_fn(p: dict, batch: Any) -> Any:
+        xb, yb, t = batch
+        faulty = t == 0 and mesh.rank == mesh.size - 1
+        with torch.no_grad() if faulty and bad == "no grad" else contextlib.nullcontext():
+            out = (functional_call(net, p, (xb,)) - yb).square()  # one forward, as the others
+        return BAD[bad](out) if faulty else out.mean()
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=UNITS, module=net if hooks else None
+    )
+    try:
+        step(state, (mine(x[0], mesh.rank), mine(y[0], mesh.rank), 0))
+    except (TypeError, ValueError) as exc:
+        error = (type(exc).__name__, str(exc))
+    else:
+        error = None
+    for t in (1, 2):  # the state was not consumed: the run goes on
+        state, _ = step(state, (mine(x[t], mesh.rank), mine(y[t], mesh.rank), t))
+    return {"error": error, "params": fzero.gather_params(state.params, mesh)}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+@pytest.mark.parametrize(("stage", "hooks"), [(0, False), (3, True)])
+def test_a_refused_loss_on_one_rank_raises_on_every_rank_and_the_run_goes_on(
+    stage: int, hooks: bool, bad: str
+) -> None:
+    outs = outcomes(2, _bad_then_good, stage, hooks, bad)
+    errors = [o.value["error"] for o in outs]
+    assert errors[0] is not None and len(set(errors)) == 1, errors
+    assert f"rank {1}" in errors[0][1]
+    want = reference([1, 2], 2)
+    for o in outs:
+        fzero.assert_trees_close(o.value["params"], want, rtol=1e-10, atol=1e-12)
+        assert not torch.equal(o.value["params"]["a.weight"], model().a.weight)
+
+
+def test_a_loss_without_grad_on_every_rank_is_refused() -> None:
+    def run(mesh: fzero.Mesh) -> None:
+        state, opt, net = setup(mesh, 1)
+
+        def loss_fn(p: dict, xb: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return functional_call(net, p, (xb,)).square().mean()
+
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=1, units=UNITS)
+        step(state, torch.ones(2, D, dtype=torch.float64))
+
+    raised_together(outcomes(2, run), ValueError, "does not require grad", "torch.no_grad()")
+
+
+# -- configuration that differs across ranks: agreed on the first step ----------------------
+def _differ(mesh: fzero.Mesh, what: str) -> None:
+    odd = mesh.rank % 2 == 1
+    options: dict[str, Any] = {}
+    stage = step_stage = 3
+    if what == "reshard_after_forward":
+        options["reshard_after_forward"] = 2 if odd else True
+    elif what == "quantize":
+        options["quantize"] = fzero.QuantizedComm(weights=True, grads=True) if odd else None
+    elif what == "accumulate":
+        options["accumulate"] = "local" if odd else None
+    elif what == "stage":
+        step_stage = 2 if odd else 3
+    elif what == "units":
+        pass
+    state_units = ["a"] if what == "units" and odd else UNITS
+    net = model()
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=state_units)
+    x = torch.ones(2, D, dtype=torch.float64)
+
+    def loss_fn(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (xb,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=step_stage, module=net, **options)
+    batch = [x] if options.get("accumulate") else x
+    step(state, batch)
+
+
+@pytest.mark.parametrize("what", ["reshard_after_forward", "quantize", "accumulate"])
+def test_options_that_differ_across_ranks_raise_on_every_rank_naming_each_value(what: str) -> None:
+    outs = outcomes(4, _differ, what)
+    raised_together(outs, ValueError, "the ranks' steps differ", what, "rank 0:", "rank 3:")
+
+
+def test_a_step_for_another_stage_on_some_ranks_raises_on_every_rank() -> None:
+    outs = outcomes(4, _differ, "stage")
+    raised_together(outs, ValueError, "rank 1", "rank 3", "this step is for stage 2")
+
+
+def test_units_that_differ_across_ranks_raise_on_every_rank() -> None:
+    # shard_state agrees on the layout before any step: its error, on every rank.
+    outs = outcomes(2, _differ, "units")
+    raised_together(outs, ValueError)
+
+
+def _micro_counts(mesh: fzero.Mesh, accumulate: str, later: bool) -> None:
+    state, opt, net = setup(mesh, 3)
+
+    def loss_fn(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (xb,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=net, accumulate=accumulate)
+    x = torch.ones(2, D, dtype=torch.float64)
+    if later:
+        state, _ = step(state, [x, x])
+    step(state, [x] * (2 + mesh.rank))
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["first step", "later step"])
+@pytest.mark.parametrize("accumulate", ["local", "sharded"])
+def test_micro_batch_counts_that_differ_raise_on_every_rank(accumulate: str, later: bool) -> None:
+    outs = outcomes(3, _micro_counts, accumulate, later)
+    raised_together(outs, ValueError, "micro-batch", "rank 0: 2", "rank 2: 4")
+
+
+def _first_step_without_data(mesh: fzero.Mesh) -> None:
+    state, opt, net = setup(mesh, 3)
+
+    def loss_fn(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (xb,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=net)
+    step(state, None if mesh.rank == 1 else torch.ones(2, D, dtype=torch.float64))
+
+
+def test_a_first_step_without_data_with_just_in_time_units_raises_on_every_rank() -> None:
+    outs = outcomes(3, _first_step_without_data)
+    raised_together(outs, ValueError, "rank(s) [1]", "first call")
+
+
+# -- an optimizer state another optimizer made ------------------------------------------------
+def _foreign(mesh: fzero.Mesh, made: str, steps: str) -> None:
+    optimizers = {
+        "adam": fzero.optim.adam(lr=0.1),
+        "sgd": fzero.optim.sgd(lr=0.1),
+        "momentum": fzero.optim.sgd(lr=0.1, momentum=0.9),
+    }
+    net = model()
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    state = fzero.shard_state(params, optimizers[made], mesh, stage=1)
+    step = fzero.sharded_step(
+        lambda p, xb: functional_call(net, p, (xb,)).square().mean(),
+        optimizers[steps],
+        mesh,
+        stage=1,
+    )
+    step(state, torch.ones(2, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("made", "steps"), [("adam", "sgd"), ("sgd", "momentum"), ("momentum", "adam")]
+)
+def test_an_optimizer_state_from_another_optimizer_raises_naming_both(
+    made: str, steps: str
+) -> None:
+    outs = outcomes(2, _foreign, made, steps)
+    raised_together(outs, TypeError, "not this step's optimizer's", "rank 0", "rank 1")
+
+
+def _consumed_on_one_rank(mesh: fzero.Mesh) -> None:
+    state, opt, net = setup(mesh, 2)
+    step = fzero.sharded_step(
+        lambda p, xb: functional_call(net, p, (xb,)).square().mean(), opt, mesh, stage=2
+    )
+    x = torch.ones(2, D, dtype=torch.float64)
+    new, _ = step(state, x)
+    step(state if mesh.rank == 0 else new, x)  # rank 0 steps the state it gave away
+
+
+def test_a_consumed_state_on_one_rank_at_a_later_step_raises_on_every_rank() -> None:
+    outs = outcomes(2, _consumed_on_one_rank)
+    raised_together(outs, ValueError, "rank 0", "already donated")
+    assert [o.peer for o in outs] == [False, True]
