@@ -27,7 +27,6 @@ from ._collectives import reduce_scatter_async as reduce_scatter_async
 from ._collectives import reduce_scatter_mean as reduce_scatter_mean
 from ._control import all_gather_ints_async as all_gather_ints_async
 from ._control import all_gather_object as all_gather_object
-from ._failure import AgreedError as AgreedError
 from ._failure import PeerError as PeerError
 from ._failure import agreed as agreed
 from ._failure import agreement as agreement

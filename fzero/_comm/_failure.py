@@ -5,7 +5,7 @@ Two kinds ([Note: failing together]):
 - **Agreed** errors: a check whose outcome every rank learns from the same exchange (the
   call check, the first step's configuration), so every rank raises the same error at
   the same point, with no collective left half-done: the process group stays usable.
-  `agreed(exc)` marks one; `AgreedError` is the marker's class for fzero's own.
+  `agreed(exc)` marks one (`agreement` every error of a function).
 - **Published** errors: an exception on one rank where its peers cannot know (the
   user's loss raising, a disk filling mid-export). The failing rank writes it into the
   job's store (`publish`); every wait of a CPU collective (`wait`) polls the store while
@@ -32,7 +32,6 @@ import torch.distributed as dist
 # learns of a failure, and how often a rank waiting on a slow peer asks the store.
 POLL = timedelta(seconds=0.1)
 _KEY = "fzero/failed"
-_TIMED_OUT = "Operation timed out!"  # c10d's Work.wait(timeout) when the timeout passes
 
 _failed: dict[str, Any] | None = None  # what this process knows failed (its own or a peer's)
 
@@ -47,10 +46,6 @@ class PeerError(RuntimeError):
     """
 
     rank: int = -1
-
-
-class AgreedError(Exception):
-    """Base of fzero's errors that every rank raises together after one exchange."""
 
 
 def agreed(exc: BaseException) -> BaseException:
@@ -75,7 +70,7 @@ def agreement(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def is_agreed(exc: BaseException) -> bool:
-    return isinstance(exc, (AgreedError, PeerError)) or exc.__dict__.get("fzero_agreed", False)
+    return isinstance(exc, PeerError) or exc.__dict__.get("fzero_agreed", False)
 
 
 def _store() -> Any:
@@ -196,8 +191,11 @@ def collective(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            mesh = signature.bind_partial(*args, **kwargs).arguments.get("mesh")
-            if mesh is None:
+            try:
+                mesh = signature.bind_partial(*args, **kwargs).arguments.get("mesh")
+            except TypeError:  # the call's own error says it better
+                mesh = None
+            if not (hasattr(mesh, "rank") and hasattr(mesh, "size")):
                 return fn(*args, **kwargs)
             with together(mesh.rank, mesh.size, where):
                 return fn(*args, **kwargs)
@@ -214,15 +212,25 @@ def wait(work: Any) -> None:
         try:
             work.wait(POLL)
             return
-        except RuntimeError as exc:
-            if str(exc) != _TIMED_OUT:
-                record = failed()
-                if record is not None:
-                    raise peer_error(record) from exc
-                raise
+        except RuntimeError:
+            # The slice ran out (c10d's "Operation timed out!"), unless the collective is
+            # complete: then it failed, or ended just now, and a plain wait says which.
+            if work.is_completed():
+                _finish(work)
+                return
         record = failed()
         if record is not None:
             raise peer_error(record)
+
+
+def _finish(work: Any) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        record = failed()
+        if record is not None:
+            raise peer_error(record) from exc
+        raise
 
 
 class Polled:

@@ -23,7 +23,7 @@ def agree_shard_size(shard_size: Any, world: Axis) -> int:
         if len(set(map(repr, out))) > 1:
             seen = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(out))
             raise ValueError(
-                f"rank {world.rank}: the ranks disagree on the mesh's shard_size ({seen}); "
+                f"the ranks disagree on the mesh's shard_size ({seen}); "
                 f"every rank must build its ProcessGroupMesh with the same shard_size"
             )
     if isinstance(mine, bool) or not isinstance(mine, int) or mine < 1 or n % mine:
@@ -130,7 +130,7 @@ def new_secondary(shard: Axis, k: int) -> Axis:
     dist.all_gather_object(out, k, group=shard.group)
     if len(set(map(repr, out))) > 1 or not isinstance(k, int) or k < 1 or shard.size % k:
         raise ValueError(
-            f"rank {shard.rank}: reshard_after_forward={k!r} must be the same int dividing "
+            f"reshard_after_forward must be the same int dividing "
             f"the {shard.size} ranks that shard on every rank (got {out})"
         )
     g, j = divmod(shard.rank, k)

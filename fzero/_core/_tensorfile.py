@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,7 +214,14 @@ def _naturals(v: Any) -> bool:
 def _torch_entries(path: str) -> dict[str, Entry]:
     # Loading onto the meta device reads only the pickle and reports every storage's byte
     # offset in the file (torch's layout control); no tensor data is read.
-    obj = torch.load(path, map_location="meta", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as exc:  # a global that is not a tensor's: never run
+        first = str(exc).split("WeightsUnpickler error:", 1)[-1].strip().split(".")[0]
+        raise ValueError(
+            f"{path}: not a file of tensors only; torch.load(weights_only=True) refused it "
+            f"({first}), and fzero runs no code from a file"
+        ) from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]  # fzero's export_torch format: {"model": ..., "optimizer": ...}
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -252,8 +260,9 @@ class OffsetWriter:
             with open(self.tmp, "wb") as f:
                 build(f)
             self._fd = os.open(self.tmp, os.O_RDWR)
-        except BaseException:
+        except BaseException as exc:
             self.abort()
+            _name_file(exc, self.path)
             raise
 
     def write(self, key: Any, lo: int, values: torch.Tensor) -> None:
@@ -266,10 +275,14 @@ class OffsetWriter:
 
     def commit(self) -> None:
         """fsync, then the atomic rename over `path` (an older file stays until then)."""
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        os.replace(self.tmp, self.path)
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            _name_file(exc, self.path)
+            raise
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
@@ -279,6 +292,17 @@ class OffsetWriter:
             self._fd = -1
         if os.path.lexists(self.tmp):
             os.remove(self.tmp)
+
+
+def _name_file(exc: BaseException | None, path: str) -> None:
+    """Names `path` in the OS errors behind `exc` that name no file (a write or truncate
+    of an open file does not; torch.save's is its "unexpected pos" error's context)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = path
+        exc = exc.__cause__ or exc.__context__
 
 
 def safetensors_writer(

@@ -125,6 +125,13 @@ def _agree(error: Exception | None, digests: dict[str, str], mesh: Mesh) -> None
     ref = everyone[0][1]
     for rank, (_, theirs) in enumerate(everyone[1:], start=1):
         for path in ref:
+            if theirs.get(path) != ref[path] and path == "<file>":
+                raise ValueError(
+                    f"shard_state: rank {rank} read a file with other contents than rank "
+                    "0's (its index or a sample of its tensors' bytes differ): every rank "
+                    "must read the same file (a copy on each machine must be byte for byte "
+                    "the same)"
+                )
             if theirs.get(path) != ref[path]:
                 raise ValueError(
                     f"shard_state: rank {rank}'s init made other values than rank 0's for "

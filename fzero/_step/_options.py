@@ -136,8 +136,8 @@ def _check_reshard(reshard: Any, stage: Stage, mesh: Mesh) -> bool | int:
         )
     if reshard < 1 or mesh.shard_size % reshard:
         raise ValueError(
-            f"reshard_after_forward={reshard} must divide the {mesh.shard_size} ranks that "
-            "shard (hpZ keeps a copy over groups of k of them)"
+            f"reshard_after_forward={reshard} must be the same int dividing the "
+            f"{mesh.shard_size} ranks that shard (hpZ keeps a copy over groups of k of them)"
         )
     return reshard
 

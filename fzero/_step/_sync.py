@@ -96,10 +96,12 @@ class StepSync:
         weight = math.fsum(_float(e[0]) for e in everyone)
         tally = Tally(total, weight, pairs, scalars, tuple(bool(e[3]) for e in everyone))
         if tally.pairs and tally.scalars:
-            raise ValueError(
-                f"rank {self.mesh.rank}: loss_fn returned (total, weight) {tally.pairs} times "
-                f"and a scalar {tally.scalars} times this step, over all ranks; every call "
-                "must return the same kind, or the mean would mix two meanings"
+            raise _comm.agreed(
+                ValueError(
+                    f"loss_fn returned (total, weight) {tally.pairs} times "
+                    f"and a scalar {tally.scalars} times this step, over all ranks; every call "
+                    "must return the same kind, or the mean would mix two meanings"
+                )
             )
         return tally
 

@@ -299,3 +299,32 @@ def test_a_consumed_state_on_one_rank_at_a_later_step_raises_on_every_rank() -> 
     outs = outcomes(2, _consumed_on_one_rank)
     raised_together(outs, ValueError, "rank 0", "already donated")
     assert [o.peer for o in outs] == [False, True]
+
+
+def _state_differs(mesh: fzero.Mesh, what: str) -> None:
+    odd = mesh.rank % 2 == 1
+    net = model()
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    options: dict[str, Any] = {}
+    if what == "precision" and odd:
+        options["precision"] = fzero.Precision(param_dtype=torch.float32)
+    if what == "layout":
+        options["layout"] = "tensor" if odd else "flat"
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS, **options)
+    step = fzero.sharded_step(
+        lambda p, xb: functional_call(net, p, (xb,)).square().mean(), opt, mesh, stage=3
+    )
+    step(state, torch.ones(2, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("what", ["precision", "layout"])
+def test_states_built_differently_across_ranks_raise_on_every_rank(what: str) -> None:
+    raised_together(outcomes(2, _state_differs, what), ValueError)
+
+
+def test_a_mesh_shape_that_differs_across_ranks_raises_on_every_rank() -> None:
+    def mesh_of(mesh: fzero.Mesh) -> None:
+        fzero.ProcessGroupMesh(shard_size=2 if mesh.rank == 0 else 4)
+
+    raised_together(outcomes(4, mesh_of), ValueError, "shard_size", "rank 0: 2")
