@@ -128,16 +128,19 @@ def start_agreement(
 
 class CallCheck:
     """One micro-batch's exchange among ranks after its forward, in one collective: the
-    units each rank called (checked before the backward's first collective), the step's
-    micro-batch count, whether a rank's loss failed its checks, and the words the step
-    sends along (the losses' weights, on a step's last micro-batch).
+    units each rank called, the step's micro-batch count, whether a rank's loss returned
+    something refused, and the words the step sends along (the losses' weights, on a
+    step's last micro-batch).
 
     `after_forward` starts it once the forward is done (the engine's, or a step's that
-    differentiates by leaf); `before_collective` waits for it before any collective that
-    must come after the check (it returns at once while none is pending); the step reads
-    `carried` once its backward is done. A check that does not `exchange` sends nothing
-    (a middle micro-batch whose calls need no comparing): an error it is given is raised
-    on this rank alone, and published to the others (`fzero._comm.together`).
+    differentiates by leaf). Where it compares calls it gates the backward:
+    `before_collective` waits for it before the backward's first collective (raising on
+    every rank if the calls differ). Otherwise it runs behind the backward, which a rank
+    whose loss was refused takes part in with zero gradients, and `finish` waits for it
+    at the micro-batch's end; the step reads `carried` after that. A check that does not
+    `exchange` sends nothing (a middle micro-batch whose calls need no comparing): an
+    error it is given is raised on this rank alone, and published to the others
+    (`fzero._comm.together`).
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class CallCheck:
         exchanges even where it compares no calls."""
         self.mesh, self.carry, self.micro, self.exchanges = mesh, carry, micro, exchange
         self.pending: Agreement | None = None
+        self.gates = False  # the backward's collectives wait for the check
         self.flags: list[bool] | None = None  # OR-ed over the ranks, once checked
         self.words: list[list[int]] | None = None  # every rank's carried words, once checked
 
@@ -167,28 +171,34 @@ class CallCheck:
         """Starts the exchange: this rank's unit calls (`called`, in call order; None when
         the step compares none), whether it had a batch (False: it followed last step's
         calls), per unit of the layout a flag to OR over the ranks, the carried words, and
-        `error` if its loss failed its checks (raised on every rank by the check; at once
-        here where there is no exchange)."""
+        `error` if its loss returned something refused (raised on every rank when the
+        check completes; at once here where there is no exchange)."""
         if called is None and not self.exchanges:
             if error is not None:
                 raise error
             return
         words = [] if self.carry is None else list(self.carry())
-        self.pending = start_agreement(called, self.mesh, present, flags, words, self.micro, error)
-        if error is not None:
-            self.before_collective()  # raises, as every other rank does at its check
+        self.pending = start_agreement(
+            called, self.mesh, present, flags, words, self.micro, error
+        )
+        self.gates = called is not None
 
     def before_collective(self) -> list[bool] | None:
-        """Waits for the check (raising on every rank if the ranks' calls differ); returns
-        the flags OR-ed over the ranks, or None if no check was started."""
+        """Before a backward collective: waits for a check that gates it (raising on every
+        rank if the ranks' calls differ or a loss was refused); returns the flags OR-ed
+        over the ranks, or None if no check completed."""
+        if self.gates:
+            self.finish()
+        return self.flags
+
+    def finish(self) -> None:
+        """Waits for the check, if one is pending (raising as it does)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self.flags, self.words = pending.check(self.mesh)
-        return self.flags
 
     def carried(self) -> list[list[int]]:
-        """Every rank's carried words, in rank order (raising as the check does if the
-        ranks' calls differ)."""
-        self.before_collective()
+        """Every rank's carried words, in rank order (raising as the check does)."""
+        self.finish()
         assert self.words is not None, "CallCheck.carried: no words were sent"
         return self.words

@@ -209,9 +209,10 @@ class Engine:
                         try:
                             loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
                         except Exception as exc:
-                            # The forward is done but what it returned is refused: every
-                            # rank raises it at the check below ([Note: failing together]).
-                            # Anything else left the forward half-done: it is published.
+                            # The forward is done but what it returned is refused: this
+                            # rank's backward reduces zeros, and every rank raises it when
+                            # the check completes ([Note: failing together]). Anything
+                            # else left the forward half-done: it is published.
                             if not is_bad_loss(exc):
                                 raise
                             error = exc

@@ -59,9 +59,9 @@ def mean_grad(
         check = sync.check(j)
         engine = Engine(ctx, like, check, local=local, order=order, sums=sums, final=last)
         _, grads, order = engine.value_and_grad(loss_fn, mb)
-        # Every exchange a micro-batch started ends in it (locally accumulated backwards
-        # reduce nothing before the last): a disagreement raises on every rank together.
-        check.before_collective()
+        # Every exchange a micro-batch started ends in it: a disagreement raises on every
+        # rank together, before any rank goes on to the next micro-batch.
+        check.finish()
         total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
     assert total is not None
     if len(micro) > 1:
