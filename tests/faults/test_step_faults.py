@@ -146,7 +146,7 @@ def _bad_then_good(mesh: fzero.Mesh, stage: int, hooks: bool, bad: str) -> dict[
 
 
 @pytest.mark.parametrize("bad", sorted(BAD))
-@pytest.mark.parametrize(("stage", "hooks"), [(0, False), (3, True)])
+@pytest.mark.parametrize(("stage", "hooks"), [(0, False), (3, False), (3, True)])
 def test_a_refused_loss_on_one_rank_raises_on_every_rank_and_the_run_goes_on(
     stage: int, hooks: bool, bad: str
 ) -> None:
