@@ -28,10 +28,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-# How long a wait blocks before it looks at the store again: the bound on how late a peer
-# learns of a failure, and how often a rank waiting on a slow peer asks the store.
-POLL = timedelta(seconds=0.1)
-_KEY = "fzero/failed"
+# How long a wait blocks before it first looks at the store: a wait that ends sooner never
+# asks it. Later slices double up to POLL_MAX, so that a long wait (a slow peer, rank 0
+# writing a file) asks the store at most every POLL_MAX: the bound on how late a peer
+# learns of a failure, and what N waiting ranks cost the store's host.
+POLL, POLL_MAX = 0.1, 0.4
+_KEY = "fzero/failed/{}"  # per call (see `together`)
+
+# The fzero calls this process is inside, innermost last, each by its number: every rank
+# makes the same calls in the same order (they are collective), so a call's number is the
+# same on every rank, and a failure published under it concerns only the ranks inside it.
+_calls: list[int] = []
+_made = 0  # calls entered so far
+_issued = 0  # collectives issued so far (`check_alive` counts them)
 
 _failed: dict[str, Any] | None = None  # what this process knows failed (its own or a peer's)
 
@@ -70,7 +79,10 @@ def agreement(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def is_agreed(exc: BaseException) -> bool:
-    return isinstance(exc, PeerError) or exc.__dict__.get("fzero_agreed", False)
+    """Whether every rank raises `exc` without being told (agreed, a peer's, or already
+    published by an inner call)."""
+    d = exc.__dict__
+    return isinstance(exc, PeerError) or d.get("fzero_agreed", False) or "fzero_published" in d
 
 
 def _store() -> Any:
@@ -82,34 +94,42 @@ def _store() -> Any:
         return None
 
 
-def publish(exc: BaseException, rank: int, where: str) -> None:
-    """Tells every rank that this one (`rank`) failed with `exc` inside `where` (the first
-    failure of the job wins; later ones keep their own message locally)."""
+def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
+    """Tells the ranks inside this call that this one (`rank`) failed with `exc` inside
+    `where` (the first failure of a call wins). `issued`: this rank issued collectives in
+    the call, which may be left pending, so its own later calls raise it at once."""
     global _failed
     record = {"rank": rank, "where": where, "message": str(exc), "type": _builtin_base(exc)}
     if isinstance(exc, OSError):
         record.update(errno=exc.errno, strerror=exc.strerror, filename=exc.filename)
-    if _failed is None:
+    exc.__dict__["fzero_published"] = True
+    if issued and _failed is None:
         _failed = record
     store = _store()
-    if store is None:
+    if store is None or not _calls:
         return
     with contextlib.suppress(Exception):  # a store that is gone too: the peers time out
-        store.compare_set(_KEY, "", json.dumps(record, default=str))
-    exc.add_note(
-        f"fzero: rank {rank} raised this inside {where}; every other rank raises it too "
-        "(as fzero.PeerError). The process group is left unusable: restart the job"
+        store.compare_set(_KEY.format(_calls[-1]), "", json.dumps(record, default=str))
+    _note(
+        exc,
+        f"fzero: rank {rank} raised this inside {where}; every other rank waiting there "
+        "raises it too (as fzero.PeerError)",
     )
 
 
 def failed() -> dict[str, Any] | None:
-    """The job's published failure, if any (asking the store until one is known)."""
+    """A failure published in a call this process is inside (or one it already knows of):
+    a peer stuck in a call a rank left by failing finds it; a failure of a call every
+    rank has left (all raised the same error before any collective) is ignored."""
     global _failed
-    if _failed is None:
+    if _failed is None and _calls:
         store = _store()
         try:
-            if store is not None and store.check([_KEY]):
-                _failed = json.loads(store.get(_KEY))
+            # One key at a time: a store's check([...]) says whether all of them exist.
+            for key in [_KEY.format(n) for n in _calls] if store is not None else ():
+                if store.check([key]):
+                    _failed = json.loads(store.get(key))
+                    break
         except Exception:
             return None
     return _failed
@@ -117,14 +137,20 @@ def failed() -> dict[str, Any] | None:
 
 def peer_error(record: dict[str, Any]) -> PeerError:
     """The exception a rank raises for a peer's published failure: a `PeerError` of the
-    failing exception's builtin class, with its message."""
+    failing exception's builtin class, with its message. This rank's own collectives are
+    left pending: its later calls raise it too."""
+    global _failed
+    _failed = record
     cls = _peer_class(record.get("type", ""))
-    if issubclass(cls, OSError) and record.get("errno") is not None:
-        exc = cls(record["errno"], record["strerror"], record["filename"])
-    else:
-        exc = cls(record["message"])
+    try:
+        if issubclass(cls, OSError) and record.get("errno") is not None:
+            exc = cls(record["errno"], record["strerror"], record["filename"])
+        else:
+            exc = cls(record["message"])
+    except Exception:  # a class whose constructor wants more (UnicodeDecodeError, ...)
+        exc = PeerError(record["message"])
     exc.rank = int(record["rank"])
-    exc.add_note(f"fzero: rank {exc.rank} failed inside {record['where']}; this rank raises it too")
+    _note(exc, f"fzero: rank {exc.rank} failed inside {record['where']}; this rank raises it too")
     return exc
 
 
@@ -132,11 +158,16 @@ def _peer_class(name: str) -> type[PeerError]:
     """`PeerError` for a RuntimeError, else a class deriving from both it and the builtin
     exception class `name` (made once, and found by pickle as this module's attribute)."""
     base = getattr(builtins, name, None)
-    if not (isinstance(base, type) and issubclass(base, Exception)) or base is RuntimeError:
+    if not (isinstance(base, type) and issubclass(base, Exception)):
+        return PeerError
+    if base in (Exception, RuntimeError) or name.endswith("ExceptionGroup"):
         return PeerError
     attr = f"PeerError_{name}"
     if attr not in globals():
-        cls = type(attr, (base, PeerError), {"__module__": __name__})
+        try:
+            cls = type(attr, (base, PeerError), {"__module__": __name__})
+        except TypeError:  # no consistent class order with it: a plain PeerError
+            return PeerError
         cls.__doc__ = f"A peer's {name}, raised on this rank too (see `PeerError`)."
         globals()[attr] = cls
     return globals()[attr]
@@ -152,6 +183,11 @@ def __getattr__(attr: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(text)
+
+
 def _builtin_base(exc: BaseException) -> str:
     """The first builtin exception class in `exc`'s MRO (a torch or user error travels as
     the builtin class it derives from)."""
@@ -162,10 +198,12 @@ def _builtin_base(exc: BaseException) -> str:
 
 
 def check_alive() -> None:
-    """Raises the job's failure if this process already knows of one (a step called
-    again after a failure would wait on collectives that can never complete)."""
+    """Before a collective: raises the job's failure if this process knows of one (a
+    collective after it would pair with ones that can never complete)."""
+    global _issued
     if _failed is not None:
         raise peer_error(_failed)
+    _issued += 1
 
 
 @contextlib.contextmanager
@@ -173,13 +211,20 @@ def together(rank: int, size: int, where: str) -> Iterator[None]:
     """Runs an fzero call (`where`) so that it fails on every rank: an error this rank
     raises that its peers cannot know of is published (`publish`) as it leaves. Raises
     at once if the job already failed."""
-    check_alive()
+    global _made
+    if _failed is not None:
+        raise peer_error(_failed)
+    _made += 1
+    _calls.append(_made)
+    issued = _issued
     try:
         yield
     except Exception as exc:
         if size > 1 and not is_agreed(exc):
-            publish(exc, rank, where)
+            publish(exc, rank, where, _issued > issued)
         raise
+    finally:
+        _calls.pop()
 
 
 def collective(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -208,9 +253,10 @@ def collective(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 def wait(work: Any) -> None:
     """`work.wait()`, looking for a peer's published failure every `POLL` while it waits,
     and when the wait fails (a peer gone or timed out): its failure is what is raised."""
+    slice_ = POLL
     while True:
         try:
-            work.wait(POLL)
+            work.wait(timedelta(seconds=slice_))
             return
         except RuntimeError:
             # The slice ran out (c10d's "Operation timed out!"), unless the collective is
@@ -221,6 +267,7 @@ def wait(work: Any) -> None:
         record = failed()
         if record is not None:
             raise peer_error(record)
+        slice_ = min(2 * slice_, POLL_MAX)
 
 
 def _finish(work: Any) -> None:
@@ -234,7 +281,11 @@ def _finish(work: Any) -> None:
 
 
 class Polled:
-    """A CPU collective in flight whose `wait()` polls for peers' failures (`wait`)."""
+    """A CPU collective in flight whose `wait()` polls for peers' failures (`wait`).
+
+    Not for gloo's point-to-point works: a send or receive that outlives a timed wait
+    signals the timeout to the whole context, breaking the group; those are waited for
+    plainly."""
 
     __slots__ = ("work",)
 

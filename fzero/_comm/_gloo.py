@@ -65,7 +65,9 @@ def _reduce_scatter_gloo(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> A
 
 
 def _reduce_scatter_p2p(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> Any:
-    # Slice j sent straight to rank j: 2(n-1) messages, paired by tag. The lowest peer's
+    # Slice j sent straight to rank j: 2(n-1) messages, paired by tag. Their waits do not
+    # poll for a peer's failure (`Polled`): a timed wait on a gloo send or receive breaks
+    # the whole group when it runs out. The lowest peer's
     # slice lands in `out` itself, so at 2 ranks nothing else is allocated.
     key = id(axis.group) if axis.group is not None else None
     tag = _TAG_BASE + _tags.get(key, 0)
@@ -79,9 +81,9 @@ def _reduce_scatter_p2p(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> An
             parts.append(mine)
             continue
         peer = axis.global_rank(r)
-        works.append(Polled(dist.isend(mine, dst=peer, group=axis.group, tag=tag)))
+        works.append(dist.isend(mine, dst=peer, group=axis.group, tag=tag))
         got = out if r == first else full.new_empty(n)
-        works.append(Polled(dist.irecv(got, src=peer, group=axis.group, tag=tag)))
+        works.append(dist.irecv(got, src=peer, group=axis.group, tag=tag))
         if r != first:
             parts.append(got)
     return _SumOnWait(works, parts, out)

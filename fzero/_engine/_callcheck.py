@@ -36,7 +36,7 @@ class Agreement(NamedTuple):
         cut = len(everyone[0]) - self.carried
         carried = [e[cut:] for e in everyone]
         if any(e[_ERROR] for e in everyone):
-            raise _loss_errors(self.error, mesh)
+            raise _loss_errors(self.error, mesh) from self.error
         counts = [e[_MICRO] for e in everyone]
         if len(set(counts)) > 1:
             said = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
@@ -138,9 +138,8 @@ class CallCheck:
     every rank if the calls differ). Otherwise it runs behind the backward, which a rank
     whose loss was refused takes part in with zero gradients, and `finish` waits for it
     at the micro-batch's end; the step reads `carried` after that. A check that does not
-    `exchange` sends nothing (a middle micro-batch whose calls need no comparing): an
-    error it is given is raised on this rank alone, and published to the others
-    (`fzero._comm.together`).
+    `exchange` sends nothing (a middle micro-batch whose calls need no comparing): a
+    refused loss it is given waits for the step's next check that does.
     """
 
     def __init__(
@@ -150,12 +149,17 @@ class CallCheck:
         *,
         micro: int = 1,
         exchange: bool = True,
+        gate: bool = False,
+        refused: list[BaseException] | None = None,
     ) -> None:
         """`carry`: called once, after the forward, for this rank's int64 words to send
         along (as many on every rank, on every check of a step that exchanges); None
         sends none. `micro`: the step's micro-batch count. `exchange`: whether this check
-        exchanges even where it compares no calls."""
+        exchanges even where it compares no calls; `gate`: whether the backward waits for
+        it even then. `refused`: the step's refused losses not yet sent, shared by its
+        checks (one that does not exchange keeps its own there for the next)."""
         self.mesh, self.carry, self.micro, self.exchanges = mesh, carry, micro, exchange
+        self.gate, self.refused = gate, refused if refused is not None else []
         self.pending: Agreement | None = None
         self.gates = False  # the backward's collectives wait for the check
         self.flags: list[bool] | None = None  # OR-ed over the ranks, once checked
@@ -172,16 +176,16 @@ class CallCheck:
         the step compares none), whether it had a batch (False: it followed last step's
         calls), per unit of the layout a flag to OR over the ranks, the carried words, and
         `error` if its loss returned something refused (raised on every rank when the
-        check completes; at once here where there is no exchange)."""
+        check completes, or the next one that exchanges)."""
+        if error is not None:
+            self.refused.append(error)
         if called is None and not self.exchanges:
-            if error is not None:
-                raise error
-            return
+            return  # a refused loss travels with the next check that exchanges
+        error = self.refused[0] if self.refused else None
+        self.refused.clear()
         words = [] if self.carry is None else list(self.carry())
-        self.pending = start_agreement(
-            called, self.mesh, present, flags, words, self.micro, error
-        )
-        self.gates = called is not None
+        self.pending = start_agreement(called, self.mesh, present, flags, words, self.micro, error)
+        self.gates = called is not None or self.gate
 
     def before_collective(self) -> list[bool] | None:
         """Before a backward collective: waits for a check that gates it (raising on every

@@ -176,24 +176,18 @@ class ModuleInit(Init):
 
 
 def _poisoned(x: torch.Tensor) -> torch.Tensor:
-    """`x` filled with what no init writes (NaN; an integer dtype's least value), so that
-    what an init leaves unwritten shows afterwards (`_check_written`). bool: unchecked."""
-    if x.is_floating_point() or x.is_complex():
-        return x.fill_(float("nan"))
-    if x.dtype != torch.bool:
-        x.fill_(torch.iinfo(x.dtype).min)
-    return x
+    """`x` filled with NaN where it is floating, which no init writes, so that what an
+    init leaves unwritten shows afterwards (`_check_written`). Integer and bool tensors
+    have no such value (0 and -128 are a mask's and a quantized weight's): they are
+    checked only for being written at all (their version)."""
+    return x.fill_(float("nan")) if x.is_floating_point() or x.is_complex() else x
 
 
 def _check_written(value: torch.Tensor, prefix: str, m: nn.Module, name: str) -> None:
     """Raises naming the module and tensor if its init left part of it as poisoned."""
-    if value.dtype == torch.bool or value.numel() == 0:
+    if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
         return
-    if value.is_floating_point() or value.is_complex():
-        left = torch.isnan(value)
-    else:
-        left = value == torch.iinfo(value.dtype).min
-    count = int(left.sum())
+    count = int(torch.isnan(value).sum())
     if count:
         raise ValueError(
             f"fzero.init.from_module: module {prefix or '<root>'!r} ({type(m).__name__}): its "

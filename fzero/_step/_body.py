@@ -54,7 +54,9 @@ def body(
     local = None if stage.shards_params else full_buckets(state.params, state.layout)
     target = _own_part(stage, state, local, o)
     present = any(mb is not None for mb in micro)
-    sync = StepSync(mesh, weighed, present, device_of(state.params), len(micro))
+    sync = StepSync(
+        mesh, weighed, present, device_of(state.params), len(micro), o.accumulate is not None
+    )
 
     # Enter and differentiate: the gradient leaves each unit reduced as the stage reduces.
     grads, order = mean_grad(loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order)

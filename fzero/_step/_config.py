@@ -112,7 +112,8 @@ def agree(
     errors = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
     if errors:
         cls = {"TypeError": TypeError}.get(errors[0][1][0], ValueError)
-        raise _comm.agreed(cls("; ".join(_naming(r, message) for r, (_, message) in errors)))
+        said = "; ".join(_naming(r, message) for r, (_, message) in errors)
+        raise _comm.agreed(cls(said)) from error  # the cause, on the rank that had it
     configs = [e["config"] for e in everyone]
     differ = [k for k in configs[0] if len({repr(c.get(k)) for c in configs}) > 1]
     if differ:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -60,22 +60,34 @@ class StepSync:
         present: bool,
         device: torch.device | None,
         micro: int = 1,
+        accumulating: bool = False,
     ) -> None:
         """`weighed`: the step's loss, keeping what each call returned. `present`: whether
         this rank has any data this step. `device`: where the losses' total lives if the
-        rank has none (the parameters'). `micro`: the step's micro-batch count."""
-        self.mesh, self.micro = mesh, micro
+        rank has none (the parameters'). `micro`: the step's micro-batch count;
+        `accumulating`: the step was given a list of micro-batches."""
+        self.mesh, self.micro, self.accumulating = mesh, micro, accumulating
         self.words = _Words(mesh, weighed, present, device)
         self.last: CallCheck | None = None  # the check that carries the words
+        self.refused: list[BaseException] = []  # refused losses no exchange has carried yet
 
     def check(self, j: int) -> CallCheck:
-        """Micro-batch `j`'s call check. The first exchanges (the ranks agree on the
-        micro-batch count before any backward reduces), the last carries the weights (the
-        others as many zero words); the middle ones exchange only where the engine
-        compares calls."""
+        """Micro-batch `j`'s call check. The first exchanges and, accumulating, gates the
+        backward (the ranks agree on the micro-batch count before any reduces: with local
+        accumulation a rank with one micro-batch reduces in it, the others do not); the
+        last carries the weights (the others as many zero words); the middle ones exchange
+        only where the engine compares calls, and a refused loss there travels with the
+        next check that exchanges."""
         last = j == self.micro - 1
         carry = self.words if last else _no_words
-        check = CallCheck(self.mesh, carry, micro=self.micro, exchange=j == 0 or last)
+        check = CallCheck(
+            self.mesh,
+            carry,
+            micro=self.micro,
+            exchange=j == 0 or last,
+            gate=j == 0 and self.accumulating,
+            refused=self.refused,
+        )
         if last:
             self.last = check
         return check
@@ -88,8 +100,8 @@ class StepSync:
             total = torch.tensor(
                 sum(_float(e[4]) for e in everyone), dtype=torch.float64, device="cpu"
             )
-        else:
-            total, work = self.words.total
+        else:  # summed on the device once every rank agreed: no stray collective
+            total, work = _comm.all_reduce_sum_async(self.words.total, self.mesh.world)
             if work is not None:
                 work.wait()  # on a GPU: the current stream waits, the host does not
         pairs, scalars = sum(e[1] for e in everyone), sum(e[2] for e in everyone)
@@ -114,7 +126,7 @@ class _Words:
         self, mesh: Mesh, weighed: Weighed, present: bool, device: torch.device | None
     ) -> None:
         self.mesh, self.weighed, self.present, self.device = mesh, weighed, present, device
-        self.total: tuple[torch.Tensor, Any] | None = None  # a device total's all-reduce
+        self.total: torch.Tensor | None = None  # a device total, summed by `tally`
 
     def __call__(self) -> list[int]:
         """The words, once the last forward is done."""
@@ -131,8 +143,8 @@ class _Words:
         ]
         if total.device.type == "cpu":
             words.append(_bits(total.item()))
-        else:  # summed on the device; the word keeps every rank's count the same
-            self.total = _comm.all_reduce_sum_async(total, self.mesh.world)
+        else:  # summed on the device, by `tally`; the word keeps every rank's count alike
+            self.total = total
             words.append(0)
         return words
 

@@ -83,7 +83,12 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
         rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
     except Exception as exc:
         error = exc
-    everyone = agree(error, (tmp, rep), mesh, what)
+    try:
+        everyone = agree(error, (tmp, rep), mesh, what)
+    except CheckpointError:
+        if tmp is not None:  # rank 0 made it; another rank failed
+            shutil.rmtree(os.path.join(path, tmp), ignore_errors=True)
+        raise
     tmp, schema = everyone[0][0], merge([r for _, r in everyone[:s]])
     try:
         # 2. every rank writes (and fsyncs) its own file.

@@ -106,8 +106,10 @@ def export_torch(
             latch.write(id(elems[entry, leaf]), value)
 
     if error is None:
+        # Only the writes' errors wait for the agreement below; anything else raised
+        # inside the gathers (out of memory, ...) leaves them half-done: it is published.
+        _gathering(writer, lambda: gather_leaves(state, local, schema, mesh, put_param, put_elem))
         try:
-            gather_leaves(state, local, schema, mesh, put_param, put_elem)
             if latch.error is not None:
                 error = latch.error
             elif rank == 0 and writer is not None:
@@ -117,11 +119,25 @@ def export_torch(
         except Exception as exc:
             error = exc
     else:  # a rank 0 that failed still takes part in every gather: no rank hangs
-        gather_leaves(state, local, schema, mesh, lambda *a: None, lambda *a: None)
+        _gathering(writer, lambda: gather_leaves(state, local, schema, mesh, _none, _none))
     if error is not None and writer is not None:
         writer.abort()
     agree(error, None, mesh, "checkpoint.export_torch")
     return out
+
+
+def _none(*args: Any) -> None:
+    return None
+
+
+def _gathering(writer: OffsetWriter | None, gather: Any) -> None:
+    """Runs the export's gathers; if they raise, removes the file being written first."""
+    try:
+        gather()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
 
 
 class _Latch:
@@ -320,13 +336,13 @@ def export_safetensors(
         for n in names[leaf] if writer is not None else ():
             latch.write(n, value.to(dtype) if dtype is not None else value)
 
+    _gathering(writer, lambda: gather_leaves(state, None, None, mesh, put_param, None))
+    error = error or latch.error
     try:
-        gather_leaves(state, None, None, mesh, put_param, None)
-        error = error or latch.error
         if writer is not None and error is None:
             writer.commit()
     except Exception as exc:
-        error = error or exc
+        error = exc
     if error is not None and writer is not None:
         writer.abort()
     agree(error, None, mesh, "checkpoint.export_safetensors")

@@ -287,3 +287,56 @@ def _partial_init(mesh: fzero.Mesh) -> None:
 def test_an_initializer_that_writes_part_of_a_tensor_raises_naming_the_module() -> None:
     outs = outcomes(2, _partial_init)
     raised_together(outs, ValueError, "'weight'", "Half", "8 of the 16 elements")
+
+
+def _out_of_memory_in_a_gather(mesh: fzero.Mesh, target: str) -> None:
+    state, _ = _big_state(mesh, 3)
+    if mesh.rank == 0:
+        real, calls = fzero._comm.all_gather, [0]
+
+        def all_gather(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise MemoryError("out of memory gathering unit '1'")
+            return real(*args, **kwargs)
+
+        fzero._comm.all_gather = all_gather  # this rank's process only
+    fzero.checkpoint.export_safetensors(state, target, mesh)
+
+
+def test_an_error_inside_an_exports_gathers_reaches_every_rank_at_once(tmp_path: Path) -> None:
+    outs = outcomes(2, _out_of_memory_in_a_gather, str(tmp_path / "model.safetensors"))
+    raised_together(outs, MemoryError, "out of memory gathering")
+    assert list(tmp_path.iterdir()) == []
+
+
+class Masked(nn.Module):
+    """An integer buffer whose init writes zeros (a causal mask): not "unwritten"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        self.register_buffer("mask", torch.empty(4, 4, dtype=torch.uint8))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.normal_()
+            self.mask.copy_(torch.ones(4, 4, dtype=torch.uint8).tril())
+
+
+def _masked(mesh: fzero.Mesh) -> torch.Tensor:
+    with torch.device("meta"):
+        m = Masked()
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    buffers = {k: v.detach() for k, v in m.named_buffers()}
+    init = fzero.init.from_module(m)
+    state = fzero.shard_state(
+        params, fzero.optim.sgd(0.1), mesh, stage=3, init=init, buffers=buffers
+    )
+    return state.buffers["mask"]
+
+
+def test_an_integer_buffer_an_init_fills_with_zeros_is_accepted() -> None:
+    for o in outcomes(2, _masked):
+        assert o.error is None, o.message
+        assert torch.equal(o.value, torch.ones(4, 4, dtype=torch.uint8).tril())

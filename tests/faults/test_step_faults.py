@@ -9,6 +9,7 @@ by the others as a `fzero.PeerError` of the same class and message.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -328,3 +329,131 @@ def test_a_mesh_shape_that_differs_across_ranks_raises_on_every_rank() -> None:
         fzero.ProcessGroupMesh(shard_size=2 if mesh.rank == 0 else 4)
 
     raised_together(outcomes(4, mesh_of), ValueError, "shard_size", "rank 0: 2")
+
+
+# -- found by a second reader -------------------------------------------------------------------
+class DataError(Exception):
+    """A user's own exception class, deriving from Exception alone."""
+
+
+def _user_exception(mesh: fzero.Mesh) -> None:
+    state, opt, net = setup(mesh, 2)
+
+    def loss_fn(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        if mesh.rank == 1:
+            raise DataError("shard 17 is unreadable")
+        return functional_call(net, p, (xb,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=2, units=UNITS)
+    step(state, torch.ones(2, D, dtype=torch.float64))
+
+
+def test_a_users_own_exception_class_reaches_every_rank() -> None:
+    outs = outcomes(2, _user_exception)
+    raised_together(outs, Exception, "shard 17 is unreadable")
+    assert outs[0].isinstance(fzero.PeerError) and outs[1].error is DataError
+
+
+def _same_mistake_then_right(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+    net = model()
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    with contextlib.suppress(ValueError):  # every rank makes it: nothing is left pending
+        fzero.shard_state(params, opt, mesh, stage=7)
+    state = fzero.shard_state(params, opt, mesh, stage=1)
+    step = fzero.sharded_step(
+        lambda p, b: (functional_call(net, p, (b[0],)) - b[1]).square().mean(), opt, mesh, stage=1
+    )
+    x, y = batches(mesh.size, 4)
+    x0 = (mine(x[0], mesh.rank), mine(y[0], mesh.rank))
+    with contextlib.suppress(ValueError):  # the same consumed state on every rank
+        new, _ = step(state, x0)
+        step(state, x0)
+    state = new
+    state, _ = step(state, (mine(x[1], mesh.rank), mine(y[1], mesh.rank)))
+    return fzero.gather_params(state.params, mesh)
+
+
+def test_the_same_mistake_on_every_rank_leaves_the_job_usable() -> None:
+    outs = outcomes(2, _same_mistake_then_right)
+    for o in outs:
+        assert o.error is None, o.message
+        fzero.assert_trees_close(o.value, reference([0, 1], 2), rtol=1e-10, atol=1e-12)
+
+
+def _one_against_two(mesh: fzero.Mesh) -> None:
+    state, opt, net = setup(mesh, 1)
+
+    def loss_fn(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (xb,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=1, units=UNITS, accumulate="local")
+    x = torch.ones(2, D, dtype=torch.float64)
+    state, _ = step(state, [x, x])
+    step(state, [x] * (1 + mesh.rank))
+
+
+def test_one_micro_batch_against_two_with_local_accumulation_raises_on_every_rank() -> None:
+    raised_together(outcomes(2, _one_against_two), ValueError, "rank 0: 1, rank 1: 2")
+
+
+def _refused_in_the_middle(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+    state, opt, net = setup(mesh, 2)
+    x, y = batches(mesh.size, 4)
+
+    def loss_fn(p: dict, b: Any) -> Any:
+        xb, yb, bad = b
+        out = (functional_call(net, p, (xb,)) - yb).square()
+        return (out.sum(), -1.0 if bad and mesh.rank == 1 else float(out.numel()))
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=2, units=UNITS, accumulate="sharded")
+
+    def three(t: int, bad: bool) -> list[Any]:
+        xs, ys = mine(x[t], mesh.rank), mine(y[t], mesh.rank)
+        return [(xs[:1], ys[:1], False), (xs[1:], ys[1:], bad), (xs[:0], ys[:0], False)]
+
+    with contextlib.suppress(ValueError):
+        step(state, three(0, True))
+        raise AssertionError("the refused weight was not raised")
+    state, _ = step(state, three(1, False))
+    return fzero.gather_params(state.params, mesh)
+
+
+def test_a_refused_loss_in_a_middle_micro_batch_is_agreed_and_the_run_goes_on() -> None:
+    outs = outcomes(2, _refused_in_the_middle)
+    for o in outs:
+        assert o.error is None, o.message
+        fzero.assert_trees_close(o.value, reference([1], 2), rtol=1e-10, atol=1e-12)
+
+
+def _late_rank_big_unit(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+    # A 9 MB unit: gloo reduce-scatters it with point-to-point messages, whose waits must
+    # not be cut into slices (a timed-out slice breaks the group).
+    torch.manual_seed(0)
+    net = nn.Linear(1500, 1500)
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=2)
+
+    def loss_fn(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        if mesh.rank == 1:
+            time.sleep(0.3)
+        return functional_call(net, p, (xb,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=2)
+    x = torch.randn(4, 1500, generator=torch.Generator().manual_seed(2))
+    state, _ = step(state, x[2 * mesh.rank : 2 * mesh.rank + 2])
+    return {"bias": fzero.gather_params(state.params, mesh)["bias"]}
+
+
+def test_a_late_rank_with_a_unit_reduced_point_to_point_trains() -> None:
+    outs = outcomes(2, _late_rank_big_unit)
+    torch.manual_seed(0)
+    net = nn.Linear(1500, 1500)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 1500, generator=torch.Generator().manual_seed(2))
+    net(x).square().mean().backward()
+    opt.step()
+    for o in outs:
+        assert o.error is None, o.message
+        torch.testing.assert_close(o.value["bias"], net.bias.detach(), rtol=1e-5, atol=1e-6)
