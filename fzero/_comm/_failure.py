@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import json
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -33,7 +34,9 @@ import torch.distributed as dist
 # writing a file) asks the store at most every POLL_MAX: the bound on how late a peer
 # learns of a failure, and what N waiting ranks cost the store's host.
 POLL, POLL_MAX = 0.1, 0.4
-_KEY = "fzero/failed/{}"  # per call (see `together`)
+_KEY = "fzero/failed/{}"  # per call (see `together`): the call's first failure
+_STUCK = "fzero/stuck/{}"  # per call: a rank was waiting in it when it failed
+_COUNT = "fzero/failures/{}"  # per call: how many ranks failed in it themselves
 
 # The fzero calls this process is inside, innermost last, each by its number: every rank
 # makes the same calls in the same order (they are collective), so a call's number is the
@@ -41,6 +44,9 @@ _KEY = "fzero/failed/{}"  # per call (see `together`)
 _calls: list[int] = []
 _made = 0  # calls entered so far
 _issued = 0  # collectives issued so far (`check_alive` counts them)
+# Calls this rank failed in before issuing any collective, with what it published: if a
+# peer was left waiting in one, this rank's own later collectives cannot pair either.
+_alone: dict[int, dict[str, Any]] = {}
 
 _failed: dict[str, Any] | None = None  # what this process knows failed (its own or a peer's)
 
@@ -99,17 +105,27 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
     `where` (the first failure of a call wins). `issued`: this rank issued collectives in
     the call, which may be left pending, so its own later calls raise it at once."""
     global _failed
-    record = {"rank": rank, "where": where, "message": str(exc), "type": _builtin_base(exc)}
+    call = _calls[-1] if _calls else 0
+    record = {
+        "rank": rank,
+        "where": where,
+        "message": str(exc),
+        "type": _builtin_base(exc),
+        "call": call,
+    }
     if isinstance(exc, OSError):
         record.update(errno=exc.errno, strerror=exc.strerror, filename=exc.filename)
     exc.__dict__["fzero_published"] = True
     if issued and _failed is None:
         _failed = record
+    elif not issued:
+        _alone[call] = record
     store = _store()
     if store is None or not _calls:
         return
     with contextlib.suppress(Exception):  # a store that is gone too: the peers time out
-        store.compare_set(_KEY.format(_calls[-1]), "", json.dumps(record, default=str))
+        store.compare_set(_KEY.format(call), "", json.dumps(record, default=str))
+        store.add(_COUNT.format(call), 1)
     _note(
         exc,
         f"fzero: rank {rank} raised this inside {where}; every other rank waiting there "
@@ -120,18 +136,25 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
 def failed() -> dict[str, Any] | None:
     """A failure published in a call this process is inside (or one it already knows of):
     a peer stuck in a call a rank left by failing finds it; a failure of a call every
-    rank has left (all raised the same error before any collective) is ignored."""
+    rank has left (all raised the same error before any collective) is ignored. And this
+    rank's own failure of an earlier call, if a peer was left waiting in it."""
     global _failed
-    if _failed is None and _calls:
-        store = _store()
-        try:
-            # One key at a time: a store's check([...]) says whether all of them exist.
-            for key in [_KEY.format(n) for n in _calls] if store is not None else ():
-                if store.check([key]):
-                    _failed = json.loads(store.get(key))
-                    break
-        except Exception:
-            return None
+    store = _store()
+    if _failed is not None or store is None:
+        return _failed
+    try:
+        # One key at a time: a store's check([...]) says whether all of them exist.
+        for n in _calls:
+            if store.check([_KEY.format(n)]):
+                _failed = json.loads(store.get(_KEY.format(n)))
+                store.set(_STUCK.format(n), "1")  # for a rank that failed alone: `_settle`
+                return _failed
+        for n, record in _alone.items():
+            if store.check([_STUCK.format(n)]):
+                _failed = record
+                return _failed
+    except Exception:
+        return None
     return _failed
 
 
@@ -140,7 +163,8 @@ def peer_error(record: dict[str, Any]) -> PeerError:
     failing exception's builtin class, with its message. This rank's own collectives are
     left pending: its later calls raise it too."""
     global _failed
-    _failed = record
+    if _failed is None:
+        _failed = record
     cls = _peer_class(record.get("type", ""))
     try:
         if issubclass(cls, OSError) and record.get("errno") is not None:
@@ -212,6 +236,8 @@ def together(rank: int, size: int, where: str) -> Iterator[None]:
     raises that its peers cannot know of is published (`publish`) as it leaves. Raises
     at once if the job already failed."""
     global _made
+    if _alone:
+        _settle(size)
     if _failed is not None:
         raise peer_error(_failed)
     _made += 1
@@ -225,6 +251,35 @@ def together(rank: int, size: int, where: str) -> Iterator[None]:
         raise
     finally:
         _calls.pop()
+
+
+def _settle(size: int) -> None:
+    """Before this rank's next call after failing alone (before issuing a collective):
+    waits until its peers say whether they were left waiting in that call (then the job
+    has failed: `_failed`) or failed in it too (then nothing is pending). A collective
+    issued while a peer still has one pending in the group would pair with it."""
+    global _failed
+    store = _store()
+    deadline = time.monotonic() + _SETTLE
+    for n, record in list(_alone.items()):
+        while store is not None:
+            try:
+                if store.check([_STUCK.format(n)]):
+                    _failed = record
+                    break
+                if int(store.add(_COUNT.format(n), 0)) >= size:
+                    break
+            except Exception:  # a store that cannot answer: assume the worst
+                _failed = record
+                break
+            if time.monotonic() > deadline:
+                _failed = record
+                break
+            time.sleep(0.02)
+        del _alone[n]
+
+
+_SETTLE = 60.0  # seconds `_settle` waits for slow peers to fail alike or report
 
 
 def collective(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

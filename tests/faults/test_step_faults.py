@@ -457,3 +457,16 @@ def test_a_late_rank_with_a_unit_reduced_point_to_point_trains() -> None:
     for o in outs:
         assert o.error is None, o.message
         torch.testing.assert_close(o.value["bias"], net.bias.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _alone_then_again(mesh: fzero.Mesh) -> None:
+    """Rank 0 fails alone before any collective and goes on; its peer was left waiting."""
+    with contextlib.suppress(ValueError):
+        _consumed_on_one_rank(mesh)
+    setup(mesh, 2)  # collectives rank 0's peer will never join
+
+
+def test_a_rank_that_failed_alone_learns_its_peers_were_left_waiting() -> None:
+    outs = outcomes(2, _alone_then_again)
+    raised_together(outs, ValueError, "rank 0", "already donated")
+    assert all(o.peer for o in outs)
