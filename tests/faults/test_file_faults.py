@@ -20,6 +20,9 @@ from torch import nn
 import fzero
 from tests.faults.harness import outcomes, raised_together
 
+# Every case starts rank processes and takes about a second.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 D = 6
 
 
