@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -34,9 +35,14 @@ import torch.distributed as dist
 # writing a file) asks the store at most every POLL_MAX: the bound on how late a peer
 # learns of a failure, and what N waiting ranks cost the store's host.
 POLL, POLL_MAX = 0.1, 0.4
-_KEY = "fzero/failed/{}"  # per call (see `together`): the call's first failure
-_STUCK = "fzero/stuck/{}"  # per call: a rank was waiting in it when it failed
-_COUNT = "fzero/failures/{}"  # per call: how many ranks failed in it themselves
+# The store outlives a torchrun attempt (the agent's store serves every restart): keys
+# name the attempt, so a restarted job's call n never reads the failed attempt's.
+_ATTEMPT = "{}/{}".format(
+    os.environ.get("TORCHELASTIC_RUN_ID", "-"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+)
+_KEY = "fzero/" + _ATTEMPT + "/failed/{}"  # per call (see `together`): its first failure
+_STUCK = "fzero/" + _ATTEMPT + "/stuck/{}"  # per call: a rank was left waiting in it
+_COUNT = "fzero/" + _ATTEMPT + "/failures/{}"  # per call: ranks that failed in it themselves
 
 # The fzero calls this process is inside, innermost last, each by its number: every rank
 # makes the same calls in the same order (they are collective), so a call's number is the
