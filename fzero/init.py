@@ -95,7 +95,8 @@ def from_file(
     key: Callable[[str], str] | None = None,
     missing: Init | None = None,
 ) -> Init:
-    """Values read from a safetensors file or a torch.save'd state dict, by range.
+    """Values read from a safetensors file or a torch.save'd state dict, by range, or from
+    a checkpoint sharded over several such files (Hugging Face's `save_pretrained`).
 
     Each rank reads only the elements it keeps (its slice of every bucket at stage 3),
     straight from the file into its shards, so a pretrained model is loaded into shards
@@ -104,7 +105,11 @@ def from_file(
     `checkpoint.export_torch` files are read.
 
     Args:
-      path: the file (format detected from its contents).
+      path: the file (format detected from its contents); an index of several files
+        (`model.safetensors.index.json`, `pytorch_model.bin.index.json`: each tensor is
+        read from the file its `weight_map` names); or a directory holding one of
+        `model.safetensors.index.json`, `model.safetensors`, `pytorch_model.bin.index.json`,
+        `pytorch_model.bin` (the first found, Hugging Face's order).
       key: maps a leaf path to the file's name for it (e.g. a prefix to strip or add);
         default: the path itself.
       missing: an initializer for leaves the file lacks (a new head when fine-tuning,

@@ -36,6 +36,8 @@ from ._tensorfile import as_bytes as as_bytes
 from ._tensorfile import fsync_dir as fsync_dir
 from ._tensorfile import safetensors_writer as safetensors_writer
 from ._tensorfile import torch_writer as torch_writer
+from ._tensorfiles import TensorFiles as TensorFiles
+from ._tensorfiles import open_tensors as open_tensors
 from ._tree import NAMESPACE as NAMESPACE
 from ._tree import PyTree as PyTree
 from ._tree import assert_trees_close as assert_trees_close

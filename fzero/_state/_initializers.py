@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core import TensorFile, as_bytes
+from .._core import as_bytes, open_tensors
 
 # leaf path -> [(lo, hi, out)]: elements [lo, hi) of the flattened leaf go into `out`.
 Wants = dict[str, list[tuple[int, int, torch.Tensor]]]
@@ -213,14 +213,15 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.M
 
 
 class FileInit(Init):
-    """Reads each rank's ranges from a safetensors or torch.save file."""
+    """Reads each rank's ranges from a safetensors or torch.save file, or from the files
+    of an index (a sharded checkpoint), or a directory holding either."""
 
     def __init__(self, path: str, key: Callable[[str], str] | None, missing: Init | None):
         self.path, self.key, self.missing = path, key or (lambda p: p), missing
         self.device = torch.device("cpu") if missing is None else missing.device
 
     def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
-        f = TensorFile(self.path)
+        f = open_tensors(self.path)
         try:
             absent = []
             for path, like in likes.items():
