@@ -21,49 +21,98 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._state import FileInit, Init, LeafInit, ModuleInit
+from ._state import FileInit, Init, LeafInit, ModuleInit, RecordedInit, recorded
+from ._state import deferred as _deferred
 
-__all__ = ["Init", "by_leaf", "from_file", "from_module"]
+__all__ = ["Init", "by_leaf", "deferred", "from_file", "from_module"]
+
+
+def deferred(fn: Callable[..., Any], *args: Any, seed: int = 0, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a model's constructor) built without memory, recorded so that
+    `from_module` makes bitwise the values an eager `torch.manual_seed(seed); fn(...)` makes.
+
+    The construction runs on fake tensors (shapes, dtypes and devices, no values) while
+    every aten operation it makes is recorded, so whatever the model does to its tensors
+    while it is built is kept: `reset_parameters`, `nn.Parameter(torch.randn(...))` in
+    `__init__`, buffers computed there (RoPE's `inv_freq`), parents re-initializing their
+    children, Hugging Face's `post_init`. The random draws are made on scratch tensors, one
+    at a time, to note the generator's state before each; nothing of the model's size is
+    ever held. `from_module` later replays, per leaf, only the operations its final value
+    depends on (a weight drawn in `__init__` and drawn again in `post_init` costs one draw).
+
+    Args:
+      fn: the constructor, e.g. `GPT` or `transformers.AutoModelForCausalLM.from_config`.
+      *args, **kwargs: its arguments.
+      seed: the seed of the eager construction to reproduce (what `torch.manual_seed` would
+        be given). `from_module(seed=)` may ask for another, unless the construction read
+        random values (`trunc_normal_`'s rejection loop, `.item()` of a draw), which ties
+        the recording to this seed.
+
+    Returns:
+      `fn`'s result, with every parameter and buffer of its modules on the meta device,
+      ready for `shard_state(dict(model.named_parameters()), ..., buffers=
+      dict(model.named_buffers()), init=fzero.init.from_module(model))`. Tensors that
+      modules hold outside their parameters and buffers are made for real. The caller's
+      generator is left as it was.
+    """
+    return _deferred(fn, *args, seed=seed, **kwargs)
 
 
 def from_module(
     module: nn.Module,
     *,
-    seed: int = 0,
+    seed: int | None = None,
     device: Any = "cpu",
     init: dict[Any, Callable[[nn.Module], Any]] | None = None,
 ) -> Init:
     """Values bitwise those of `torch.manual_seed(seed); Model()` built eagerly.
 
-    The construction is replayed one submodule at a time: each submodule that owns
-    parameters or buffers directly gets them as empty tensors on `device`, its
-    `reset_parameters()` runs, the ranges this rank keeps are copied out, and the
-    tensors are dropped; the module is left on the meta device. Submodules run
-    children first, then parents, in registration order, which is the order an eager
-    construction initializes them in when each module fills what it owns at the end of
-    its `__init__` (as torch's layers do). A tied tensor takes the values its first
-    holder (in `named_parameters` order) gives it; later holders' inits run on scratch
-    copies, as they ran on their own tensors before the tie. The seed drives every
-    rank alike, so the values do not depend on the world size, stage, layout or units.
+    For a module from `fzero.init.deferred` (any model: Hugging Face's included), each
+    leaf's value is its recorded construction replayed, one leaf at a time: only the
+    operations its final value depends on run, with the generator as the eager
+    construction had it before each draw.
+
+    For a module built on the meta device (`with torch.device("meta"): Model()`), whose
+    construction left no record, the construction is replayed one submodule at a time:
+    each submodule owning parameters or buffers directly gets them as empty tensors, its
+    `reset_parameters()` runs, the ranges this rank keeps are copied out and the tensors
+    are dropped. Submodules run children first, then parents, in registration order: the
+    order an eager construction initializes them in when each module fills what it owns
+    at the end of its `__init__`, as torch's layers do (models that initialize otherwise,
+    such as Hugging Face's, need `deferred`). A tied tensor takes the values its first
+    holder gives it. Only submodules owning a leaf asked for run (with `from_file`'s
+    `missing=`, those the file lacks).
+
+    Either way every rank makes the same values, whatever the world size, stage, layout
+    or units, and the module is left on the meta device.
 
     Args:
-      module: the model, built on the meta device; `shard_state`'s params and buffers
-        are its `dict(model.named_parameters())` and `dict(model.named_buffers())`.
-      seed: what `torch.manual_seed` would be given before the eager construction.
-        The caller's generator state is left as it was.
+      module: the model, from `deferred` or built on the meta device; `shard_state`'s
+        params and buffers are its `dict(model.named_parameters())` and
+        `dict(model.named_buffers())`.
+      seed: what `torch.manual_seed` would be given before the eager construction;
+        default: `deferred`'s seed, or 0. The caller's generator state is left as it was.
       device: where tensors are materialized and the state is kept.
-      init: per submodule path (e.g. "blocks.0.attn") or type (e.g. `RotaryEmbedding`),
-        a function `fn(module)` filling that module's own tensors in place, used instead
-        of its `reset_parameters`. Needed where a module owns tensors and has no
-        `reset_parameters` (nn.MultiheadAttention), or computes buffers (a causal mask,
-        RoPE frequencies) only in `__init__`.
+      init: for meta-device modules only: per submodule path (e.g. "blocks.0.attn") or
+        type (e.g. `RotaryEmbedding`), a function `fn(module)` filling that module's own
+        tensors in place, used instead of its `reset_parameters`.
 
     Returns:
-      An initializer for `shard_state(..., init=)`. A module owning tensors without an
-      init, or an init leaving one of them unwritten (uninitialised memory), raises a
-      ValueError naming it.
+      An initializer for `shard_state(..., init=)`. A leaf the construction leaves
+      unwritten (uninitialised memory), or a meta-device module owning tensors without
+      an init, raises a ValueError naming it.
     """
-    return ModuleInit(module, seed, device, init or {})
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fzero.init.from_module needs an nn.Module, got {type(module)}")
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(recorded(t) is not None for t in tensors):
+        if init:
+            raise ValueError(
+                "fzero.init.from_module: init= is for modules built on the meta device; a "
+                "module from fzero.init.deferred replays its own construction"
+            )
+        return RecordedInit(module, seed, device)
+    return ModuleInit(module, 0 if seed is None else seed, device, init or {})
 
 
 def by_leaf(

@@ -12,12 +12,15 @@ functions here build, check and convert states but never step them. Imports
 """
 
 from ._agree_layout import agree_layout as agree_layout
+from ._construction import deferred as deferred
+from ._construction import recorded as recorded
 from ._donation import check_live as check_live
 from ._donation import mark_consumed as mark_consumed
 from ._initializers import FileInit as FileInit
 from ._initializers import Init as Init
 from ._initializers import LeafInit as LeafInit
 from ._initializers import ModuleInit as ModuleInit
+from ._initializers import RecordedInit as RecordedInit
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
 from ._loss_scale import unscale_ as unscale_

@@ -10,7 +10,6 @@ No rank ever holds the whole model, and no rank needs another's values.
 from __future__ import annotations
 
 import abc
-import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +18,8 @@ import torch
 from torch import nn
 
 from .._core import as_bytes, open_tensors
+from ._construction import recorded
+from ._record import seeded
 
 # leaf path -> [(lo, hi, out)]: elements [lo, hi) of the flattened leaf go into `out`.
 Wants = dict[str, list[tuple[int, int, torch.Tensor]]]
@@ -59,19 +60,6 @@ def _leaf_seed(seed: int, path: str) -> int:
     return int.from_bytes(raw, "little") & (2**63 - 1)
 
 
-@contextlib.contextmanager
-def seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """The default generators (the CPU's, and `device`'s if CUDA) seeded with `seed`, as
-    `torch.manual_seed` would, and restored afterwards: the caller's RNG is untouched."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.random.default_generator.manual_seed(seed)
-        for d in devices:
-            with torch.cuda.device(d):
-                torch.cuda.manual_seed(seed)
-        yield
-
-
 class LeafInit(Init):
     """`fn(path, like) -> Tensor` per leaf, with the generators seeded from (seed, path)."""
 
@@ -86,6 +74,50 @@ class LeafInit(Init):
             with seeded(_leaf_seed(self.seed, path), self.device), torch.no_grad():
                 value = self.fn(path, like)
             deliver(path, value, wants, like, "fzero.init.by_leaf")
+            out[path] = digest(value)
+        return out
+
+
+class RecordedInit(Init):
+    """Replays a recorded construction (`fzero.init.deferred`) one leaf at a time."""
+
+    def __init__(self, module: nn.Module, seed: int | None, device: Any):
+        self.module, self.seed, self.device = module, seed, torch.device(device)
+
+    def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        named.update(self.module.named_buffers(remove_duplicate=False))
+        targets = {}
+        for path in likes:
+            t = named.get(path)
+            found = None if t is None else recorded(t)
+            if found is None:
+                raise ValueError(
+                    f"fzero.init.from_module: the module has no recorded parameter or buffer "
+                    f"{path!r}: pass the module's own dict(model.named_parameters()) / "
+                    "named_buffers(), as fzero.init.deferred built them"
+                )
+            targets[path] = found
+        recordings = {id(rec): rec for rec, _ in targets.values()}
+        if len(recordings) > 1:
+            raise ValueError("fzero.init.from_module: the leaves come from several constructions")
+        out: dict[str, str] = {}
+        if not targets:
+            return out
+        rec = next(iter(recordings.values()))
+        needed = rec.needed([tid for _, tid in targets.values()])
+        last = max((i for i in needed if rec.nodes[i].random), default=-1)
+        seed = rec.seed if self.seed is None else self.seed
+        snapshots = rec.reseeded(seed, upto=last + 1)  # the draws up to the last one needed
+        for path, (_, tid) in targets.items():
+            value = rec.replay([tid], snapshots)[tid]
+            if value.is_floating_point() and value.numel() and bool(value.isnan().any()):
+                raise ValueError(
+                    f"fzero.init.from_module: the model's construction leaves {path!r} "
+                    "(partly) unwritten (torch.empty never filled) or NaN: eager "
+                    "construction would give uninitialised memory there"
+                )
+            deliver(path, value, wants, likes[path], "fzero.init.from_module")
             out[path] = digest(value)
         return out
 
@@ -109,6 +141,9 @@ class ModuleInit(Init):
         out: dict[str, str] = {}
         with seeded(self.seed, self.device), torch.no_grad():
             for prefix, m in _post_order(self.module):
+                own = [*m._parameters.items(), *m._buffers.items()]
+                if not any(owner.get(id(t)) in likes for _, t in own if t is not None):
+                    continue  # nothing of it is asked for (from_file's missing=: in the file)
                 for name, orig, value in self._replay(prefix, m):
                     full = f"{prefix}.{name}" if prefix else name
                     if owner.get(id(orig)) != full or full not in likes:

@@ -82,6 +82,33 @@ def check_optimizer_state(optimizer: Optimizer, state: ShardedState, rank: int) 
         )
 
 
+def check_module(module: Any, state: ShardedState, rank: int) -> None:
+    """Raises a ValueError naming the first of `module`'s parameters and buffers that is on
+    the meta device and not supplied by the state: the forward would read it as it is
+    (torch's "Cannot copy out of meta tensor", from deep inside the model)."""
+    if module is None:
+        return
+    have = set(state.layout.paths)
+    have.update(leaf_paths(state.buffers) if state.buffers is not None else ())
+    named = {
+        "parameter": list(module.named_parameters(remove_duplicate=False)),
+        "buffer": list(module.named_buffers(remove_duplicate=False)),
+    }
+    # A tied tensor is supplied under any of its names (functional_call ties them).
+    supplied = {id(t) for pairs in named.values() for n, t in pairs if n in have}
+    for kind, pairs in named.items():
+        left = [n for n, t in pairs if t.device.type == "meta" and id(t) not in supplied]
+        if left:
+            raise ValueError(
+                f"rank {rank}: module= has {kind} {left[0]!r} on the meta device, and the "
+                f"state has no leaf of that path ({len(left)} such {kind}s): pass "
+                "shard_state(dict(model.named_parameters()), ..., buffers="
+                "dict(model.named_buffers()), init=fzero.init.from_module(model)) so that "
+                "the state makes and holds them (non-persistent buffers such as RoPE's "
+                "inv_freq included)"
+            )
+
+
 def _skeleton(x: Any) -> Any:
     """The containers of an optimizer state, without what fills in as it steps: a dict
     (torch's per-parameter state, empty until the first step) counts as any dict."""

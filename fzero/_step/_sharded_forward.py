@@ -31,6 +31,7 @@ from .._engine import (
 )
 from .._state import ShardedState
 from ._cache import StepCache
+from ._config import check_module
 from ._loss import copied
 from ._options import check_step_state
 from ._sharded_step import collector_paused
@@ -113,6 +114,7 @@ def sharded_forward(
         ledger: UnitLedger | None,
     ) -> Context:
         prec, lay = state.precision, state.layout
+        check_module(module, state, mesh.rank)
         schedule = plan(
             stage,
             lay,

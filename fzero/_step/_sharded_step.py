@@ -26,7 +26,7 @@ from .._state import ShardedState, mark_consumed
 from ..optim import Optimizer
 from ._body import body
 from ._cache import StepCache
-from ._config import agree, check_optimizer_state, configuration
+from ._config import agree, check_module, check_optimizer_state, configuration
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
@@ -190,6 +190,7 @@ def _first_step(
         check_step_state(state, o.stage.number, o.layout, o.units, mesh)
         micro = micro_batches(batch, o.accumulate, cache.micro)
         check_optimizer_state(optimizer, state, mesh.rank)
+        check_module(o.module, state, mesh.rank)
         config = configuration(o, state, optimizer)
         config["micro-batches"] = str(len(micro))
     except Exception as exc:

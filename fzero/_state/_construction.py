@@ -1,0 +1,107 @@
+"""A model built on fake tensors while its construction is recorded (`fzero.init.deferred`).
+
+The construction runs under torch's FakeTensorMode, which keeps shapes, dtypes and devices
+but no values, with `_Recorder` below it noting every aten operation in a `Recording`.
+Random draws are made again on scratch tensors as they happen, so the generator moves as
+in an eager construction and the recording notes its state before each (`Recording.draw`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ._record import Recording, seeded, written_by
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
+        self.expected = torch.random.default_generator.get_state()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.recording
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return self._scalar(args[0])
+        out = func(*args, **kwargs)
+        tensors_out = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if not (tensors_out or written_by(func, args, kwargs)):
+            return out
+        rec.add(func, args, kwargs, out)
+        if rec.nodes[-1].random:
+            default = kwargs.get("generator") is None
+            with _disable_current_modes():
+                if default and not torch.equal(self.expected, _default_state()):
+                    rec.seed_bound = True  # seeded or drawn outside the recorded operations
+                rec.draw(len(rec.nodes) - 1)
+                if default:
+                    self.expected = _default_state()
+        return out
+
+    def _scalar(self, t: torch.Tensor) -> Any:
+        """`.item()` during construction: the value is made now, from the record so far;
+        if it depends on random draws, the recording holds for its seed only."""
+        rec = self.recording
+        tid = rec.tid(t)
+        rec.seed_bound |= any(rec.nodes[i].random for i in rec.needed([tid]))
+        with _disable_current_modes():
+            return rec.replay([tid])[tid].item()
+
+
+def record(fn: Callable[[], Any], seed: int) -> tuple[Any, Recording]:
+    """Runs `fn()` on fake tensors, recording its operations, the default generator seeded
+    with `seed` for its draws (made on scratch tensors) and restored afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recording = Recording(seed)
+    with seeded(seed), FakeTensorMode(allow_non_fake_inputs=True), _Recorder(recording):
+        out = fn()
+    return out, recording
+
+
+def _default_state() -> torch.Tensor:
+    return torch.random.default_generator.get_state()
+
+
+def recorded(t: torch.Tensor) -> tuple[Recording, int] | None:
+    """The recording and tensor id a deferred model's parameter or buffer was made by."""
+    return getattr(t, "_fzero_recorded", None)
+
+
+def deferred(fn: Callable[..., Any], *args: Any, seed: int = 0, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` recorded, its modules' parameters and buffers left on the meta
+    device, each remembering how the construction made it (`recorded`). Tensors a module
+    holds outside its parameters and buffers are made now (they must not depend on random
+    draws)."""
+    out, rec = record(lambda: fn(*args, **kwargs), seed)
+    modules = [out] if isinstance(out, torch.nn.Module) else []
+    metas: dict[int, torch.Tensor] = {}
+
+    def meta_of(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in metas:
+            m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if param:
+                m = torch.nn.Parameter(m, requires_grad=t.requires_grad)
+            m._fzero_recorded = (rec, rec.tid(t))  # type: ignore[attr-defined]
+            metas[id(t)] = m
+        return metas[id(t)]
+
+    for root in modules:
+        for m in root.modules():
+            for name, t in m._parameters.items():
+                if t is not None:
+                    m._parameters[name] = meta_of(t, True)
+            for name, t in m._buffers.items():
+                if t is not None:
+                    m._buffers[name] = meta_of(t, False)
+            for name, v in list(vars(m).items()):
+                if isinstance(v, torch._subclasses.fake_tensor.FakeTensor):
+                    tid = rec.tid(v)
+                    setattr(m, name, rec.replay([tid])[tid])
+    return out

@@ -1,0 +1,181 @@
+"""Hugging Face models built from `transformers` configs (no downloads): Llama (GQA, RoPE,
+RMSNorm), GPT-2 (tied embeddings, Conv1D), BERT (encoder, pooler). Deferred init bitwise
+the eager construction, training as one-process torch.optim, pretrained files into shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    BertConfig,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+)
+
+import fzero
+from tests.support import errors_on_every_rank, run
+
+F64 = torch.float64
+
+
+def config(name: str) -> tuple[Any, PretrainedConfig, list[str]]:
+    """(constructor, config, units: one per layer) of a tiny model, without dropout."""
+    if name == "llama":
+        cfg = LlamaConfig(
+            vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+        return AutoModelForCausalLM.from_config, cfg, ["model.layers.0", "model.layers.1"]
+    if name == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return AutoModelForCausalLM.from_config, cfg, ["transformer.h.0", "transformer.h.1"]
+    cfg = BertConfig(
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return AutoModel.from_config, cfg, ["encoder.layer.0", "encoder.layer.1"]
+
+
+def eager(name: str, seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    make, cfg, _ = config(name)
+    torch.manual_seed(seed)
+    return make(cfg, dtype=dtype)
+
+
+def values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def state_values(state: fzero.ShardedState, mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+    params = fzero.gather_params(state.params, mesh) if state.stage == 3 else state.params
+    out = {k: v.detach().clone() for k, v in params.items()}
+    out.update(state.buffers or {})
+    return out
+
+
+def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    if set(got) != set(want):
+        return [f"keys {sorted(set(got) ^ set(want))}"]
+    return [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_deferred_hf_model_is_bitwise_the_eager_construction(name: str, world: int) -> None:
+    make, cfg, units = config(name)
+    want = values(eager(name, 11))
+
+    def fn(mesh: fzero.Mesh) -> list[list[str]]:
+        model = fzero.init.deferred(make, cfg, seed=11)  # each rank records its own
+        out = []
+        for stage in range(4):
+            state = fzero.shard_state(
+                dict(model.named_parameters()), fzero.optim.sgd(), mesh, stage=stage,
+                units=units[: stage + world - 1], buffers=dict(model.named_buffers()),
+                init=fzero.init.from_module(model),
+            )  # fmt: skip
+            out.append(differences(state_values(state, mesh), want))
+        return out
+
+    for result in run(world, fn):
+        assert result == [[]] * 4
+
+
+def lm_batch(name: str, steps: int, n: int) -> torch.Tensor:
+    return torch.randint(61, (steps, n, 7), generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(name: str, out: Any) -> torch.Tensor:
+    if name == "bert":  # the encoder and its pooler
+        return out.pooler_output.square().mean() + out.last_hidden_state.square().mean()
+    return out.loss
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_training_a_deferred_hf_model_matches_torch_optim(name: str) -> None:
+    world, per_rank, steps = 2, 2, 3
+    make, cfg, units = config(name)
+    data = lm_batch(name, steps, world * per_rank)
+    kwargs = (
+        (lambda x: {"input_ids": x})
+        if name == "bert"
+        else (lambda x: {"input_ids": x, "labels": x})
+    )
+    model = eager(name, 5, F64)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for k in range(steps):
+        loss = loss_of(name, model(**kwargs(data[k])))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    want = {k: v.detach() for k, v in model.named_parameters()}
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        m = fzero.init.deferred(make, cfg, dtype=F64, seed=5)
+        adamw = fzero.optim.adamw(1e-2, weight_decay=0.1)
+        state = fzero.shard_state(
+            dict(m.named_parameters()), adamw, mesh, stage=3, units=units,
+            buffers=dict(m.named_buffers()), init=fzero.init.from_module(m),
+        )  # fmt: skip
+        mine = data[:, mesh.rank * per_rank : (mesh.rank + 1) * per_rank]
+
+        def loss_fn(params: Any, bufs: Any, batch: torch.Tensor) -> Any:
+            return loss_of(name, functional_call(m, (params, bufs), (), kwargs(batch))), bufs
+
+        step = fzero.sharded_step(loss_fn, adamw, mesh, stage=3, module=m)
+        for k in range(steps):
+            state, _ = step(state, mine[k])
+        return {k: v.detach().clone() for k, v in fzero.gather_params(state.params, mesh).items()}
+
+    for got in run(world, fn):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert all(not torch.equal(got[k], start[k]) for k in want)  # every leaf moved
+
+
+@pytest.mark.multiprocess
+def test_a_multi_file_pretrained_checkpoint_loads_into_shards(tmp_path: Path) -> None:
+    model = eager("llama", 3)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    want = values(model)
+    make, cfg, units = config("llama")
+
+    def fn(mesh: fzero.Mesh) -> list[str]:
+        m = fzero.init.deferred(make, cfg)  # the seed does not matter: all but inv_freq is read
+        state = fzero.shard_state(
+            dict(m.named_parameters()), fzero.optim.sgd(), mesh, stage=3, units=units,
+            buffers=dict(m.named_buffers()),
+            init=fzero.init.from_file(tmp_path, missing=fzero.init.from_module(m)),
+        )  # fmt: skip
+        return differences(state_values(state, mesh), want)
+
+    assert run(2, fn) == [[], []]
+
+
+def test_a_pretrained_checkpoint_without_missing_names_the_buffer(tmp_path: Path) -> None:
+    eager("llama", 3).save_pretrained(tmp_path)
+    make, cfg, _ = config("llama")
+
+    def fn(mesh: fzero.Mesh) -> None:
+        m = fzero.init.deferred(make, cfg)
+        fzero.shard_state(
+            dict(m.named_parameters()), fzero.optim.sgd(), mesh, stage=3,
+            buffers=dict(m.named_buffers()), init=fzero.init.from_file(tmp_path),
+        )  # fmt: skip
+
+    for msg in errors_on_every_rank(2, fn):
+        assert "model.rotary_emb.inv_freq" in msg and "missing=" in msg
