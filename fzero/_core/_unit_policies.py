@@ -124,6 +124,62 @@ def by_module(model: nn.Module, classes: type[Any] | tuple[type[Any], ...]) -> l
     return names
 
 
+def auto(model: nn.Module) -> list[str]:
+    """One unit per block of `model`, found without naming its classes.
+
+    The blocks are the submodules whose class `_no_split_modules` names (Hugging Face
+    models declare the layers that must stay whole: `LlamaDecoderLayer`, `GPT2Block`,
+    `BertLayer`), where `model` or a submodule declares it; otherwise the children of each
+    `nn.ModuleList`/`nn.Sequential` that holds several of one class (a transformer's
+    layers). The outermost match wins: a block inside a block is not a unit of its own.
+    Ties are followed: a block whose parameters all belong to another unit under their
+    first name (`named_parameters`' choice, so `dict(model.named_parameters())` lacks
+    them) is left out, as is a block without parameters. Whatever is not in a block
+    (embeddings, final norm, head) is the root unit.
+
+    Args:
+      model: the module the loss calls, e.g. a `transformers` model.
+
+    Returns:
+      A list of submodule names, in `named_modules` order, for `units=`; empty (one unit,
+      the root) when the model has no blocks.
+    """
+    declared = {
+        name
+        for m in model.modules()
+        for name in (getattr(m, "_no_split_modules", None) or ())
+        if isinstance(name, str)
+    }
+    if declared:
+        found = [n for n, m in model.named_modules() if n and type(m).__name__ in declared]
+    else:
+        found = [
+            f"{n}.{child}" if n else child
+            for n, m in model.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.Sequential))
+            for child in _repeated(m)
+        ]
+    owned = {id(p) for _, p in model.named_parameters()}  # first names only
+    first = {id(p): n for n, p in model.named_parameters()}
+    units: list[str] = []
+    for name in found:
+        if any(name.startswith(u + ".") for u in units):
+            continue  # inside a block already taken
+        sub = model.get_submodule(name)
+        mine = [first[id(p)] for p in sub.parameters() if id(p) in owned]
+        if any(n == name or n.startswith(name + ".") for n in mine):
+            units.append(name)
+    return units
+
+
+def _repeated(container: nn.Module) -> list[str]:
+    """Names of `container`'s children of a class it holds several of."""
+    counts: dict[type, int] = {}
+    for child in container.children():
+        counts[type(child)] = counts.get(type(child), 0) + 1
+    return [n for n, c in container.named_children() if counts[type(c)] > 1]
+
+
 def grouped(units: Sequence[str], size: int) -> list[str | tuple[str, ...]]:
     """`units` joined `size` at a time, in order, each run one unit (FSDP2's
     `fully_shard([block0, block1])`): fewer, larger collectives, without regrouping the

@@ -42,6 +42,7 @@ padded flat buckets, and it writes in place without an atomic switch.
 
 from ._export import export_safetensors as export_safetensors
 from ._export import export_torch as export_torch
+from ._pretrained import export_pretrained as export_pretrained
 from ._save import load as load
 from ._save import save as save
 from ._schema import CheckpointError as CheckpointError
@@ -50,6 +51,7 @@ from ._torch import import_torch as import_torch
 
 __all__ = [
     "CheckpointError",
+    "export_pretrained",
     "export_safetensors",
     "export_torch",
     "import_torch",

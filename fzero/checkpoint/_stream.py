@@ -4,6 +4,7 @@ gathered unit by unit from the shards and, to a file, written as they come."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -34,6 +35,8 @@ from ._schema import (
     report,
 )
 from ._torch import _ADAM, _SGD, natural_order
+
+Spec = tuple[torch.dtype, tuple[int, ...]]
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -130,7 +133,7 @@ def _none(*args: Any) -> None:
     return None
 
 
-def _gathering(writer: OffsetWriter | None, gather: Any) -> None:
+def _gathering(writer: Any, gather: Any) -> None:
     """Runs the export's gathers; if they raise, removes the file being written first."""
     try:
         gather()
@@ -303,14 +306,19 @@ def export_safetensors(
     transient: frozenset[str],
     dtype: torch.dtype | None,
     metadata: dict[str, str] | None,
+    split: Callable[[dict[str, Spec]], dict[str, list[str]]] | None = None,
+    finish: Callable[[dict[str, list[str]]], None] | None = None,
 ) -> None:
-    """See `fzero.checkpoint.export_safetensors`."""
+    """See `fzero.checkpoint.export_safetensors`. With `split`, the tensors (name -> dtype,
+    shape, in the file order) go to several files, `{file: names}`, all written in the
+    same pass over the units; `finish(files)` then runs on rank 0 once every file is in
+    place (an index, say), and its error is every rank's."""
     lay, rank = state.layout, mesh.rank
     names: dict[int, list[str]] = {i: [lay.paths[i]] for i in range(len(lay.paths))}
     for name, canonical in (aliases or {}).items():
         if name != canonical and canonical in lay.path_index:
             names[lay.path_index[canonical]].append(name)
-    error, writer = None, None
+    error, writers, where = None, [], {}
     if rank == 0:
         try:
             specs = {
@@ -324,25 +332,41 @@ def export_safetensors(
                 named = zip(leaf_paths(state.buffers), leaves)
                 buffers = {n: b for n, b in named if n not in transient}
                 specs.update({n: (b.dtype, tuple(b.shape)) for n, b in buffers.items()})
-            writer = safetensors_writer(os.fspath(path), specs, metadata or {})
+            files = {os.fspath(path): list(specs)} if split is None else split(specs)
+            for file, members in files.items():
+                writer = safetensors_writer(file, {n: specs[n] for n in members}, metadata or {})
+                writers.append(writer)
+                where.update((n, writer) for n in members)
             for n, b in buffers.items():
-                writer.write(n, 0, b)
+                where[n].write(n, 0, b)
         except Exception as exc:
             error = exc
-
-    latch = _Latch(writer)
+    latches = {id(w): _Latch(w) for w in writers}
 
     def put_param(leaf: int, value: torch.Tensor) -> None:
-        for n in names[leaf] if writer is not None else ():
-            latch.write(n, value.to(dtype) if dtype is not None else value)
+        for n in names[leaf] if where else ():
+            latches[id(where[n])].write(n, value.to(dtype) if dtype is not None else value)
 
-    _gathering(writer, lambda: gather_leaves(state, None, None, mesh, put_param, None))
-    error = error or latch.error
+    _gathering(_All(writers), lambda: gather_leaves(state, None, None, mesh, put_param, None))
+    error = error or next((la.error for la in latches.values() if la.error), None)
     try:
-        if writer is not None and error is None:
+        for writer in writers if error is None else ():
             writer.commit()
+        if finish is not None and rank == 0 and error is None:
+            finish(files)
     except Exception as exc:
         error = exc
-    if error is not None and writer is not None:
-        writer.abort()
+    if error is not None:
+        _All(writers).abort()
     agree(error, None, mesh, "checkpoint.export_safetensors")
+
+
+class _All:
+    """Several writers aborted as one (each removes its temporary file)."""
+
+    def __init__(self, writers: list[OffsetWriter]) -> None:
+        self.writers = writers
+
+    def abort(self) -> None:
+        for w in self.writers:
+            w.abort()

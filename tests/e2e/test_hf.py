@@ -107,7 +107,7 @@ def loss_of(name: str, out: Any) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_training_a_deferred_hf_model_matches_torch_optim(name: str) -> None:
     world, per_rank, steps = 2, 2, 3
-    make, cfg, units = config(name)
+    make, cfg, _ = config(name)
     data = lm_batch(name, steps, world * per_rank)
     kwargs = (
         (lambda x: {"input_ids": x})
@@ -128,7 +128,7 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str) -> None:
         m = fzero.init.deferred(make, cfg, dtype=F64, seed=5)
         adamw = fzero.optim.adamw(1e-2, weight_decay=0.1)
         state = fzero.shard_state(
-            dict(m.named_parameters()), adamw, mesh, stage=3, units=units,
+            dict(m.named_parameters()), adamw, mesh, stage=3, units=fzero.units.auto(m),
             buffers=dict(m.named_buffers()), init=fzero.init.from_module(m),
         )  # fmt: skip
         mine = data[:, mesh.rank * per_rank : (mesh.rank + 1) * per_rank]
@@ -179,3 +179,76 @@ def test_a_pretrained_checkpoint_without_missing_names_the_buffer(tmp_path: Path
 
     for msg in errors_on_every_rank(2, fn):
         assert "model.rotary_emb.inv_freq" in msg and "missing=" in msg
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_export_pretrained_loads_strictly_with_from_pretrained(name: str, tmp_path: Path) -> None:
+    make, cfg, units = config(name)
+    data = lm_batch(name, 1, 4)[0]
+
+    def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+        m = fzero.init.deferred(make, cfg, seed=2)
+        adamw = fzero.optim.adamw(1e-2)
+        state = fzero.shard_state(
+            dict(m.named_parameters()), adamw, mesh, stage=3, units=units,
+            buffers=dict(m.named_buffers()), init=fzero.init.from_module(m),
+        )  # fmt: skip
+
+        def loss_fn(params: Any, bufs: Any, batch: torch.Tensor) -> Any:
+            out = functional_call(m, (params, bufs), (), {"input_ids": batch, "labels": batch})
+            return out.loss, bufs
+
+        step = fzero.sharded_step(loss_fn, adamw, mesh, stage=3, module=m)
+        state, _ = step(state, data[2 * mesh.rank : 2 * mesh.rank + 2])  # trained a step
+        fzero.checkpoint.export_pretrained(
+            state, tmp_path, mesh, module=m, config=cfg, max_shard_size="20KB"
+        )
+        return state_values(state, mesh)
+
+    trained = run(2, fn)[0]
+    assert (tmp_path / "model.safetensors.index.json").exists() and (
+        tmp_path / "config.json"
+    ).exists()
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert differences(values(loaded), trained) == []
+    if name == "gpt2":  # the tie survived: one tensor under both names
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    reference = eager(name, 0)
+    reference.load_state_dict({k: v for k, v in trained.items()}, strict=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(data).logits, reference(data).logits)
+    back = run(
+        2,
+        lambda mesh: state_values(
+            fzero.shard_state(  # and into shards again
+                {k: v for k, v in trained.items() if k in dict(reference.named_parameters())},
+                fzero.optim.sgd(),
+                mesh,
+                stage=3,
+                init=fzero.init.from_file(tmp_path),
+            ),
+            mesh,
+        ),
+    )
+    assert all(differences(b, {k: trained[k] for k in b}) == [] for b in back)
+
+
+@pytest.mark.parametrize(
+    ("name", "blocks"),
+    [
+        ("llama", ["model.layers.0", "model.layers.1"]),
+        ("gpt2", ["transformer.h.0", "transformer.h.1"]),
+        ("bert", None),  # BERT declares its embeddings as a block too
+    ],
+)
+def test_units_auto_finds_hf_blocks(name: str, blocks: list[str] | None) -> None:
+    make, cfg, _ = config(name)
+    model = fzero.init.deferred(make, cfg)
+    units = fzero.units.auto(model)
+    if blocks is None:
+        declared = set(model._no_split_modules)
+        blocks = [n for n, m in model.named_modules() if n and type(m).__name__ in declared]
+        assert "encoder.layer.0" in blocks
+    assert units == blocks

@@ -616,3 +616,39 @@ def test_a_resharded_unit_at_a_freed_units_address_trains_like_one_process(prefe
     for params in run(2, fn):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what="stage 3")
         assert not torch.equal(params["0.weight"], model[0].weight.detach())
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.inner = torch.nn.ModuleList([torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)])
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block(), _Block()])
+        self.heads = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 5))
+        self.shared = torch.nn.ModuleList([torch.nn.Linear(3, 3, bias=False) for _ in range(2)])
+        self.shared[1].weight = self.shared[0].weight
+
+
+def test_units_auto_takes_outermost_repeated_blocks_and_follows_ties() -> None:
+    net = _Net()
+    # blocks.k: outermost (their inner lists are not units); heads: two Linear, repeated;
+    # shared.1: its only parameter is shared.0's, so dict(named_parameters()) lacks it.
+    assert fzero.units.auto(net) == [
+        "blocks.0", "blocks.1", "blocks.2", "heads.0", "heads.1", "shared.0",
+    ]  # fmt: skip
+    params = dict(net.named_parameters())
+    [members] = run(
+        1,
+        lambda mesh: (
+            fzero.shard_state(
+                params, fzero.optim.sgd(), mesh, stage=3, units=fzero.units.auto(net)
+            ).layout.members
+        ),
+    )
+    assert len(members) == 7  # the six blocks and the root

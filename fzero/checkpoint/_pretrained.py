@@ -1,0 +1,151 @@
+"""export_pretrained: a state written as Hugging Face's `save_pretrained` lays a model out."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _comm
+from .._comm import Mesh
+from .._core import fsync_dir
+from .._state import ShardedState
+from ._export import _names
+from ._extra import full_precision
+from ._save import check_state
+from ._stream import Spec
+from ._stream import export_safetensors as stream_safetensors
+
+_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+@_comm.collective("checkpoint.export_pretrained")
+def export_pretrained(
+    state: ShardedState,
+    directory: str | os.PathLike[str],
+    mesh: Mesh,
+    *,
+    module: nn.Module | None = None,
+    config: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Writes the model's weights as `save_pretrained` does: `model.safetensors`, or, past
+    `max_shard_size`, `model-0000k-of-0000n.safetensors` files and the index
+    `model.safetensors.index.json` mapping each tensor to its file.
+
+    Collective. Units are all-gathered one at a time and each tensor is written into its
+    file as it arrives (every file's header first), so no rank holds more than one unit's
+    full tensors. `transformers.AutoModel*.from_pretrained(directory)` loads the result
+    (strictly: every key the model expects, no other), and `fzero.init.from_file(directory)`
+    reads it back into shards. Under mixed precision the masters are written. Each file is
+    written atomically (temporary file, fsync, rename), the index last; shard files of an
+    earlier export that the new index does not name are removed.
+
+    Args:
+      state: this rank's ShardedState.
+      directory: where rank 0 writes (created if missing).
+      mesh: the mesh.
+      module: the model, so that the files name what its `state_dict()` does less its tied
+        aliases (as `save_pretrained`: a tied weight is stored once, under its first
+        name) and its non-persistent buffers; without it, every leaf and buffer.
+      config: written as `config.json`: a `transformers` config (its `save_pretrained`) or
+        a dict; None writes none.
+      max_shard_size: the largest file, in bytes or as "5GB", "500MB", "20KiB" (decimal
+        units, binary with an "i"), as `save_pretrained`'s; a tensor larger than it gets
+        a file of its own.
+      dtype: the dtype floating weights are written in (e.g. torch.bfloat16); None keeps
+        theirs. Buffers keep their dtype.
+    """
+    check_state(state, mesh, "checkpoint.export_pretrained")
+    limit = _bytes(max_shard_size)
+    if config is not None and not (hasattr(config, "save_pretrained") or isinstance(config, dict)):
+        raise TypeError(
+            f"checkpoint.export_pretrained: config must be a transformers config or a dict, "
+            f"got {type(config).__name__}"
+        )
+    directory = os.fspath(directory)
+    _, transient = _names(module)
+    full = full_precision(state, mesh)
+
+    def split(specs: dict[str, Spec]) -> dict[str, list[str]]:
+        os.makedirs(directory, exist_ok=True)
+        groups: list[list[str]] = [[]]
+        size = 0
+        for name, (dt, shape) in specs.items():
+            n = dt.itemsize * int(torch.Size(shape).numel())
+            if groups[-1] and size + n > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(name)
+            size += n
+        if len(groups) == 1:
+            return {os.path.join(directory, _SINGLE): groups[0]}
+        k = len(groups)
+        return {
+            os.path.join(directory, f"model-{i + 1:05d}-of-{k:05d}.safetensors"): g
+            for i, g in enumerate(groups)
+        }
+
+    def finish(files: dict[str, list[str]]) -> None:
+        names = {os.path.basename(f) for f in files}
+        if len(files) > 1:
+            total = sum(os.path.getsize(f) for f in files)  # headers included, as HF's
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {n: os.path.basename(f) for f, ns in files.items() for n in ns},
+            }
+            _write_text(os.path.join(directory, _INDEX), json.dumps(index, indent=2) + "\n")
+            names.add(_INDEX)
+        for old in os.listdir(directory):  # an earlier export's files, now stale
+            stale = old == _SINGLE or old == _INDEX or _SHARD.fullmatch(old)
+            if stale and old not in names:
+                os.remove(os.path.join(directory, old))
+        if config is not None:
+            _write_config(config, directory)
+        fsync_dir(directory)
+
+    # Tied aliases are left out (no aliases passed): `from_pretrained` ties them again.
+    stream_safetensors(
+        full, directory, mesh, None, transient, dtype, {"format": "pt"}, split, finish
+    )
+
+
+def _bytes(size: int | str) -> int:
+    """`max_shard_size` in bytes: an int, or "<number><unit>" as transformers reads it."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)\s*", str(size).upper())
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"checkpoint.export_pretrained: max_shard_size {size!r} is not a positive size "
+            "(bytes as an int, or e.g. '5GB', '500MB', '20KiB')"
+        )
+    return max(1, int(float(m.group(1)) * units[m.group(2)]))
+
+
+def _write_config(config: Any, directory: str) -> None:
+    if hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
+    else:
+        _write_text(os.path.join(directory, "config.json"), json.dumps(config, indent=2) + "\n")
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
