@@ -103,7 +103,7 @@ def export_pretrained(
             _write_text(os.path.join(directory, _INDEX), json.dumps(index, indent=2) + "\n")
             names.add(_INDEX)
         for old in os.listdir(directory):  # an earlier export's files, now stale
-            stale = old == _SINGLE or old == _INDEX or _SHARD.fullmatch(old)
+            stale = old in (_SINGLE, _INDEX) or _SHARD.fullmatch(old)
             if stale and old not in names:
                 os.remove(os.path.join(directory, old))
         if config is not None:
