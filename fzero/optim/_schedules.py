@@ -1,0 +1,82 @@
+"""Learning-rate schedules from torch's and Hugging Face's schedulers, for `lr=`."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._base import Schedule
+
+
+def lambda_lr(lr: float, lr_lambda: Callable[[int], float]) -> Schedule:
+    """torch's `LambdaLR` as a schedule: update k uses `lr * lr_lambda(k)`.
+
+    torch's convention: `LambdaLR(opt, f)` sets the rate to `lr * f(0)` when it is built,
+    and each `scheduler.step()` after `optimizer.step()` moves it to the next `f(k)`, so
+    the k-th update (0-based) uses `f(k)`; fzero calls `lr=` schedules with that k.
+
+    Args:
+      lr: the base learning rate (the optimizer's `lr` in torch).
+      lr_lambda: the multiplicative factor per update index, as given to `LambdaLR`.
+
+    Returns:
+      A schedule `count -> lr` for an fzero optimizer's `lr=`.
+    """
+    if not callable(lr_lambda):
+        raise TypeError(f"lambda_lr needs a function of the step index, got {lr_lambda!r}")
+    base = float(lr)
+    return lambda count: base * lr_lambda(count)
+
+
+def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float) -> Schedule:
+    """Any torch `LRScheduler` (or Hugging Face's, e.g. `get_scheduler("cosine", ...)`) as a
+    schedule, with torch's step-count convention.
+
+    `make(optimizer)` builds the scheduler on a stand-in optimizer (one parameter, no
+    memory to speak of) whose rate starts at `lr`; the rate of update k is the one the
+    stand-in holds after k calls of `scheduler.step()`, which is what a torch loop
+    stepping the scheduler after each `optimizer.step()` uses for its k-th update. Rates
+    are computed once, in order, and remembered, so a resumed run asking for update 5000
+    first steps the stand-in 5000 times (microseconds each).
+
+    Args:
+      make: `optimizer -> scheduler`, e.g. `lambda opt: CosineAnnealingLR(opt, T_max=100)`
+        or `lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 10, 100)`.
+        Schedulers that step on a metric (`ReduceLROnPlateau`) are not schedules of the
+        step index and are refused, and so are those that schedule the momentum too
+        (`OneCycleLR`, `CyclicLR` unless built with `cycle_momentum=False`).
+      lr: the base learning rate (the optimizer's `lr` in torch).
+
+    Returns:
+      A schedule `count -> lr` for an fzero optimizer's `lr=`.
+    """
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(lr))
+    scheduler = make(stand_in)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError(
+            "from_torch_scheduler: ReduceLROnPlateau steps on a metric, not the step index; "
+            "reduce the rate yourself (a new optimizer closure) when the metric stalls"
+        )
+    if not hasattr(scheduler, "step"):
+        raise TypeError(f"from_torch_scheduler: make(optimizer) returned {scheduler!r}")
+    group = stand_in.param_groups[0]
+    rates, momentum = [group["lr"]], group.get("momentum")
+
+    def schedule(count: int) -> float:
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore", UserWarning)
+            while len(rates) <= count:
+                scheduler.step()
+                rates.append(group["lr"])
+        if group.get("momentum") != momentum:
+            raise ValueError(
+                f"from_torch_scheduler: {type(scheduler).__name__} schedules the momentum "
+                "too (cycle_momentum=True), which an fzero optimizer's fixed betas cannot "
+                "follow: build it with cycle_momentum=False"
+            )
+        return float(rates[count])
+
+    return schedule

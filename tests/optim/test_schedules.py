@@ -1,0 +1,95 @@
+"""Schedules from torch's and Hugging Face's schedulers: the rates a torch loop uses."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch.optim import lr_scheduler
+
+import fzero
+from tests.support import run
+
+F64 = torch.float64
+MAKERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "cosine": functools.partial(lr_scheduler.CosineAnnealingLR, T_max=4),
+    "step": functools.partial(lr_scheduler.StepLR, step_size=2, gamma=0.3),
+    "onecycle": functools.partial(
+        lr_scheduler.OneCycleLR, max_lr=0.2, total_steps=7, cycle_momentum=False
+    ),
+    "sequential": lambda opt: lr_scheduler.SequentialLR(
+        opt,
+        [lr_scheduler.LinearLR(opt, 0.1, total_iters=2), lr_scheduler.ExponentialLR(opt, 0.5)],
+        milestones=[2],
+    ),
+    "hf-cosine-warmup": lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 2, 6),
+    "hf-get_scheduler": lambda opt: transformers.get_scheduler(
+        "linear", opt, num_warmup_steps=1, num_training_steps=6
+    ),
+}
+
+
+def torch_training(make: Callable[[torch.optim.Optimizer], Any], steps: int) -> Any:
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    x = torch.randn(steps, 8, 4, dtype=F64)
+    opt = torch.optim.AdamW([w], lr=0.05, weight_decay=0.1)
+    scheduler, rates = make(opt), []
+    start = w.detach().clone()
+    for k in range(steps):
+        loss = (x[k] @ w).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    return start, x, w.detach(), rates
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", sorted(MAKERS) + ["lambda"])
+def test_a_torch_scheduler_gives_the_rates_of_a_torch_loop(name: str) -> None:
+    steps = 7
+    if name == "lambda":
+        factor = lambda k: 0.7**k + 0.1 * (k % 2)  # noqa: E731
+
+        def make(opt: torch.optim.Optimizer) -> Any:
+            return lr_scheduler.LambdaLR(opt, factor)
+
+        schedule = fzero.optim.lambda_lr(0.05, factor)
+    else:
+        make = MAKERS[name]
+        schedule = fzero.optim.from_torch_scheduler(make, 0.05)
+    start, x, want, rates = torch_training(make, steps)
+    assert [schedule(k) for k in range(steps)] == rates  # exactly the loop's rates
+    assert len(set(rates)) > 2
+
+    def fn(mesh: fzero.Mesh) -> torch.Tensor:
+        opt = fzero.optim.adamw(schedule, weight_decay=0.1)
+        state = fzero.shard_state({"w": start.clone()}, opt, mesh, stage=2)
+        step = fzero.sharded_step(lambda p, b: (b @ p["w"]).square().mean(), opt, mesh, stage=2)
+        for k in range(steps):
+            state, _ = step(state, x[k, mesh.rank * 4 : (mesh.rank + 1) * 4])
+        return state.params["w"]
+
+    for got in run(2, fn):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert not torch.equal(got, start)
+
+
+def test_a_resumed_run_asks_for_a_late_rate_first() -> None:
+    make = MAKERS["hf-cosine-warmup"]
+    late = fzero.optim.from_torch_scheduler(make, 0.05)(5)
+    assert late == torch_training(make, 6)[3][5]
+
+
+def test_a_metric_or_momentum_scheduler_is_refused() -> None:
+    with pytest.raises(TypeError, match="ReduceLROnPlateau steps on a metric"):
+        fzero.optim.from_torch_scheduler(lr_scheduler.ReduceLROnPlateau, 0.1)
+    cycling = functools.partial(lr_scheduler.OneCycleLR, max_lr=0.2, total_steps=7)
+    with pytest.raises(ValueError, match="OneCycleLR schedules the momentum too"):
+        fzero.optim.from_torch_scheduler(cycling, 0.1)(1)
