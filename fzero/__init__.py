@@ -31,6 +31,7 @@ from ._state import Precision as Precision
 from ._state import ShardedState as ShardedState
 from ._state import master_params as master_params
 from ._state import shard_state as shard_state
+from ._step import bind as bind
 from ._step import sharded_forward as sharded_forward
 from ._step import sharded_step as sharded_step
 from ._step import sharded_update as sharded_update

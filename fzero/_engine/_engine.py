@@ -12,7 +12,8 @@ backward is `torch.autograd.grad` on fresh leaf tensors and not `torch.func.grad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -244,21 +245,30 @@ class Engine:
         None: this rank has no data and enters, for the others' gathers, the units the
         last forward called; it returns None."""
         out = None
+        with self.session(present=batch is not None) as params:
+            if batch is None:
+                self._follow("forward")
+            else:
+                out = self._unaliased(fn(params, batch))
+        return out, self._order()
+
+    @contextlib.contextmanager
+    def session(self, present: bool = True) -> Iterator[PyTree]:
+        """A forward without gradients around the caller's code (`fzero.bind`): yields the
+        parameters; units enter as the code runs (hooks, `gathered`), as often as it
+        calls them, and are freed after each use. On a clean exit the calls are checked
+        against the other ranks' and the forward ends. A rank without data (`present`
+        False) gets None and follows the last forward's units (`_follow`)."""
         token = ACTIVE.set(self)
         try:
             with torch.no_grad(), ModuleHooks(self, self.s.hooked):
-                if batch is None:
-                    self._follow("forward")
-                else:
-                    out = fn(self.params(), batch)
+                yield self.params() if present else None
             if self.s.check_calls:  # the gathers paired by order: say if they could not
-                self.check.after_forward(self._called(), present=batch is not None)
+                self.check.after_forward(self._called(), present=present)
                 self.check.before_collective()
         finally:
             ACTIVE.reset(token)
-        out = self._unaliased(out)
         self.source.end_forward(self.entries)
-        return out, self._order()
 
     def _called(self) -> list[str]:
         return [e.unit for e in self.entries if e.unit in self.s.jit]

@@ -13,6 +13,7 @@ and of the step function's cache alone. Imports everything below it: `fzero._cor
 `fzero._comm`, `fzero.optim`, `fzero._engine`, `fzero._state`.
 """
 
+from ._bind import bind as bind
 from ._sharded_forward import sharded_forward as sharded_forward
 from ._sharded_step import sharded_step as sharded_step
 from ._update import sharded_update as sharded_update

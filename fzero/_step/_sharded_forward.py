@@ -74,24 +74,52 @@ def sharded_forward(
     Returns:
       `forward(state, batch) -> fn's result` (None for `batch=None` at stage 3).
     """
-    cache = StepCache()
+    forwarder = Forwarder(mesh, module, just_in_time, prefetch, ledger)
 
     def forward(state: ShardedState, batch: Any) -> Any:
         with _comm.together(mesh.rank, mesh.size, "sharded_forward"):
             return _forward(state, batch)
 
     def _forward(state: ShardedState, batch: Any) -> Any:
-        check_step_state(state, state.stage, None, None, mesh)
         call: Callable[[PyTree, Any], Any] = fn
+        engine = forwarder.engine(state)
         if state.buffers is not None:
             buffers = copied(state.buffers)
 
             def call(params: PyTree, batch: Any) -> Any:
                 return fn(params, buffers, batch)
 
+        with collector_paused():
+            out, forwarder.cache.order = engine.forward(call, batch)
+        return out
+
+    return forward
+
+
+class Forwarder:
+    """What a forward without gradients keeps from one call to the next: the engine's
+    context per layout, and the units called last time (which a rank without data
+    follows, and prefetching foresees)."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        module: nn.Module | None,
+        just_in_time: bool,
+        prefetch: bool,
+        ledger: UnitLedger | None,
+    ) -> None:
+        self.mesh, self.module, self.ledger = mesh, module, ledger
+        self.just_in_time, self.prefetch = just_in_time, prefetch
+        self.cache = StepCache()
+
+    def engine(self, state: ShardedState) -> Engine:
+        """A fresh engine over `state` for one forward (checked against the mesh)."""
+        mesh, cache = self.mesh, self.cache
+        check_step_state(state, state.stage, None, None, mesh)
         stage, lay = stage_of(state.stage), state.layout
         key = (state.precision, stage)
-        ctx = cache.context(lay, key, lambda: _context(stage, state, mesh, cache, module, ledger))
+        ctx = cache.context(lay, key, lambda: self._context(stage, state))
         # Replicas: nothing is communicated, so nothing can pair wrongly (`plan` checks no
         # calls). The engine still enters the units, so that a parameter used outside its
         # unit fails here as it does at stage 3 (and in a step at any stage).
@@ -100,28 +128,18 @@ def sharded_forward(
         held = local if local is not None else state.params.buffers
         # A forward keeps no buffers from one call to the next: a fresh pool each call.
         ctx = dataclasses.replace(ctx, pool=Pool())
-        engine = Engine(ctx, held, CallCheck(mesh), local=local, order=order)
-        with collector_paused():
-            out, cache.order = engine.forward(call, batch)
-        return out
+        return Engine(ctx, held, CallCheck(mesh), local=local, order=order)
 
-    def _context(
-        stage: Stage,
-        state: ShardedState,
-        mesh: Mesh,
-        cache: StepCache,
-        module: nn.Module | None,
-        ledger: UnitLedger | None,
-    ) -> Context:
+    def _context(self, stage: Stage, state: ShardedState) -> Context:
         prec, lay = state.precision, state.layout
-        check_module(module, state, mesh.rank)
+        check_module(self.module, state, self.mesh.rank)
         schedule = plan(
             stage,
             lay,
-            mesh.size,
-            cache.hooked_units(lay, module),
-            just_in_time=just_in_time,
-            prefetch=prefetch,
+            self.mesh.size,
+            self.cache.hooked_units(lay, self.module),
+            just_in_time=self.just_in_time,
+            prefetch=self.prefetch,
             reshard_after_forward=True,
             overlap_reduce=False,
             reduce_bucket_bytes=0,
@@ -129,6 +147,4 @@ def sharded_forward(
             comm_dtypes=(None if prec is None else prec.gather_dtype, None),
             backward=False,
         )
-        return context(schedule, lay, mesh, Pool(), ledger)
-
-    return forward
+        return context(schedule, lay, self.mesh, Pool(), self.ledger)

@@ -252,3 +252,43 @@ def test_units_auto_finds_hf_blocks(name: str, blocks: list[str] | None) -> None
         blocks = [n for n, m in model.named_modules() if n and type(m).__name__ in declared]
         assert "encoder.layer.0" in blocks
     assert units == blocks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [3, 1])
+def test_bind_generates_as_hf_with_ranks_stopping_at_different_lengths(stage: int) -> None:
+    make, cfg, _ = config("llama")
+    reference = eager("llama", 9)
+    prompts = torch.tensor([[3, 14, 15, 9], [26, 5, 35, 8]])
+    free = reference.generate(prompts, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    # An end token that rank 0's prompt reaches before rank 1's, if at all.
+    eos = next(
+        int(t)
+        for t in free[0, 5:]
+        if int(t) not in free[1, 4 : 4 + (free[0, 4:] == t).nonzero()[0, 0] + 2].tolist()
+    )
+    want = [
+        reference.generate(p[None], max_new_tokens=8, do_sample=False, eos_token_id=eos,
+                           pad_token_id=0)[0]
+        for p in prompts
+    ]  # fmt: skip
+    assert len(want[0]) < len(want[1])  # rank 0 stops first, and keeps rank 1 company
+
+    def fn(mesh: fzero.Mesh) -> torch.Tensor:
+        m = fzero.init.deferred(make, cfg, seed=9)
+        state = fzero.shard_state(
+            dict(m.named_parameters()), fzero.optim.sgd(), mesh, stage=stage,
+            units=fzero.units.auto(m), buffers=dict(m.named_buffers()),
+            init=fzero.init.from_module(m),
+        )  # fmt: skip
+        with fzero.bind(m, state, mesh):
+            out = m.generate(
+                prompts[mesh.rank][None], max_new_tokens=8, do_sample=False,
+                eos_token_id=eos, pad_token_id=0, synced_gpus=True,
+            )[0]  # fmt: skip
+        assert all(p.device.type == "meta" for p in m.parameters())  # unbound again
+        return out
+
+    got = run(2, fn)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

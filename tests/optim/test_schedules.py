@@ -51,7 +51,7 @@ def torch_training(make: Callable[[torch.optim.Optimizer], Any], steps: int) -> 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", sorted(MAKERS) + ["lambda"])
+@pytest.mark.parametrize("name", [*sorted(MAKERS), "lambda"])
 def test_a_torch_scheduler_gives_the_rates_of_a_torch_loop(name: str) -> None:
     steps = 7
     if name == "lambda":
