@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ._dcp import DcpFiles, is_dcp
 from ._tensorfile import Entry, TensorFile
 
 # What a directory may hold, in Hugging Face's order of preference (`from_pretrained`).
@@ -26,17 +27,20 @@ _NAMES = (
 )
 
 
-def open_tensors(path: str) -> TensorFile | TensorFiles:
+def open_tensors(path: str) -> TensorFile | TensorFiles | DcpFiles:
     """The tensors of `path`: one safetensors or torch.save file, an index of several
-    (`*.index.json`), or a directory holding one of Hugging Face's names for them."""
+    (`*.index.json`), a directory holding one of Hugging Face's names for them, or a
+    `torch.distributed.checkpoint` directory (its `.metadata` file)."""
+    if is_dcp(path):
+        return DcpFiles(path)
     if os.path.isdir(path):
         for name in _NAMES:
             if os.path.isfile(os.path.join(path, name)):
                 return open_tensors(os.path.join(path, name))
         found = sorted(os.listdir(path))[:8]
         raise ValueError(
-            f"{path}: a directory without {' or '.join(_NAMES)} (it holds {found}); pass the "
-            "file or index itself"
+            f"{path}: a directory without {' or '.join(_NAMES)} or a torch.distributed."
+            f"checkpoint's .metadata (it holds {found}); pass the file or index itself"
         )
     if path.endswith(".index.json"):
         return TensorFiles(path)

@@ -40,6 +40,7 @@ unpickles), its resharding works on DTensor/ShardedTensor placements rather than
 padded flat buckets, and it writes in place without an atomic switch.
 """
 
+from ._dcp import export_dcp as export_dcp
 from ._export import export_safetensors as export_safetensors
 from ._export import export_torch as export_torch
 from ._pretrained import export_pretrained as export_pretrained
@@ -51,6 +52,7 @@ from ._torch import import_torch as import_torch
 
 __all__ = [
     "CheckpointError",
+    "export_dcp",
     "export_pretrained",
     "export_safetensors",
     "export_torch",

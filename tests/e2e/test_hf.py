@@ -292,3 +292,48 @@ def test_bind_generates_as_hf_with_ranks_stopping_at_different_lengths(stage: in
     got = run(2, fn)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def fsdp2_llama(seed: int) -> torch.nn.Module:
+    """The tiny Llama built eagerly on every rank and sharded by FSDP2 (per layer, root)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = eager("llama", seed)
+    dmesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dmesh)
+    fully_shard(model, mesh=dmesh)
+    return model
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_checkpoints_load_into_fzero_and_fzero_checkpoints_into_fsdp2(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    make, cfg, _ = config("llama")
+    theirs, ours = tmp_path / "fsdp2", tmp_path / "fzero"
+
+    def fn(mesh: fzero.Mesh) -> tuple[list[str], list[str]]:
+        model = fsdp2_llama(7)  # FSDP2's save: DTensor shards, one file per rank
+        dcp.save(model.state_dict(), checkpoint_id=theirs)
+        m = fzero.init.deferred(make, cfg, seed=1)
+        state = fzero.shard_state(
+            dict(m.named_parameters()), fzero.optim.sgd(), mesh, stage=3,
+            units=fzero.units.auto(m), buffers=dict(m.named_buffers()),
+            init=fzero.init.from_file(theirs, missing=fzero.init.from_module(m)),
+        )  # fmt: skip
+        loaded = differences(state_values(state, mesh), values(eager("llama", 7)))
+        fzero.checkpoint.export_dcp(state, ours, mesh, module=m)
+        back = fsdp2_llama(2)  # other values, replaced by the load (strict: every key)
+        sd = back.state_dict()
+        dcp.load(sd, checkpoint_id=ours)
+        back.load_state_dict(sd)
+        full = {k: v.full_tensor() for k, v in back.state_dict().items()}
+        full.update(dict(back.named_buffers()))
+        return loaded, differences(full, values(eager("llama", 7)))
+
+    for loaded, exported in run(2, fn):
+        assert loaded == [] and exported == []
