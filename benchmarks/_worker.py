@@ -90,8 +90,7 @@ def _reference(plan: dict[str, Any], model_name: str, path: Path) -> dict[str, A
         times.append(time.perf_counter() - t0)
         loss = out.item()
     torch.save({k: v.detach().clone() for k, v in net.named_parameters()}, path)
-    return {"times": times, "loss": loss,
-            "psi": sum(p.numel() for p in net.parameters())}
+    return {"times": times, "loss": loss, "psi": sum(p.numel() for p in net.parameters())}
 
 
 def _functional_cost(plan: dict[str, Any], model_name: str, port: int) -> dict[str, Any]:
@@ -101,8 +100,7 @@ def _functional_cost(plan: dict[str, Any], model_name: str, port: int) -> dict[s
     on the same (whole) batches, so a busy machine slows both alike.
     """
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     spec = models.spec(model_name, plan["quick"], plan.get("per_unit", 1))
     net = models.build_model(spec)
     eager = configs.eager_step(spec, net, torch.optim.Adam(net.parameters(), lr=configs.LR))
@@ -126,8 +124,9 @@ def _timed(step: Any, batch: Any, times: list[float], faults: list[int]) -> None
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
 
-def _interleaved(plan: dict[str, Any], model_name: str, names: tuple[str, ...], rank: int,
-                 port: int) -> dict[str, Any]:
+def _interleaved(
+    plan: dict[str, Any], model_name: str, names: tuple[str, ...], rank: int, port: int
+) -> dict[str, Any]:
     """Configurations (a reference and the fzero stage held to it) built side by side in the
     same rank processes and stepped in turn, so a busy or drifting machine slows both alike.
 
@@ -135,12 +134,17 @@ def _interleaved(plan: dict[str, Any], model_name: str, names: tuple[str, ...], 
     timed one after another in fresh processes differ by more than that from run to run.
     """
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=plan["world_size"],
-                            timeout=datetime.timedelta(seconds=plan["collective_timeout"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=plan["world_size"],
+        timeout=datetime.timedelta(seconds=plan["collective_timeout"]),
+    )
     spec = models.spec(model_name, plan["quick"], plan.get("per_unit", 1))
-    steps = {c: configs.build(configs.BY_NAME[c], spec, models.build_model(spec)).step
-             for c in names}
+    steps = {
+        c: configs.build(configs.BY_NAME[c], spec, models.build_model(spec)).step for c in names
+    }
     times: dict[str, list[float]] = {c: [] for c in names}
     faults: dict[str, list[int]] = {c: [] for c in names}
     for t in range(plan["steps"]):
@@ -151,13 +155,18 @@ def _interleaved(plan: dict[str, Any], model_name: str, names: tuple[str, ...], 
     return {"times": times, "faults": faults}
 
 
-def _rank(plan: dict[str, Any], model_name: str, cfg_name: str, rank: int, port: int,
-          ref_path: Path) -> dict[str, Any]:
+def _rank(
+    plan: dict[str, Any], model_name: str, cfg_name: str, rank: int, port: int, ref_path: Path
+) -> dict[str, Any]:
     torch.set_num_threads(1)  # before any op: GNU OpenMP is not fork-safe
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # FairScale's
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=plan["world_size"],
-                            timeout=datetime.timedelta(seconds=plan["collective_timeout"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=plan["world_size"],
+        timeout=datetime.timedelta(seconds=plan["collective_timeout"]),
+    )
     cfg = configs.BY_NAME[cfg_name]
     spec = models.spec(model_name, plan["quick"], plan.get("per_unit", 1))
     ws, steps = plan["world_size"], plan["steps"]
@@ -188,11 +197,23 @@ def _rank(plan: dict[str, Any], model_name: str, cfg_name: str, rank: int, port:
     ref = torch.load(ref_path)
     delta = max((full[k].float() - ref[k].float()).abs().max().item() for k in ref)
     missing = sorted(set(ref) ^ set(full))
-    return {"rank": rank, "times": times, "cpu": cpu, "loss": losses[-1], "rss_base_kib": base,
-            "rss_setup_peak_kib": setup_peak, "rss_before_kib": before,
-            "rss_peak_kib": max(warm_peak, steady_peak), "rss_rest_kib": rest,
-            "rss_steady_peak_kib": steady_peak, "hwm_reset": reset, "state": held,
-            "max_delta": delta, "missing": missing, **extras}
+    return {
+        "rank": rank,
+        "times": times,
+        "cpu": cpu,
+        "loss": losses[-1],
+        "rss_base_kib": base,
+        "rss_setup_peak_kib": setup_peak,
+        "rss_before_kib": before,
+        "rss_peak_kib": max(warm_peak, steady_peak),
+        "rss_rest_kib": rest,
+        "rss_steady_peak_kib": steady_peak,
+        "hwm_reset": reset,
+        "state": held,
+        "max_delta": delta,
+        "missing": missing,
+        **extras,
+    }
 
 
 def _child(fn: Any, out: str, *args: Any) -> None:
@@ -215,12 +236,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_group(targets: list[tuple[Any, tuple[Any, ...]]], outs: list[Path],
-               timeout: float) -> list[dict[str, Any]]:
+def _run_group(
+    targets: list[tuple[Any, tuple[Any, ...]]], outs: list[Path], timeout: float
+) -> list[dict[str, Any]]:
     """Runs one forked process per target; kills the rest if one fails or time runs out."""
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_child, args=(fn, str(o), *args))
-             for (fn, args), o in zip(targets, outs)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, str(o), *args)) for (fn, args), o in zip(targets, outs)
+    ]
     for p in procs:
         p.start()
     deadline, failed_at = time.monotonic() + timeout, None
@@ -275,11 +298,16 @@ def main() -> None:
     for model_name in plan["models"]:
         ref_path = tmp / f"ref-{model_name}.pt"
         out = tmp / f"{model_name}-reference.json"
-        ref = _run_group([(_reference, (plan, model_name, ref_path))], [out],
-                         plan["config_timeout"])[0]
+        ref = _run_group(
+            [(_reference, (plan, model_name, ref_path))], [out], plan["config_timeout"]
+        )[0]
         records.append({"model": model_name, "config": "reference", "ranks": [ref]})
-        print(f"[{model_name}] reference: {statistics.median(ref.get('times', [0])):.3f} s/step"
-              if "error" not in ref else f"[{model_name}] reference FAILED", flush=True)
+        print(
+            f"[{model_name}] reference: {statistics.median(ref.get('times', [0])):.3f} s/step"
+            if "error" not in ref
+            else f"[{model_name}] reference FAILED",
+            flush=True,
+        )
         if "error" in ref:
             print(ref["error"], file=sys.stderr, flush=True)
             continue
@@ -290,9 +318,13 @@ def main() -> None:
             launches = []
             for k in range(plan["launches"]):
                 out = tmp / f"{model_name}-ws1-{k}.json"
-                launches.append(_run_group(
-                    [(_functional_cost, (plan, model_name, _free_port()))], [out],
-                    plan["config_timeout"]))
+                launches.append(
+                    _run_group(
+                        [(_functional_cost, (plan, model_name, _free_port()))],
+                        [out],
+                        plan["config_timeout"],
+                    )
+                )
             records.append({"model": model_name, "config": "ws1", "launches": launches})
         for ref_cfg, fz_cfg, _ in configs.INTERLEAVED_PAIRS:
             if not {ref_cfg, fz_cfg} <= set(plan["configs"]):
@@ -301,11 +333,20 @@ def main() -> None:
             for k in range(plan["launches"]):
                 port = _free_port()
                 outs = [tmp / f"{model_name}-{ref_cfg}+{fz_cfg}-{k}-{r}.json" for r in range(ws)]
-                launches.append(_run_group(
-                    [(_interleaved, (plan, model_name, pair, r, port)) for r in range(ws)],
-                    outs, plan["config_timeout"]))
-            records.append({"model": model_name, "config": f"interleaved:{ref_cfg}+{fz_cfg}",
-                            "launches": launches})
+                launches.append(
+                    _run_group(
+                        [(_interleaved, (plan, model_name, pair, r, port)) for r in range(ws)],
+                        outs,
+                        plan["config_timeout"],
+                    )
+                )
+            records.append(
+                {
+                    "model": model_name,
+                    "config": f"interleaved:{ref_cfg}+{fz_cfg}",
+                    "launches": launches,
+                }
+            )
         for cfg_name in plan["configs"]:
             skip = _fairscale_missing() if cfg_name.startswith("fairscale") else None
             if skip:
@@ -313,19 +354,20 @@ def main() -> None:
             else:
                 port, ws = _free_port(), plan["world_size"]
                 outs = [tmp / f"{model_name}-{cfg_name}-{r}.json" for r in range(ws)]
-                targets = [(_rank, (plan, model_name, cfg_name, r, port, ref_path))
-                           for r in range(ws)]
+                targets = [
+                    (_rank, (plan, model_name, cfg_name, r, port, ref_path)) for r in range(ws)
+                ]
                 ranks = _run_group(targets, outs, plan["config_timeout"])
             load = os.getloadavg()[0]  # > world size: other processes competed for the cores
-            records.append({"model": model_name, "config": cfg_name, "ranks": ranks,
-                            "load": load})
+            records.append({"model": model_name, "config": cfg_name, "ranks": ranks, "load": load})
             errors = [r["error"] for r in ranks if "error" in r]
             if errors:
-                print(f"[{model_name}] {cfg_name}: FAILED: {errors[0].strip().splitlines()[-1]}",
-                      flush=True)
+                print(
+                    f"[{model_name}] {cfg_name}: FAILED: {errors[0].strip().splitlines()[-1]}",
+                    flush=True,
+                )
             else:
-                step = statistics.median(
-                    max(ts) for ts in zip(*(r["times"] for r in ranks)))
+                step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in ranks)))
                 print(f"[{model_name}] {cfg_name}: {step:.3f} s/step (all steps)", flush=True)
     out = {"fzero_source": _source_hash(), "records": records}
     Path(plan["results"]).write_text(json.dumps(out, indent=1))

@@ -46,8 +46,14 @@ CONFIGS: tuple[Config, ...] = (
 # measure what each is worth (`--configs fzero3,fzero3-noprefetch,fzero3-sync`).
 EXTRA_CONFIGS: tuple[Config, ...] = (
     Config("fzero3-noprefetch", "fzero stage 3, reshard, no prefetch", 3, True, prefetch=False),
-    Config("fzero3-sync", "fzero stage 3, reshard, no prefetch, sync reduce", 3, True,
-           prefetch=False, overlap=False),
+    Config(
+        "fzero3-sync",
+        "fzero stage 3, reshard, no prefetch, sync reduce",
+        3,
+        True,
+        prefetch=False,
+        overlap=False,
+    ),
 )
 BY_NAME = {c.name: c for c in CONFIGS + EXTRA_CONFIGS}
 
@@ -100,12 +106,19 @@ def build(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
     """Wraps `model` (already initialised, identical on every rank) as configuration `cfg`."""
     if cfg.name.startswith("fzero"):
         return _fzero(cfg, spec, model)
-    return {"ddp": _ddp, "zero": _ddp, "fsdp2": _fsdp2, "fsdp2-keep": _fsdp2,
-            "fairscale": _fairscale, "fairscale-fsdp": _fairscale_fsdp}[cfg.name](cfg, spec, model)
+    return {
+        "ddp": _ddp,
+        "zero": _ddp,
+        "fsdp2": _fsdp2,
+        "fsdp2-keep": _fsdp2,
+        "fairscale": _fairscale,
+        "fairscale-fsdp": _fairscale_fsdp,
+    }[cfg.name](cfg, spec, model)
 
 
-def eager_step(spec: Spec, model: nn.Module, opt: Any, set_to_none: bool = True
-                ) -> Callable[[Batch], float]:
+def eager_step(
+    spec: Spec, model: nn.Module, opt: Any, set_to_none: bool = True
+) -> Callable[[Batch], float]:
     def step(batch: Batch) -> float:
         opt.zero_grad(set_to_none=set_to_none)
         loss = spec.loss(model(batch[0]), batch[1])
@@ -116,12 +129,16 @@ def eager_step(spec: Spec, model: nn.Module, opt: Any, set_to_none: bool = True
     return step
 
 
-def _torch_bytes(net: nn.Module, opt_state: Callable[[], dict[Any, Any]]
-                 ) -> Callable[[], dict[str, int]]:
+def _torch_bytes(
+    net: nn.Module, opt_state: Callable[[], dict[Any, Any]]
+) -> Callable[[], dict[str, int]]:
     def count() -> dict[str, int]:
         ps = list(net.parameters())
-        return {"params": storage_bytes(ps), "grads": storage_bytes(p.grad for p in ps),
-                "opt": storage_bytes(_state_tensors(opt_state()))}
+        return {
+            "params": storage_bytes(ps),
+            "grads": storage_bytes(p.grad for p in ps),
+            "opt": storage_bytes(_state_tensors(opt_state())),
+        }
 
     return count
 
@@ -136,8 +153,9 @@ def _ddp(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
 
     ddp = DistributedDataParallel(net)
     if cfg.name == "zero":
-        opt: Any = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam,
-                                           lr=LR)
+        opt: Any = ZeroRedundancyOptimizer(
+            net.parameters(), optimizer_class=torch.optim.Adam, lr=LR
+        )
         state = lambda: opt.optim.state  # noqa: E731 - the local shard's optimizer
     else:
         opt = torch.optim.Adam(net.parameters(), lr=LR)
@@ -153,8 +171,9 @@ def _fsdp2(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
     subs = dict(net.named_modules())
     for names in spec.block_groups(net):  # one block, or a run of them grouped (per_unit)
         group = [subs[n] for n in names]
-        fully_shard(group if len(group) > 1 else group[0], mesh=mesh,
-                    reshard_after_forward=cfg.reshard)
+        fully_shard(
+            group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=cfg.reshard
+        )
     fully_shard(net, mesh=mesh, reshard_after_forward=cfg.reshard)
     opt = torch.optim.Adam(net.parameters(), lr=LR)
 
@@ -182,8 +201,11 @@ def _fairscale_fsdp(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
     for name, sub in list(net.named_modules()):
         if isinstance(sub, spec.block) and name:
             head, _, leaf = name.rpartition(".")
-            setattr(net.get_submodule(head) if head else net, leaf,
-                    FSDP(sub, reshard_after_forward=bool(cfg.reshard)))
+            setattr(
+                net.get_submodule(head) if head else net,
+                leaf,
+                FSDP(sub, reshard_after_forward=bool(cfg.reshard)),
+            )
     model = FSDP(net, reshard_after_forward=bool(cfg.reshard))
     opt = torch.optim.Adam(model.parameters(), lr=LR)
 
@@ -195,6 +217,7 @@ def _fairscale_fsdp(cfg: Config, spec: Spec, net: nn.Module) -> Runner:
 
 
 # -- fzero -------------------------------------------------------------------------------
+
 
 class CommCounter:
     """Accumulates `fzero.comm_ledger()` over the timed steps, and the gradient bytes the
@@ -217,8 +240,11 @@ class CommCounter:
             self.bytes[k] = self.bytes.get(k, 0) + v
         # A reduce-scatter's volume is its full input; an all-reduce's is counted twice.
         # Gradient reductions are the big ones (flags and norms are one element).
-        full = sum(r.nbytes // (2 if r.op == "all_reduce" else 1) for r in ledger.records
-                   if r.op in ("reduce_scatter", "all_reduce") and r.elements > 2)
+        full = sum(
+            r.nbytes // (2 if r.op == "all_reduce" else 1)
+            for r in ledger.records
+            if r.op in ("reduce_scatter", "all_reduce") and r.elements > 2
+        )
         self.grads_full, self.grads_shard = full, full // self.world_size
 
 
@@ -240,10 +266,18 @@ def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
     def loss_fn(p: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
         return spec.loss(functional_call(model, p, (batch[0],)), batch[1])
 
-    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, module=model,
-                              reshard_after_forward=bool(cfg.reshard), prefetch=cfg.prefetch,
-                              overlap_reduce=cfg.overlap,
-                              ledger=ledger if stage >= 2 else None)
+    step = fzero.sharded_step(
+        loss_fn,
+        opt,
+        mesh,
+        stage=stage,
+        units=units,
+        module=model,
+        reshard_after_forward=bool(cfg.reshard),
+        prefetch=cfg.prefetch,
+        overlap_reduce=cfg.overlap,
+        ledger=ledger if stage >= 2 else None,
+    )
     steps = [0]
 
     def run(batch: Batch) -> float:
@@ -265,8 +299,13 @@ def _fzero(cfg: Config, spec: Spec, model: nn.Module) -> Runner:
 
     def extras() -> dict[str, Any]:
         lay = box[0].layout
-        unit_bytes = {u: sum(lay.buckets[i].full_numel * lay.buckets[i].dtype.itemsize
-                             for i in lay.unit_buckets(u)) for u in lay.units}
+        unit_bytes = {
+            u: sum(
+                lay.buckets[i].full_numel * lay.buckets[i].dtype.itemsize
+                for i in lay.unit_buckets(u)
+            )
+            for u in lay.units
+        }
         return {
             "psi": lay.numel,
             "comm_per_step": {k: v / max(steps[0], 1) for k, v in comm.bytes.items()},

@@ -33,10 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from init import peak  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from init import peak
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-import fzero  # noqa: E402
+import fzero
 
 MB = 2**20
 CONFIG = dict(

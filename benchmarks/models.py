@@ -95,15 +95,23 @@ def spec(name: str, quick: bool, per_unit: int = 1) -> Spec:
 def _spec(name: str, quick: bool) -> Spec:
     if name == "gpt":
         # Full: 8 blocks of width 224, vocab 1024 -> 5.33M parameters (issue 3's size).
-        d, layers, heads, vocab, seq, micro = (32, 8, 2, 64, 16, 2) if quick else (
-            224, 8, 4, 1024, 64, 4)
+        d, layers, heads, vocab, seq, micro = (
+            (32, 8, 2, 64, 16, 2) if quick else (224, 8, 4, 1024, 64, 4)
+        )
 
         def build() -> nn.Module:
             return TinyGPT(vocab=vocab, block=seq, d=d, layers=layers, heads=heads)
 
-        return Spec("gpt", f"GPT decoder ({layers} blocks, d={d}, vocab {vocab}, "
-                    f"seq {seq}, micro-batch {micro})", build, Block, ("tok", "pos", "head"),
-                    _token_batches(vocab, seq), micro, _gpt_loss)
+        return Spec(
+            "gpt",
+            f"GPT decoder ({layers} blocks, d={d}, vocab {vocab}, seq {seq}, micro-batch {micro})",
+            build,
+            Block,
+            ("tok", "pos", "head"),
+            _token_batches(vocab, seq),
+            micro,
+            _gpt_loss,
+        )
     if name == "linear":
         # Full: 20 x Linear(1000, 1000) -> 20.02M parameters (the recipe's 2000 scaled down).
         width, depth, micro = (64, 4, 4) if quick else (1000, 20, 20)
@@ -111,9 +119,16 @@ def _spec(name: str, quick: bool) -> Spec:
         def build_stack() -> nn.Module:
             return LinearStack(width, depth)
 
-        return Spec("linear", f"Linear stack ({depth} x Linear({width}, {width}) + ReLU, "
-                    f"micro-batch {micro})", build_stack, nn.Linear, (),
-                    _dense_batches(width), micro, F.mse_loss)
+        return Spec(
+            "linear",
+            f"Linear stack ({depth} x Linear({width}, {width}) + ReLU, micro-batch {micro})",
+            build_stack,
+            nn.Linear,
+            (),
+            _dense_batches(width),
+            micro,
+            F.mse_loss,
+        )
     if name == "deep":
         # Full: 100 blocks of width 64 -> 426,400 parameters in 400 leaves, where the cost
         # of a step is per leaf and per unit rather than per byte.
@@ -122,9 +137,17 @@ def _spec(name: str, quick: bool) -> Spec:
         def build_deep() -> nn.Module:
             return nn.Sequential(*(NormBlock(width) for _ in range(depth)))
 
-        return Spec("deep", f"deep stack ({depth} x [LayerNorm({width}) + Linear({width}, "
-                    f"{width}) + tanh, residual], micro-batch {micro})", build_deep, NormBlock,
-                    (), _dense_batches(width), micro, F.mse_loss)
+        return Spec(
+            "deep",
+            f"deep stack ({depth} x [LayerNorm({width}) + Linear({width}, "
+            f"{width}) + tanh, residual], micro-batch {micro})",
+            build_deep,
+            NormBlock,
+            (),
+            _dense_batches(width),
+            micro,
+            F.mse_loss,
+        )
     raise ValueError(f"unknown model {name!r}: choose gpt, linear or deep")
 
 

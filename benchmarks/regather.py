@@ -61,8 +61,10 @@ def regathers(spec: models.Spec, net: nn.Module, rank: int, ws: int) -> list[int
     """
     groups = spec.block_groups(net)
     blocks = [net.get_submodule(group[-1]) for group in groups]
-    sizes = [sum(p.numel() for name in group for p in net.get_submodule(name).parameters())
-             for group in groups]
+    sizes = [
+        sum(p.numel() for name in group for p in net.get_submodule(name).parameters())
+        for group in groups
+    ]
     again = len(blocks) - 1  # the last block stays gathered into the backward
     shards = [torch.randn(-(-n // ws)) for n in sizes[:again]]
     fulls = [torch.empty(s.numel() * ws) for s in shards]
@@ -72,8 +74,9 @@ def regathers(spec: models.Spec, net: nn.Module, rank: int, ws: int) -> list[int
     def gather(k: int) -> None:
         n = shards[k].numel()
         fulls[k].narrow(0, rank * n, n).copy_(shards[k])
-        works[k] = [dist.broadcast(fulls[k].narrow(0, r * n, n), src=r, async_op=True)
-                    for r in range(ws)]
+        works[k] = [
+            dist.broadcast(fulls[k].narrow(0, r * n, n), src=r, async_op=True) for r in range(ws)
+        ]
         sent.append(fulls[k].numel() * fulls[k].element_size())
 
     def backward_reaches(k: int) -> None:
@@ -88,6 +91,7 @@ def regathers(spec: models.Spec, net: nn.Module, rank: int, ws: int) -> list[int
         def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
             if out.requires_grad:
                 out.register_hook(lambda grad: backward_reaches(k))
+
         return hook
 
     for k, block in enumerate(blocks):
@@ -107,8 +111,13 @@ def build(name: str, spec: models.Spec, rank: int, ws: int) -> tuple[Any, list[i
 
 def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=ws, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=ws,
+        timeout=datetime.timedelta(seconds=120),
+    )
     marks: dict[str, float] = {}
     base = models.spec("gpt", args.quick, 1)
 
@@ -134,8 +143,9 @@ def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue: Any) -
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
     warm = min(3, args.steps - 1)
     if rank == 0:
-        queue.put({n: [statistics.median(v[warm:, i].tolist()) for i in range(3)]
-                   for n, v in got.items()})
+        queue.put(
+            {n: [statistics.median(v[warm:, i].tolist()) for i in range(3)] for n, v in got.items()}
+        )
     dist.destroy_process_group()
 
 
@@ -156,21 +166,32 @@ def main(argv: list[str] | None = None) -> None:
         mp.spawn(_rank, (ws, _free_port(), args, queue), nprocs=ws)
         launches.append(queue.get())
         ddp = launches[-1]["ddp"][0]
-        print(f"launch {k}: " + "  ".join(f"{n} {v[0] / ddp:.3f}"
-                                           for n, v in launches[-1].items()), flush=True)
+        print(
+            f"launch {k}: " + "  ".join(f"{n} {v[0] / ddp:.3f}" for n, v in launches[-1].items()),
+            flush=True,
+        )
     lines = _markdown(args, launches, time.perf_counter() - t0, load0)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _markdown(args: argparse.Namespace, launches: list[dict[str, list[float]]],
-              elapsed: float, load0: float) -> list[str]:
+def _markdown(
+    args: argparse.Namespace, launches: list[dict[str, list[float]]], elapsed: float, load0: float
+) -> list[str]:
     med = statistics.median
     by_ddp = {n: [run[n][0] / run["ddp"][0] for run in launches] for n in NAMES}
-    by_keep = {n: [run[n][0] / run["fzero3-keep"][0] for run in launches]
-               for n in ("fzero3-keep+regather", "fzero3")}
-    cells = [by_ddp["ddp+regather"], by_ddp["fzero3-keep"], by_ddp["fzero3-keep+regather"],
-             by_ddp["fzero3"], by_keep["fzero3-keep+regather"], by_keep["fzero3"]]
+    by_keep = {
+        n: [run[n][0] / run["fzero3-keep"][0] for run in launches]
+        for n in ("fzero3-keep+regather", "fzero3")
+    }
+    cells = [
+        by_ddp["ddp+regather"],
+        by_ddp["fzero3-keep"],
+        by_ddp["fzero3-keep+regather"],
+        by_ddp["fzero3"],
+        by_keep["fzero3-keep+regather"],
+        by_keep["fzero3"],
+    ]
     spec = models.spec("gpt", args.quick, 1)
     out = [
         "# Stage 3's resharding against its re-gathers' collectives alone",
@@ -191,14 +212,20 @@ def _markdown(args: argparse.Namespace, launches: list[dict[str, list[float]]],
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for k, run in enumerate(launches):
-        out.append(f"| {k} | {run['ddp'][0]:.3f} | "
-                   + " | ".join(f"{c[k]:.3f}" for c in cells) + " |")
-    out += [f"| **median** | {med(r['ddp'][0] for r in launches):.3f} | "
-            + " | ".join(f"**{med(c):.3f}**" for c in cells) + " |", "",
-            "Medians over the launches, ms a step (the slowest rank's): the forward is the "
-            "time to the loss, the rest is the backward, the reductions and the update.",
-            "", "| configuration | step | forward | rest | CPU (all threads) |",
-            "|---|---:|---:|---:|---:|"]
+        out.append(
+            f"| {k} | {run['ddp'][0]:.3f} | " + " | ".join(f"{c[k]:.3f}" for c in cells) + " |"
+        )
+    out += [
+        f"| **median** | {med(r['ddp'][0] for r in launches):.3f} | "
+        + " | ".join(f"**{med(c):.3f}**" for c in cells)
+        + " |",
+        "",
+        "Medians over the launches, ms a step (the slowest rank's): the forward is the "
+        "time to the loss, the rest is the backward, the reductions and the update.",
+        "",
+        "| configuration | step | forward | rest | CPU (all threads) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for n in NAMES:
         step, fwd, cpu = (med(r[n][i] for r in launches) * 1e3 for i in range(3))
         out.append(f"| {n} | {step:.1f} | {fwd:.1f} | {step - fwd:.1f} | {cpu:.1f} |")

@@ -50,8 +50,9 @@ class Row:
         return sum(self.state.values()) if self.state else 0
 
 
-def aggregate(records: list[dict[str, Any]], world_size: int, warmup: int
-              ) -> tuple[list[Row], dict[str, dict[str, Any]]]:
+def aggregate(
+    records: list[dict[str, Any]], world_size: int, warmup: int
+) -> tuple[list[Row], dict[str, dict[str, Any]]]:
     """Rows for every configuration, and the single-process reference per model."""
     refs = {r["model"]: r["ranks"][0] for r in records if r["config"] == "reference"}
     for r in records:  # world size 1 and the interleaved runs, kept with the reference
@@ -83,15 +84,22 @@ def aggregate(records: list[dict[str, Any]], world_size: int, warmup: int
         row.reset = all(r["hwm_reset"] for r in ranks)
         row.state = max((r["state"] for r in ranks), key=lambda s: sum(s.values()))
         row.psi = refs[rec["model"]]["psi"]
-        row.formula = estimate_memory(row.psi, world_size, cfg.stage, param_bytes=4,
-                                      grad_bytes=4, optim_bytes=8).total
+        row.formula = estimate_memory(
+            row.psi, world_size, cfg.stage, param_bytes=4, grad_bytes=4, optim_bytes=8
+        ).total
         row.delta = max(r["max_delta"] for r in ranks)
         if "comm_per_step" in ranks[0]:
             row.comm = ranks[0]["comm_per_step"]
             row.comm_first, row.comm_last = ranks[0]["comm_first_step"], ranks[0]["comm_last_step"]
-            row.extras = {k: max(r[k] for r in ranks) for k in
-                          ("ledger_peak_params", "ledger_peak_grads", "largest_unit_bytes",
-                           "root_unit_bytes")}
+            row.extras = {
+                k: max(r[k] for r in ranks)
+                for k in (
+                    "ledger_peak_params",
+                    "ledger_peak_grads",
+                    "largest_unit_bytes",
+                    "root_unit_bytes",
+                )
+            }
             row.extras["units"] = ranks[0]["units"]
         rows.append(row)
     for model in {r.model for r in rows}:
@@ -119,8 +127,9 @@ class Launch:
     faults: dict[str, float]
 
 
-def _launches(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
-              key: str, warmup: int) -> Iterator[tuple[str, str, list[Launch] | str]]:
+def _launches(
+    refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None, key: str, warmup: int
+) -> Iterator[tuple[str, str, list[Launch] | str]]:
     """Per model and allocator: every launch stored under `key`, or the first error."""
     for label, source in (("default malloc", fast), ("mmap ≥ 64 KiB", refs)):
         for model, ref in (source or {}).items():
@@ -134,10 +143,17 @@ def _launches(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] |
             out = []
             for ranks in launches:
                 times = [r["times"] for r in ranks]
-                out.append(Launch(
-                    {c: statistics.median([max(ts) for ts in zip(*(t[c] for t in times))]
-                                          [warmup:]) for c in times[0]},
-                    {c: statistics.median(f[warmup:]) for c, f in ranks[0]["faults"].items()}))
+                out.append(
+                    Launch(
+                        {
+                            c: statistics.median(
+                                [max(ts) for ts in zip(*(t[c] for t in times))][warmup:]
+                            )
+                            for c in times[0]
+                        },
+                        {c: statistics.median(f[warmup:]) for c, f in ranks[0]["faults"].items()},
+                    )
+                )
             yield model, label, out
 
 
@@ -146,22 +162,28 @@ def _compare(runs: list[Launch], ref: str, new: str, bound: float) -> list[str]:
     the median of the launches' ratios."""
     ratios = [r.step_s[new] / r.step_s[ref] for r in runs]
     med = statistics.median(ratios)
-    return [f"{statistics.median(r.step_s[ref] for r in runs):.3f}",
-            f"{statistics.median(r.step_s[new] for r in runs):.3f}",
-            " / ".join(f"{x:.2f}" for x in ratios),
-            f"{statistics.median(r.faults[ref] for r in runs):,.0f} / "
-            f"{statistics.median(r.faults[new] for r in runs):,.0f}",
-            f"**{med:.2f}**", _verdict(med, bound)]
+    return [
+        f"{statistics.median(r.step_s[ref] for r in runs):.3f}",
+        f"{statistics.median(r.step_s[new] for r in runs):.3f}",
+        " / ".join(f"{x:.2f}" for x in ratios),
+        f"{statistics.median(r.faults[ref] for r in runs):,.0f} / "
+        f"{statistics.median(r.faults[new] for r in runs):,.0f}",
+        f"**{med:.2f}**",
+        _verdict(med, bound),
+    ]
 
 
 def _compare_head(ref: str) -> list[str]:
-    return [f"| model | allocator | target | {ref} s/step | fzero s/step | ratio in each launch "
-            f"| page faults/step, {ref} / fzero | median ratio | verdict |",
-            "|---|---|---|---:|---:|---|---:|---:|---|"]
+    return [
+        f"| model | allocator | target | {ref} s/step | fzero s/step | ratio in each launch "
+        f"| page faults/step, {ref} / fzero | median ratio | verdict |",
+        "|---|---|---|---:|---:|---|---:|---:|---|",
+    ]
 
 
-def functional_cost(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
-                    warmup: int) -> list[str]:
+def functional_cost(
+    refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None, warmup: int
+) -> list[str]:
     """Issue 7's world-size-1 target: fzero stage 0 against a plain eager loop."""
     out = _compare_head("eager")
     for model, label, runs in _launches(refs, fast, "ws1", warmup):
@@ -169,13 +191,20 @@ def functional_cost(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, A
         if isinstance(runs, str):
             out.append(f"| {model} | {label} | {target} | {runs} | | | | | |")
             continue
-        out.append(f"| {model} | {label} | {target} | "
-                   + " | ".join(_compare(runs, "eager", "fzero0", 1.10)) + " |")
+        out.append(
+            f"| {model} | {label} | {target} | "
+            + " | ".join(_compare(runs, "eager", "fzero0", 1.10))
+            + " |"
+        )
     return out
 
 
-def interleaved(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]] | None,
-                warmup: int, world_size: int) -> list[str]:
+def interleaved(
+    refs: dict[str, dict[str, Any]],
+    fast: dict[str, dict[str, Any]] | None,
+    warmup: int,
+    world_size: int,
+) -> list[str]:
     """Issue 7's stage 0 and stage 1 targets and issue 16's against DDP, each pair of
     configurations stepped in turn."""
     out = _compare_head("reference")
@@ -184,13 +213,15 @@ def interleaved(refs: dict[str, dict[str, Any]], fast: dict[str, dict[str, Any]]
         bound = configs.pair_bound(bounds, world_size)
         scale = "" if bound == 1 else f"{bound:g} × "
         target = f"stage {fz_cfg[-1]} ≤ {scale}{names.get(ref_cfg, ref_cfg)}"
-        for model, label, runs in _launches(refs, fast, f"interleaved:{ref_cfg}+{fz_cfg}",
-                                            warmup):
+        for model, label, runs in _launches(refs, fast, f"interleaved:{ref_cfg}+{fz_cfg}", warmup):
             if isinstance(runs, str):
                 out.append(f"| {model} | {label} | {target} | {runs} | | | | | |")
                 continue
-            out.append(f"| {model} | {label} | {target} | "
-                       + " | ".join(_compare(runs, ref_cfg, fz_cfg, bound)) + " |")
+            out.append(
+                f"| {model} | {label} | {target} | "
+                + " | ".join(_compare(runs, ref_cfg, fz_cfg, bound))
+                + " |"
+            )
     return out
 
 
@@ -202,8 +233,10 @@ def _psi_units(row: Row) -> str:
     if not row.comm:
         return "n/a"
     unit = row.psi * 4
-    parts = {op: sum(v for k, v in row.comm.items() if k.startswith(op)) / unit
-             for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    parts = {
+        op: sum(v for k, v in row.comm.items() if k.startswith(op)) / unit
+        for op in ("all_gather", "reduce_scatter", "all_reduce")
+    }
     total = sum(parts.values())
     short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
     detail = " ".join(f"{short[k]} {v:.2f}" for k, v in parts.items() if v)
@@ -232,34 +265,43 @@ def _speed(r: Row | None) -> str:
 
 def speed_table(rows: list[Row]) -> list[str]:
     """Markdown lines: step times of one model's configurations, both allocator settings."""
-    out = ["| configuration | step s, default malloc | × DDP | CPU s/step | load "
-           "| step s, mmap ≥ 64 KiB | × DDP | CPU s/step | load "
-           "| comm/step (fzero's logical bytes) | max abs Δ vs 1 process |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    out = [
+        "| configuration | step s, default malloc | × DDP | CPU s/step | load "
+        "| step s, mmap ≥ 64 KiB | × DDP | CPU s/step | load "
+        "| comm/step (fzero's logical bytes) | max abs Δ vs 1 process |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for r in rows:
         if r.error:
             out.append(_failed(r, 11))
             continue
-        out.append(f"| {r.label} | {_speed(r.fast)} | {_speed(r)} | {_psi_units(r)} "
-                   f"| {r.delta:.1e} |")
+        out.append(
+            f"| {r.label} | {_speed(r.fast)} | {_speed(r)} | {_psi_units(r)} | {r.delta:.1e} |"
+        )
     return out
 
 
 def memory_table(rows: list[Row]) -> list[str]:
     """Markdown lines: per-rank memory of one model's configurations (pass 1)."""
-    out = ["| configuration | peak RSS MiB/rank | peak − pre-step | per-step transient "
-           "| setup peak | model state MiB/rank (p + g + o) | ZeRO formula | vs formula |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| configuration | peak RSS MiB/rank | peak − pre-step | per-step transient "
+        "| setup peak | model state MiB/rank (p + g + o) | ZeRO formula | vs formula |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if r.error:
             out.append(_failed(r, 8))
             continue
         s = r.state or {}
-        state = (f"{r.state_total / MiB:.1f} ({s['params'] / MiB:.1f} + {s['grads'] / MiB:.1f}"
-                 f" + {s['opt'] / MiB:.1f})")
-        out.append(f"| {r.label} | {r.peak_mib:.0f}{'' if r.reset else '*'} | {r.rise_mib:.0f} "
-                   f"| {r.transient_mib:.0f} | {r.setup_mib:.0f} | {state} "
-                   f"| {r.formula / MiB:.1f} | {r.state_total / r.formula - 1:+.1%} |")
+        state = (
+            f"{r.state_total / MiB:.1f} ({s['params'] / MiB:.1f} + {s['grads'] / MiB:.1f}"
+            f" + {s['opt'] / MiB:.1f})"
+        )
+        out.append(
+            f"| {r.label} | {r.peak_mib:.0f}{'' if r.reset else '*'} | {r.rise_mib:.0f} "
+            f"| {r.transient_mib:.0f} | {r.setup_mib:.0f} | {state} "
+            f"| {r.formula / MiB:.1f} | {r.state_total / r.formula - 1:+.1%} |"
+        )
     return out
 
 
@@ -271,11 +313,13 @@ def bounds_table(rows: list[Row]) -> list[str]:
     bound (one with overlap_reduce=False, checked in tests/engine/test_units.py). The root unit is
     gathered before the forward and kept for the step, so stage 3's bound includes it.
     """
-    out = ["| model | configuration | own shards MiB | peak full-unit params MiB "
-           "| bound: 2 × largest unit (+ root) | peak full-unit grads MiB "
-           "| bound: 2 × largest unit (one in flight) "
-           "| measured total MiB | bound total MiB | met | RSS per-step transient MiB |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    out = [
+        "| model | configuration | own shards MiB | peak full-unit params MiB "
+        "| bound: 2 × largest unit (+ root) | peak full-unit grads MiB "
+        "| bound: 2 × largest unit (one in flight) "
+        "| measured total MiB | bound total MiB | met | RSS per-step transient MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for r in rows:
         if r.error or not r.extras or not r.config.startswith(("fzero2", "fzero3")):
             continue
@@ -297,20 +341,26 @@ def bounds_table(rows: list[Row]) -> list[str]:
             met = "yes"
         else:
             met = f"NO, by {over:,} B"
-        out.append(f"| {r.model} | {r.label} | {own / MiB:.2f} | {pmeas} | {pbound} "
-                   f"| {e['ledger_peak_grads'] / MiB:.2f} | {2 * unit / MiB:.2f} "
-                   f"| {measured / MiB:.2f} | {bound / MiB:.2f} | {met} "
-                   f"| {r.transient_mib:.0f} |")
+        out.append(
+            f"| {r.model} | {r.label} | {own / MiB:.2f} | {pmeas} | {pbound} "
+            f"| {e['ledger_peak_grads'] / MiB:.2f} | {2 * unit / MiB:.2f} "
+            f"| {measured / MiB:.2f} | {bound / MiB:.2f} | {met} "
+            f"| {r.transient_mib:.0f} |"
+        )
     return out
 
 
 def targets(rows: list[Row]) -> list[str]:
     """Issue 7's targets, met or missed, per model (speed under both allocator settings)."""
-    out = ["| model | target | wall time, default malloc | CPU time, default malloc "
-           "| wall time, mmap ≥ 64 KiB |", "|---|---|---|---|---|"]
+    out = [
+        "| model | target | wall time, default malloc | CPU time, default malloc "
+        "| wall time, mmap ≥ 64 KiB |",
+        "|---|---|---|---|---|",
+    ]
     for model in dict.fromkeys(r.model for r in rows):
-        out += _model_targets(model, {r.config: r for r in rows
-                                      if r.model == model and not r.error})
+        out += _model_targets(
+            model, {r.config: r for r in rows if r.model == model and not r.error}
+        )
     return out
 
 
@@ -331,9 +381,12 @@ def _model_targets(model: str, by: dict[str, Row]) -> list[str]:
         for variant in ("wall", "cpu", "mmap"):
             want = limit * (ratio(rhs, variant) if rhs else 1.0)
             got = ratio(lhs, variant)
-            cells.append("—" if got != got or want != want else
-                         f"{got:.2f} vs {want:.2f} ({got / want - 1:+.0%}): "
-                         f"{'met' if got <= want else 'MISSED'}")
+            cells.append(
+                "—"
+                if got != got or want != want
+                else f"{got:.2f} vs {want:.2f} ({got / want - 1:+.0%}): "
+                f"{'met' if got <= want else 'MISSED'}"
+            )
         out.append(f"| {model} | {name} | {' | '.join(cells)} |")
 
     check("fzero stage 0 ≤ 1.05 × DDP", "fzero0", None, 1.05)
@@ -345,8 +398,11 @@ def _model_targets(model: str, by: dict[str, Row]) -> list[str]:
         if name.startswith("fzero"):
             off = r.state_total / r.formula - 1
             verdict = "met" if abs(off) <= 0.01 else "MISSED"
-            out.append(f"| {model} | {r.label}: model state within 1 % of formula "
-                       f"| {off:+.2%}: {verdict} | (same) | (same) |")
+            out.append(
+                f"| {model} | {r.label}: model state within 1 % of formula "
+                f"| {off:+.2%}: {verdict} | (same) | (same) |"
+            )
+
     def psi(r: Row, comm: dict[str, float]) -> float:
         return sum(v for k, v in comm.items() if not k.startswith("broadcast")) / (r.psi * 4)
 
@@ -354,8 +410,10 @@ def _model_targets(model: str, by: dict[str, Row]) -> list[str]:
         if name in by and by[name].comm:
             got = psi(by[name], by[name].comm)
             verdict = "met" if abs(got - want) <= 0.01 * want else "MISSED"
-            out.append(f"| {model} | {by[name].label}: {want}Ψ communicated per step "
-                       f"| {got:.3f}Ψ: {verdict} | (same) | (same) |")
+            out.append(
+                f"| {model} | {by[name].label}: {want}Ψ communicated per step "
+                f"| {got:.3f}Ψ: {verdict} | (same) | (same) |"
+            )
     r3 = by.get("fzero3")
     if r3 is not None and r3.comm_first and r3.comm_last:
         # About ZeRO's 3Ψ on the first step, which gathers every unit again for the
@@ -363,9 +421,11 @@ def _model_targets(model: str, by: dict[str, Row]) -> list[str]:
         # forward's last units stay gathered for it (`keep_last`).
         first, last = psi(r3, r3.comm_first), psi(r3, r3.comm_last)
         verdict = "met" if 2.9 <= first <= 3 and 2 < last < first else "MISSED"
-        out.append(f"| {model} | {r3.label}: 3Ψ communicated on the first step, less from the "
-                   f"second (the forward's last units kept) | {first:.3f}Ψ, then {last:.3f}Ψ:"
-                   f" {verdict} | (same) | (same) |")
+        out.append(
+            f"| {model} | {r3.label}: 3Ψ communicated on the first step, less from the "
+            f"second (the forward's last units kept) | {first:.3f}Ψ, then {last:.3f}Ψ:"
+            f" {verdict} | (same) | (same) |"
+        )
     return out
 
 
@@ -384,8 +444,12 @@ def plot(rows: list[Row], path: Path) -> None:
         rss = [0 if r.error else r.peak_mib - r.base_mib for r in mine]
         step = [0 if r.error else r.transient_mib for r in mine]
         state = [0 if r.error else r.state_total / MiB for r in mine]
-        ax.bar([x - 0.27 for x in xs], rss, 0.27, label="peak RSS over the steps − RSS before "
-               "the model was built")
+        ax.bar(
+            [x - 0.27 for x in xs],
+            rss,
+            0.27,
+            label="peak RSS over the steps − RSS before the model was built",
+        )
         ax.bar(list(xs), state, 0.27, label="model state (params + grads + optimizer)")
         ax.bar([x + 0.27 for x in xs], step, 0.27, label="per-step transient (peak − RSS at rest)")
         for x, r in zip(xs, mine):

@@ -1,8 +1,8 @@
 """One command: fzero stages 0-3 side by side with DDP, ZeroRedundancyOptimizer, FSDP2, FairScale.
 
-    python benchmarks/run.py [--quick] [--world-size 2] [--steps 20] [--models gpt,linear]
-                             [--configs ddp,...] [--blocks-per-unit 1]
-                             [--out benchmarks/RESULTS.md]
+python benchmarks/run.py [--quick] [--world-size 2] [--steps 20] [--models gpt,linear]
+                         [--configs ddp,...] [--blocks-per-unit 1]
+                         [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -32,37 +32,72 @@ ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
-                   .splitlines() if line.startswith("MemTotal"))
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem_kib = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal")
+    )
     return f"{os.cpu_count()} cores ({cpu}), {mem_kib / 2**20:.1f} GiB RAM, {platform.platform()}"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny models, 4 steps, one pass (smoke test)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny models, 4 steps, one pass (smoke test)"
+    )
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=None, help="steps per configuration "
-                   "(default 20, or 4 with --quick); the first 3 are warm-up")
-    p.add_argument("--launches", type=int, default=None, help="fresh process launches for "
-                   "the stepped-in-turn comparisons (default 3, or 1 with --quick)")
-    p.add_argument("--models", default="gpt,linear", help="comma-separated subset of: "
-                   "gpt, linear, deep (hundreds of small leaves; not in the default run)")
-    p.add_argument("--configs", default=",".join(c.name for c in configs.CONFIGS),
-                   help="comma-separated subset of: "
-                        + ", ".join(c.name for c in configs.CONFIGS))
-    p.add_argument("--blocks-per-unit", type=int, default=1,
-                   help="consecutive blocks (or Linears) per unit, for fzero "
-                        "(fzero.units.grouped) and FSDP2 (fully_shard on the list) alike")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per configuration (default 20, or 4 with --quick); the first 3 are warm-up",
+    )
+    p.add_argument(
+        "--launches",
+        type=int,
+        default=None,
+        help="fresh process launches for "
+        "the stepped-in-turn comparisons (default 3, or 1 with --quick)",
+    )
+    p.add_argument(
+        "--models",
+        default="gpt,linear",
+        help="comma-separated subset of: "
+        "gpt, linear, deep (hundreds of small leaves; not in the default run)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(c.name for c in configs.CONFIGS),
+        help="comma-separated subset of: " + ", ".join(c.name for c in configs.CONFIGS),
+    )
+    p.add_argument(
+        "--blocks-per-unit",
+        type=int,
+        default=1,
+        help="consecutive blocks (or Linears) per unit, for fzero "
+        "(fzero.units.grouped) and FSDP2 (fully_shard on the list) alike",
+    )
     p.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
-    p.add_argument("--no-speed-pass", action="store_true",
-                   help="skip the second pass that times every configuration again with "
-                        "glibc's default allocator (about a third of the run time)")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="PNG path (default: memory_by_stage.png next to --out)")
+    p.add_argument(
+        "--no-speed-pass",
+        action="store_true",
+        help="skip the second pass that times every configuration again with "
+        "glibc's default allocator (about a third of the run time)",
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="PNG path (default: memory_by_stage.png next to --out)",
+    )
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 4 if args.quick else 20
@@ -82,22 +117,34 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _run_pass(args: argparse.Namespace, warmup: int, alloc_env: dict[str, str]
-              ) -> list[dict]:
+def _run_pass(args: argparse.Namespace, warmup: int, alloc_env: dict[str, str]) -> list[dict]:
     """One launcher run over every model and configuration; returns its records."""
     with tempfile.TemporaryDirectory(prefix="fzero-bench-") as tmp:
-        plan = {"quick": args.quick, "world_size": args.world_size, "steps": args.steps,
-                "launches": args.launches, "per_unit": args.blocks_per_unit,
-                "models": args.models.split(","), "configs": args.configs.split(","),
-                "warmup": warmup, "tmp": tmp, "results": str(Path(tmp) / "results.json"),
-                "collective_timeout": 120, "config_timeout": 120 if args.quick else 600}
+        plan = {
+            "quick": args.quick,
+            "world_size": args.world_size,
+            "steps": args.steps,
+            "launches": args.launches,
+            "per_unit": args.blocks_per_unit,
+            "models": args.models.split(","),
+            "configs": args.configs.split(","),
+            "warmup": warmup,
+            "tmp": tmp,
+            "results": str(Path(tmp) / "results.json"),
+            "collective_timeout": 120,
+            "config_timeout": 120 if args.quick else 600,
+        }
         Path(tmp, "plan.json").write_text(json.dumps(plan))
         env = {**os.environ, "OMP_NUM_THREADS": "1", **alloc_env}
         for key in ALLOC_ENV:
             if key not in alloc_env:
                 env.pop(key, None)
-        subprocess.run([sys.executable, str(HERE / "_worker.py"), str(Path(tmp, "plan.json"))],
-                       env=env, check=True, cwd=HERE)
+        subprocess.run(
+            [sys.executable, str(HERE / "_worker.py"), str(Path(tmp, "plan.json"))],
+            env=env,
+            check=True,
+            cwd=HERE,
+        )
         out = json.loads(Path(plan["results"]).read_text())
     args.sources.append(out["fzero_source"])
     return out["records"]
@@ -106,8 +153,9 @@ def _run_pass(args: argparse.Namespace, warmup: int, alloc_env: dict[str, str]
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     warmup = min(3, args.steps - 1)
-    command = " ".join(["python benchmarks/run.py",
-                        shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
+    command = " ".join(
+        ["python benchmarks/run.py", shlex.join(sys.argv[1:] if argv is None else argv)]
+    ).strip()
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     args.sources = []
     print("== pass 1: memory and speed, MALLOC_MMAP_THRESHOLD_=65536", flush=True)
@@ -115,8 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     args.fast_refs = None
     if not args.no_speed_pass:
         print("== pass 2: speed with glibc's default allocator", flush=True)
-        fast, args.fast_refs = report.aggregate(_run_pass(args, warmup, {}), args.world_size,
-                                                warmup)
+        fast, args.fast_refs = report.aggregate(
+            _run_pass(args, warmup, {}), args.world_size, warmup
+        )
         report.attach_speed(rows, fast)
     elapsed = time.perf_counter() - t0
     args.loads = (load0, os.getloadavg()[0])
@@ -136,8 +185,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nwrote {args.out} and {png} ({elapsed:.0f} s)")
 
 
-def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, dict],
-              command: str, warmup: int, elapsed: float) -> list[str]:
+def _markdown(
+    args: argparse.Namespace,
+    rows: list[report.Row],
+    refs: dict[str, dict],
+    command: str,
+    warmup: int,
+    elapsed: float,
+) -> list[str]:
     import torch
     from models import spec
 
@@ -160,67 +215,98 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
         "- two passes over every configuration: pass 1 with `MALLOC_MMAP_THRESHOLD_=65536` "
         "in the rank processes (RSS then tracks live tensors: all memory columns, max abs Δ, "
         "communication), pass 2 with glibc's default allocator (speed only; "
-        + ("skipped in this run)" if args.no_speed_pass else "the speed columns marked "
-           "'default malloc')"),
+        + (
+            "skipped in this run)"
+            if args.no_speed_pass
+            else "the speed columns marked 'default malloc')"
+        ),
         "",
     ]
     for model in dict.fromkeys(r.model for r in rows):
         s, ref = spec(model, args.quick, args.blocks_per_unit), refs[model]
-        lines += [f"## {model}: {s.title}, {ref['psi']:,} parameters", "",
-                  f"Single-process reference (plain `torch.optim.Adam` on the concatenated "
-                  f"batch of {args.world_size} × {s.micro_batch}): "
-                  f"{sorted(ref['times'][warmup:])[len(ref['times'][warmup:]) // 2]:.3f} s/step, "
-                  f"final loss {ref['loss']:.4f}.", ""]
+        lines += [
+            f"## {model}: {s.title}, {ref['psi']:,} parameters",
+            "",
+            f"Single-process reference (plain `torch.optim.Adam` on the concatenated "
+            f"batch of {args.world_size} × {s.micro_batch}): "
+            f"{sorted(ref['times'][warmup:])[len(ref['times'][warmup:]) // 2]:.3f} s/step, "
+            f"final loss {ref['loss']:.4f}.",
+            "",
+        ]
         mine = [r for r in rows if r.model == model]
-        lines += ["### Speed", "", *report.speed_table(mine), "",
-                  "### Memory (pass 1)", "", *report.memory_table(mine), ""]
-    lines += ["## fzero stages 2 and 3 against issue 3's bounds (UnitLedger peaks)", "",
-              "Issue 3 asks for: stage 3, own shards of params, grads and optimizer state + 2 × "
-              "the largest unit's full parameters + one unit's full gradients; stage 2, own "
-              "gradient shard + one bucket. fzero runs with overlap_reduce=True (default), "
-              "which keeps one burst's reduce-scatter in flight (a unit, or consecutive "
-              "units no larger together than the largest) while the next unit "
-              "differentiates: the gradient bound below is therefore two of the largest unit "
-              "(one with overlap_reduce=False, checked in tests/engine/test_units.py), and "
-              "stage 3's "
-              "includes the root unit, gathered for the whole step. The ledger counts the "
-              "full-unit buffers fzero itself holds, not activations or allocator slack; its "
-              "params and grads peaks may come from different moments, so their sum "
-              "over-states the peak.",
-              ""]
+        lines += [
+            "### Speed",
+            "",
+            *report.speed_table(mine),
+            "",
+            "### Memory (pass 1)",
+            "",
+            *report.memory_table(mine),
+            "",
+        ]
+    lines += [
+        "## fzero stages 2 and 3 against issue 3's bounds (UnitLedger peaks)",
+        "",
+        "Issue 3 asks for: stage 3, own shards of params, grads and optimizer state + 2 × "
+        "the largest unit's full parameters + one unit's full gradients; stage 2, own "
+        "gradient shard + one bucket. fzero runs with overlap_reduce=True (default), "
+        "which keeps one burst's reduce-scatter in flight (a unit, or consecutive "
+        "units no larger together than the largest) while the next unit "
+        "differentiates: the gradient bound below is therefore two of the largest unit "
+        "(one with overlap_reduce=False, checked in tests/engine/test_units.py), and "
+        "stage 3's "
+        "includes the root unit, gathered for the whole step. The ledger counts the "
+        "full-unit buffers fzero itself holds, not activations or allocator slack; its "
+        "params and grads peaks may come from different moments, so their sum "
+        "over-states the peak.",
+        "",
+    ]
     lines += [*report.bounds_table(rows), ""]
-    lines += ["## Targets (issue 7)", "", *report.targets(rows), "",
-              "World size 1, the cost of being functional: a plain eager loop (module + "
-              "`torch.optim.Adam`) and fzero stage 0 alternating step by step in one process "
-              f"on the whole batch, in {args.launches} fresh launch(es).", "",
-              *report.functional_cost(refs, args.fast_refs, warmup), "",
-              "Stepped in turn: fzero stage 0 with DDP and fzero stage 1 with "
-              "ZeroRedundancyOptimizer (issue 7), fzero stages 1-3 with DDP (issue 16: "
-              "stages 1-2 ≤ 1.05 × DDP; stage 3, resharding, ≤ 1.10 × DDP at world size 2, "
-              "≤ 1.25 × at 4), each pair built side by side in two rank processes of its "
-              f"own, in {args.launches} fresh launch(es). The targets above time each "
-              "configuration in its own processes, one after another, where run-to-run "
-              "drift exceeds the few percent these targets are about; this table is the "
-              "verdict for them.", "",
-              "Why launches and page faults: on this machine a page fault costs ~3 µs, and "
-              "whether glibc trims the freed top of the heap (so the next allocation there "
-              "faults its pages back in) depends on where a process's allocations land, which "
-              "changes from launch to launch. On the Linear stack at world size 1, the eager "
-              "loop alone in a process, three launches: 0.9k, 9.7k and 58k faults per step "
-              "(230, 243 and 356 ms), most of them torch.optim.Adam's two temporaries per "
-              "leaf; fzero's Adam writes its denominators into one scratch buffer instead, "
-              "one allocation per step. The verdict is the median of the launches' ratios; "
-              "every launch's ratio is shown. (Pairs, not all four configurations in one "
-              "process: there the others' allocations kept fzero stage 0's gradients at the "
-              "heap top, ~10k faults per step on the Linear stack against 3 beside DDP "
-              "alone.)", "",
-              *report.interleaved(refs, args.fast_refs, warmup, args.world_size), ""]
+    lines += [
+        "## Targets (issue 7)",
+        "",
+        *report.targets(rows),
+        "",
+        "World size 1, the cost of being functional: a plain eager loop (module + "
+        "`torch.optim.Adam`) and fzero stage 0 alternating step by step in one process "
+        f"on the whole batch, in {args.launches} fresh launch(es).",
+        "",
+        *report.functional_cost(refs, args.fast_refs, warmup),
+        "",
+        "Stepped in turn: fzero stage 0 with DDP and fzero stage 1 with "
+        "ZeroRedundancyOptimizer (issue 7), fzero stages 1-3 with DDP (issue 16: "
+        "stages 1-2 ≤ 1.05 × DDP; stage 3, resharding, ≤ 1.10 × DDP at world size 2, "
+        "≤ 1.25 × at 4), each pair built side by side in two rank processes of its "
+        f"own, in {args.launches} fresh launch(es). The targets above time each "
+        "configuration in its own processes, one after another, where run-to-run "
+        "drift exceeds the few percent these targets are about; this table is the "
+        "verdict for them.",
+        "",
+        "Why launches and page faults: on this machine a page fault costs ~3 µs, and "
+        "whether glibc trims the freed top of the heap (so the next allocation there "
+        "faults its pages back in) depends on where a process's allocations land, which "
+        "changes from launch to launch. On the Linear stack at world size 1, the eager "
+        "loop alone in a process, three launches: 0.9k, 9.7k and 58k faults per step "
+        "(230, 243 and 356 ms), most of them torch.optim.Adam's two temporaries per "
+        "leaf; fzero's Adam writes its denominators into one scratch buffer instead, "
+        "one allocation per step. The verdict is the median of the launches' ratios; "
+        "every launch's ratio is shown. (Pairs, not all four configurations in one "
+        "process: there the others' allocations kept fzero stage 0's gradients at the "
+        "heap top, ~10k faults per step on the Linear stack against 3 beside DDP "
+        "alone.)",
+        "",
+        *report.interleaved(refs, args.fast_refs, warmup, args.world_size),
+        "",
+    ]
     lines += ["## How to read this", "", *_NOTES, ""]
     if args.blocks_per_unit > 1:
-        lines += [f"**This run groups {args.blocks_per_unit} consecutive blocks (or Linears) "
-                  "into each unit**, for fzero (`fzero.units.grouped`) and FSDP2 (one "
-                  "`fully_shard` on the list) alike, where the notes above say one per "
-                  "block.", ""]
+        lines += [
+            f"**This run groups {args.blocks_per_unit} consecutive blocks (or Linears) "
+            "into each unit**, for fzero (`fzero.units.grouped`) and FSDP2 (one "
+            "`fully_shard` on the list) alike, where the notes above say one per "
+            "block.",
+            "",
+        ]
     failed = [r for r in rows if r.error]
     if failed:
         lines += ["## Failures", ""]
@@ -231,8 +317,13 @@ def _markdown(args: argparse.Namespace, rows: list[report.Row], refs: dict[str, 
 
 def _git_state() -> str:
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return out.stdout.strip()

@@ -4,6 +4,7 @@ the eager construction, training as one-process torch.optim, pretrained files in
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +338,35 @@ def test_fsdp2_checkpoints_load_into_fzero_and_fzero_checkpoints_into_fsdp2(
 
     for loaded, exported in run(2, fn):
         assert loaded == [] and exported == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_fine_tuning_example_learns_exports_and_reloads(tmp_path: Path) -> None:
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "hf_finetune.py"
+    pretrained, out = tmp_path / "pretrained", tmp_path / "tuned"
+    made = subprocess.run(
+        [sys.executable, str(script), f"--make-pretrained={pretrained}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert (pretrained / "model.safetensors.index.json").exists()  # several files
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [
+        str(torchrun), "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
+        "--max-restarts=0", str(script), f"--pretrained={pretrained}", f"--out={out}",
+    ]  # fmt: skip
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    losses = re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", job.stdout)
+    assert losses and float(losses.group(2)) < 0.8 * float(losses.group(1)), job.stdout
+    assert "logits identical" in job.stdout, job.stdout
