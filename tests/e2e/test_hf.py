@@ -370,3 +370,11 @@ def test_the_fine_tuning_example_learns_exports_and_reloads(tmp_path: Path) -> N
     losses = re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", job.stdout)
     assert losses and float(losses.group(2)) < 0.8 * float(losses.group(1)), job.stdout
     assert "logits identical" in job.stdout, job.stdout
+    # The same job with FSDP2 (the docs compare their lengths) learns the same.
+    cmd[-3] = str(script.with_name("hf_finetune_fsdp2.py"))
+    cmd[-1] = f"--out={tmp_path / 'fsdp2'}"
+    theirs = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert theirs.returncode == 0, theirs.stdout[-2000:] + theirs.stderr[-3000:]
+    fsdp2 = re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", theirs.stdout)
+    assert fsdp2 and abs(float(fsdp2.group(2)) - float(losses.group(2))) < 1e-3, theirs.stdout
+    assert "logits identical" in theirs.stdout, theirs.stdout
