@@ -35,6 +35,7 @@ class _Recorder(TorchDispatchMode):
             return out
         rec.add(func, args, kwargs, out)
         if rec.nodes[-1].random:
+            _check_cpu(func, [*tensors_out, *pytree.tree_leaves((args, kwargs))])
             default = kwargs.get("generator") is None
             with _disable_current_modes():
                 if default and not torch.equal(self.expected, _default_state()):
@@ -63,6 +64,18 @@ def record(fn: Callable[[], Any], seed: int) -> tuple[Any, Recording]:
     with seeded(seed), FakeTensorMode(allow_non_fake_inputs=True), _Recorder(recording):
         out = fn()
     return out, recording
+
+
+def _check_cpu(func: Any, values: list[Any]) -> None:
+    """A draw on another device used that device's generator, which the replay (on the
+    CPU) cannot follow: refused, naming it."""
+    for x in values:
+        if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+            raise ValueError(
+                f"fzero.init.deferred: the construction draws random numbers on {x.device} "
+                f"({func}); deferred construction replays CPU draws only: build the model on "
+                "the CPU (the default device) and pass device= to fzero.init.from_module"
+            )
 
 
 def _default_state() -> torch.Tensor:

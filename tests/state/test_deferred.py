@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -266,3 +267,52 @@ def test_training_from_a_deferred_model_matches_torch_optim(world: int, stage: i
     for got in run(world, fn):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert any(not torch.equal(got[k], start[k]) for k in want)  # training moved them
+
+
+class OnCuda(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, device="cuda"))
+
+
+def test_a_construction_drawing_on_another_device_is_refused() -> None:
+    with pytest.raises(ValueError, match="draws random numbers on cuda"):
+        fzero.init.deferred(OnCuda)
+
+
+class Norm(nn.Module):
+    """Hugging Face's RMSNorm: a weight and no reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+
+class WithHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = Norm(), nn.Linear(4, 3)
+
+
+def test_missing_on_a_meta_model_replays_only_what_the_file_lacks(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file({"norm.weight": torch.randn(4)}, tmp_path / "m.safetensors")  # no head
+
+    def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+        with torch.device("meta"):
+            model = WithHead()  # Norm has no reset_parameters: it must not be asked for
+        init = fzero.init.from_file(
+            tmp_path / "m.safetensors", missing=fzero.init.from_module(model, seed=3)
+        )
+        state = fzero.shard_state(dict(model.named_parameters()), fzero.optim.sgd(), mesh,
+                                  stage=3, init=init)  # fmt: skip
+        return state_values(state, mesh)
+
+    [got] = run(1, fn)
+    torch.manual_seed(0)
+    assert torch.equal(got["norm.weight"], torch.randn(4))
+    torch.manual_seed(3)
+    head = nn.Linear(4, 3)
+    assert torch.equal(got["head.weight"], head.weight.detach())
