@@ -15,13 +15,16 @@ from torch import nn
 
 from .. import _comm
 from .._comm import Mesh
-from .._core import fsync_dir, leaf_paths, tree_flatten
-from .._state import ShardedState
+from .._core import DcpFiles, build_layout, fsync_dir, leaf_paths, tree_flatten
+from .._state import ShardedState, frozen_leaves
+from ..optim import Optimizer
 from ._export import _names
 from ._extra import full_precision
 from ._save import check_state
-from ._schema import agree
+from ._schema import CheckpointError, agree
+from ._stream import export_torch as stream_torch
 from ._stream import gather_leaves
+from ._torch import import_torch, natural_order
 
 
 @_comm.collective("checkpoint.export_dcp")
@@ -31,10 +34,17 @@ def export_dcp(
     mesh: Mesh,
     *,
     module: nn.Module | None = None,
+    optimizer_key: str | None = None,
+    hyperparams: dict[str, Any] | None = None,
 ) -> None:
     """Writes the model's weights (and persistent buffers) as a `torch.distributed.checkpoint`
     directory, so that an FSDP2 or torchtitan job resumes from it:
-    `dcp.load(model.state_dict(), checkpoint_id=directory)` after `fully_shard`.
+    `dcp.load(model.state_dict(), checkpoint_id=directory)` after `fully_shard`; with
+    `optimizer_key`, the optimizer state too, in `get_optimizer_state_dict`'s form:
+
+        sd, osd = model.state_dict(), get_optimizer_state_dict(model, opt)
+        dcp.load({**sd, "optim": osd}, checkpoint_id=directory)
+        model.load_state_dict(sd); set_optimizer_state_dict(model, opt, osd)
 
     Collective. Units are all-gathered one at a time; rank 0 hands each unit's tensors to
     torch's own DCP writer (`dcp.save(..., no_dist=True)`) as one sub-checkpoint in its own
@@ -50,11 +60,34 @@ def export_dcp(
       mesh: the mesh.
       module: the model, so the keys are its `state_dict()`'s: every name of a tied
         parameter, and no non-persistent buffer. Without it, every leaf and buffer.
+      optimizer_key: where the optimizer state goes (e.g. "optim"): `{key: {"state":
+        {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{**hyperparams,
+        "params": [fqn, ...]}]}}`, as `export_torch` maps fzero's adam/adamw/sgd and
+        `from_torch` states (Adam's moments per parameter). None: weights only.
+      hyperparams: the param group's hyper-parameters, all that the loading optimizer
+        holds (DCP loads strictly), e.g. `torch.optim.AdamW([torch.zeros(1)], lr=1e-2,
+        weight_decay=0.1).defaults`.
     """
     check_state(state, mesh, "checkpoint.export_dcp")
     directory = os.fspath(directory)
     aliases, transient = _names(module)
     full = full_precision(state, mesh)
+    if optimizer_key is not None:
+        writer = _Writer(directory) if mesh.rank == 0 else None
+        fqns = [
+            full.layout.paths[i] for i in natural_order(full.layout) if not full.layout.frozen[i]
+        ]
+
+        def sink(skeleton: dict[str, Any]) -> _Sink:
+            assert writer is not None
+            return _Sink(writer, skeleton, fqns, optimizer_key, unit_bytes(full.layout))
+
+        try:
+            stream_torch(full, directory, mesh, hyperparams, aliases, transient, sink)
+        finally:
+            if writer is not None and writer.error is not None:
+                writer.abort()
+        return
     lay = full.layout
     names: dict[int, list[str]] = {i: [p] for i, p in enumerate(lay.paths)}
     for name, canonical in (aliases or {}).items():
@@ -105,22 +138,28 @@ class _Writer:
         except BaseException as exc:
             self.error = exc
 
-    def add(self, unit: Any, tensors: dict[str, torch.Tensor]) -> None:
-        """Tensors of `unit` (views valid during the call: copied)."""
+    def add(self, unit: Any, tensors: dict[Any, Any], limit: int | None = None) -> None:
+        """Tensors (or other values) by key (a name, or a path of nested keys) of `unit`
+        (views valid during the call: copied). A part is written when the unit changes,
+        or, with `limit`, once it holds that many bytes."""
         if self.error is not None:
             return
         if self.pending is not None and self.pending[0] != unit:
             self._flush()
         if self.pending is None:
             self.pending = (unit, {})
-        self.pending[1].update({n: t.detach().clone() for n, t in tensors.items()})
+        for n, t in tensors.items():
+            self.pending[1][n] = t.detach().clone() if isinstance(t, torch.Tensor) else t
+        held = sum(t.nbytes for t in self.pending[1].values() if isinstance(t, torch.Tensor))
+        if limit is not None and held >= limit:
+            self._flush()
 
     def _flush(self) -> None:
         import torch.distributed.checkpoint as dcp
 
         assert self.pending is not None
         part = f"part-{len(self.parts):05d}"
-        tensors, self.pending = self.pending[1], None
+        tensors, self.pending = _nested(self.pending[1]), None
         try:
             writer = dcp.FileSystemWriter(os.path.join(self.tmp, part), sync_files=True)
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
@@ -129,6 +168,12 @@ class _Writer:
             self.parts.append(part)
         except BaseException as exc:
             self.error = exc
+
+    def commit(self) -> None:
+        """The last part, the merged metadata, the rename: raises what failed."""
+        error = self.finish()
+        if error is not None:
+            raise error
 
     def finish(self) -> BaseException | None:
         if self.error is None and self.pending is not None:
@@ -177,3 +222,140 @@ class _Writer:
         os.replace(path + ".tmp", path)
         for part in self.parts:  # each part's own metadata would only confuse a reader
             os.remove(os.path.join(self.tmp, part, ".metadata"))
+
+
+class _Sink:
+    """`export_torch`'s skeleton streamed into DCP parts: each tensor, as it arrives, goes
+    under its keys in `get_optimizer_state_dict`'s form (the model's at the top)."""
+
+    def __init__(
+        self, writer: _Writer, skeleton: dict[str, Any], fqns: list[str], key: str, limit: int
+    ) -> None:
+        self.writer, self.limit, self.path = writer, limit, writer.directory
+        if writer.error is not None:
+            raise writer.error
+        self.where: dict[int, list[tuple[str, ...]]] = {}
+        for name, t in skeleton["model"].items():
+            self.where.setdefault(id(t), []).append((name,))
+        for index, entries in skeleton["optimizer"]["state"].items():
+            for name, t in entries.items():
+                self.where.setdefault(id(t), []).append((key, "state", fqns[index], name))
+        groups = skeleton["optimizer"]["param_groups"]
+        self.groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in groups]
+        self.key = key
+
+    def write(self, key: int, lo: int, value: torch.Tensor) -> None:
+        self.writer.add(None, {path: value for path in self.where[key]}, self.limit)
+        if self.writer.error is not None:
+            raise self.writer.error
+
+    def commit(self) -> None:
+        groups = {(self.key, "param_groups", str(i)): g for i, g in enumerate(self.groups)}
+        self.writer.add(None, groups)
+        self.writer.commit()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+def _nested(flat: dict[Any, Any]) -> dict[str, Any]:
+    """`{("optim", "state", fqn, "exp_avg"): t, "w": t}` as nested dicts, which DCP flattens
+    back to "optim.state.<fqn>.exp_avg" (param groups: a list, "optim.param_groups.0.lr")."""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        path = (path,) if isinstance(path, str) else path
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = value
+    return _lists(out)
+
+
+def _lists(node: Any) -> Any:
+    """Dicts keyed "0".."n-1" under "param_groups" become lists."""
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    groups = out.get("param_groups")
+    if isinstance(groups, dict):
+        out["param_groups"] = [groups[str(i)] for i in range(len(groups))]
+    return out
+
+
+def unit_bytes(lay: Any) -> int:
+    """The largest unit's full bytes: how much a part holds before it is written."""
+    return max(
+        (sum(lay.buckets[k].full_numel * lay.buckets[k].dtype.itemsize for k in lay.unit_buckets(u))
+         for u in lay.units),
+        default=1,
+    )  # fmt: skip
+
+
+@_comm.collective("checkpoint.import_dcp")
+def import_dcp(
+    directory: str | os.PathLike[str],
+    optimizer: Optimizer,
+    mesh: Mesh,
+    params_like: dict[str, torch.Tensor],
+    *,
+    stage: int,
+    optimizer_key: str = "optim",
+    layout: str = "flat",
+    units: Any = None,
+    frozen: Any = None,
+    device: Any = None,
+) -> ShardedState:
+    """Builds a ShardedState from a `torch.distributed.checkpoint` holding a model's weights
+    and its optimizer's state: an FSDP2 or torchtitan job's
+    `dcp.save({**model.state_dict(), "optim": get_optimizer_state_dict(model, opt)})`, or
+    `export_dcp(..., optimizer_key="optim")`. Training goes on where it stopped: Adam's
+    moments and step (torch.optim.Adam/AdamW for `fzero.optim.adam`/`adamw`), SGD's
+    momentum, a `from_torch` optimizer's state.
+
+    Collective. Every rank reads the weights and the state whole (through torch's DCP
+    reader) and keeps its shards, as `import_torch` does from the same dicts: a rank
+    holds the model and its optimizer state once while it imports.
+
+    Args:
+      directory: the DCP checkpoint.
+      optimizer: the fzero optimizer to continue with (hyper-parameters come from it).
+      mesh: the mesh.
+      params_like: the parameter tree, `dict(model.named_parameters())` (meta tensors
+        will do): its paths are the checkpoint's keys for the weights.
+      stage: the ZeRO stage (0-3).
+      optimizer_key: the key the optimizer state was saved under ("optim" above;
+        torchtitan: "optimizer").
+      layout, units, frozen, device: as in `import_torch`.
+
+    Returns:
+      This rank's ShardedState.
+    """
+    files = DcpFiles(os.fspath(directory))
+    try:
+        model_sd = {}
+        for path in params_like:
+            if path not in files.entries:
+                raise CheckpointError(
+                    f"import_dcp: {directory} has no weight {path!r} (it holds e.g. "
+                    f"{sorted(files.entries)[:3]})"
+                )
+            model_sd[path] = files.tensor(path).clone()
+        lay = build_layout(
+            model_sd, mesh.shard_size, layout, units, frozen_leaves(params_like, frozen)
+        )
+        trainable = [lay.paths[i] for i in natural_order(lay) if not lay.frozen[i]]
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for index, fqn in enumerate(trainable):
+            prefix = f"{optimizer_key}.state.{fqn}."
+            states[index] = {
+                name[len(prefix) :]: files.tensor(name).clone()
+                for name in files.entries
+                if name.startswith(prefix) and "." not in name[len(prefix) :]
+            }
+        optim_sd = {"state": states, "param_groups": [{"params": list(range(len(trainable)))}]}
+    finally:
+        files.close()
+    return import_torch(
+        model_sd, optim_sd, optimizer, mesh, stage=stage, params_like=params_like,
+        layout=layout, units=units, frozen=frozen, device=device,
+    )  # fmt: skip

@@ -51,9 +51,14 @@ def export_torch(
     hyperparams: dict[str, Any] | None,
     aliases: dict[str, str] | None = None,
     transient: frozenset[str] = frozenset(),
+    sink: Callable[[dict[str, Any]], Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path,
-    `transient` names buffers left out (non-persistent)."""
+    `transient` names buffers left out (non-persistent). With `sink`, rank 0 hands the
+    skeleton (`{"model": ..., "optimizer": ...}`, storage-less tensors where values are
+    gathered later) to `sink(skeleton)` instead of a torch file writer: the result gets
+    `write(id(tensor), 0, value)` for every tensor of the skeleton, then `commit()` (or
+    `abort()`), as an `OffsetWriter` would."""
     lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
     error, rep, local = None, None, None
     try:
@@ -86,7 +91,8 @@ def export_torch(
         try:
             params, elems = _fakes(lay, schema)
             skeleton = build(params, elems)
-            writer = torch_writer(os.fspath(path), {"model": skeleton[0], "optimizer": skeleton[1]})
+            tree = {"model": skeleton[0], "optimizer": skeleton[1]}
+            writer = torch_writer(os.fspath(path), tree) if sink is None else sink(tree)
             fake = {id(t) for t in (*params.values(), *elems.values())}
             for t in optree.tree_leaves(skeleton):
                 if isinstance(t, torch.Tensor) and id(t) not in fake:

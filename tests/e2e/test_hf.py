@@ -378,3 +378,87 @@ def test_the_fine_tuning_example_learns_exports_and_reloads(tmp_path: Path) -> N
     fsdp2 = re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", theirs.stdout)
     assert fsdp2 and abs(float(fsdp2.group(2)) - float(losses.group(2))) < 1e-3, theirs.stdout
     assert "logits identical" in theirs.stdout, theirs.stdout
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8, dtype=F64), torch.nn.Tanh(), torch.nn.Linear(8, 3, dtype=F64)
+    )
+
+
+@pytest.mark.multiprocess
+def test_training_moves_between_fsdp2_and_fzero_through_dcp_with_adam_state(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 trains two steps and saves (weights and AdamW state); fzero resumes for one
+    and saves; FSDP2 resumes for one more: four steps of one-process torch.optim."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    world, per_rank, steps = 2, 3, 4
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(steps, world * per_rank, 4, generator=gen, dtype=F64)
+    y = torch.randn(steps, world * per_rank, 3, generator=gen, dtype=F64)
+    hyper = {"lr": 0.05, "weight_decay": 0.1}
+    torch.manual_seed(4)
+    model = _mlp()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), **hyper)
+    for k in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[k]), y[k]).backward()
+        opt.step()
+    want = {k: v.detach() for k, v in model.named_parameters()}
+
+    def fsdp2(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(seed)
+        m = _mlp()
+        fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+        return m, torch.optim.AdamW(m.parameters(), **hyper)
+
+    def torch_step(m: Any, o: Any, k: int, rank: int) -> None:
+        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x[k, lo:hi]), y[k, lo:hi]).backward()
+        o.step()
+
+    def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+        m, o = fsdp2(4)
+        for k in range(2):
+            torch_step(m, o, k, mesh.rank)
+        dcp.save(
+            {**m.state_dict(), "optim": get_optimizer_state_dict(m, o)},
+            checkpoint_id=tmp_path / "a",
+        )
+        adamw = fzero.optim.adamw(**hyper)
+        meta = {k: torch.empty_like(v, device="meta") for k, v in start.items()}
+        state = fzero.checkpoint.import_dcp(tmp_path / "a", adamw, mesh, meta, stage=3)
+        plain = _mlp()  # not FSDP2's module, whose hooks would put back its own weights
+        step = fzero.sharded_step(
+            lambda p, b: torch.nn.functional.mse_loss(functional_call(plain, p, (b[0],)), b[1]),
+            adamw, mesh, stage=3,
+        )  # fmt: skip
+        lo, hi = mesh.rank * per_rank, (mesh.rank + 1) * per_rank
+        state, _ = step(state, (x[2, lo:hi], y[2, lo:hi]))
+        defaults = torch.optim.AdamW([torch.zeros(1)], **hyper).defaults
+        fzero.checkpoint.export_dcp(
+            state, tmp_path / "b", mesh, optimizer_key="optim", hyperparams=defaults
+        )
+        m2, o2 = fsdp2(9)  # other values, replaced by the load
+        torch_step(m2, o2, 0, mesh.rank)  # and an optimizer state to replace
+        sd, osd = m2.state_dict(), get_optimizer_state_dict(m2, o2)
+        dcp.load({**sd, "optim": osd}, checkpoint_id=tmp_path / "b")
+        m2.load_state_dict(sd)
+        set_optimizer_state_dict(m2, o2, osd)
+        torch_step(m2, o2, 3, mesh.rank)
+        return {k: v.full_tensor().detach() for k, v in m2.named_parameters()}
+
+    for got in run(world, fn):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert all(not torch.equal(got[k], start[k]) for k in want)
