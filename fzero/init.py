@@ -92,7 +92,9 @@ def from_module(
         `dict(model.named_buffers())`.
       seed: what `torch.manual_seed` would be given before the eager construction;
         default: `deferred`'s seed, or 0. The caller's generator state is left as it was.
-      device: where tensors are materialized and the state is kept.
+      device: where the state is kept. A recorded construction is replayed on the CPU,
+        as the eager one ran, and copied there; a meta-device module's submodules are
+        materialized there.
       init: for meta-device modules only: per submodule path (e.g. "blocks.0.attn") or
         type (e.g. `RotaryEmbedding`), a function `fn(module)` filling that module's own
         tensors in place, used instead of its `reset_parameters`.

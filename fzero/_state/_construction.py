@@ -1,7 +1,8 @@
 """A model built on fake tensors while its construction is recorded (`fzero.init.deferred`).
 
 The construction runs under torch's FakeTensorMode, which keeps shapes, dtypes and devices
-but no values, with `_Recorder` below it noting every aten operation in a `Recording`.
+but no values, with `_Recorder` above it (it sees each operation first) noting every aten
+operation in a `Recording`.
 Random draws are made again on scratch tensors as they happen, so the generator moves as
 in an eager construction and the recording notes its state before each (`Recording.draw`).
 """
@@ -29,11 +30,13 @@ class _Recorder(TorchDispatchMode):
         rec = self.recording
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(args[0])
+        writes = bool(written_by(func, args, kwargs))
+        node = rec.before(func, args, kwargs) if writes or _makes_tensors(func) else None
         out = func(*args, **kwargs)
         tensors_out = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        if not (tensors_out or written_by(func, args, kwargs)):
+        if not (tensors_out or writes):
             return out
-        rec.add(func, args, kwargs, out)
+        rec.add(node if node is not None else rec.before(func, args, kwargs), out)
         if rec.nodes[-1].random:
             _check_cpu(func, [*tensors_out, *pytree.tree_leaves((args, kwargs))])
             default = kwargs.get("generator") is None
@@ -64,6 +67,11 @@ def record(fn: Callable[[], Any], seed: int) -> tuple[Any, Recording]:
     with seeded(seed), FakeTensorMode(allow_non_fake_inputs=True), _Recorder(recording):
         out = fn()
     return out, recording
+
+
+def _makes_tensors(func: Any) -> bool:
+    """Whether `func`'s schema returns tensors (known before it runs)."""
+    return any("Tensor" in str(r.type) for r in func._schema.returns)
 
 
 def _check_cpu(func: Any, values: list[Any]) -> None:

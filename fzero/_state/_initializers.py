@@ -10,6 +10,7 @@ No rank ever holds the whole model, and no rank needs another's values.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -143,7 +144,14 @@ class ModuleInit(Init):
             for prefix, m in _post_order(self.module):
                 own = [*m._parameters.items(), *m._buffers.items()]
                 if not any(owner.get(id(t)) in likes for _, t in own if t is not None):
-                    continue  # nothing of it is asked for (from_file's missing=: in the file)
+                    # Nothing of it is asked for (from_file's missing=: it is in the file).
+                    # Its init still runs where it has one, on scratch tensors, so that
+                    # later modules draw what they drew in the eager construction.
+                    if self._has_init(prefix, m):
+                        with contextlib.suppress(ValueError):  # its values are not used
+                            for _ in self._replay(prefix, m):
+                                pass
+                    continue
                 for name, orig, value in self._replay(prefix, m):
                     full = f"{prefix}.{name}" if prefix else name
                     if owner.get(id(orig)) != full or full not in likes:
@@ -192,6 +200,13 @@ class ModuleInit(Init):
             if value is made:
                 _check_written(value, prefix, m, name)
             yield name, orig, value
+
+    def _has_init(self, prefix: str, m: nn.Module) -> bool:
+        return (
+            prefix in self.init
+            or any(cls in self.init for cls in type(m).__mro__)
+            or callable(getattr(m, "reset_parameters", None))
+        )
 
     def _init_of(self, prefix: str, m: nn.Module, names: list[str]) -> Callable[[nn.Module], Any]:
         if prefix in self.init:

@@ -60,6 +60,7 @@ class _Node:
     kills: frozenset[int]  # storages whose earlier values this node makes irrelevant
     random: bool
     scratch: tuple  # for a random node: (size, stride, dtype) of each written argument
+    dtype: torch.dtype  # the default dtype it ran under (a factory without dtype= uses it)
 
 
 class _Ref:
@@ -75,7 +76,7 @@ class Recording:
     """The operations of one construction, and the recorded tensors they touch."""
 
     def __init__(self, seed: int) -> None:
-        self.seed, self.dtype = seed, torch.get_default_dtype()
+        self.seed = seed
         self.snapshots: dict[int, torch.Tensor] = {}  # random node -> its generator's state
         self.seed_bound = False  # whether the construction depends on the recorded seed
         self.nodes: list[_Node] = []
@@ -114,31 +115,38 @@ class Recording:
         self._keep.append(t)
         return i
 
-    def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def before(self, func: Any, args: tuple, kwargs: dict) -> _Node:
+        """The node of `func(*args, **kwargs)` as its arguments are before it runs (an
+        in-place `unsqueeze_` or `t_` changes them), its outputs still unknown."""
         written = written_by(func, args, kwargs)
         ref = lambda x: _Ref(self.tid(x)) if isinstance(x, torch.Tensor) else x  # noqa: E731
         args_r, kwargs_r = pytree.tree_map(ref, (args, kwargs))
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        name = func.__name__.split(".")[0]
+        overwrite = name in _OVERWRITES and bool(written) and written[0] is tensors[0]
+        reads = {self.metas[self.tid(x)].storage for x in tensors[int(overwrite) :]}
+        writes = {self.metas[self.tid(x)].storage for x in written}
+        kills = (
+            {self.metas[self.tid(written[0])].storage}
+            if overwrite and _covers(written[0])
+            else set()
+        )
+        scratch = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for w in written)
+        return _Node(
+            func, args_r, kwargs_r, (), frozenset(reads), frozenset(writes), frozenset(kills),
+            _RANDOM in func.tags, scratch, torch.get_default_dtype(),
+        )  # fmt: skip
+
+    def add(self, node: _Node, out: Any) -> None:
+        """Records `node` (from `before`) with the outputs it made."""
         leaves = pytree.tree_leaves(out)
         created = {  # outputs on storages nothing before made: this node makes them
             o.untyped_storage()._cdata
             for o in leaves
             if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in self._storages
         }
-        outs = tuple(self.tid(o) if isinstance(o, torch.Tensor) else None for o in leaves)
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        name = func.__name__.split(".")[0]
-        overwrite = name in _OVERWRITES and bool(written) and written[0] is tensors[0]
-        reads = {self.metas[self.tid(x)].storage for x in tensors[int(overwrite) :]}
-        writes = {self.metas[self.tid(x)].storage for x in written}
-        kills = set(created)
-        if overwrite and _covers(written[0]):
-            kills.add(self.metas[self.tid(written[0])].storage)
-        random = _RANDOM in func.tags
-        scratch = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for w in written)
-        node = _Node(
-            func, args_r, kwargs_r, outs, frozenset(reads), frozenset(writes | created),
-            frozenset(kills), random, scratch,
-        )  # fmt: skip
+        node.outs = tuple(self.tid(o) if isinstance(o, torch.Tensor) else None for o in leaves)
+        node.writes, node.kills = node.writes | created, node.kills | created
         for s in node.writes:
             self._writers.setdefault(s, []).append(len(self.nodes))
         self.nodes.append(node)
@@ -197,7 +205,7 @@ class Recording:
             )
         recorded, self.snapshots = self.snapshots, {}
         try:
-            with seeded(seed), _generators_kept(self), _default_dtype(self.dtype):
+            with seeded(seed), _generators_kept(self):
                 for i in range(upto):
                     if self.nodes[i].random and self.nodes[i].kwargs.get("generator") is None:
                         self.draw(i)
@@ -219,7 +227,7 @@ class Recording:
         snapshots = self.snapshots if snapshots is None else snapshots
         env: dict[int, torch.Tensor] = {}
         storages: dict[int, torch.Tensor] = {}
-        with _generators_kept(self), torch.no_grad(), _default_dtype(self.dtype):
+        with _generators_kept(self), torch.no_grad():
             for i in self.needed(tids, upto):
                 self._replay_node(i, env, storages, snapshots)
         return {t: self._materialize(t, storages) if t not in env else env[t] for t in tids}
@@ -262,7 +270,7 @@ class Recording:
     def _run(self, node: _Node, env: dict[int, torch.Tensor]) -> list[Any]:
         real = lambda x: env[x.tid] if isinstance(x, _Ref) else x  # noqa: E731
         args, kwargs = pytree.tree_map(real, (node.args, node.kwargs))
-        with torch.no_grad():
+        with torch.no_grad(), _default_dtype(node.dtype):
             out = node.func(*args, **kwargs)
         return list(pytree.tree_leaves(out))
 
@@ -285,15 +293,20 @@ def _generators_kept(rec: Recording) -> Iterator[None]:
     """The default generator and those the construction drew from, restored on exit."""
     gens = {id(g): g for i in rec.snapshots if (g := rec.nodes[i].kwargs.get("generator"))}
     states = [(g, g.get_state()) for g in gens.values()]
-    with torch.random.fork_rng(devices=[]):
-        yield
-    for g, state in states:
-        g.set_state(state)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for g, state in states:
+            g.set_state(state)
 
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     before = torch.get_default_dtype()
+    if dtype is before:
+        yield
+        return
     torch.set_default_dtype(dtype)
     try:
         yield

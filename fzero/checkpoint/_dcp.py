@@ -84,9 +84,10 @@ def export_dcp(
 
         try:
             stream_torch(full, directory, mesh, hyperparams, aliases, transient, sink)
-        finally:
-            if writer is not None and writer.error is not None:
+        except BaseException:
+            if writer is not None:  # after a rename there is nothing left to remove
                 writer.abort()
+            raise
         return
     lay = full.layout
     names: dict[int, list[str]] = {i: [p] for i, p in enumerate(lay.paths)}

@@ -73,7 +73,10 @@ def export_pretrained(
     _, transient = _names(module)
     full = full_precision(state, mesh)
 
-    def split(specs: dict[str, Spec]) -> dict[str, list[str]]:
+    specs: dict[str, Spec] = {}  # every tensor written (rank 0): the index's total size
+
+    def split(all_specs: dict[str, Spec]) -> dict[str, list[str]]:
+        specs.update(all_specs)
         os.makedirs(directory, exist_ok=True)
         groups: list[list[str]] = [[]]
         size = 0
@@ -95,7 +98,9 @@ def export_pretrained(
     def finish(files: dict[str, list[str]]) -> None:
         names = {os.path.basename(f) for f in files}
         if len(files) > 1:
-            total = sum(os.path.getsize(f) for f in files)  # headers included, as HF's
+            total = sum(  # the tensors' bytes, as huggingface_hub counts them
+                dt.itemsize * int(torch.Size(shape).numel()) for dt, shape in specs.values()
+            )
             index = {
                 "metadata": {"total_size": total},
                 "weight_map": {n: os.path.basename(f) for f, ns in files.items() for n in ns},

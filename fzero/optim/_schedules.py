@@ -54,6 +54,7 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
       A schedule `count -> lr` for an fzero optimizer's `lr=`.
     """
     stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(lr))
+    momentum = stand_in.param_groups[0]["momentum"]  # before: OneCycleLR sets it when built
     scheduler = make(stand_in)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError(
@@ -63,7 +64,17 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
     if not hasattr(scheduler, "step"):
         raise TypeError(f"from_torch_scheduler: make(optimizer) returned {scheduler!r}")
     group = stand_in.param_groups[0]
-    rates, momentum = [group["lr"]], group.get("momentum")
+    rates = [group["lr"]]
+
+    def check() -> None:
+        if group.get("momentum") != momentum:
+            raise ValueError(
+                f"from_torch_scheduler: {type(scheduler).__name__} schedules the momentum "
+                "too (cycle_momentum=True), which an fzero optimizer's fixed betas cannot "
+                "follow: build it with cycle_momentum=False"
+            )
+
+    check()
 
     def schedule(count: int) -> float:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
@@ -71,12 +82,7 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
             while len(rates) <= count:
                 scheduler.step()
                 rates.append(group["lr"])
-        if group.get("momentum") != momentum:
-            raise ValueError(
-                f"from_torch_scheduler: {type(scheduler).__name__} schedules the momentum "
-                "too (cycle_momentum=True), which an fzero optimizer's fixed betas cannot "
-                "follow: build it with cycle_momentum=False"
-            )
+                check()
         return float(rates[count])
 
     return schedule

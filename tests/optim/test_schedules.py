@@ -92,4 +92,4 @@ def test_a_metric_or_momentum_scheduler_is_refused() -> None:
         fzero.optim.from_torch_scheduler(lr_scheduler.ReduceLROnPlateau, 0.1)
     cycling = functools.partial(lr_scheduler.OneCycleLR, max_lr=0.2, total_steps=7)
     with pytest.raises(ValueError, match="OneCycleLR schedules the momentum too"):
-        fzero.optim.from_torch_scheduler(cycling, 0.1)(1)
+        fzero.optim.from_torch_scheduler(cycling, 0.1)  # refused when built

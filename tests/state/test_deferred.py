@@ -291,14 +291,16 @@ class Norm(nn.Module):
 class WithHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.norm, self.head = Norm(), nn.Linear(4, 3)
+        self.norm, self.pre, self.head = Norm(), nn.Linear(4, 4), nn.Linear(4, 3)
 
 
 def test_missing_on_a_meta_model_replays_only_what_the_file_lacks(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    save_file({"norm.weight": torch.randn(4)}, tmp_path / "m.safetensors")  # no head
+    pretrained = {"norm.weight": torch.randn(4), "pre.weight": torch.randn(4, 4)}
+    pretrained["pre.bias"] = torch.randn(4)
+    save_file(pretrained, tmp_path / "m.safetensors")  # no head
 
     def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
         with torch.device("meta"):
@@ -311,8 +313,42 @@ def test_missing_on_a_meta_model_replays_only_what_the_file_lacks(tmp_path: Path
         return state_values(state, mesh)
 
     [got] = run(1, fn)
-    torch.manual_seed(0)
-    assert torch.equal(got["norm.weight"], torch.randn(4))
+    assert all(torch.equal(got[k], v) for k, v in pretrained.items())
     torch.manual_seed(3)
-    head = nn.Linear(4, 3)
+    head = WithHead().head  # drawn after pre's draws, which the replay made on scratch
     assert torch.equal(got["head.weight"], head.weight.detach())
+    assert torch.equal(got["head.bias"], head.bias.detach())
+
+
+class Reshaped(nn.Module):
+    """In-place ops that change a tensor's shape or strides, and factories without a
+    dtype under a default dtype that the construction changes as it goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        w = torch.randn(3, 3)
+        w.t_()
+        self.w = nn.Parameter(w)
+        b = torch.arange(4.0)
+        b.unsqueeze_(0)
+        self.register_buffer("b", b)
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        self.d = nn.Parameter(torch.ones(2) + torch.rand(2))  # made in float64
+        torch.set_default_dtype(before)
+        self.f = nn.Parameter(torch.rand(3))  # float32 again
+
+
+def test_replay_follows_in_place_reshapes_and_the_default_dtype_as_it_changed() -> None:
+    want = values(eager(Reshaped, 6))
+
+    def fn(mesh: fzero.Mesh) -> str | None:
+        model = fzero.init.deferred(Reshaped, seed=6)
+        state = fzero.shard_state(
+            dict(model.named_parameters()), fzero.optim.sgd(), mesh, stage=0,
+            buffers=dict(model.named_buffers()), init=fzero.init.from_module(model, seed=6),
+        )  # fmt: skip
+        return first_difference(state_values(state, mesh), want)
+
+    assert run(1, fn) == [None]
+    assert want["d"].dtype == F64 and want["b"].shape == (1, 4)
