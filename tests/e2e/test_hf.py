@@ -468,3 +468,57 @@ def test_training_moves_between_fsdp2_and_fzero_through_dcp_with_adam_state(
     for got in run(world, fn):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert all(not torch.equal(got[k], start[k]) for k in want)
+
+
+def _architectures() -> dict[str, tuple[Any, Any]]:
+    """Tiny configs of other architectures: decoders with GQA and MoE, encoders,
+    encoder-decoders, vision and speech, and two towers."""
+    import transformers as t
+
+    base = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    base["vocab_size"] = 61
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+    return {
+        "qwen2": (t.AutoModelForCausalLM, t.Qwen2Config(num_key_value_heads=2, **base)),
+        "mistral": (t.AutoModelForCausalLM, t.MistralConfig(num_key_value_heads=2, **base)),
+        "gemma": (t.AutoModelForCausalLM, t.GemmaConfig(num_key_value_heads=2, head_dim=8, **base)),
+        "mixtral": (t.AutoModelForCausalLM, t.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **base)),
+        "phi": (t.AutoModelForCausalLM, t.PhiConfig(**base)),
+        "gpt_neox": (t.AutoModelForCausalLM, t.GPTNeoXConfig(**base)),
+        "opt": (t.AutoModelForCausalLM, t.OPTConfig(
+            hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=61, word_embed_proj_dim=32)),
+        "bloom": (t.AutoModelForCausalLM, t.BloomConfig(
+            hidden_size=32, n_layer=2, n_head=4, vocab_size=61)),
+        "roberta": (t.AutoModel, t.RobertaConfig(**base)),
+        "t5": (t.AutoModelForSeq2SeqLM, t.T5Config(
+            d_model=32, d_ff=48, num_layers=2, num_heads=4, d_kv=8, vocab_size=61)),
+        "vit": (t.AutoModel, t.ViTConfig(image_size=16, patch_size=4, **vision)),
+        "whisper": (t.AutoModel, t.WhisperConfig(
+            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=61,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+            num_mel_bins=8, max_source_positions=16, max_target_positions=16)),
+        "clip": (t.AutoModel, t.CLIPConfig(
+            text_config=dict(vocab_size=61, **vision),
+            vision_config=dict(image_size=16, patch_size=4, **vision))),
+    }  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("arch", sorted(_architectures()))
+def test_deferred_is_bitwise_eager_across_architectures(arch: str) -> None:
+    auto, cfg = _architectures()[arch]
+    torch.manual_seed(5)
+    want = values(auto.from_config(cfg))
+
+    def fn(mesh: fzero.Mesh) -> list[str]:
+        model = fzero.init.deferred(auto.from_config, cfg, seed=5)
+        state = fzero.shard_state(
+            dict(model.named_parameters()), fzero.optim.sgd(), mesh, stage=0,
+            buffers=dict(model.named_buffers()), init=fzero.init.from_module(model),
+        )  # fmt: skip
+        return differences(state_values(state, mesh), want)
+
+    assert run(1, fn) == [[]]
