@@ -208,3 +208,23 @@ def errors_on_every_rank(world_size: int, fn: Callable[[fzero.Mesh], Any]) -> li
         return "no error"
 
     return run(world_size, catch)
+
+
+def module_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers by name, detached copies."""
+    return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def state_values(state: fzero.ShardedState, mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+    """A state's full parameters (gathered at stage 3) and its buffers, by path."""
+    params = fzero.gather_params(state.params, mesh) if state.stage == 3 else state.params
+    out = {k: v.detach().clone() for k, v in params.items()}
+    out.update(state.buffers or {})
+    return out
+
+
+def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """The keys whose tensors are not bitwise equal (dtype included), or the key sets'."""
+    if set(got) != set(want):
+        return [f"keys {sorted(set(got) ^ set(want))}"]
+    return [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]

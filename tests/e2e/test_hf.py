@@ -21,7 +21,8 @@ from transformers import (
 )
 
 import fzero
-from tests.support import errors_on_every_rank, run
+from tests.support import differences, errors_on_every_rank, run, state_values
+from tests.support import module_values as values
 
 F64 = torch.float64
 
@@ -52,23 +53,6 @@ def eager(name: str, seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.
     make, cfg, _ = config(name)
     torch.manual_seed(seed)
     return make(cfg, dtype=dtype)
-
-
-def values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
-
-
-def state_values(state: fzero.ShardedState, mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
-    params = fzero.gather_params(state.params, mesh) if state.stage == 3 else state.params
-    out = {k: v.detach().clone() for k, v in params.items()}
-    out.update(state.buffers or {})
-    return out
-
-
-def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
-    if set(got) != set(want):
-        return [f"keys {sorted(set(got) ^ set(want))}"]
-    return [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
 
 
 @pytest.mark.multiprocess

@@ -14,7 +14,8 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from tests.support import errors_on_every_rank, run
+from tests.support import differences, errors_on_every_rank, run, state_values
+from tests.support import module_values as values
 
 F64 = torch.float64
 
@@ -82,24 +83,8 @@ def eager(cls: type[nn.Module], seed: int, dtype: torch.dtype = torch.float32) -
         torch.set_default_dtype(before)
 
 
-def values(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
-
-
-def state_values(state: fzero.ShardedState, mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
-    params = fzero.gather_params(state.params, mesh) if state.stage == 3 else state.params
-    out = {k: v.detach().clone() for k, v in params.items()}
-    out.update(state.buffers or {})
-    return out
-
-
 def first_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
-    if set(got) != set(want):
-        return f"keys {sorted(set(got) ^ set(want))}"
-    for k in want:
-        if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k]):
-            return k
-    return None
+    return next(iter(differences(got, want)), None)
 
 
 UNITS = ["a", "b", "emb", "mha", "out"]
