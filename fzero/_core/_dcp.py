@@ -2,17 +2,20 @@
 
 torch's own reader does the reading (`dcp.load` without collectives, `no_dist=True`), so
 every layout DCP writes is understood: one file per rank, chunks of DTensors sharded any
-way, resharded by DCP into the tensor asked for. One whole tensor is read at a time and
-kept until another is asked for, so a rank holds at most the largest tensor besides its
-shards. The metadata file is a pickle that torch's reader unpickles: read checkpoints
+way, resharded by DCP into what is asked for. A range of a tensor is read as the rows of
+its first dimension that hold it (a load planner asking DCP for that block only), so a
+rank reads about what it keeps; a whole tensor (`tensor`) is read once and kept until
+another is asked for. The metadata file is a pickle that torch's reader unpickles: read checkpoints
 you trust, as with `torch.load(weights_only=False)`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import warnings
+from typing import Any
 
 import torch
 
@@ -54,20 +57,33 @@ class DcpFiles:
         """The whole tensor `name`, read by DCP (and kept until another is asked for)."""
         if self._held is not None and self._held[0] == name:
             return self._held[1]
-        import torch.distributed.checkpoint as dcp
-
         self._held = None  # the previous one goes before the next is read
         e = self.entries[name]
         value = torch.empty(e.shape, dtype=e.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({name: value}, storage_reader=self._reader, no_dist=True)
+        self._load({name: value})
         self._held = (name, value)
         return value
 
     def read(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Elements [lo, hi) of the flattened tensor `name` into `out` (converted)."""
-        out.copy_(self.tensor(name).reshape(-1)[lo:hi])
+        """Elements [lo, hi) of the flattened tensor `name` into `out` (converted): only the
+        rows of its first dimension that hold them are read (DCP reads the parts of the
+        saved chunks that overlap them), unless the tensor is at hand already."""
+        e = self.entries[name]
+        if (self._held is not None and self._held[0] == name) or len(e.shape) == 0:
+            out.copy_(self.tensor(name).reshape(-1)[lo:hi])
+            return
+        row = max(1, math.prod(e.shape[1:]))
+        first, last = lo // row, -(-hi // row)
+        block = torch.empty((last - first, *e.shape[1:]), dtype=e.dtype)
+        self._load({name: block}, _Rows(name, first, last, block))
+        out.copy_(block.reshape(-1)[lo - first * row : hi - first * row])
+
+    def _load(self, tensors: dict[str, torch.Tensor], planner: Any = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(tensors, storage_reader=self._reader, planner=planner, no_dist=True)
 
     def digest(self) -> str:
         """What every rank must agree on: the metadata's bytes and the data files' sizes."""
@@ -79,3 +95,24 @@ class DcpFiles:
             if name.endswith(".distcp") and os.path.isfile(full):
                 h.update(f"{name}:{os.path.getsize(full)}".encode())
         return h.hexdigest()
+
+
+def _Rows(name: str, first: int, last: int, block: torch.Tensor) -> Any:
+    """A DCP load planner reading rows [first, last) of tensor `name` into `block`."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class Rows(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            assert self.metadata is not None
+            offsets = torch.Size([first] + [0] * (block.dim() - 1))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=block.shape)
+            md = self.metadata.state_dict_metadata[name]
+            return LoadPlan(create_read_items_for_chunk_list(name, md, [chunk]))
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return block  # the read items' offsets are the block's own
+
+    return Rows()
