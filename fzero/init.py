@@ -162,8 +162,9 @@ def from_file(
         `model.safetensors.index.json`, `model.safetensors`, `pytorch_model.bin.index.json`,
         `pytorch_model.bin` (the first found, Hugging Face's order); or a
         `torch.distributed.checkpoint` directory (FSDP2's or torchtitan's `dcp.save` of a
-        model's state dict, or `checkpoint.export_dcp`'s), read by torch's DCP reader one
-        whole tensor at a time (its metadata is a pickle: read checkpoints you trust).
+        model's state dict, or `checkpoint.export_dcp`'s), read through torch's DCP reader, each
+        rank the rows that hold its ranges (its metadata is a pickle: read checkpoints
+        you trust).
       key: maps a leaf path to the file's name for it (e.g. a prefix to strip or add);
         default: the path itself.
       missing: an initializer for leaves the file lacks (a new head when fine-tuning,
