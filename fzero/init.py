@@ -1,14 +1,14 @@
 """Initializers for `shard_state(init=)`: models larger than a rank, never materialized whole.
 
-Build the model on the meta device, pass its (meta) parameters and buffers to
-`shard_state` with one of these, and every rank makes or reads only what it keeps:
+Build the model without memory (`deferred`: its construction recorded on fake tensors,
+or on the meta device), pass its (meta) parameters and buffers to `shard_state` with one
+of these, and every rank makes or reads only what it keeps:
 
-    with torch.device("meta"):
-        model = GPT(config)
+    model = fzero.init.deferred(GPT, config)
     state = fzero.shard_state(
         dict(model.named_parameters()), opt, mesh, stage=3, units=units,
         buffers=dict(model.named_buffers()),
-        init=fzero.init.from_module(model, seed=0),
+        init=fzero.init.from_module(model, seed=0),  # or from_file(pretrained_dir, ...)
     )
 """
 
