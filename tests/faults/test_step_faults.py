@@ -473,3 +473,20 @@ def test_a_rank_that_failed_alone_learns_its_peers_were_left_waiting() -> None:
     outs = outcomes(2, _alone_then_again)
     raised_together(outs, ValueError, "rank 0", "already donated")
     assert all(o.peer for o in outs)
+
+
+# -- an exception inside one rank's `bind` block: the others' gathers do not wait it out --
+def _bind_raises_on_rank_1(mesh: fzero.Mesh) -> None:
+    state, _opt, net = setup(mesh, 3)
+    x, _ = batches(mesh.size, 4)
+    with fzero.bind(net, state, mesh):
+        for t in range(3):  # an evaluation loop: a forward per batch
+            if mesh.rank == 1 and t == 1:
+                raise ValueError("rank 1's metric got a label it does not know")
+            net(mine(x[t], mesh.rank))
+
+
+def test_an_exception_inside_one_ranks_bind_block_raises_on_every_rank() -> None:
+    outs = outcomes(3, _bind_raises_on_rank_1)
+    raised_together(outs, ValueError, "label it does not know")
+    assert [o.peer for o in outs] == [True, False, True]
