@@ -228,3 +228,24 @@ def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     if set(got) != set(want):
         return [f"keys {sorted(set(got) ^ set(want))}"]
     return [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+
+
+def torchrun(script: Any, *args: str, nproc: int = 2, timeout: float = 240) -> Any:
+    """`torchrun --nproc-per-node=nproc script *args` on 127.0.0.1 (gloo over loopback, a
+    free port, no restarts); the finished `subprocess.CompletedProcess`, output captured."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"), f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
+        str(script), *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -4,7 +4,6 @@ the eager construction, training as one-process torch.optim, pretrained files in
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from transformers import (
 )
 
 import fzero
-from tests.support import differences, errors_on_every_rank, run, state_values
+from tests.support import differences, errors_on_every_rank, run, state_values, torchrun
 from tests.support import module_values as values
 
 F64 = torch.float64
@@ -334,7 +333,6 @@ def test_fsdp2_checkpoints_load_into_fzero_and_fzero_checkpoints_into_fsdp2(
 @pytest.mark.multiprocess
 def test_the_fine_tuning_example_learns_exports_and_reloads(tmp_path: Path) -> None:
     import re
-    import socket
     import subprocess
     import sys
 
@@ -346,24 +344,14 @@ def test_the_fine_tuning_example_learns_exports_and_reloads(tmp_path: Path) -> N
     )  # fmt: skip
     assert made.returncode == 0, made.stderr[-3000:]
     assert (pretrained / "model.safetensors.index.json").exists()  # several files
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [
-        str(torchrun), "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
-        "--max-restarts=0", str(script), f"--pretrained={pretrained}", f"--out={out}",
-    ]  # fmt: skip
-    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    job = torchrun(script, f"--pretrained={pretrained}", f"--out={out}")
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
     losses = re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", job.stdout)
     assert losses and float(losses.group(2)) < 0.8 * float(losses.group(1)), job.stdout
     assert "logits identical" in job.stdout, job.stdout
     # The same job with FSDP2 (the docs compare their lengths) learns the same.
-    cmd[-3] = str(script.with_name("hf_finetune_fsdp2.py"))
-    cmd[-1] = f"--out={tmp_path / 'fsdp2'}"
-    theirs = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    fsdp2_script = script.with_name("hf_finetune_fsdp2.py")
+    theirs = torchrun(fsdp2_script, f"--pretrained={pretrained}", f"--out={tmp_path / 'fsdp2'}")
     assert theirs.returncode == 0, theirs.stdout[-2000:] + theirs.stderr[-3000:]
     fsdp2 = re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", theirs.stdout)
     assert fsdp2 and abs(float(fsdp2.group(2)) - float(losses.group(2))) < 1e-3, theirs.stdout

@@ -3,7 +3,6 @@ what plain torch and safetensors write and read, memory bounded (measured on the
 
 import ctypes
 import gc
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,13 @@ from torch.func import functional_call
 
 import fzero
 from tests.gloo_pool import GlooPool
-from tests.support import errors_on_every_rank, map_every_allocation, peak_rss_rise, run
+from tests.support import (
+    errors_on_every_rank,
+    map_every_allocation,
+    peak_rss_rise,
+    run,
+    torchrun,
+)
 
 F64 = torch.float64
 
@@ -510,29 +515,13 @@ def test_setup_load_and_export_stay_within_shards_plus_two_units(tmp_path: Path)
 @pytest.mark.multiprocess
 def test_big_model_example_trains_exports_and_loads_in_plain_torch(tmp_path: Path) -> None:
     import re
-    import socket
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
     script, out = root / "examples" / "big_model.py", tmp_path / "m.safetensors"
     size = ["--vocab=256", "--width=64", "--layers=3", "--heads=4", "--seq=16"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [
-        str(torchrun),
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        "--max-restarts=0",
-        str(script),
-        *size,
-        f"--out={out}",
-    ]
-    run_ = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    run_ = torchrun(script, *size, f"--out={out}")
     assert run_.returncode == 0, run_.stdout[-2000:] + run_.stderr[-3000:]
     assert "capped at 0.75" in run_.stdout and out.exists()
     check = subprocess.run(
