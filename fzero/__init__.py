@@ -27,6 +27,7 @@ from ._engine import reduce_scatter_grads as reduce_scatter_grads
 from ._engine import remat as remat
 from ._state import DynamicLossScale as DynamicLossScale
 from ._state import LossScaleState as LossScaleState
+from ._state import Offload as Offload
 from ._state import Precision as Precision
 from ._state import ShardedState as ShardedState
 from ._state import master_params as master_params

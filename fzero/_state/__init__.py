@@ -3,8 +3,9 @@
 `ShardedState` and `shard_state` (`_shard_state`, the `init` of every stage), the
 ranks' agreement on its layout (`_agree_layout`), deferred initialization from
 initializers or files (`_deferred`, `_initializers`), mixed precision's masters and
-casts (`_precision`), the dynamic loss scaler (`_loss_scale`) and the record of states a
-donating step consumed (`_donation`).
+casts (`_precision`), offload's placement off the device (`_offload`, `_spill`), the
+dynamic loss scaler (`_loss_scale`) and the record of states a donating step consumed
+(`_donation`).
 
 Contract: a state is an immutable pytree (`dataclasses.replace` makes the next one); the
 functions here build, check and convert states but never step them. Imports
@@ -24,6 +25,12 @@ from ._initializers import RecordedInit as RecordedInit
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
 from ._loss_scale import unscale_ as unscale_
+from ._offload import Offload as Offload
+from ._offload import Placement as Placement
+from ._offload import check_offload as check_offload
+from ._offload import offloaded_bytes as offloaded_bytes
+from ._offload import piece_buckets as piece_buckets
+from ._offload import place as place
 from ._precision import Precision as Precision
 from ._precision import cast_params as cast_params
 from ._precision import held_shards as held_shards

@@ -16,6 +16,7 @@ from .._core import (
     Stage,
     build_layout,
     cut,
+    device_of,
     leaf_paths,
     tree_flatten,
     tree_map,
@@ -221,7 +222,9 @@ def master_params(state: Any, mesh: Mesh) -> PyTree:
     if isinstance(state.master, Shards):
         mlay = state.master.layout
         live = [i for i, b in enumerate(mlay.buckets) if not b.frozen]
-        flats = [_comm.all_gather(state.master.buffers[i], mesh) for i in live]
+        device = device_of(params)
+        # Offloaded masters are gathered from the device, like the rest.
+        flats = [_comm.all_gather(state.master.buffers[i].to(device), mesh) for i in live]
         trainable: dict[int, Any] = {}
         for i, flat in zip(live, flats):
             for slot, view in cut(mlay.buckets[i], flat):

@@ -35,6 +35,7 @@ from ._agree_layout import agree_layout
 from ._deferred import check_init, materialize
 from ._initializers import Init
 from ._loss_scale import DynamicLossScale, LossScaleState
+from ._offload import Offload, Placement, check_offload, place
 from ._precision import (
     Precision,
     cast_params,
@@ -71,6 +72,8 @@ class ShardedState:
         None without masters.
       scaler: the dynamic loss scaler's state, or None.
       precision: the `Precision` (static), or None.
+      offload: where the masters and optimizer state of each bucket live (static): a
+        `Placement` from `shard_state(offload=)`, or None (all on the device).
     """
 
     params: PyTree
@@ -82,16 +85,17 @@ class ShardedState:
     master: PyTree = None
     scaler: LossScaleState | None = None
     precision: Precision | None = None
+    offload: Placement | None = None
 
 
 optree.register_pytree_node(
     ShardedState,
     lambda s: (
         (s.params, s.opt_state, s.step, s.buffers, s.master, s.scaler),
-        (s.layout, s.stage, s.precision),
+        (s.layout, s.stage, s.precision, s.offload),
         ("params", "opt_state", "step", "buffers", "master", "scaler"),
     ),
-    lambda meta, c: ShardedState(*c[:3], *meta[:2], *c[3:], meta[2]),
+    lambda meta, c: ShardedState(*c[:3], *meta[:2], *c[3:], *meta[2:]),
     namespace=NAMESPACE,
 )
 
@@ -111,6 +115,7 @@ def shard_state(
     precision: Precision | None = None,
     loss_scale: DynamicLossScale | None = None,
     init: Init | None = None,
+    offload: Offload | None = None,
 ) -> ShardedState:
     """Builds this rank's training state for ZeRO `stage`: the `init` of a sharded step.
 
@@ -138,6 +143,8 @@ def shard_state(
       loss_scale: a `fzero.DynamicLossScale`; its state is `state.scaler`.
       init: an initializer from `fzero.init`: each rank makes or reads only what it
         holds, `params` may be meta tensors, and ranks check they made the same values.
+      offload: a `fzero.Offload`: the masters and optimizer state of all or part of the
+        units on the host or on local disk, updated there (stages 1-3).
 
     Returns:
       A ShardedState.
@@ -158,6 +165,7 @@ def shard_state(
         if spec.shards_optimizer:
             check_slices(optimizer, lay.kind)  # `agree_layout` names shard_state and the rank
         check_init(params, init)
+        check_offload(offload, spec.number)
         if precision is not None and init is None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
             check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
@@ -173,7 +181,8 @@ def shard_state(
         lay, problem = None, f"{type(exc).__name__}: {exc}"
     agree_layout(lay, problem, (spec.number, init is not None), mesh)
     if init is not None:
-        return _from_init(init, lay, optimizer, mesh, spec, buffers, precision, loss_scale)
+        state = _from_init(init, lay, optimizer, mesh, spec, buffers, precision, loss_scale)
+        return placed(state, offload, mesh)
     state_buffers = _replicate_buffers(buffers, mesh)
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
@@ -190,9 +199,33 @@ def shard_state(
             master = mlay.trainable(mlay.unflatten(mflats))
         del cast
     held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master, convert)
-    return ShardedState(
+    state = ShardedState(
         held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
     )
+    return placed(state, offload, mesh)
+
+
+@_comm.agreement
+def placed(state: ShardedState, offload: Offload | None, mesh: Mesh) -> ShardedState:
+    """`state` placed as `offload` says (`place`), or as it is; a rank that cannot (a
+    directory it cannot write, a disk without room) fails every rank, with its OS error."""
+    if offload is None:
+        return state
+    problem: Any = None
+    out = state
+    try:
+        out = place(state, offload, mesh)
+    except OSError as exc:
+        problem = (exc.errno, exc.strerror or str(exc), exc.filename)
+    except Exception as exc:  # travels to every rank, raised there
+        problem = f"{type(exc).__name__}: {exc}"
+    for rank, prob in enumerate(_comm.all_gather_object(problem, mesh)):
+        if isinstance(prob, tuple):
+            number, text, filename = prob
+            raise OSError(number, f"{text} (shard_state's offload on rank {rank})", filename)
+        if prob is not None:
+            raise ValueError(f"shard_state: offload on rank {rank}: {prob}")
+    return out
 
 
 # What a leaf goes through before it is packed (casting to the compute dtype), or nothing.

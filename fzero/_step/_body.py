@@ -70,7 +70,7 @@ def body(
         return Out(state.params, state.opt_state, state.master, False, tally, order)
 
     # Update this rank's part: the optimizer on what the stage has it own.
-    new, opt_state, applied = apply_update(
+    new, opt_state, applied, held = apply_update(
         optimizer, state, target, grads, mesh, o.donate, factor=factor
     )
     master = None if state.master is None else new
@@ -78,8 +78,9 @@ def body(
         return Out(state.params, opt_state, master, False, tally, order)
     del grads  # used: what follows has the memory they held
 
-    # After the update: the updated shards all-gathered where the stage replicates.
-    params = after_update(stage, new, local, state, mesh, o.donate, o.reduce_bucket_bytes)
+    # After the update: the updated shards (`held`: as on the device, where the state is
+    # offloaded) all-gathered where the stage replicates.
+    params = after_update(stage, held, local, state, mesh, o.donate, o.reduce_bucket_bytes)
     return Out(params, opt_state, master, True, tally, order)
 
 

@@ -22,7 +22,7 @@ from .. import _comm
 from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure
 from .._core import LossFn, UnitSpec, differentiating
 from .._engine import Context, UnitLedger, context, differentiates_by_leaf
-from .._state import ShardedState, mark_consumed
+from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
 from ._body import body
 from ._cache import StepCache
@@ -191,6 +191,8 @@ def _first_step(
         micro = micro_batches(batch, o.accumulate, cache.micro)
         check_optimizer_state(optimizer, state, mesh.rank)
         check_module(o.module, state, mesh.rank)
+        if state.offload is not None:
+            check_offload(state.offload.offload, state.stage, o.donate)
         config = configuration(o, state, optimizer)
         config["micro-batches"] = str(len(micro))
     except Exception as exc:

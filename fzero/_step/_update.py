@@ -3,17 +3,29 @@ update around it (unscaling, skipping) and the parameters rebuilt from it."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from .._comm import Mesh, all_reduce_sum
-from .._core import PyTree, ShardLayout, Shards, Stage, leaf_paths, tree_flatten, tree_map
+from .._core import (
+    PyTree,
+    ShardLayout,
+    Shards,
+    Stage,
+    device_of,
+    leaf_paths,
+    stage_of,
+    tree_flatten,
+    tree_map,
+)
 from .._engine import gather_params_into
 from .._state import held_shards, unscale_
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from ..optim._context import ShardContext, shard_context
+from ._streamed import streamed_update
 
 
 def sharded_update(
@@ -118,6 +130,22 @@ def after_update(
     return held_shards(state.params.buffers, new, lay)  # the shards are the masters
 
 
+def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.Tensor:
+    """Offloaded bucket k's updated master as the device needs it: cast on the host to
+    what the device holds (stage 3: the parameter shard, written in place when donating;
+    stages 1-2: what the all-gather sends), then copied over (asynchronously, from pinned
+    memory to a GPU)."""
+    if stage_of(state.stage).shards_params:
+        held = state.params.buffers[k]
+        value = master.to(held.dtype, copy=True)
+        if donate:
+            return held.copy_(value, non_blocking=value.is_pinned())
+        return value.to(held.device)
+    gather = None if state.precision is None else state.precision.gather_dtype
+    value = master.to(gather or state.layout.buckets[k].dtype, copy=True)
+    return value.to(device_of(state.params), non_blocking=value.is_pinned())
+
+
 def apply_update(
     optimizer: Optimizer,
     state: Any,
@@ -126,13 +154,14 @@ def apply_update(
     mesh: Mesh,
     donate: bool,
     factor: float = 1.0,
-) -> tuple[Any, Any, bool]:
+) -> tuple[Any, Any, bool, Any]:
     """A step's optimizer update of `target` (parameters or masters; a tree or Shards).
 
     Gradients arrive in the reduce dtype and are cast to the target's, then multiplied by
     `factor` (the step's weighting, `_loss_weights`) in the target's precision. With a loss scaler
     they are unscaled, and if any rank found an inf or NaN, nothing is updated on any rank
-    (the third value is then False).
+    (the third value is then False). The fourth is the new target as the device holds it:
+    the target itself, or with an offloaded state, its offloaded buckets' device values.
     """
     if isinstance(target, Shards):
         bufs = tuple(g.to(t.dtype) for g, t in zip(grads.buffers, target.buffers))
@@ -144,11 +173,18 @@ def apply_update(
         for g in leaves:
             g.mul_(factor)
     if state.scaler is not None and unscale_(leaves, state.scaler.scale, mesh):
-        return target, state.opt_state, False
+        return target, state.opt_state, False, target
+    if state.offload is not None:
+        deliver = functools.partial(on_device, state=state, donate=donate)
+        new, opt_state, delivered = streamed_update(
+            optimizer, target, grads, state.opt_state, mesh, donate, state.offload, deliver
+        )
+        bufs = tuple(delivered.get(k, x) for k, x in enumerate(new.buffers))
+        return new, opt_state, True, Shards(bufs, new.layout, new.rank)
     new, opt_state = sharded_update(
         optimizer, target, grads, state.opt_state, donate=donate, mesh=mesh
     )
-    return new, opt_state, True
+    return new, opt_state, True, new
 
 
 def _cast_tree(master: PyTree, state: Any, donate: bool) -> PyTree:

@@ -51,6 +51,8 @@ def estimate_table(
     grad_bytes: float = 2,
     optim_bytes: float = 12,
     unit: str = "auto",
+    offload: str | None = None,
+    fraction: float = 1.0,
 ) -> list[str]:
     """The ZeRO paper's Table 1 for one model: model-state memory per rank.
 
@@ -63,27 +65,30 @@ def estimate_table(
       optim_bytes: optimizer-state bytes per parameter (12: fp32 master weights and Adam's
         two moments).
       unit: see `human_bytes`.
+      offload, fraction: as `estimate_memory`'s; each cell is then "device + offloaded"
+        (stage 0, which cannot offload: "-").
 
     Returns:
       The table's lines.
     """
-    cells = [
-        [
-            human_bytes(
-                estimate_memory(
-                    num_params,
-                    n,
-                    s,
-                    param_bytes=param_bytes,
-                    grad_bytes=grad_bytes,
-                    optim_bytes=optim_bytes,
-                ).total,
-                unit,
-            )
-            for s in stages
-        ]
-        for n in world_sizes
-    ]
+
+    def cell(n: int, s: int) -> str:
+        if offload is not None and s == 0:
+            return "-"
+        e = estimate_memory(
+            num_params,
+            n,
+            s,
+            param_bytes=param_bytes,
+            grad_bytes=grad_bytes,
+            optim_bytes=optim_bytes,
+            offload=offload,
+            fraction=fraction,
+        )
+        device = human_bytes(e.total, unit)
+        return device if offload is None else f"{device} + {human_bytes(e.host + e.disk, unit)}"
+
+    cells = [[cell(n, s) for s in stages] for n in world_sizes]
     heads = [f"stage {s} ({STAGE_NAMES[s]})" for s in stages]
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(heads)]
     lines = ["world size  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths))]
@@ -149,6 +154,8 @@ def _estimate(args: argparse.Namespace) -> int:
             grad_bytes=args.grad_bytes,
             optim_bytes=args.optim_bytes,
             unit=args.unit,
+            offload=args.offload,
+            fraction=args.offload_fraction,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -158,6 +165,12 @@ def _estimate(args: argparse.Namespace) -> int:
         f"Model-state memory per rank: {format_count(args.params)} parameters x ({per}) bytes\n"
         f"(params + grads + optimizer state{': mixed-precision Adam' if adam else ''})\n"
     )
+    if args.offload:
+        share = "" if args.offload_fraction == 1 else f"{args.offload_fraction:g} of "
+        print(
+            f"Offload (ZeRO-Offload / ZeRO-Infinity): {share}the optimizer state, fp32 masters "
+            f"included, on the {args.offload}; each cell is device + {args.offload}.\n"
+        )
     print("\n".join(lines))
     if args.shard_size or args.hpz or args.qwz or args.qgz:  # the mesh shape was asked about
         print("\n".join(["", *comm_table(args)]))
@@ -165,7 +178,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "\nZeRO (arXiv 1910.02054, section 5): stage 1 shards the optimizer state, stage 2 also "
         "the\ngradients, stage 3 also the parameters. Activations and buffers are not counted."
     )
-    if adam:
+    if adam and not args.offload:
         print(
             "fzero's stage 3 holds 2 bytes a parameter less (its bf16 shards are the fp32 "
             "masters,\ncast as they are gathered): --param-bytes 0 for its column."
@@ -291,6 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--optim-bytes", type=nonnegative_float, default=12.0, help="12: fp32 master + Adam"
     )
     est.add_argument("--unit", choices=["auto", *UNITS], default="auto")
+    est.add_argument(
+        "--offload",
+        choices=["host", "disk"],
+        default=None,
+        help="the optimizer state (masters included) off the device: shard_state(offload=)",
+    )
+    est.add_argument(
+        "--offload-fraction", type=float, default=1.0, metavar="F", help="its share, in (0, 1]"
+    )
     est.add_argument(
         "--shard-size",
         type=int,

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from .._core import device_of, stage_of, tree_nbytes
-from .._state import ShardedState
+from .._state import ShardedState, offloaded_bytes
 
 
 class MemoryEstimate(NamedTuple):
@@ -15,10 +15,13 @@ class MemoryEstimate(NamedTuple):
 
     params: float
     grads: float
-    opt_state: float
+    opt_state: float  # what stays on the device
+    host: float = 0.0  # optimizer state (masters included) offloaded to host memory
+    disk: float = 0.0  # ... or to disk
 
     @property
     def total(self) -> float:
+        """The bytes on the device."""
         return self.params + self.grads + self.opt_state
 
 
@@ -30,6 +33,8 @@ def estimate_memory(
     param_bytes: float = 2,
     grad_bytes: float = 2,
     optim_bytes: float = 12,
+    offload: str | None = None,
+    fraction: float = 1.0,
 ) -> MemoryEstimate:
     """Model-state bytes per rank for ZeRO `stage` (ZeRO, arXiv 1910.02054, section 5).
 
@@ -48,20 +53,37 @@ def estimate_memory(
       param_bytes: bytes per parameter as held for compute.
       grad_bytes: bytes per gradient element.
       optim_bytes: bytes of optimizer state per parameter.
+      offload: "host" or "disk": `fraction` of the optimizer state (masters included)
+        leaves the device (ZeRO-Offload, ZeRO-Infinity; stages 1-3). With it fzero's
+        stage 3 keeps a compute-dtype shard on the device beside the offloaded masters:
+        `param_bytes` counts it.
+      fraction: the offloaded share, in (0, 1].
 
     Returns:
-      A MemoryEstimate (`.total` sums it).
+      A MemoryEstimate: `.total` sums what stays on the device; `host` or `disk` what
+      leaves it.
     """
     spec = stage_of(stage)
     if world_size < 1 or num_params < 0:
         raise ValueError("need world_size >= 1 and num_params >= 0")
+    if offload is not None:
+        if offload not in ("host", "disk"):
+            raise ValueError(f"offload is 'host' or 'disk', got {offload!r}")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"the offloaded fraction must be in (0, 1], got {fraction}")
+        if not spec.shards_optimizer:
+            raise ValueError("offload needs stage 1, 2 or 3")
     per = num_params / world_size
+    opt = (per if spec.shards_optimizer else num_params) * optim_bytes
+    off = 0.0 if offload is None else opt * fraction
     # The paper's gradient arithmetic: stage 1 holds full gradients through the backward
     # (they are reduced in buckets), stages 2-3 one unit's at a time besides the shard.
     return MemoryEstimate(
         params=(per if spec.shards_params else num_params) * param_bytes,
         grads=(per if spec.grads == "unit" else num_params) * grad_bytes,
-        opt_state=(per if spec.shards_optimizer else num_params) * optim_bytes,
+        opt_state=opt - off,
+        host=off if offload == "host" else 0.0,
+        disk=off if offload == "disk" else 0.0,
     )
 
 
@@ -79,6 +101,8 @@ class MemoryReport(NamedTuple):
         `max_memory_allocated` (since the last `torch.cuda.reset_peak_memory_stats`) and
         `memory_reserved` of that device: what a step really needs, gradients, gathered
         units and communication buffers included. None off CUDA.
+      host, disk: the part of `opt_state` (masters and optimizer state) offloaded to
+        host memory or to disk (`shard_state(offload=)`); 0 without offload.
     """
 
     params: int
@@ -87,10 +111,17 @@ class MemoryReport(NamedTuple):
     allocated: int | None = None
     peak_allocated: int | None = None
     reserved: int | None = None
+    host: int = 0
+    disk: int = 0
 
     @property
     def total(self) -> int:
         return self.params + self.opt_state
+
+    @property
+    def on_device(self) -> int:
+        """The bytes held on the device: the total less what is offloaded."""
+        return self.total - self.host - self.disk
 
 
 def memory_report(state: ShardedState) -> MemoryReport:
@@ -113,7 +144,11 @@ def memory_report(state: ShardedState) -> MemoryReport:
     # counted once, as masters; `params` is then what only the parameters hold.
     params = tree_nbytes((state.params, state.opt_state, state.master)) - opt
     device = device_of(state.params)
-    report = MemoryReport(params, opt, device)
+    off = offloaded_bytes(state)
+    tier = None if state.offload is None else state.offload.offload.to
+    report = MemoryReport(
+        params, opt, device, host=off if tier == "host" else 0, disk=off if tier == "disk" else 0
+    )
     if device is None or device.type != "cuda":
         return report
     return report._replace(

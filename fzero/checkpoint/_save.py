@@ -12,7 +12,7 @@ import torch
 from .. import _comm
 from .._comm import Mesh
 from .._core import PyTree, ShardLayout, Shards, build_layout, leaf_paths, stage_of, tree_flatten
-from .._state import ShardedState, check_live, frozen_leaves
+from .._state import ShardedState, check_live, frozen_leaves, place
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from . import _disk as disk
@@ -65,6 +65,14 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
     """
     path = os.fspath(path)
     check_state(state, mesh, "checkpoint.save")
+    try:
+        return _save(state, path, mesh)
+    finally:
+        if state.offload is not None:  # the disk tier's pages it read, given back
+            state.offload.release_all()
+
+
+def _save(state: ShardedState, path: str, mesh: Mesh) -> str:
     extra, extra_body = extra_tensors(state), extra_metadata(state)
     state = full_precision(state, mesh)  # masters become the parameters saved
     lay, stage, rank = state.layout, stage_of(state.stage), mesh.shard_rank
@@ -169,6 +177,7 @@ def load(
     loss_scale: Any = None,
     buffers_like: PyTree = None,
     device: Any = None,
+    offload: Any = None,
 ) -> ShardedState:
     """Loads a checkpoint onto `mesh`, at any world size, stage and layout (collective).
 
@@ -195,6 +204,8 @@ def load(
       device: where the state is built (None: `mesh.device`, the current GPU under NCCL).
         Files are read through the host range by range, each copied to the device as it
         is read: the host never holds a whole bucket of them.
+      offload: a `fzero.Offload` to continue with the optimizer's state off the device
+        (as `shard_state(offload=)`); any checkpoint loads with or without one.
 
     Returns:
       This rank's ShardedState, with the saved step; parameters and optimizer state hold
@@ -225,6 +236,8 @@ def load(
             )
             if precision is not None:
                 state = to_mixed(state, precision, mesh)
+            if offload is not None:
+                state = place(state, offload, mesh)
         finally:
             src.close()
     except Exception as exc:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 from .. import _comm
 from .._comm import Mesh
 from .._core import Bucket, ShardLayout, Stage, tree_unflatten
+from ..optim._pieces import walk as walk
 
 # An optimizer-state entry: (node, sub). `node` is the path of a subtree of the state that
 # mirrors the optimizer's pieces (AdamState.mu -> "mu"; from_torch's whole state -> ""),
@@ -137,46 +138,6 @@ def piece_spec(layout: ShardLayout, stage: Stage, npieces: int) -> optree.PyTree
             )
         return spec
     return optree.tree_structure(tuple(range(npieces)))
-
-
-def walk(
-    tree: Any,
-    spec: optree.PyTreeSpec,
-    on_node: Callable[[str, Any], Any],
-    on_global: Callable[[str, torch.Tensor], Any],
-    path: str = "",
-) -> Any:
-    """Rebuilds an optimizer state, mapping per-piece subtrees and global tensors.
-
-    A subtree with the structure `spec` (one entry per piece) goes to `on_node`; a tensor
-    elsewhere (a step count) to `on_global`; None stays None. Containers are rebuilt with
-    their own types, so NamedTuple states come back as themselves.
-    """
-    try:
-        spec.flatten_up_to(tree)
-        matches = True
-    except (ValueError, TypeError):
-        matches = False
-    if matches:
-        return on_node(path, tree)
-    if isinstance(tree, torch.Tensor):
-        return on_global(path, tree)
-    if tree is None:
-        return None
-
-    def sub(key: Any, child: Any) -> Any:
-        return walk(child, spec, on_node, on_global, f"{path}.{key}" if path else str(key))
-
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(sub(f, getattr(tree, f)) for f in tree._fields))
-    if isinstance(tree, dict):
-        return {k: sub(k, v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(sub(i, v) for i, v in enumerate(tree))
-    raise CheckpointError(
-        f"optimizer state at {path or '<root>'!r} is a {type(tree).__name__}: checkpoints hold "
-        "tensors in dicts, lists, tuples and NamedTuples"
-    )
 
 
 def piece_items(state: Any, where: str) -> list[tuple[str, torch.Tensor]]:

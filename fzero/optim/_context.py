@@ -33,12 +33,55 @@ class ShardContext:
       segments: per piece, the parameter elements it holds; None when the update runs on
         the parameter tree itself (stage 0).
       world_size: how many ranks share the pieces.
+      whole: when the update runs a unit of pieces at a time (offload), every piece's
+        gradient (`UnitByUnit`): what a transform that looks across pieces must see.
     """
 
     mesh: Any
     sharded: bool
     segments: tuple[Segments, ...] | None
     world_size: int = 1
+    whole: UnitByUnit | None = None
+
+
+class UnitByUnit:
+    """An update called once per unit of pieces (offload's driver), and what a transform
+    that looks across pieces needs from the whole: the gradient's global squared norm.
+
+    `unit` is the gradient pieces of the current call, as the optimizer receives them;
+    `norm_sq(leaves)` is the global squared norm of all the pieces, summed in piece order
+    exactly as one call over them all would (computed once, then reused by every unit).
+    """
+
+    def __init__(self, grads: tuple[torch.Tensor, ...], device: torch.device | None) -> None:
+        self.grads, self.device = grads, device
+        self.unit: tuple[torch.Tensor, ...] = ()
+        self._norm_sq: torch.Tensor | None = None
+
+    def norm_sq(self, leaves: list[torch.Tensor]) -> torch.Tensor:
+        """The squared global norm of the whole gradient, `leaves` being this unit's."""
+        if len(leaves) != len(self.unit) or any(a is not b for a, b in zip(leaves, self.unit)):
+            raise ValueError(
+                "clip_by_global_norm after a transformation that changes the gradient cannot "
+                "run a unit of pieces at a time (offload= steps unit by unit): put it first in "
+                "chain(...)"
+            )
+        if self._norm_sq is None:
+            self._norm_sq = global_sum(sum_of_squares(self.grads, self.device), whole=True)
+        return self._norm_sq
+
+
+def sum_of_squares(leaves: Any, device: torch.device | None) -> torch.Tensor:
+    """The float64 sum of the leaves' squares, leaf after leaf, where the leaves are."""
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for g in leaves:
+        local = local + g.detach().double().pow(2).sum().to(local.device)
+    return local
+
+
+def current() -> ShardContext | None:
+    """The sharding context of the update being run, if any."""
+    return _CONTEXT.get()
 
 
 _CONTEXT: ContextVar[ShardContext | None] = ContextVar("fzero_shard_context", default=None)
@@ -54,9 +97,18 @@ def shard_context(ctx: ShardContext) -> Iterator[None]:
         _CONTEXT.reset(token)
 
 
-def global_sum(local: torch.Tensor) -> torch.Tensor:
-    """`local` summed over every rank's shard, if the update runs on a shard; else itself."""
+def global_sum(local: torch.Tensor, whole: bool = False) -> torch.Tensor:
+    """`local` summed over every rank's shard, if the update runs on a shard; else itself.
+
+    `local` must cover every piece this rank updates: an update run a unit at a time
+    (offload) refuses, unless `whole` says it does."""
     ctx = _CONTEXT.get()
+    if ctx is not None and ctx.whole is not None and not whole:
+        raise ValueError(
+            "this optimizer sums over every piece of the update (global_sum), and offload= "
+            "steps a unit of pieces at a time: it would sum over one unit. Offload supports "
+            "elementwise optimizers and clip_by_global_norm first in chain(...)"
+        )
     if ctx is None or not ctx.sharded or ctx.world_size == 1:
         return local
     if ctx.mesh is None:

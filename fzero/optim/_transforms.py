@@ -10,7 +10,7 @@ import torch
 
 from .._core import device_of
 from ._base import Grads, Optimizer, OptState, Params
-from ._context import global_sum
+from ._context import current, global_sum, sum_of_squares
 
 
 class GradientTransformation(NamedTuple):
@@ -54,12 +54,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     @torch.no_grad()
     def update(grads: Grads, state: ClipState, params: Params) -> tuple[Grads, ClipState]:
         leaves = optree.tree_leaves(grads)
-        # Summed where the gradients are (a GPU's, all-reduced by NCCL): nothing is read
-        # back to the host, so clipping costs no sync.
-        local = torch.zeros((), dtype=torch.float64, device=device_of(grads))
-        for g in leaves:
-            local = local + g.detach().double().pow(2).sum()
-        norm = global_sum(local).sqrt()
+        ctx = current()
+        if ctx is not None and ctx.whole is not None:  # one unit of the update (offload)
+            norm = ctx.whole.norm_sq(leaves).sqrt()
+        else:
+            # Summed where the gradients are (a GPU's, all-reduced by NCCL): nothing is
+            # read back to the host, so clipping costs no sync.
+            norm = global_sum(sum_of_squares(leaves, device_of(grads))).sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         clipped = optree.tree_map(lambda g: g * coef.to(g.device, g.dtype), grads)
         return clipped, ClipState(norm)

@@ -163,3 +163,23 @@ def test_estimate_prints_communication_per_axis(capsys: Any) -> None:
     assert main([*base, "--hpz", "2", "--qwz", "--qgz"]) == 0
     out = capsys.readouterr().out
     assert "hpZ groups of 2; qwZ + qgZ int8" in out and "4 KB / 2.03 KB" in out
+
+
+def test_estimate_prints_the_offload_arithmetic(capsys: pytest.CaptureFixture[str]) -> None:
+    # ZeRO-Offload's case: 7B parameters of mixed-precision Adam on one rank. The 12
+    # bytes a parameter of fp32 masters and moments leave the device; 2 + 2 stay.
+    argv = ["estimate", "--params", "7B", "--world-sizes", "1,8", "--offload", "host"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line[:10].strip() in ("1", "8")
+    }
+    assert " ".join(rows["1"]) == "- 28 GB + 84 GB 28 GB + 84 GB 28 GB + 84 GB"
+    assert " ".join(rows["8"]).endswith("3.5 GB + 10.5 GB")  # (2 + 2) * 7B / 8 + 12 * 7B / 8
+    assert "--param-bytes 0" not in out  # the device keeps a bf16 shard beside the masters
+    assert main([*argv[:-1], "disk", "--offload-fraction", "0.5"]) == 0
+    assert "70 GB + 42 GB" in capsys.readouterr().out  # half of the 84 GB stays: 28 + 42
+    line = _error_line(capsys, [*argv, "--offload-fraction", "0"])
+    assert "(0, 1]" in line

@@ -1,0 +1,253 @@
+"""Offload: where the optimizer's half of a state lives (device, host or disk), unit by unit.
+
+`Offload` is the user's choice; `Placement` is what a state records of it (static: which
+buckets, and the disk file); `place` moves a built state's masters and optimizer state of
+the chosen buckets off the device. The step's update then runs unit by unit where each
+unit's state lies (`fzero._step._streamed`), bitwise the same arithmetic
+(docs/training.md, [Note: offload]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+
+from .._comm import Mesh
+from .._core import ShardLayout, Shards, stage_of
+from ..optim._pieces import pieces_spec, walk
+from ._spill import Spill
+
+TIERS = ("host", "disk")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Optimizer state and master copies off the device (ZeRO-Offload, ZeRO-Infinity).
+
+    Attributes:
+      to: "host" (CPU memory, pinned when the parameters are on a GPU) or "disk" (one
+        file per rank under `directory`, mapped; a unit's state is paged in for its
+        update and dropped after it).
+      fraction: the share of the trainable elements whose state is offloaded, in (0, 1];
+        whole buckets (a unit's, per dtype) are taken from the last unit backwards, the
+        first whose gradients a backward completes.
+      directory: where the disk tier's files go (local disk); required for "disk".
+    """
+
+    to: str = "host"
+    fraction: float = 1.0
+    directory: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.to not in TIERS:
+            raise ValueError(f"Offload.to must be one of {TIERS}, got {self.to!r}")
+        if not 0.0 < float(self.fraction) <= 1.0:
+            raise ValueError(f"Offload.fraction must be in (0, 1], got {self.fraction!r}")
+        if self.to == "disk" and not self.directory:
+            raise ValueError("Offload(to='disk') needs directory= (a local disk's path)")
+        if self.to == "host" and self.directory is not None:
+            raise ValueError("Offload(to='host') takes no directory (that is to='disk')")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a state records of its offload: the config, the offloaded buckets (by index
+    in the layout), and for the disk tier the file and each bucket's region in it."""
+
+    offload: Offload
+    buckets: tuple[int, ...]
+    spill: Spill | None = field(default=None, compare=False, repr=False)
+    regions: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def prefetch(self, bucket: int) -> None:
+        """Reads a disk bucket's state ahead (nothing for the host)."""
+        if self.spill is not None and bucket in self.regions:
+            self.spill.prefetch(self.regions[bucket])
+
+    def release(self, bucket: int) -> None:
+        """Drops a disk bucket's state from memory once its update wrote it."""
+        if self.spill is not None and bucket in self.regions:
+            self.spill.release(self.regions[bucket])
+
+    def release_all(self) -> None:
+        """Drops every disk bucket from memory (after a checkpoint read them all)."""
+        if self.spill is not None:
+            self.spill.release_all()
+
+
+def chosen_buckets(layout: ShardLayout, fraction: float) -> tuple[int, ...]:
+    """The trainable buckets to offload: from the last backwards until they hold at least
+    `fraction` of the trainable elements (every rank chooses the same)."""
+    live = [k for k, b in enumerate(layout.buckets) if not b.frozen]
+    total = sum(layout.buckets[k].full_numel for k in live)
+    out, held = [], 0
+    for k in reversed(live):
+        if held >= fraction * total and out:
+            break
+        out.append(k)
+        held += layout.buckets[k].full_numel
+    return tuple(sorted(out))
+
+
+def piece_buckets(layout: ShardLayout, rank: int) -> tuple[int, ...]:
+    """The bucket of each of `Shards.pieces()` on `rank` (`ShardLayout.pieces`' order)."""
+    out = []
+    for k, b in enumerate(layout.buckets):
+        if b.frozen:
+            continue
+        if layout.kind == "flat":
+            out.append(k)
+        else:
+            out += [k for s in b.slots if s.owner == rank]
+    return tuple(out)
+
+
+def check_offload(offload: Any, stage: int, donate: bool | None = None) -> None:
+    """Raises ValueError for an offload the stage (or a pure step) cannot do."""
+    if offload is None:
+        return
+    if not isinstance(offload, Offload):
+        raise TypeError(f"offload must be a fzero.Offload, got {type(offload).__name__}")
+    if not stage_of(stage).shards_optimizer:
+        raise ValueError(
+            "offload needs stage 1, 2 or 3: stage 0 keeps every rank's optimizer state "
+            "whole and replicated (at one rank, stage 1 holds the same bytes and offloads)"
+        )
+    if donate is False and offload.to == "disk":
+        raise ValueError(
+            "a step with donate=False returns a new state and keeps the old one, but the "
+            "disk tier updates its files in place; use donate=True with Offload(to='disk')"
+        )
+
+
+def place(state: Any, offload: Offload, mesh: Mesh) -> Any:
+    """`state` with the masters and optimizer state of the chosen buckets off the device.
+
+    A state without masters gets them at the parameters' own precision (the optimizer
+    updates them off the device; the device keeps the parameters). At stage 3 an
+    offloaded trainable shard stays on the device as the parameters, in the compute
+    dtype, beside its master.
+
+    Args:
+      state: a ShardedState of stage 1-3, not offloaded.
+      offload: where, and how much.
+      mesh: the mesh.
+
+    Returns:
+      The ShardedState, its `offload` recording the Placement.
+    """
+    check_offload(offload, state.stage)
+    lay, rank = state.layout, mesh.shard_rank
+    spec = stage_of(state.stage)
+    master = state.master if state.master is not None else _own_masters(state, rank)
+    buckets = chosen_buckets(lay, offload.fraction)
+    owner = piece_buckets(lay, rank)
+    nodes = _node_entries(state.opt_state, len(owner))
+    mlay = master.layout
+    on_gpu = any(x.device.type == "cuda" for x in master.buffers)
+
+    spill, regions = None, {}
+    if offload.to == "disk":
+        sizes = [_round(master.buffers[k]) + _state_bytes(nodes, owner, k) for k in buckets]
+        spill = Spill(str(offload.directory), sizes, rank)
+        regions = {k: r for r, k in enumerate(buckets)}
+    offsets = dict.fromkeys(buckets, 0)
+
+    def move(k: int, x: torch.Tensor) -> torch.Tensor:
+        if spill is None:  # host memory, pinned for asynchronous copies to a GPU
+            host = x.detach().to("cpu", copy=True)
+            return host.pin_memory() if on_gpu else host
+        out = spill.tensor(regions[k], offsets[k], x.detach())
+        offsets[k] += _round(x)
+        return out
+
+    new_master = list(master.buffers)
+    for k in buckets:
+        new_master[k] = move(k, master.buffers[k])
+    sp = pieces_spec(len(owner))
+
+    def on_node(_: str, tree: Any) -> Any:
+        entries = sp.flatten_up_to(tree)
+        moved = [
+            optree.tree_map(lambda x, k=k: move(k, x), e) if k in offsets else e
+            for e, k in zip(entries, owner)
+        ]
+        return optree.tree_unflatten(sp, moved)
+
+    opt_state = walk(state.opt_state, sp, on_node, lambda _, g: g)
+    params = state.params
+    if spec.shards_params:  # the device keeps what is gathered, in the compute dtype
+        bufs = list(params.buffers)
+        for k in buckets:
+            if bufs[k] is master.buffers[k] or bufs[k].dtype != lay.buckets[k].dtype:
+                bufs[k] = master.buffers[k].to(lay.buckets[k].dtype, copy=True)
+        params = Shards(tuple(bufs), lay, rank)
+    placement = Placement(offload, buckets, spill, regions)
+    placement.release_all()
+    return dataclasses.replace(
+        state,
+        params=params,
+        opt_state=opt_state,
+        master=Shards(tuple(new_master), mlay, rank),
+        offload=placement,
+    )
+
+
+def _own_masters(state: Any, rank: int) -> Shards:
+    """Masters at the parameters' precision: stage 3's trainable shards themselves;
+    stages 1-2 a copy of this rank's slice of each trainable bucket (frozen: empty)."""
+    lay = state.layout
+    if stage_of(state.stage).shards_params:
+        bufs = state.params.buffers
+    else:
+        bufs = lay.shard(state.params, rank)
+    return Shards(
+        tuple(x.new_empty(0) if b.frozen else x for x, b in zip(bufs, lay.buckets)), lay, rank
+    )
+
+
+def _node_entries(opt_state: Any, n: int) -> list[list[Any]]:
+    sp, out = pieces_spec(n), []
+    walk(opt_state, sp, lambda _, t: out.append(sp.flatten_up_to(t)), lambda _, g: g)
+    return out
+
+
+def _state_bytes(
+    nodes: list[list[Any]], owner: tuple[int, ...], bucket: int, exact: bool = False
+) -> int:
+    """Bytes of the optimizer state of `bucket`'s pieces (each tensor rounded up to 64, as
+    laid out in a file, unless `exact`)."""
+    size = _bytes if exact else _round
+    total = 0
+    for entries in nodes:
+        for e, k in zip(entries, owner):
+            if k == bucket:
+                total += sum(size(x) for x in optree.tree_leaves(e))
+    return total
+
+
+def _bytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _round(x: torch.Tensor) -> int:
+    """`x`'s bytes rounded up to 64: each tensor in a file starts on a cache line."""
+    return -(-_bytes(x) // 64) * 64
+
+
+def offloaded_bytes(state: Any) -> int:
+    """Bytes of masters and optimizer state the state holds off the device."""
+    placement = state.offload
+    if placement is None:
+        return 0
+    lay, rank = state.layout, state.master.rank
+    owner = piece_buckets(lay, rank)
+    nodes = _node_entries(state.opt_state, len(owner))
+    chosen = set(placement.buckets)
+    return sum(
+        _bytes(state.master.buffers[k]) + _state_bytes(nodes, owner, k, exact=True) for k in chosen
+    )

@@ -1,0 +1,382 @@
+"""Offload to host and disk: the same training as on the device, bitwise, and torch's.
+
+Every numerical test compares with one process of `torch.optim` over the whole batch, and
+with the same fzero configuration without offload (the issue's bitwise promise: offload
+moves where the arithmetic runs, never what it computes).
+"""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fzero
+from tests.state.test_precision import FP16, FP32, UNITS, Net, data, make_loss, reference
+from tests.support import make_params, map_every_allocation, mlp_loss, peak_rss_rise, run
+
+MAX_NORM = 0.4
+DIMS = [4, 7, 5, 3]
+LAYER_UNITS = ["layers.0", "layers.1", "layers.2"]
+
+
+def batches(steps: int, n: int, micro: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(steps, n * micro, DIMS[0], generator=g, dtype=torch.float64)
+    ys = torch.randn(steps, n * micro, DIMS[-1], generator=g, dtype=torch.float64)
+    return xs, ys
+
+
+def optimizer() -> fzero.optim.Optimizer:
+    return fzero.optim.chain(
+        fzero.optim.clip_by_global_norm(MAX_NORM), fzero.optim.adamw(lr=0.05, weight_decay=0.1)
+    )
+
+
+def torch_reference(params: Any, xs: torch.Tensor, ys: torch.Tensor, frozen: str) -> Any:
+    """torch.optim.AdamW with clip_grad_norm_, one process, the concatenated batch."""
+    leaves, treedef = fzero._core._tree.tree_flatten(params)
+    paths = fzero._core._tree.leaf_paths(params)
+    tensors = [
+        x.detach().clone().requires_grad_(not p.startswith(frozen)) for x, p in zip(leaves, paths)
+    ]
+    live = [t for t in tensors if t.requires_grad]
+    opt = torch.optim.AdamW(live, lr=0.05, weight_decay=0.1, foreach=False)
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        mlp_loss(fzero._core._tree.tree_unflatten(treedef, tensors), (xs[t], ys[t])).backward()
+        torch.nn.utils.clip_grad_norm_(live, MAX_NORM, foreach=False)
+        opt.step()
+    return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
+
+
+def train(
+    mesh: fzero.Mesh,
+    params: Any,
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    stage: int,
+    layout: str,
+    offload: fzero.Offload | None,
+    accumulate: str | None,
+    frozen: str,
+) -> Any:
+    opt = optimizer()
+    kw: dict[str, Any] = dict(stage=stage, units=LAYER_UNITS)
+    state = fzero.shard_state(
+        params, opt, mesh, layout=layout, frozen=[frozen], offload=offload, **kw
+    )
+    step = fzero.sharded_step(mlp_loss, opt, mesh, accumulate=accumulate, **kw)
+    n = xs.shape[1] // mesh.size
+    for t in range(xs.shape[0]):
+        x, y = (
+            xs[t, mesh.rank * n : (mesh.rank + 1) * n],
+            ys[t, mesh.rank * n : (mesh.rank + 1) * n],
+        )
+        batch: Any = (x, y) if accumulate is None else list(zip(x.chunk(2), y.chunk(2)))
+        state, _ = step(state, batch)
+    return fzero.master_params(state, mesh), fzero.memory_report(state)
+
+
+@settings(max_examples=12)
+@example(  # a rank that owns no tensor: it still joins the clipping norm's all-reduce
+    n=3, stage=1, layout="tensor", tier="host", fraction=1.0, accumulate=None, frozen="layers.1.b"
+)
+@given(
+    n=st.integers(1, 3),
+    stage=st.sampled_from([1, 2, 3]),
+    layout=st.sampled_from(["flat", "tensor"]),
+    tier=st.sampled_from(["host", "disk"]),
+    fraction=st.sampled_from([1.0, 0.5, 0.2]),
+    accumulate=st.sampled_from([None, "sharded", "local"]),
+    frozen=st.sampled_from(["layers.1.b", "shift"]),
+)
+def test_offloaded_training_is_the_device_training_and_torchs(
+    tmp_path_factory: Any,
+    n: int,
+    stage: int,
+    layout: str,
+    tier: str,
+    fraction: float,
+    accumulate: str | None,
+    frozen: str,
+) -> None:
+    """Float64, clipping first in the chain, a frozen leaf, AdamW with decay: the masters
+    after 3 steps equal torch.optim's (1e-10) and, bitwise, fzero's without offload."""
+    directory = str(tmp_path_factory.mktemp("offload")) if tier == "disk" else None
+    offload = fzero.Offload(tier, fraction, directory)
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(3, n, 2)
+    want = torch_reference(params, xs, ys, frozen)
+    plain = run(n, train, params, xs, ys, stage, layout, None, accumulate, frozen)
+    got = run(n, train, params, xs, ys, stage, layout, offload, accumulate, frozen)
+    for (masters, report), (same, _) in zip(got, plain):
+        fzero.assert_trees_close(masters, same, rtol=0, atol=0)
+        fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
+        assert report.host + report.disk > 0
+        assert (report.disk > 0) == (tier == "disk")
+    moved = fzero._core._tree.max_abs_diff(got[0][0], params)
+    assert moved > 1e-3
+    frozen_leaf = dict(
+        zip(fzero._core._tree.leaf_paths(params), fzero._core._tree.tree_flatten(params)[0])
+    )
+    assert torch.equal(
+        dict(
+            zip(
+                fzero._core._tree.leaf_paths(got[0][0]),
+                fzero._core._tree.tree_flatten(got[0][0])[0],
+            )
+        )[frozen],
+        frozen_leaf[frozen],
+    )
+    if directory is not None:
+        assert list(Path(directory).iterdir()) == []  # the files live only while mapped
+
+
+def train_mixed(mesh: fzero.Mesh, xs: Any, ys: Any, stage: int, offload: Any) -> Any:
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    prec = fzero.Precision(param_dtype=FP16, reduce_dtype=FP32)
+    scale = fzero.DynamicLossScale(init_scale=2.0**8, growth_interval=3)
+    opt = fzero.optim.adam(lr=0.01)
+    kw: dict[str, Any] = dict(stage=stage, units=UNITS)
+    state = fzero.shard_state(
+        params, opt, mesh, precision=prec, loss_scale=scale, offload=offload, **kw
+    )
+    step = fzero.sharded_step(make_loss(model, FP16), opt, mesh, module=model, **kw)
+    for t in range(xs.shape[0]):
+        state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+    return fzero.master_params(state, mesh), state.step, fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_mixed_precision_with_a_skipped_step_offloaded(
+    stage: int, tier: str, tmp_path: Path
+) -> None:
+    """fp16 compute over fp32 masters offloaded, an inf on one rank at step 1: the step is
+    skipped everywhere, and the masters equal torch's GradScaler loop bitwise."""
+    xs, ys = data(2, 5, inf_at=(1, 1))
+    ref = reference(xs, ys, FP16, FP32, scale=True)
+    assert ref["skipped"] == [False, True, False, False, False]
+    offload = fzero.Offload(tier, 0.6, str(tmp_path) if tier == "disk" else None)
+    for masters, steps, params in run(2, train_mixed, xs, ys, stage, offload):
+        assert steps == 4
+        for k, m in ref["masters"].items():
+            torch.testing.assert_close(masters[k], m, rtol=0, atol=0, msg=k)
+            torch.testing.assert_close(params[k], m.to(FP16), rtol=0, atol=0, msg=k)
+            assert not torch.equal(masters[k], ref["start"][k]), k
+
+
+def save_offloaded_then_resume(
+    mesh: fzero.Mesh, path: str, directory: str, params: Any, xs: Any, ys: Any
+) -> Any:
+    """Two steps offloaded to disk at stage 3, a checkpoint, then one step from it loaded
+    at stage 2 offloaded to the host, and one more loaded with no offload at stage 1."""
+    opt = optimizer()
+    n = xs.shape[1] // mesh.size
+    rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
+    state = fzero.shard_state(
+        params,
+        opt,
+        mesh,
+        stage=3,
+        units=LAYER_UNITS,
+        frozen=["shift"],
+        offload=fzero.Offload("disk", 1.0, directory),
+    )
+    step3 = fzero.sharded_step(mlp_loss, opt, mesh, stage=3)
+    for t in range(2):
+        state, _ = step3(state, (xs[t, rows], ys[t, rows]))
+    fzero.checkpoint.save(state, path, mesh)
+    state = fzero.checkpoint.load(path, mesh, opt, params, stage=2, offload=fzero.Offload())
+    state, _ = fzero.sharded_step(mlp_loss, opt, mesh, stage=2)(state, (xs[2, rows], ys[2, rows]))
+    fzero.checkpoint.save(state, path, mesh)
+    state = fzero.checkpoint.load(path, mesh, opt, params, stage=1)
+    assert state.offload is None
+    state, _ = fzero.sharded_step(mlp_loss, opt, mesh, stage=1)(state, (xs[3, rows], ys[3, rows]))
+    return fzero.gather_params(state.params, mesh)
+
+
+def test_checkpoints_move_between_offloaded_and_device_states(tmp_path: Path) -> None:
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(4, 2, 2)
+    want = torch_reference(params, xs, ys, "shift")
+    directory = tmp_path / "spill"
+    for got in run(
+        2, save_offloaded_then_resume, str(tmp_path / "ckpt"), str(directory), params, xs, ys
+    ):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+    assert list(directory.iterdir()) == []
+
+
+def bad(mesh: fzero.Mesh, what: str, path: str) -> Any:
+    params = make_params(DIMS, torch.float64, 5)
+    opt = fzero.optim.adam(lr=0.1)
+    if what == "stage 0":
+        return fzero.shard_state(params, opt, mesh, stage=0, offload=fzero.Offload())
+    if what == "pure step":
+        state = fzero.shard_state(
+            params, opt, mesh, stage=1, offload=fzero.Offload("disk", 1.0, path)
+        )
+        step = fzero.sharded_step(mlp_loss, opt, mesh, stage=1, donate=False)
+        x = torch.randn(2, DIMS[0], dtype=torch.float64)
+        return step(state, (x, torch.randn(2, DIMS[-1], dtype=torch.float64)))
+    return fzero.shard_state(params, opt, mesh, stage=2, offload=fzero.Offload("disk", 1.0, path))
+
+
+def test_bad_offloads_are_refused_on_every_rank(tmp_path: Path) -> None:
+    from tests.faults.harness import outcomes, raised_together
+
+    for fraction in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+            fzero.Offload("host", fraction)
+    with pytest.raises(ValueError, match="needs directory="):
+        fzero.Offload("disk")
+    with pytest.raises(ValueError, match="one of"):
+        fzero.Offload("nvme")
+    raised_together(outcomes(2, bad, "stage 0", ""), ValueError, "offload needs stage 1, 2 or 3")
+    raised_together(
+        outcomes(2, bad, "pure step", str(tmp_path)), ValueError, "donate=False", "in place"
+    )
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    raised_together(
+        outcomes(2, bad, "a file", str(a_file / "spill")), OSError, "Not a directory", "rank 0"
+    )
+
+
+def step_memory(mesh: fzero.Mesh, tier: str, directory: str, stage: int) -> dict[str, float]:
+    """The peak resident memory of a step (the second: the first makes the step's caches)
+    above the process's before the state was made, with the state on the host or on
+    disk, and the sizes that bound it."""
+    map_every_allocation()
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(384, 384) for _ in range(8)])
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    units = [str(i) for i in range(8)]
+    opt = fzero.optim.adamw(lr=1e-3)
+    offload = fzero.Offload(tier, 1.0, directory if tier == "disk" else None)
+
+    def loss(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return (torch.func.functional_call(net, p, (x,)) ** 2).mean()
+
+    x = torch.randn(4, 384)
+    for measured in (False, True):  # the first pass loads the code a step runs
+        with peak_rss_rise() as start:
+            pass
+        state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, offload=offload)
+        step = fzero.sharded_step(loss, opt, mesh, stage=stage, module=net, units=units)
+        state, _ = step(state, x)
+        with peak_rss_rise() as m:
+            state, _ = step(state, x)
+        if not measured:
+            del state, step
+    report = fzero.memory_report(state)
+    unit = max(b.shard_numel for b in state.layout.buckets) * 4 * 3  # master, m, v
+    peak = m["before"] + m["rise"] - start["before"]
+    return {"peak": peak, "unit": unit, "offloaded": report.host + report.disk}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_disk_offloaded_step_holds_two_units_of_state_at_most(stage: int, tmp_path: Path) -> None:
+    """Measured, resident: a step with the state on disk peaks at most two units' masters
+    and moments above the same step with none of that state resident (the host tier's
+    peak less its offloaded bytes), where holding all of it would add eight."""
+    host = run(2, step_memory, "host", "", stage)
+    disk = run(2, step_memory, "disk", str(tmp_path), stage)
+    for h, d in zip(host, disk):
+        assert d["offloaded"] >= 8 * d["unit"] * 0.99  # the bound means something
+        assert d["peak"] <= h["peak"] - h["offloaded"] + 2 * d["unit"], (h, d)
+
+
+def dying(opt: fzero.optim.Optimizer, at: int) -> fzero.optim.Optimizer:
+    """`opt`, killing its process (SIGKILL) in its `at`-th in-place update call."""
+    import os
+    import signal
+
+    calls = [0]
+
+    def update_(grads: Any, state: Any, params: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        assert opt.update_ is not None
+        return opt.update_(grads, state, params)
+
+    return opt._replace(update_=update_)
+
+
+def train_save_and_die(
+    mesh: fzero.Mesh, path: str, directory: str, params: Any, xs: Any, ys: Any
+) -> None:
+    """Stage 2 on disk: two steps, a checkpoint, then rank 1 dies inside the third step's
+    update, between two offloaded units (some already written in place, some not)."""
+    opt = optimizer()
+    calls_per_step = 4  # a unit per trainable bucket: the three layers and the root
+    if mesh.rank == 1:
+        opt = dying(opt, 2 * calls_per_step + 2)
+    n = xs.shape[1] // mesh.size
+    rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
+    offload = fzero.Offload("disk", 1.0, directory)
+    state = fzero.shard_state(params, opt, mesh, stage=2, units=LAYER_UNITS, offload=offload)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, stage=2)
+    for t in range(3):
+        state, _ = step(state, (xs[t, rows], ys[t, rows]))
+        if t == 1:
+            fzero.checkpoint.save(state, path, mesh)
+
+
+def resume(mesh: fzero.Mesh, path: str, directory: str, params: Any, xs: Any, ys: Any) -> Any:
+    opt = optimizer()
+    offload = fzero.Offload("disk", 1.0, directory)
+    state = fzero.checkpoint.load(path, mesh, opt, params, stage=2, offload=offload)
+    assert state.step == 2
+    n = xs.shape[1] // mesh.size
+    rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, stage=2)
+    for t in range(2, 4):
+        state, _ = step(state, (xs[t, rows], ys[t, rows]))
+    return fzero.master_params(state, mesh)
+
+
+def test_a_run_killed_mid_update_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(4, 2, 2)
+    want = torch_reference(params, xs, ys, "no frozen leaf")
+    spill, ckpt = tmp_path / "spill", str(tmp_path / "ckpt")
+    with pytest.raises(fzero.RankFailure, match="rank 1 of 2 died"):
+        run(2, train_save_and_die, ckpt, str(spill), params, xs, ys)
+    assert list(spill.iterdir()) == []  # nothing left behind by the dead ranks
+    for got in run(2, resume, ckpt, str(spill), params, xs, ys):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def offloaded_report(mesh: fzero.Mesh, stage: int, tier: str, directory: str) -> Any:
+    params = make_params([64, 64, 64], torch.float64, 1)
+    offload = fzero.Offload(tier, 1.0, directory if tier == "disk" else None)
+    state = fzero.shard_state(params, fzero.optim.adam(), mesh, stage=stage, offload=offload)
+    return fzero.memory_report(state)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_memory_report_and_estimate_agree_on_what_leaves_the_device(
+    stage: int, tier: str, tmp_path: Path
+) -> None:
+    """Float64 Adam offloaded: 24 bytes a parameter (master, two moments) leave the
+    device; it keeps the parameters (replicated, or its shard at stage 3)."""
+    psi = 2 * 64 * 64 + 2 * 64 + 2
+    n = 2
+    want = fzero.estimate_memory(
+        psi, n, stage, param_bytes=8, grad_bytes=8, optim_bytes=24, offload=tier
+    )
+    for report in run(n, offloaded_report, stage, tier, str(tmp_path)):
+        off = report.host + report.disk
+        assert off == pytest.approx(want.host + want.disk, abs=24 * n)  # padding
+        assert (report.disk > 0) == (tier == "disk")
+        assert report.on_device == pytest.approx(want.params, abs=8 * n)
