@@ -4,7 +4,7 @@
 buckets, and the disk file); `place` moves a built state's masters and optimizer state of
 the chosen buckets off the device. The step's update then runs unit by unit where each
 unit's state lies (`fzero._step._streamed`), bitwise the same arithmetic
-(docs/training.md, [Note: offload]).
+(docs/design.md, [Note: offload]).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the kernel, not the process, holds their bytes: a unit's region is paged in when
 update touches it (read ahead with `prefetch` while the previous unit steps) and dropped
 from the process with `release` once it is written (the kernel writes it back behind the
 step). The file's blocks are allocated when it is made, so a full disk fails there, with
-its OS error, never later as a signal inside a step (docs/training.md, [Note: offload]).
+its OS error, never later as a signal inside a step (docs/design.md, [Note: offload]).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ class Spill:
             os.posix_fallocate(fd, 0, max(total, 1))  # ENOSPC here, not SIGBUS in a step
             self.map = mmap.mmap(fd, max(total, 1), mmap.MAP_SHARED)
         except BaseException:
-            os.unlink(self.path)
+            os.close(fd)
             raise
         finally:
-            os.close(fd)
-        os.unlink(self.path)
+            os.unlink(self.path)
+        self._fd = fd  # kept for `drop_cache`; closed with the Spill
 
     def region(self, k: int) -> tuple[int, int]:
         """Region k's first byte and its length in pages' bytes."""
@@ -73,6 +73,17 @@ class Spill:
         """Drops region k's pages from this process; written pages stay in the file."""
         start, length = self.region(k)
         self.map.madvise(mmap.MADV_DONTNEED, start, length)
+
+    def drop_cache(self) -> None:
+        """Writes every region back and evicts it from the page cache, so the next read
+        comes from the disk itself (a benchmark's cold start)."""
+        self.map.flush()
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
 
     def release_all(self) -> None:
         """Drops every region (after something read them all, such as a checkpoint)."""

@@ -49,7 +49,9 @@ def walk(
     try:
         # A piece's state is a tensor, a dict of them (from_torch's) or None: a tuple of
         # states (chain's) with as many entries as there are pieces is not per-piece.
-        matches = all(
+        # The root's type and size first: optree's message for a mismatch prints the
+        # tree, tensors and all, which costs more than the walk.
+        matches = _same_root(tree, spec) and all(
             e is None or isinstance(e, (torch.Tensor, dict)) for e in spec.flatten_up_to(tree)
         )
     except (ValueError, TypeError):
@@ -74,6 +76,13 @@ def walk(
         f"optimizer state at {path or '<root>'!r} is a {type(tree).__name__}: states cut by "
         "piece (checkpoints, offload) hold tensors in dicts, lists, tuples and NamedTuples"
     )
+
+
+def _same_root(tree: Any, spec: optree.PyTreeSpec) -> bool:
+    """Whether `tree`'s root could match `spec`'s: same container type and size."""
+    if spec.type is None:  # a leaf matches anything
+        return True
+    return type(tree) is spec.type and len(tree) == spec.num_children
 
 
 def pieces_spec(n: int) -> optree.PyTreeSpec:

@@ -54,22 +54,26 @@ def make_case() -> Case:
     return Case(make_params([3, 5, 4, 2], torch.float64, 7), xs, ys, world_size=2)
 
 
-def train_on_meta_default(mesh: fzero.Mesh, case: Case, stage: int, ckpt: str) -> Any:
+def train_on_meta_default(
+    mesh: fzero.Mesh, case: Case, stage: int, ckpt: str, offload: Any = None
+) -> Any:
     """Clipping, loss scaling, weighted losses, accumulation and a checkpoint round trip,
-    with torch's default device "meta" from shard_state to the gathered result."""
+    with torch's default device "meta" from shard_state to the gathered result (and the
+    optimizer's state offloaded, if `offload`)."""
     opt = fzero.optim.chain(fzero.optim.clip_by_global_norm(MAX_NORM), fzero.optim.adam(lr=0.05))
     units = ["layers.0", "layers.1", "layers.2"]
     scale = fzero.DynamicLossScale(init_scale=2.0**4, growth_interval=2)
     kw = dict(stage=stage, units=units)
     with torch.device("meta"):
-        state = fzero.shard_state(case.params, opt, mesh, loss_scale=scale, **kw)
+        state = fzero.shard_state(case.params, opt, mesh, loss_scale=scale, offload=offload, **kw)
         step = fzero.sharded_step(pair_loss, opt, mesh, accumulate="sharded", **kw)
         for t in range(case.xs.shape[0]):
             x, y = case.micro_batch(t, mesh.rank)
             state, loss = step(state, list(zip(x.chunk(2), y.chunk(2))))
             if t == 0:  # resume from a checkpoint, at once
                 fzero.checkpoint.save(state, ckpt, mesh)
-                state = fzero.checkpoint.load(ckpt, mesh, opt, case.params, **kw)
+                state = fzero.checkpoint.load(ckpt, mesh, opt, case.params, offload=offload, **kw)
+                assert (state.offload is None) == (offload is None)
         params = fzero.gather_params(state.params, mesh)
     leaves = fzero._core._tree.tree_flatten((state, loss, params))[0]
     devices = {str(x.device) for x in leaves if isinstance(x, torch.Tensor)}
@@ -87,6 +91,25 @@ def test_a_step_makes_every_tensor_where_the_parameters_are(stage: int, tmp_path
         fzero._core._tree.assert_trees_close(params, want, **tolerance(torch.float64))
         moved = fzero._core._tree.max_abs_diff(params, case.params)
         assert moved > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_an_offloaded_step_makes_every_tensor_where_it_says(
+    stage: int, tier: str, tmp_path: Any
+) -> None:
+    """The CPU standing in for a GPU, meta for torch's default: the offloaded update makes
+    no tensor without naming its device (the host's, or the parameters')."""
+    case = make_case()
+    want = torch_reference(case)
+    offload = fzero.Offload(tier, 0.7, str(tmp_path / "spill") if tier == "disk" else None)
+    ckpt = str(tmp_path / "ckpt")
+    for params, devices, scale in run(2, train_on_meta_default, case, stage, ckpt, offload):
+        assert devices == {"cpu"}
+        assert scale == 2.0**5
+        fzero._core._tree.assert_trees_close(params, want, **tolerance(torch.float64))
+        assert fzero._core._tree.max_abs_diff(params, case.params) > 1e-3
 
 
 def train_mixed_on_meta_default(mesh: fzero.Mesh, xs: Any, ys: Any, stage: int) -> Any:

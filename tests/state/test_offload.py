@@ -380,3 +380,59 @@ def test_memory_report_and_estimate_agree_on_what_leaves_the_device(
         assert off == pytest.approx(want.host + want.disk, abs=24 * n)  # padding
         assert (report.disk > 0) == (tier == "disk")
         assert report.on_device == pytest.approx(want.params, abs=8 * n)
+
+
+def big_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return {
+        "w": torch.randn(1500, 1500, generator=g, dtype=torch.float64) * 0.03,
+        "b": torch.randn(1500, generator=g, dtype=torch.float64),
+        "v": torch.randn(999, generator=g, dtype=torch.float64),
+    }
+
+
+def big_loss(p: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ p["w"] + p["b"]).pow(2).mean() + p["v"].pow(2).mean()
+
+
+def no_decay(path: str) -> bool:
+    return path != "b"
+
+
+def train_big(mesh: fzero.Mesh, xs: torch.Tensor, offload: Any) -> Any:
+    opt = fzero.optim.chain(
+        fzero.optim.clip_by_global_norm(0.05), fzero.optim.adamw(lr=0.01, mask=no_decay)
+    )
+    state = fzero.shard_state(big_params(), opt, mesh, stage=2, offload=offload)
+    step = fzero.sharded_step(big_loss, opt, mesh, stage=2)
+    n = xs.shape[1] // mesh.size
+    for t in range(xs.shape[0]):
+        state, _ = step(state, xs[t, mesh.rank * n : (mesh.rank + 1) * n])
+    return fzero.master_params(state, mesh)
+
+
+def test_a_shard_larger_than_a_block_is_stepped_in_blocks_bitwise(tmp_path: Path) -> None:
+    """A 2.25M-element matrix in one unit: each rank's host shard (1.1M elements) steps
+    in cache-sized blocks (`_streamed.BLOCK`); a weight-decay mask cuts across them."""
+    from fzero._step import _streamed
+
+    assert big_params()["w"].numel() // 2 > _streamed.BLOCK
+    xs = torch.randn(2, 4, 1500, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plain = run(2, train_big, xs, None)[0]
+    got = run(2, train_big, xs, fzero.Offload("disk", 1.0, str(tmp_path)))[0]
+    fzero.assert_trees_close(got, plain, rtol=0, atol=0)
+    tensors = {k: v.clone().requires_grad_() for k, v in big_params().items()}
+    opt = torch.optim.AdamW(
+        [{"params": [tensors["w"], tensors["v"]]}, {"params": [tensors["b"]], "weight_decay": 0}],
+        lr=0.01,
+        foreach=False,
+    )
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        big_loss(tensors, xs[t]).backward()
+        torch.nn.utils.clip_grad_norm_(list(tensors.values()), 0.05, foreach=False)
+        opt.step()
+    fzero.assert_trees_close(
+        got, {k: v.detach() for k, v in tensors.items()}, rtol=1e-10, atol=1e-12
+    )
+    assert not torch.equal(got["w"], big_params()["w"])
