@@ -18,7 +18,8 @@ import torch
 
 from .._comm import Mesh
 from .._core import ShardLayout, Shards, stage_of
-from ..optim._pieces import pieces_spec, walk
+from ..optim import Optimizer
+from ..optim._pieces import assemble, by_piece, pieces_spec, walk
 from ._spill import Spill
 
 TIERS = ("host", "disk")
@@ -124,7 +125,7 @@ def check_offload(offload: Any, stage: int, donate: bool | None = None) -> None:
         )
 
 
-def place(state: Any, offload: Offload, mesh: Mesh) -> Any:
+def place(state: Any, offload: Offload, mesh: Mesh, optimizer: Optimizer | None = None) -> Any:
     """`state` with the masters and optimizer state of the chosen buckets off the device.
 
     A state without masters gets them at the parameters' own precision (the optimizer
@@ -133,9 +134,12 @@ def place(state: Any, offload: Offload, mesh: Mesh) -> Any:
     dtype, beside its master.
 
     Args:
-      state: a ShardedState of stage 1-3, not offloaded.
+      state: a ShardedState of stage 1-3, not offloaded; its `opt_state` None to have
+        `optimizer` initialize it here, a unit at a time, each unit's made where it goes
+        (the disk tier never holds more than one unit's in memory).
       offload: where, and how much.
       mesh: the mesh.
+      optimizer: the optimizer, when `state.opt_state` is None.
 
     Returns:
       The ShardedState, its `offload` recording the Placement.
@@ -146,7 +150,20 @@ def place(state: Any, offload: Offload, mesh: Mesh) -> Any:
     master = state.master if state.master is not None else _own_masters(state, rank)
     buckets = chosen_buckets(lay, offload.fraction)
     owner = piece_buckets(lay, rank)
-    nodes = _node_entries(state.opt_state, len(owner))
+    like = state.opt_state
+    if like is None:  # shapes only, to size the file: made on the meta device
+        assert optimizer is not None, "place: no opt_state and no optimizer to make it"
+        like = optimizer.init(tuple(p.to("meta") for p in master.pieces()))
+    nodes = _node_entries(like, len(owner))
+    if offload.to == "disk" and any(
+        not optree.tree_leaves(e) for entries in nodes for e in entries
+    ):
+        raise ValueError(
+            "the optimizer makes its state on its first update (from_torch's torch.optim "
+            "state), so its size is unknown when the offload file is made; "
+            "Offload(to='disk') needs a state init makes whole (fzero.optim's sgd, adam, "
+            "adamw), or use Offload(to='host')"
+        )
     mlay = master.layout
     on_gpu = any(x.device.type == "cuda" for x in master.buffers)
 
@@ -168,6 +185,8 @@ def place(state: Any, offload: Offload, mesh: Mesh) -> Any:
     new_master = list(master.buffers)
     for k in buckets:
         new_master[k] = move(k, master.buffers[k])
+        if spill is not None:  # written: its pages go (the disk keeps them)
+            spill.release(regions[k])
     sp = pieces_spec(len(owner))
 
     def on_node(_: str, tree: Any) -> Any:
@@ -178,7 +197,12 @@ def place(state: Any, offload: Offload, mesh: Mesh) -> Any:
         ]
         return optree.tree_unflatten(sp, moved)
 
-    opt_state = walk(state.opt_state, sp, on_node, lambda _, g: g)
+    if state.opt_state is not None:
+        opt_state = walk(state.opt_state, sp, on_node, lambda _, g: g)
+    else:
+        assert optimizer is not None
+        pieces = Shards(tuple(new_master), mlay, rank).pieces()
+        opt_state = _init_by_unit(optimizer, pieces, owner, buckets, like, move, spill, regions)
     params = state.params
     if spec.shards_params:  # the device keeps what is gathered, in the compute dtype
         bufs = list(params.buffers)
@@ -195,6 +219,47 @@ def place(state: Any, offload: Offload, mesh: Mesh) -> Any:
         master=Shards(tuple(new_master), mlay, rank),
         offload=placement,
     )
+
+
+def _init_by_unit(
+    optimizer: Optimizer,
+    pieces: tuple[torch.Tensor, ...],
+    owner: tuple[int, ...],
+    buckets: tuple[int, ...],
+    like: Any,
+    move: Any,
+    spill: Spill | None,
+    regions: dict[int, int],
+) -> Any:
+    """`optimizer.init(pieces)`, made a unit at a time: the device's pieces together, then
+    each offloaded bucket's, moved off (`move`) as soon as it is made. Elementwise states
+    are the same made whole or in parts (`_step._streamed` steps them in parts too)."""
+    n = len(pieces)
+    groups = [[j for j in range(n) if owner[j] not in buckets]]
+    groups += [[j for j in range(n) if owner[j] == k] for k in buckets]
+    nodes: dict[str, list[Any]] = {}
+    globals_: dict[str, torch.Tensor] | None = None
+    for idx in (g for g in groups if g):
+        made = optimizer.init(tuple(pieces[j] for j in idx))
+        unit_nodes, unit_globals = by_piece(made, len(idx))
+        for path, entries in unit_nodes.items():
+            column = nodes.setdefault(path, [None] * n)
+            for j, e in zip(idx, entries):
+                k = owner[j]
+                column[j] = (
+                    optree.tree_map(lambda x, k=k: move(k, x), e)
+                    if k in regions or (spill is None and k in buckets)
+                    else e
+                )
+        globals_ = unit_globals if globals_ is None else globals_
+        del made, unit_nodes
+        if spill is not None and owner[idx[0]] in regions:
+            spill.release(regions[owner[idx[0]]])
+    if globals_ is None:  # no pieces on this rank
+        globals_ = by_piece(optimizer.init(()), 0)[1]
+    for path in by_piece(like, n)[0]:
+        nodes.setdefault(path, [None] * n)
+    return assemble(like, n, nodes, globals_)
 
 
 def _own_masters(state: Any, rank: int) -> Shards:

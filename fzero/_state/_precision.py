@@ -223,8 +223,11 @@ def master_params(state: Any, mesh: Mesh) -> PyTree:
         mlay = state.master.layout
         live = [i for i, b in enumerate(mlay.buckets) if not b.frozen]
         device = device_of(params)
-        # Offloaded masters are gathered from the device, like the rest.
-        flats = [_comm.all_gather(state.master.buffers[i].to(device), mesh) for i in live]
+        flats = []
+        for i in live:  # offloaded masters are gathered from the device, like the rest
+            flats.append(_comm.all_gather(state.master.buffers[i].to(device), mesh))
+            if getattr(state, "offload", None) is not None:
+                state.offload.release(i)  # a disk bucket's pages, read: dropped
         trainable: dict[int, Any] = {}
         for i, flat in zip(live, flats):
             for slot, view in cut(mlay.buckets[i], flat):

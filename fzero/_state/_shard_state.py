@@ -181,8 +181,10 @@ def shard_state(
         lay, problem = None, f"{type(exc).__name__}: {exc}"
     agree_layout(lay, problem, (spec.number, init is not None), mesh)
     if init is not None:
-        state = _from_init(init, lay, optimizer, mesh, spec, buffers, precision, loss_scale)
-        return placed(state, offload, mesh)
+        state = _from_init(
+            init, lay, optimizer, mesh, spec, buffers, precision, loss_scale, offload is None
+        )
+        return placed(state, offload, mesh, optimizer)
     state_buffers = _replicate_buffers(buffers, mesh)
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
@@ -198,23 +200,28 @@ def shard_state(
             mflats = tuple(_comm.broadcast_(f, mesh) for f in mlay.flatten(cast))
             master = mlay.trainable(mlay.unflatten(mflats))
         del cast
-    held, opt_state = _shard_params(params, optimizer, mesh, spec, lay, master, convert)
+    held, opt_state = _shard_params(
+        params, optimizer, mesh, spec, lay, master, convert, offload is None
+    )
     state = ShardedState(
         held, opt_state, 0, lay, spec.number, state_buffers, master, scaler, precision
     )
-    return placed(state, offload, mesh)
+    return placed(state, offload, mesh, optimizer)
 
 
 @_comm.agreement
-def placed(state: ShardedState, offload: Offload | None, mesh: Mesh) -> ShardedState:
-    """`state` placed as `offload` says (`place`), or as it is; a rank that cannot (a
-    directory it cannot write, a disk without room) fails every rank, with its OS error."""
+def placed(
+    state: ShardedState, offload: Offload | None, mesh: Mesh, optimizer: Optimizer
+) -> ShardedState:
+    """`state` placed as `offload` says (`place`, which makes the optimizer state where it
+    goes), or as it is; a rank that cannot (a directory it cannot write, a disk without
+    room) fails every rank, with its OS error."""
     if offload is None:
         return state
     problem: Any = None
     out = state
     try:
-        out = place(state, offload, mesh)
+        out = place(state, offload, mesh, optimizer)
     except OSError as exc:
         problem = (exc.errno, exc.strerror or str(exc), exc.filename)
     except Exception as exc:  # travels to every rank, raised there
@@ -240,6 +247,7 @@ def _shard_params(
     lay: ShardLayout,
     master: Any,
     convert: Convert = None,
+    with_optimizer: bool = True,
 ) -> tuple[PyTree, Any]:
     """What this rank holds of the parameters (rank 0's values, each leaf through `convert`)
     and the optimizer state of what it updates: the masters if there are any, else the
@@ -256,6 +264,8 @@ def _shard_params(
     else:
         flats = (_comm.broadcast_(_packed(b, leaves, convert), mesh) for b in lay.buckets)
         held = lay.unflatten(tuple(flats))
+    if not with_optimizer:  # offload makes it, where it goes
+        return held, None
     return held, init_optimizer(held, optimizer, stage, lay, rank, master)
 
 
@@ -315,12 +325,14 @@ def _from_init(
     buffers: PyTree,
     precision: Precision | None,
     loss_scale: DynamicLossScale | None,
+    with_optimizer: bool = True,
 ) -> ShardedState:
-    """shard_state's body when values come from `init` (made in place, never broadcast)."""
+    """shard_state's body when values come from `init` (made in place, never broadcast);
+    without its optimizer state if not `with_optimizer` (offload makes it)."""
     rank = mesh.shard_rank
     flats, buffers = materialize(init, lay, mesh, stage, buffers, precision)
     held: PyTree = Shards(flats, lay, rank) if stage.shards_params else lay.unflatten(flats)
-    opt_state = init_optimizer(held, optimizer, stage, lay, rank, None)
+    opt_state = init_optimizer(held, optimizer, stage, lay, rank, None) if with_optimizer else None
     master = None
     if precision is not None:  # the made values become the masters, as a loaded checkpoint's
         held, lay, master = to_mixed(held, lay, stage, precision, rank)

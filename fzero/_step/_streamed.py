@@ -242,6 +242,8 @@ def _kept(old: Any, new: Any, donate: bool) -> Any:
         if new is not old:
             old.copy_(new)
         return old
+    if optree.tree_structure(old) != optree.tree_structure(new):
+        return new  # a state made on the first update (from_torch's): kept as made
     optree.tree_map(lambda a, b: a.copy_(b) if a is not b else a, old, new)
     return old
 

@@ -71,7 +71,7 @@ def assemble(
 def build_state(
     src: Source,
     layout: ShardLayout,
-    optimizer: Optimizer,
+    optimizer: Optimizer | None,
     stage: Stage,
     rank: int,
     step: int,
@@ -82,7 +82,7 @@ def build_state(
     A stage that shards parameters reads only this rank's slice of every bucket; the
     others hold full parameters anyway. Optimizer state is built by `optimizer.init` for
     this rank's pieces, then every tensor is replaced by the saved value, cut to the new
-    piece.
+    piece; without `optimizer`, the state's `opt_state` is None (see `fill_state`).
     """
     if stage.shards_params:
         buffers = tuple(
@@ -103,20 +103,43 @@ def build_state(
             pieces_in = trainable
         else:
             pieces_in = Shards(layout.shard(trainable, rank), layout, rank).pieces()
+    if optimizer is None:  # the caller makes the state where it goes, then `fill_state`
+        return ShardedState(params, None, step, layout, stage.number)
     target = optimizer.init(pieces_in)  # on the parameters' device
-    pieces = pieces_of(layout, stage, rank)
-    filler = _Filler(src, layout, pieces, device)
-    opt_state = filler.fill(target, piece_spec(layout, stage, len(pieces)))
+    opt_state = fill_state(src, layout, stage, rank, target, device)
     return ShardedState(params, opt_state, step, layout, stage.number)
+
+
+def fill_state(
+    src: Source,
+    layout: ShardLayout,
+    stage: Stage,
+    rank: int,
+    target: Any,
+    device: torch.device | None,
+    filled: Callable[[int], None] | None = None,
+) -> Any:
+    """`target` (`optimizer.init` of this rank's pieces) with every tensor replaced by the
+    saved value, written into it where it is a tensor; `filled(bucket)` after each piece's
+    entry is written (an offloaded state drops the pages it wrote)."""
+    pieces = pieces_of(layout, stage, rank)
+    filler = _Filler(src, layout, pieces, device, filled)
+    return filler.fill(target, piece_spec(layout, stage, len(pieces)))
 
 
 class _Filler:
     """Replaces every tensor of a freshly initialised optimizer state with saved values."""
 
     def __init__(
-        self, src: Source, layout: ShardLayout, pieces: list[Piece], device: torch.device | None
+        self,
+        src: Source,
+        layout: ShardLayout,
+        pieces: list[Piece],
+        device: torch.device | None,
+        filled: Callable[[int], None] | None = None,
     ) -> None:
         self.src, self.layout, self.pieces, self.device = src, layout, pieces, device
+        self.filled = filled
         self.schema = src.schema
 
     def fill(self, target: Any, spec: Any) -> Any:
@@ -164,7 +187,11 @@ class _Filler:
                 )
             # Into the freshly initialised tensor, not beside it: a load then never holds
             # the optimizer state twice (zeros and saved values), only one piece extra.
-            return like.copy_(value)
+            like.copy_(value)
+            del value
+            if self.filled is not None:
+                self.filled(piece.bucket)
+            return like
         if isinstance(like, dict):
             out = dict(like)
             for j, e in enumerate(self.schema.entries):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._core import ShardLayout, TensorFile, fsync_dir
+from .._core import ShardLayout, TensorFile, fsync_dir, torch_writer
 from ._schema import CheckpointError, Entry, Schema, dtype_of, find_os_error
 
 FORMAT = "fzero-checkpoint"
@@ -81,6 +81,36 @@ def write_tensors(directory: str, name: str, tensors: dict[str, torch.Tensor]) -
         if os_error is None:
             raise
         raise OSError(os_error.errno, os_error.strerror, path) from exc
+    return {"name": name, "bytes": os.path.getsize(path), "sha256": sha256(path)}
+
+
+# One tensor of a streamed rank file: its key, shape and dtype, what makes its values
+# when it is written, and what to call after (an offloaded state drops the pages it read).
+Streamed = tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor], Callable[[], None]]
+
+
+def write_streamed(directory: str, name: str, entries: list[Streamed]) -> dict[str, Any]:
+    """`write_tensors` of the same tensors, made one at a time as they are written: the
+    file's skeleton first (torch.save of storage-less tensors), then each tensor's bytes
+    at its place. The rank never holds its whole file in memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    path = os.path.join(directory, name)
+    with FakeTensorMode():
+        fakes = {
+            key: torch.empty(shape, dtype=dtype, device="cpu")  # files hold host tensors
+            for key, shape, dtype, _, _ in entries
+        }
+    writer = torch_writer(path, fakes)
+    try:
+        for key, _, _, make, after in entries:
+            writer.write(id(fakes[key]), 0, make())
+            after()
+        _crash_point("rank-file", writer.tmp)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
     return {"name": name, "bytes": os.path.getsize(path), "sha256": sha256(path)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from typing import Any
@@ -11,12 +12,21 @@ import torch
 
 from .. import _comm
 from .._comm import Mesh
-from .._core import PyTree, ShardLayout, Shards, build_layout, leaf_paths, stage_of, tree_flatten
+from .._core import (
+    PyTree,
+    ShardLayout,
+    Shards,
+    build_layout,
+    leaf_paths,
+    pack,
+    stage_of,
+    tree_flatten,
+)
 from .._state import ShardedState, check_live, frozen_leaves, place
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from . import _disk as disk
-from ._build import build_state
+from ._build import build_state, fill_state
 from ._extra import (
     extra_metadata,
     extra_tensors,
@@ -25,7 +35,17 @@ from ._extra import (
     load_scaler,
     to_mixed,
 )
-from ._schema import CheckpointError, Local, Schema, agree, elem_slice, local_view, merge, report
+from ._schema import (
+    CheckpointError,
+    Local,
+    Schema,
+    agree,
+    dtype_of,
+    elem_slice,
+    local_view,
+    merge,
+    report,
+)
 
 
 def check_state(state: Any, mesh: Mesh, what: str) -> None:
@@ -73,8 +93,11 @@ def save(state: ShardedState, path: str, mesh: Mesh) -> str:
 
 
 def _save(state: ShardedState, path: str, mesh: Mesh) -> str:
+    placement = state.offload
     extra, extra_body = extra_tensors(state), extra_metadata(state)
     state = full_precision(state, mesh)  # masters become the parameters saved
+    if placement is not None:  # the disk's masters it read to gather them, dropped
+        placement.release_all()
     lay, stage, rank = state.layout, stage_of(state.stage), mesh.shard_rank
     # On a 2-D mesh the first group (ranks 0..S-1, shard rank = rank) writes; the other
     # groups hold copies of the same shards and only take part in the agreement, so the
@@ -103,7 +126,14 @@ def _save(state: ShardedState, path: str, mesh: Mesh) -> str:
         error, info = None, None
         try:
             assert local is not None
-            if writes:
+            if writes and placement is not None:  # made and written a tensor at a time
+                entries = _rank_entries(state, local, schema, rank, placement.release)
+                if rank == 0:
+                    entries += [_ready(k, v) for k, v in extra.items()]
+                info = disk.write_streamed(
+                    os.path.join(path, tmp), disk.rank_file(rank, s), entries
+                )
+            elif writes:
                 tensors = _rank_tensors(state, local, schema, rank)
                 if rank == 0:
                     tensors.update(extra)
@@ -160,6 +190,42 @@ def _rank_tensors(
     if rank == 0:
         out.update({f"g{j}": local.globals[g] for j, g in enumerate(schema.globals)})
     return out
+
+
+def _rank_entries(
+    state: ShardedState, local: Local, schema: Schema, rank: int, release: Any
+) -> list[disk.Streamed]:
+    """`_rank_tensors`' tensors as a streamed file's entries, bucket by bucket: each made
+    when it is written, and the bucket's offloaded pages dropped after (`release`)."""
+    lay, stage = state.layout, stage_of(state.stage)
+    out: list[disk.Streamed] = []
+    for k, b in enumerate(lay.buckets):
+        lo, hi = rank * b.shard_numel, (rank + 1) * b.shard_numel
+        if stage.shards_params:
+            param = functools.partial(lambda k: state.params.buffers[k], k)
+        else:
+            param = functools.partial(
+                lambda b, lo, hi: pack(b, lay.leaves(state.params), lo, hi), b, lo, hi
+            )
+        done = functools.partial(release, k)
+        out.append((f"p{k}", (b.shard_numel,), b.dtype, param, done))
+        for j, e in enumerate(schema.entries):
+            if e.kind == "elem" and not b.frozen:
+                dtype = b.dtype if e.dtype == "param" else dtype_of(e.dtype)
+                make = functools.partial(elem_slice, local, (e.node, e.sub), e, b, k, lo, hi)
+                out.append((f"e{j}.{k}", (b.shard_numel,), dtype, make, done))
+    for j, e in enumerate(schema.entries):
+        if e.kind != "elem" and (stage.shards_optimizer or rank == 0):
+            for pi, value in local.occ.get((e.node, e.sub), ()):
+                out.append(_ready(f"v{j}.{local.pieces[pi].owner}", value))
+    if rank == 0:
+        out += [_ready(f"g{j}", local.globals[g]) for j, g in enumerate(schema.globals)]
+    return out
+
+
+def _ready(key: str, value: torch.Tensor) -> disk.Streamed:
+    """A streamed entry of a tensor at hand."""
+    return (key, tuple(value.shape), value.dtype, lambda: value, lambda: None)
 
 
 @_comm.collective("checkpoint.load")
@@ -226,7 +292,11 @@ def load(
         src = disk.FileSource(directory, body)
         dev = mesh.device if device is None else torch.device(device)
         try:
-            state = build_state(src, lay, optimizer, spec, mesh.shard_rank, body["step"], dev)
+            rank = mesh.shard_rank
+            # Offloaded, the optimizer state is made where it goes (a disk file), then
+            # filled there from the checkpoint, a piece at a time.
+            making = optimizer if offload is None else None
+            state = build_state(src, lay, making, spec, rank, body["step"], dev)
             if spec.shards_optimizer:  # after the state, whose misfit names the leaf
                 check_slices(optimizer, lay.kind, "checkpoint.load")
             state = dataclasses.replace(
@@ -237,7 +307,13 @@ def load(
             if precision is not None:
                 state = to_mixed(state, precision, mesh)
             if offload is not None:
-                state = place(state, offload, mesh)
+                state = place(state, offload, mesh, optimizer)
+                placement = state.offload
+                opt_state = fill_state(
+                    src, lay, spec, rank, state.opt_state, dev, placement.release
+                )
+                state = dataclasses.replace(state, opt_state=opt_state)
+                placement.release_all()
         finally:
             src.close()
     except Exception as exc:

@@ -250,7 +250,9 @@ def test_bad_offloads_are_refused_on_every_rank(tmp_path: Path) -> None:
     )
 
 
-def step_memory(mesh: fzero.Mesh, tier: str, directory: str, stage: int) -> dict[str, float]:
+def step_memory(
+    mesh: fzero.Mesh, tier: str, directory: str, stage: int, ckpt: str
+) -> dict[str, float]:
     """The peak resident memory of a step (the second: the first makes the step's caches)
     above the process's before the state was made, with the state on the host or on
     disk, and the sizes that bound it."""
@@ -266,32 +268,56 @@ def step_memory(mesh: fzero.Mesh, tier: str, directory: str, stage: int) -> dict
         return (torch.func.functional_call(net, p, (x,)) ** 2).mean()
 
     x = torch.randn(4, 384)
-    for measured in (False, True):  # the first pass loads the code a step runs
+    for measured in (False, True):  # the first pass loads the code each part runs
         with peak_rss_rise() as start:
-            pass
-        state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, offload=offload)
+            state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, offload=offload)
         step = fzero.sharded_step(loss, opt, mesh, stage=stage, module=net, units=units)
         state, _ = step(state, x)
         with peak_rss_rise() as m:
             state, _ = step(state, x)
+        with peak_rss_rise() as saving:
+            fzero.checkpoint.save(state, ckpt, mesh)
+        with peak_rss_rise() as loading:
+            loaded = fzero.checkpoint.load(ckpt, mesh, opt, params, stage=stage, offload=offload)
+        assert loaded.step == state.step
         if not measured:
-            del state, step
+            del state, step, loaded
     report = fzero.memory_report(state)
     unit = max(b.shard_numel for b in state.layout.buckets) * 4 * 3  # master, m, v
     peak = m["before"] + m["rise"] - start["before"]
-    return {"peak": peak, "unit": unit, "offloaded": report.host + report.disk}
+    moments = unit * 2 // 3 * len(units)
+    return {
+        "peak": peak,
+        "init": start["rise"],
+        "save": saving["rise"],
+        "load": loading["rise"],
+        "unit": unit,
+        "offloaded": report.host + report.disk,
+        "moments": moments,
+    }
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_a_disk_offloaded_step_holds_two_units_of_state_at_most(stage: int, tmp_path: Path) -> None:
+def test_a_disk_offloaded_state_holds_two_units_at_most_in_a_step_an_init_a_save_a_load(
+    stage: int, tmp_path: Path
+) -> None:
     """Measured, resident: a step with the state on disk peaks at most two units' masters
     and moments above the same step with none of that state resident (the host tier's
     peak less its offloaded bytes), where holding all of it would add eight."""
-    host = run(2, step_memory, "host", "", stage)
-    disk = run(2, step_memory, "disk", str(tmp_path), stage)
+    host = run(2, step_memory, "host", "", stage, str(tmp_path / "host"))
+    disk = run(2, step_memory, "disk", str(tmp_path / "spill"), stage, str(tmp_path / "disk"))
     for h, d in zip(host, disk):
         assert d["offloaded"] >= 8 * d["unit"] * 0.99  # the bound means something
         assert d["peak"] <= h["peak"] - h["offloaded"] + 2 * d["unit"], (h, d)
+        # shard_state makes the moments a unit at a time, each written out as it is made:
+        # the host tier ends holding all of them, the disk's peak holds two units at most.
+        assert d["init"] <= h["init"] - d["moments"] + 2 * d["unit"], (h, d)
+        # A save streams an offloaded state through its file, a tensor at a time: the
+        # disk's, not resident before, is not after, nor at its peak more than two units.
+        assert d["save"] <= h["save"] + 2 * d["unit"], (h, d)
+        # A load fills the state where it lives, a piece at a time: the host's ends
+        # holding all of it, the disk's two units at most.
+        assert d["load"] <= h["load"] - d["moments"] + 2 * d["unit"], (h, d)
 
 
 def dying(opt: fzero.optim.Optimizer, at: int) -> fzero.optim.Optimizer:
@@ -436,3 +462,31 @@ def test_a_shard_larger_than_a_block_is_stepped_in_blocks_bitwise(tmp_path: Path
         got, {k: v.detach() for k, v in tensors.items()}, rtol=1e-10, atol=1e-12
     )
     assert not torch.equal(got["w"], big_params()["w"])
+
+
+def train_torch_optimizer(mesh: fzero.Mesh, params: Any, xs: Any, ys: Any, offload: Any) -> Any:
+    opt = fzero.optim.from_torch(torch.optim.AdamW, lr=0.05, weight_decay=0.1, foreach=False)
+    state = fzero.shard_state(params, opt, mesh, stage=2, units=LAYER_UNITS, offload=offload)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, stage=2)
+    n = xs.shape[1] // mesh.size
+    for t in range(xs.shape[0]):
+        rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
+        state, _ = step(state, (xs[t, rows], ys[t, rows]))
+    return fzero.master_params(state, mesh)
+
+
+def test_a_torch_optimizer_offloads_to_the_host_and_is_refused_on_disk(tmp_path: Path) -> None:
+    """from_torch makes its state on the first update: the host tier keeps it where it
+    is made (bitwise the on-device run); the disk tier cannot size its file, and says so
+    on every rank."""
+    from tests.faults.harness import outcomes, raised_together
+
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(3, 2, 2)
+    plain = run(2, train_torch_optimizer, params, xs, ys, None)[0]
+    host = run(2, train_torch_optimizer, params, xs, ys, fzero.Offload("host", 0.5))[0]
+    fzero.assert_trees_close(host, plain, rtol=0, atol=0)
+    assert fzero._core._tree.max_abs_diff(host, params) > 1e-3
+    disk = fzero.Offload("disk", 1.0, str(tmp_path))
+    outs = outcomes(2, train_torch_optimizer, params, xs, ys, disk)
+    raised_together(outs, ValueError, "first update", "Offload(to='host')")
