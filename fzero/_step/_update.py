@@ -137,13 +137,23 @@ def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.T
     memory to a GPU)."""
     if stage_of(state.stage).shards_params:
         held = state.params.buffers[k]
-        value = master.to(held.dtype, copy=True)
+        value = _cast_for(master, held.dtype, held.device)
         if donate:
             return held.copy_(value, non_blocking=value.is_pinned())
-        return value.to(held.device)
+        return value.to(held.device, copy=True)
     gather = None if state.precision is None else state.precision.gather_dtype
-    value = master.to(gather or state.layout.buckets[k].dtype, copy=True)
-    return value.to(device_of(state.params), non_blocking=value.is_pinned())
+    device = device_of(state.params)
+    value = _cast_for(master, gather or state.layout.buckets[k].dtype, device)
+    return value.to(device, non_blocking=value.is_pinned())
+
+
+def _cast_for(master: torch.Tensor, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """`master` cast to `dtype` on the host, into pinned memory when it goes to a GPU (the
+    copy then runs on the device's stream while the host steps the next unit; torch's
+    pinned allocator keeps the buffer until that copy is done)."""
+    pinned = device is not None and torch.device(device).type == "cuda"
+    out = torch.empty(master.shape, dtype=dtype, device=master.device, pin_memory=pinned)
+    return out.copy_(master)
 
 
 def apply_update(

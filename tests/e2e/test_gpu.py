@@ -286,3 +286,77 @@ def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh
         on_cpu(fzero.master_params(state, nccl_mesh)), on_cpu(params)
     )
     assert moved > 1e-3
+
+
+def train_offloaded(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> Any:
+    opt = optimizer()
+    units = ["layers.0", "layers.1", "layers.2"]
+    state = fzero.shard_state(
+        on_cuda(case.params), opt, mesh, stage=stage, units=units, offload=offload
+    )
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units)
+    for t in range(case.xs.shape[0]):
+        state, _ = step(state, (case.xs[t].to(CUDA), case.ys[t].to(CUDA)))
+    return state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_offloaded_stages_match_torch_on_nccl(
+    nccl_mesh: fzero.Mesh, stage: int, tier: str, tmp_path: Any
+) -> None:
+    """The masters and moments on the host (pinned) or on disk, the parameters and the
+    gradients on the GPU: the same training as torch's on the GPU (float64)."""
+    case = make_case()
+    want = on_cpu(reference(case))
+    offload = fzero.Offload(tier, 1.0, str(tmp_path) if tier == "disk" else None)
+    state = train_offloaded(nccl_mesh, case, stage, offload)
+    assert devices(state.params) == {"cuda"} and devices(state.master) == {"cpu"}
+    if tier == "host":
+        assert all(x.is_pinned() for x in state.master.buffers if x.numel())
+    got = on_cpu(fzero.master_params(state, nccl_mesh))
+    fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
+    assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
+
+
+def test_an_offloaded_bf16_stage_3_state_holds_2_bytes_a_parameter_on_the_gpu(
+    nccl_mesh: fzero.Mesh,
+) -> None:
+    """Measured by the caching allocator: with the fp32 masters and AdamW's moments on the
+    host, the GPU keeps the bf16 parameter shard alone between steps (12 bytes a parameter
+    without offload, `test_stage_3_bf16_state_allocates_12_bytes_a_parameter`)."""
+    params = on_cuda(make_params([256, 512, 256], torch.float32, 0))
+    psi = sum(p.numel() for p in fzero._core._tree.tree_flatten(params)[0])
+    prec = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32)
+    opt = fzero.optim.adamw(lr=1e-2)
+    bf16 = torch.bfloat16
+
+    def loss(p: dict[str, Any], batch: Any) -> torch.Tensor:
+        x, y = batch
+        return loss_fn(p, (x.to(bf16), y.to(bf16))).float()
+
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 256, generator=g).to(CUDA), torch.randn(8, 256, generator=g).to(CUDA))
+        for _ in range(2)
+    ]
+    warm = fzero._core._tree.tree_map(lambda x: x.to(bf16).requires_grad_(), params)
+    loss(warm, batches[0]).backward()
+    del warm
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(CUDA)
+    state = fzero.shard_state(
+        params, opt, nccl_mesh, stage=3, precision=prec, offload=fzero.Offload("host")
+    )
+    step = fzero.sharded_step(loss, opt, nccl_mesh, stage=3)
+    for batch in batches:
+        state, _ = step(state, batch)
+    del batch
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(CUDA) - before
+    assert 2 * psi <= held <= 2 * psi + 64 * 1024, (held, psi)
+    assert fzero.memory_report(state).host >= 12 * psi
+    moved = fzero._core._tree.max_abs_diff(
+        on_cpu(fzero.master_params(state, nccl_mesh)), on_cpu(params)
+    )
+    assert moved > 1e-3
