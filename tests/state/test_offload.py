@@ -490,3 +490,37 @@ def test_a_torch_optimizer_offloads_to_the_host_and_is_refused_on_disk(tmp_path:
     disk = fzero.Offload("disk", 1.0, str(tmp_path))
     outs = outcomes(2, train_torch_optimizer, params, xs, ys, disk)
     raised_together(outs, ValueError, "first update", "Offload(to='host')")
+
+
+def export_and_forward(mesh: fzero.Mesh, offload: Any, path: str) -> Any:
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(2, mesh.size, 2)
+    opt = fzero.optim.adamw(lr=0.05)
+    prec = fzero.Precision(param_dtype=torch.float32)
+    kw: dict[str, Any] = dict(stage=3, units=LAYER_UNITS)
+    state = fzero.shard_state(params, opt, mesh, precision=prec, offload=offload, **kw)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, **kw)
+    n = xs.shape[1] // mesh.size
+    for t in range(2):
+        rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
+        state, _ = step(state, (xs[t, rows].float(), ys[t, rows].float()))
+    exported = fzero.checkpoint.export_torch(state, None, mesh)
+    fzero.checkpoint.export_safetensors(state, path, mesh)
+    loss = fzero.sharded_forward(mlp_loss, mesh)(state, (xs[0].float(), ys[0].float()))
+    return exported, loss
+
+
+def test_exports_and_forwards_read_an_offloaded_state_as_any_other(tmp_path: Path) -> None:
+    """fp32 compute over float64 masters, half of them on disk: the consolidated torch
+    export (weights and AdamW's state), the safetensors file and an evaluation equal the
+    on-device state's, bitwise."""
+    import safetensors.torch
+
+    plain = run(2, export_and_forward, None, str(tmp_path / "a.safetensors"))[0]
+    offload = fzero.Offload("disk", 0.5, str(tmp_path / "spill"))
+    got = run(2, export_and_forward, offload, str(tmp_path / "b.safetensors"))[0]
+    fzero.assert_trees_close(got[0], plain[0], rtol=0, atol=0)
+    assert torch.equal(got[1], plain[1])
+    a = safetensors.torch.load_file(str(tmp_path / "a.safetensors"))
+    b = safetensors.torch.load_file(str(tmp_path / "b.safetensors"))
+    fzero.assert_trees_close(b, a, rtol=0, atol=0)
