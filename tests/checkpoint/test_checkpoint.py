@@ -663,3 +663,30 @@ def export_mixed(mesh: fzero.Mesh, path: str) -> Any:
 def test_export_of_a_mixed_precision_state_is_the_float32_masters(tmp_path: Path) -> None:
     params, (model, _) = run(2, export_mixed, str(tmp_path))[0]
     assert all(model[k].dtype == torch.float32 and torch.equal(model[k], params[k]) for k in params)
+
+
+def chain_round_trip(mesh: fzero.Mesh, path: str) -> Any:
+    """A chain of clipping and Adam over exactly two pieces: the state's root, a tuple of
+    two states, is the shape of a per-piece subtree of two pieces (it was read as one,
+    and saving failed naming a ClipState)."""
+    g = torch.Generator().manual_seed(4)
+    params = {
+        "a": torch.randn(5, generator=g, dtype=torch.float64),
+        "b": torch.randn(3, generator=g, dtype=torch.float64),
+    }
+    opt = fzero.optim.chain(fzero.optim.clip_by_global_norm(0.1), fzero.optim.adam(lr=0.1))
+    state = fzero.shard_state(params, opt, mesh, stage=1, units=["a"])
+    assert len(state.layout.buckets) == 2
+    step = fzero.sharded_step(
+        lambda p, x: p["a"].sum() * x + p["b"].pow(2).sum(), opt, mesh, stage=1
+    )
+    state, _ = step(state, torch.tensor(2.0, dtype=torch.float64))
+    ck.save(state, path, mesh)
+    loaded = ck.load(path, mesh, opt, params, stage=1)
+    return state.opt_state, loaded.opt_state
+
+
+def test_a_chain_over_two_pieces_saves_and_loads(tmp_path: Path) -> None:
+    saved, loaded = run(1, chain_round_trip, str(tmp_path / "ckpt"))[0]
+    fzero.assert_trees_close(loaded, saved, rtol=0, atol=0)
+    assert float(saved[0].norm) > 0.1  # the clip's norm travelled, and clipping happened
