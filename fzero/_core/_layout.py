@@ -269,7 +269,6 @@ class ShardLayout:
         Frozen buckets, which have no pieces, are taken from `old`.
         """
         out, it = [], iter(pieces)
-        device = pieces[0].device if len(pieces) else None
         for bucket, prev in zip(self.buckets, old, strict=True):
             if bucket.frozen:
                 out.append(prev)
@@ -279,7 +278,7 @@ class ShardLayout:
                 continue
             owned = [next(it).reshape(-1) for s in bucket.slots if s.owner == rank]
             used = sum(p.numel() for p in owned)
-            pad = torch.zeros(bucket.shard_numel - used, dtype=bucket.dtype, device=device)
+            pad = torch.zeros(bucket.shard_numel - used, dtype=bucket.dtype, device=prev.device)
             out.append(torch.cat([*owned, pad]))
         return tuple(out)
 

@@ -58,6 +58,8 @@ class Spill:
     def tensor(self, k: int, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor shaped and typed as `like` at byte `offset` of region k, holding
         `like`'s values (written through the mapping)."""
+        if like.numel() == 0:  # frombuffer refuses a count of 0: nothing to map anyway
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu")
         start = self.starts[k] + offset
         out = torch.frombuffer(self.map, dtype=like.dtype, count=like.numel(), offset=start)
         out = out.view(like.shape)

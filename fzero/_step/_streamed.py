@@ -141,17 +141,21 @@ def _blockable(
     g: tuple[torch.Tensor, ...],
     idx: list[int],
 ) -> bool:
-    """Whether piece j can be updated a block at a time: an elementwise optimizer, a
-    contiguous host piece larger than a block, and every one of its state entries a
-    contiguous tensor of its shape (not a per-piece scalar such as from_torch's step)."""
+    """Whether piece j can be updated a block at a time: an elementwise optimizer that
+    updates in place (a block's values are written through views; nothing returned is
+    kept), a contiguous host piece larger than a block, and every one of its state
+    entries a contiguous tensor of its shape (not a dict, a per-piece scalar such as
+    from_torch's step, or a state made on the first update)."""
     p = pieces[j]
-    if optimizer.whole_tensors is not None or p.device.type != "cpu" or p.numel() <= BLOCK:
+    if optimizer.update_ is None or optimizer.whole_tensors is not None:
+        return False
+    if p.device.type != "cpu" or p.numel() <= BLOCK:
         return False
     if not (p.is_contiguous() and g[idx.index(j)].is_contiguous()):
         return False
     for entries in nodes.values():
-        leaves = optree.tree_leaves(entries[j])
-        if not all(x.shape == p.shape and x.is_contiguous() for x in leaves):
+        e = entries[j]
+        if not (isinstance(e, torch.Tensor) and e.shape == p.shape and e.is_contiguous()):
             return False
     return True
 
@@ -257,10 +261,17 @@ def _same_globals(
         return now
     for path, value in now.items():
         old = before[path]
-        if old.shape != value.shape or not torch.equal(old, value.to(old.device)):
+        if old.shape != value.shape or not _same(old, value.to(old.device)):
             raise ValueError(
                 f"rank {rank}: the optimizer's state {path!r} differs between units after "
                 "the same update, so it depends on which pieces it saw; offload steps a unit "
                 "at a time and supports elementwise optimizers"
             )
     return before
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN included (a NaN gradient's norm is NaN in every unit alike)."""
+    if a.is_floating_point():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)

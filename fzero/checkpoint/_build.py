@@ -118,12 +118,15 @@ def fill_state(
     target: Any,
     device: torch.device | None,
     filled: Callable[[int], None] | None = None,
+    devices: list[torch.device] | None = None,
 ) -> Any:
     """`target` (`optimizer.init` of this rank's pieces) with every tensor replaced by the
     saved value, written into it where it is a tensor; `filled(bucket)` after each piece's
-    entry is written (an offloaded state drops the pages it wrote)."""
+    entry is written (an offloaded state drops the pages it wrote). A state made on the
+    first update (from_torch's dicts) is made on `devices[i]` for piece i if given (an
+    offloaded piece's is the host), else on `device`."""
     pieces = pieces_of(layout, stage, rank)
-    filler = _Filler(src, layout, pieces, device, filled)
+    filler = _Filler(src, layout, pieces, device, filled, devices)
     return filler.fill(target, piece_spec(layout, stage, len(pieces)))
 
 
@@ -137,9 +140,10 @@ class _Filler:
         pieces: list[Piece],
         device: torch.device | None,
         filled: Callable[[int], None] | None = None,
+        devices: list[torch.device] | None = None,
     ) -> None:
         self.src, self.layout, self.pieces, self.device = src, layout, pieces, device
-        self.filled = filled
+        self.filled, self.devices = filled, devices
         self.schema = src.schema
 
     def fill(self, target: Any, spec: Any) -> Any:
@@ -150,7 +154,10 @@ class _Filler:
 
         def on_node(path: str, tree: Any) -> Any:
             states = spec.flatten_up_to(tree)
-            new = [self._piece_state(path, t, p) for t, p in zip(states, self.pieces, strict=True)]
+            new = [
+                self._piece_state(path, t, p, i)
+                for i, (t, p) in enumerate(zip(states, self.pieces, strict=True))
+            ]
             return spec.unflatten(new)
 
         return walk(target, spec, on_node, self._global)
@@ -174,7 +181,7 @@ class _Filler:
             )
         return value.to(like.device, copy=True)
 
-    def _piece_state(self, node: str, like: Any, piece: Piece) -> Any:
+    def _piece_state(self, node: str, like: Any, piece: Piece, i: int) -> Any:
         if isinstance(like, torch.Tensor):
             j = self.schema.index((node, ""))
             if j < 0:
@@ -196,7 +203,8 @@ class _Filler:
             out = dict(like)
             for j, e in enumerate(self.schema.entries):
                 if e.node == node and self._present(e, piece):
-                    out[e.sub] = self._value(j, piece, required=False).to(self.device)
+                    where = self.device if self.devices is None else self.devices[i]
+                    out[e.sub] = self._value(j, piece, required=False).to(where)
             return out
         raise CheckpointError(f"cannot fill optimizer state of type {type(like).__name__}")
 

@@ -108,9 +108,12 @@ def write_streamed(directory: str, name: str, entries: list[Streamed]) -> dict[s
             after()
         _crash_point("rank-file", writer.tmp)
         writer.commit()
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
-        raise
+        os_error = find_os_error(exc)
+        if os_error is None or os_error.filename is not None:
+            raise
+        raise OSError(os_error.errno, os_error.strerror, path) from exc  # name the file
     return {"name": name, "bytes": os.path.getsize(path), "sha256": sha256(path)}
 
 

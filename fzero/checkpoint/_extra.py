@@ -34,6 +34,18 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
     if state.master is None:
         return state
     lay = state.layout
+    if state.precision is None:  # offload's masters, at the parameters' own precision:
+        # the parameters hold the same values, in the same dtypes (several, it may be)
+        if not stage_of(state.stage).shards_params:
+            return ShardedState(
+                state.params, state.opt_state, state.step, lay, state.stage, state.buffers
+            )
+        bufs = tuple(
+            p if b.frozen else m
+            for p, m, b in zip(state.params.buffers, state.master.buffers, lay.buckets)
+        )
+        params = Shards(bufs, lay, mesh.shard_rank)
+        return ShardedState(params, state.opt_state, state.step, lay, state.stage, state.buffers)
     if isinstance(state.master, Shards):
         dtypes = {b.dtype for b in state.master.layout.buckets if not b.frozen}
     else:

@@ -309,8 +309,9 @@ def load(
             if offload is not None:
                 state = place(state, offload, mesh, optimizer)
                 placement = state.offload
+                where = [x.device for x in state.master.pieces()]
                 opt_state = fill_state(
-                    src, lay, spec, rank, state.opt_state, dev, placement.release
+                    src, lay, spec, rank, state.opt_state, dev, placement.release, where
                 )
                 state = dataclasses.replace(state, opt_state=opt_state)
                 placement.release_all()

@@ -16,8 +16,8 @@ from ._base import (
     flatten_as,
     from_inplace,
     grouped,
-    masked_factor,
     resolve_lr,
+    scale_where_,
     validate_beta,
     validate_lr,
     validate_non_negative,
@@ -94,7 +94,7 @@ def _adam(
             g = -g if maximize else g
             if d is not False:
                 if decoupled:
-                    p.mul_(masked_factor(1 - step_lr * weight_decay, d, p))
+                    scale_where_(p, 1 - step_lr * weight_decay, d)
                 else:
                     g = g.add(p if d is True else p * d, alpha=weight_decay)
             if torch.is_complex(p):

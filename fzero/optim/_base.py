@@ -203,16 +203,16 @@ def decay_flags(mask: Any, params: Params, n: int, weight_decay: float) -> list[
     ]
 
 
-def masked_factor(factor: float, flag: Any, p: torch.Tensor) -> Any:
-    """`factor` where `flag` (a bool or a 0/1 tensor) is set, 1 elsewhere, for `p.mul_`."""
+def scale_where_(p: torch.Tensor, factor: float, flag: Any) -> torch.Tensor:
+    """`p *= factor` where `flag` (True, or a 0/1 tensor) is set, in place.
+
+    Each element is rounded as `p.mul_(factor)` rounds it: the product of `p` and the
+    Python float, in the op's compute precision. (A factor made a tensor of `p`'s dtype
+    first would be rounded to bf16/fp16 before the product, and differ from torch's.)
+    """
     if flag is True:
-        return factor
-    # torch.where in p's dtype rounds `factor` exactly as p.mul_(factor) would.
-    return torch.where(
-        flag.bool(),
-        torch.tensor(factor, dtype=p.dtype, device=p.device),
-        torch.tensor(1.0, dtype=p.dtype, device=p.device),
-    )
+        return p.mul_(factor)
+    return p.copy_(torch.where(flag.bool(), p * factor, p))
 
 
 # Leaves of at most this many elements are updated in groups (`grouped`), where a call per

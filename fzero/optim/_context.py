@@ -60,14 +60,14 @@ class UnitByUnit:
 
     def norm_sq(self, leaves: list[torch.Tensor]) -> torch.Tensor:
         """The squared global norm of the whole gradient, `leaves` being this unit's."""
+        if self._norm_sq is None:  # first: every rank joins the all-reduce, then checks
+            self._norm_sq = global_sum(sum_of_squares(self.grads, self.device), whole=True)
         if len(leaves) != len(self.unit) or any(a is not b for a, b in zip(leaves, self.unit)):
             raise ValueError(
                 "clip_by_global_norm after a transformation that changes the gradient cannot "
                 "run a unit of pieces at a time (offload= steps unit by unit): put it first in "
                 "chain(...)"
             )
-        if self._norm_sq is None:
-            self._norm_sq = global_sum(sum_of_squares(self.grads, self.device), whole=True)
         return self._norm_sq
 
 

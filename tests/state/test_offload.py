@@ -524,3 +524,113 @@ def test_exports_and_forwards_read_an_offloaded_state_as_any_other(tmp_path: Pat
     a = safetensors.torch.load_file(str(tmp_path / "a.safetensors"))
     b = safetensors.torch.load_file(str(tmp_path / "b.safetensors"))
     fzero.assert_trees_close(b, a, rtol=0, atol=0)
+
+
+def train_big_with(mesh: fzero.Mesh, xs: torch.Tensor, offload: Any, which: str) -> Any:
+    base = fzero.optim.adamw(lr=0.01)
+    opt = {
+        "from_torch": fzero.optim.from_torch(torch.optim.AdamW, lr=0.01, foreach=False),
+        "out of place": fzero.optim.Optimizer(base.init, base.update),  # no update_
+    }[which]
+    state = fzero.shard_state(big_params(), opt, mesh, stage=2, offload=offload)
+    step = fzero.sharded_step(big_loss, opt, mesh, stage=2)
+    n = xs.shape[1] // mesh.size
+    for t in range(xs.shape[0]):
+        state, _ = step(state, xs[t, mesh.rank * n : (mesh.rank + 1) * n])
+    return fzero.master_params(state, mesh)
+
+
+@pytest.mark.parametrize("which", ["from_torch", "out of place"])
+def test_large_host_pieces_of_other_optimizers_train_bitwise(which: str) -> None:
+    """Shards over a block, stepped by optimizers the blocks cannot serve (a state made
+    on the first update; no in-place update): stepped whole, and bitwise the on-device
+    run (three steps, so a state dropped after each would show)."""
+    xs = torch.randn(3, 4, 1500, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plain = run(2, train_big_with, xs, None, which)[0]
+    got = run(2, train_big_with, xs, fzero.Offload("host"), which)[0]
+    fzero.assert_trees_close(got, plain, rtol=0, atol=0)
+    assert not torch.equal(got["w"], big_params()["w"])
+
+
+def train_bf16_masked(mesh: fzero.Mesh, offload: Any) -> Any:
+    params = {k: v.to(torch.bfloat16) for k, v in big_params().items()}
+    opt = fzero.optim.adamw(lr=0.01, weight_decay=0.33, mask=no_decay)  # 1 - lr * wd: no bf16
+    state = fzero.shard_state(params, opt, mesh, stage=1, offload=offload)
+    step = fzero.sharded_step(lambda p, x: big_loss(p, x).float(), opt, mesh, stage=1)
+    x = torch.randn(4, 1500, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for _ in range(2):
+        state, _ = step(state, x)
+    return fzero.master_params(state, mesh)
+
+
+def test_bf16_parameters_with_a_decay_mask_offloaded_in_blocks_bitwise() -> None:
+    """Masters at the parameters' bf16, a mask cutting a shard (a 0/1 tensor) while its
+    blocks inside one leaf get a flag: the decay rounds alike either way (as torch's
+    `p.mul_(1 - lr * wd)`)."""
+    plain = run(1, train_bf16_masked, None)[0]
+    got = run(1, train_bf16_masked, fzero.Offload("host"))[0]
+    fzero.assert_trees_close(got, plain, rtol=0, atol=0)
+    assert not torch.equal(got["w"], big_params()["w"].to(torch.bfloat16))
+
+
+def nan_step(mesh: fzero.Mesh, offload: Any) -> Any:
+    params = make_params(DIMS, torch.float64, 5)
+    opt = optimizer()
+    kw: dict[str, Any] = dict(stage=1, layout="tensor", units=LAYER_UNITS)
+    state = fzero.shard_state(params, opt, mesh, offload=offload, **kw)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, **kw)
+    x = torch.randn(2, DIMS[0], dtype=torch.float64)
+    x[0, 0] = float("nan") if mesh.rank == 0 else 0.0
+    state, _ = step(state, (x, torch.randn(2, DIMS[-1], dtype=torch.float64)))
+    return fzero.master_params(state, mesh)
+
+
+def test_a_nan_gradient_carries_on_as_on_the_device() -> None:
+    """No loss scaler: a NaN gradient makes NaN masters, offloaded as on the device; the
+    clipping norm, NaN in every unit alike, is not taken for a unit-dependent state (three
+    ranks, one of which owns no tensor)."""
+    plain = run(3, nan_step, None)[0]
+    got = run(3, nan_step, fzero.Offload("host"))[0]
+    for a, b in zip(
+        fzero._core._tree.tree_flatten(got)[0], fzero._core._tree.tree_flatten(plain)[0]
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert any(torch.isnan(x).any() for x in fzero._core._tree.tree_flatten(got)[0])
+
+
+def mixed_dtypes_round_trip(mesh: fzero.Mesh, path: str, directory: str) -> Any:
+    g = torch.Generator().manual_seed(6)
+    params = {
+        "a": torch.randn(7, 3, generator=g, dtype=torch.float64),
+        "b": torch.randn(5, generator=g, dtype=torch.float32),
+        "empty": torch.zeros(0, dtype=torch.float32),
+    }
+    opt = fzero.optim.adam(lr=0.1)
+    offload = fzero.Offload("disk", 1.0, directory)
+    kw: dict[str, Any] = dict(stage=3, layout="tensor")
+    state = fzero.shard_state(params, opt, mesh, offload=offload, **kw)
+
+    def loss(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return (p["a"].sum(0) * x).sum() + p["b"].double().pow(2).sum() + p["empty"].sum()
+
+    step = fzero.sharded_step(loss, opt, mesh, **kw)
+    state, _ = step(state, torch.ones(3, dtype=torch.float64))
+    fzero.checkpoint.save(state, path, mesh)
+    loaded = fzero.checkpoint.load(path, mesh, opt, params, offload=offload, **kw)
+    return fzero.gather_params(state.params, mesh), fzero.gather_params(loaded.params, mesh)
+
+
+def test_a_model_of_several_dtypes_and_an_empty_leaf_offloads_to_disk_and_saves(
+    tmp_path: Path,
+) -> None:
+    """Masters at each bucket's own dtype (float64 and float32) and a 0-element piece (the
+    tensor layout, two ranks): made, stepped, saved and loaded from disk."""
+    for before, after in run(2, mixed_dtypes_round_trip, str(tmp_path / "ck"), str(tmp_path / "s")):
+        fzero.assert_trees_close(after, before, rtol=0, atol=0)
+        assert not torch.equal(before["b"], mixed_b())
+
+
+def mixed_b() -> torch.Tensor:
+    g = torch.Generator().manual_seed(6)
+    torch.randn(7, 3, generator=g, dtype=torch.float64)
+    return torch.randn(5, generator=g, dtype=torch.float32)
