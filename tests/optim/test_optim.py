@@ -530,3 +530,35 @@ def test_from_torch_says_which_optimizers_need_whole_tensors() -> None:
         # chain keeps the verdict of the optimizer it ends in
         assert optim.chain(optim.clip_by_global_norm(1.0), opt).whole_tensors is not None
     assert optim.adamw(lr=0.1).whole_tensors is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(dtype: torch.dtype) -> None:
+    """One flat piece holding a decayed and an undecayed parameter (as a flat shard does):
+    fzero's AdamW equals torch's AdamW with two parameter groups, bitwise, in half
+    precision too (the decay is the product with the Python float `1 - lr * wd`, as
+    torch's `p.mul_` rounds it, not with that factor rounded to the parameter's dtype)."""
+    from fzero.optim._context import ShardContext, shard_context
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    grads = [(torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype))]
+    grads.append((torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)))
+    opt = optim.adamw(lr=0.01, weight_decay=0.33, mask=lambda path: path == "w")
+    piece = torch.cat([w, b])
+    state = opt.init((piece,))
+    ctx = ShardContext(None, True, ((("w", 0, 300), ("b", 300, 340)),))
+    tw, tb = w.clone(), b.clone()
+    ref = torch.optim.AdamW(
+        [{"params": [tw]}, {"params": [tb], "weight_decay": 0.0}],
+        lr=0.01,
+        weight_decay=0.33,
+        foreach=False,
+    )
+    for gw, gb in grads:
+        with shard_context(ctx):
+            (piece,), state = opt.update_((torch.cat([gw, gb]),), state, (piece,))
+        tw.grad, tb.grad = gw, gb
+        ref.step()
+    assert torch.equal(piece[:300], tw) and torch.equal(piece[300:], tb)
+    assert not torch.equal(piece[:300], w)
