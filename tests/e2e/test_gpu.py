@@ -246,15 +246,14 @@ def test_memory_report_reads_the_cuda_allocator(nccl_mesh: fzero.Mesh) -> None:
     assert report.reserved >= report.allocated
 
 
-def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh) -> None:
-    """What the caching allocator holds for a stage-3 bf16 state after a step, beyond the
-    input parameters: the fp32 master shard (which is also what is gathered, cast) and
-    AdamW's two fp32 moments, 12 bytes a parameter at one rank. Not 14: no bf16 shard
-    beside the master (FSDP2's layout). Gradients and gathered units are freed."""
+def bf16_stage_3_held(
+    mesh: fzero.Mesh, opt: fzero.optim.Optimizer, offload: Any = None
+) -> tuple[int, int, Any]:
+    """Two bf16 stage-3 steps at one rank: the bytes the caching allocator holds after
+    them beyond the input parameters, the parameter count, and the state."""
     params = on_cuda(make_params([256, 512, 256], torch.float32, 0))
     psi = sum(p.numel() for p in fzero._core._tree.tree_flatten(params)[0])
     prec = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32)
-    opt = fzero.optim.from_torch(torch.optim.AdamW, lr=1e-2, fused=True)
     bf16 = torch.bfloat16
 
     def loss(p: dict[str, Any], batch: Any) -> torch.Tensor:
@@ -273,19 +272,27 @@ def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh
     del warm
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(CUDA)
-    state = fzero.shard_state(params, opt, nccl_mesh, stage=3, precision=prec)
-    step = fzero.sharded_step(loss, opt, nccl_mesh, stage=3)
+    state = fzero.shard_state(params, opt, mesh, stage=3, precision=prec, offload=offload)
+    step = fzero.sharded_step(loss, opt, mesh, stage=3)
     for batch in batches:
         state, _ = step(state, batch)
     del batch
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated(CUDA) - before
+    moved = fzero._core._tree.max_abs_diff(on_cpu(fzero.master_params(state, mesh)), on_cpu(params))
+    assert moved > 1e-3
+    return held, psi, state
+
+
+def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh) -> None:
+    """What the caching allocator holds for a stage-3 bf16 state after a step, beyond the
+    input parameters: the fp32 master shard (which is also what is gathered, cast) and
+    AdamW's two fp32 moments, 12 bytes a parameter at one rank. Not 14: no bf16 shard
+    beside the master (FSDP2's layout). Gradients and gathered units are freed."""
+    opt = fzero.optim.from_torch(torch.optim.AdamW, lr=1e-2, fused=True)
+    held, psi, _ = bf16_stage_3_held(nccl_mesh, opt)
     # AdamW's step counts and the allocator's 512-byte rounding: a few KiB at most.
     assert 12 * psi <= held <= 12 * psi + 64 * 1024, (held, psi)
-    moved = fzero._core._tree.max_abs_diff(
-        on_cpu(fzero.master_params(state, nccl_mesh)), on_cpu(params)
-    )
-    assert moved > 1e-3
 
 
 def train_offloaded(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> Any:
@@ -325,38 +332,7 @@ def test_an_offloaded_bf16_stage_3_state_holds_2_bytes_a_parameter_on_the_gpu(
     """Measured by the caching allocator: with the fp32 masters and AdamW's moments on the
     host, the GPU keeps the bf16 parameter shard alone between steps (12 bytes a parameter
     without offload, `test_stage_3_bf16_state_allocates_12_bytes_a_parameter`)."""
-    params = on_cuda(make_params([256, 512, 256], torch.float32, 0))
-    psi = sum(p.numel() for p in fzero._core._tree.tree_flatten(params)[0])
-    prec = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32)
     opt = fzero.optim.adamw(lr=1e-2)
-    bf16 = torch.bfloat16
-
-    def loss(p: dict[str, Any], batch: Any) -> torch.Tensor:
-        x, y = batch
-        return loss_fn(p, (x.to(bf16), y.to(bf16))).float()
-
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        (torch.randn(8, 256, generator=g).to(CUDA), torch.randn(8, 256, generator=g).to(CUDA))
-        for _ in range(2)
-    ]
-    warm = fzero._core._tree.tree_map(lambda x: x.to(bf16).requires_grad_(), params)
-    loss(warm, batches[0]).backward()
-    del warm
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated(CUDA)
-    state = fzero.shard_state(
-        params, opt, nccl_mesh, stage=3, precision=prec, offload=fzero.Offload("host")
-    )
-    step = fzero.sharded_step(loss, opt, nccl_mesh, stage=3)
-    for batch in batches:
-        state, _ = step(state, batch)
-    del batch
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated(CUDA) - before
+    held, psi, state = bf16_stage_3_held(nccl_mesh, opt, fzero.Offload("host"))
     assert 2 * psi <= held <= 2 * psi + 64 * 1024, (held, psi)
     assert fzero.memory_report(state).host >= 12 * psi
-    moved = fzero._core._tree.max_abs_diff(
-        on_cpu(fzero.master_params(state, nccl_mesh)), on_cpu(params)
-    )
-    assert moved > 1e-3

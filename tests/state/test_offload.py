@@ -425,10 +425,19 @@ def no_decay(path: str) -> bool:
     return path != "b"
 
 
-def train_big(mesh: fzero.Mesh, xs: torch.Tensor, offload: Any) -> Any:
-    opt = fzero.optim.chain(
-        fzero.optim.clip_by_global_norm(0.05), fzero.optim.adamw(lr=0.01, mask=no_decay)
-    )
+def big_optimizer(which: str) -> fzero.optim.Optimizer:
+    base = fzero.optim.adamw(lr=0.01)
+    return {
+        "clipped": fzero.optim.chain(
+            fzero.optim.clip_by_global_norm(0.05), fzero.optim.adamw(lr=0.01, mask=no_decay)
+        ),
+        "from_torch": fzero.optim.from_torch(torch.optim.AdamW, lr=0.01, foreach=False),
+        "out of place": fzero.optim.Optimizer(base.init, base.update),  # no update_
+    }[which]
+
+
+def train_big(mesh: fzero.Mesh, xs: torch.Tensor, offload: Any, which: str = "clipped") -> Any:
+    opt = big_optimizer(which)
     state = fzero.shard_state(big_params(), opt, mesh, stage=2, offload=offload)
     step = fzero.sharded_step(big_loss, opt, mesh, stage=2)
     n = xs.shape[1] // mesh.size
@@ -526,28 +535,14 @@ def test_exports_and_forwards_read_an_offloaded_state_as_any_other(tmp_path: Pat
     fzero.assert_trees_close(b, a, rtol=0, atol=0)
 
 
-def train_big_with(mesh: fzero.Mesh, xs: torch.Tensor, offload: Any, which: str) -> Any:
-    base = fzero.optim.adamw(lr=0.01)
-    opt = {
-        "from_torch": fzero.optim.from_torch(torch.optim.AdamW, lr=0.01, foreach=False),
-        "out of place": fzero.optim.Optimizer(base.init, base.update),  # no update_
-    }[which]
-    state = fzero.shard_state(big_params(), opt, mesh, stage=2, offload=offload)
-    step = fzero.sharded_step(big_loss, opt, mesh, stage=2)
-    n = xs.shape[1] // mesh.size
-    for t in range(xs.shape[0]):
-        state, _ = step(state, xs[t, mesh.rank * n : (mesh.rank + 1) * n])
-    return fzero.master_params(state, mesh)
-
-
 @pytest.mark.parametrize("which", ["from_torch", "out of place"])
 def test_large_host_pieces_of_other_optimizers_train_bitwise(which: str) -> None:
     """Shards over a block, stepped by optimizers the blocks cannot serve (a state made
     on the first update; no in-place update): stepped whole, and bitwise the on-device
     run (three steps, so a state dropped after each would show)."""
     xs = torch.randn(3, 4, 1500, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    plain = run(2, train_big_with, xs, None, which)[0]
-    got = run(2, train_big_with, xs, fzero.Offload("host"), which)[0]
+    plain = run(2, train_big, xs, None, which)[0]
+    got = run(2, train_big, xs, fzero.Offload("host"), which)[0]
     fzero.assert_trees_close(got, plain, rtol=0, atol=0)
     assert not torch.equal(got["w"], big_params()["w"])
 
