@@ -142,8 +142,8 @@ def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.T
             return held.copy_(value, non_blocking=value.is_pinned())
         return value.to(held.device, copy=True)
     gather = None if state.precision is None else state.precision.gather_dtype
-    device = device_of(state.params)
-    value = _cast_for(master, gather or state.layout.buckets[k].dtype, device)
+    device, dtype = device_of(state.params), gather or state.layout.buckets[k].dtype
+    value = _cast_for(master, dtype, device)
     return value.to(device, non_blocking=value.is_pinned())
 
 
