@@ -140,7 +140,7 @@ def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.T
         value = _cast_for(master, held.dtype, held.device)
         if donate:
             return held.copy_(value, non_blocking=value.is_pinned())
-        return value.to(held.device, copy=True)
+        return value.to(held.device)  # `value` is already a fresh copy
     gather = None if state.precision is None else state.precision.gather_dtype
     device, dtype = device_of(state.params), gather or state.layout.buckets[k].dtype
     value = _cast_for(master, dtype, device)
