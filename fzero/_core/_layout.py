@@ -216,19 +216,21 @@ class ShardLayout:
 
         "flat": the shard buffers themselves. "tensor": the owned leaves, in their shapes.
         """
+        return tuple(p for k, x in enumerate(shards) for p in self.bucket_pieces(k, x, rank))
+
+    def bucket_pieces(self, k: int, shard: torch.Tensor, rank: int) -> tuple[torch.Tensor, ...]:
+        """Bucket k's part of `pieces`, from its shard buffer on `rank` (none if frozen)."""
+        bucket = self.buckets[k]
+        if bucket.frozen:
+            return ()
         if self.kind == "flat":
-            return tuple(x for x, b in zip(shards, self.buckets) if not b.frozen)
-        out = []
-        for bucket, shard in zip(self.buckets, shards):
-            if bucket.frozen:
-                continue
-            base = rank * bucket.shard_numel
-            out += [
-                shard[s.offset - base : s.offset - base + s.numel].view(s.shape)
-                for s in bucket.slots
-                if s.owner == rank
-            ]
-        return tuple(out)
+            return (shard,)
+        base = rank * bucket.shard_numel
+        return tuple(
+            shard[s.offset - base : s.offset - base + s.numel].view(s.shape)
+            for s in bucket.slots
+            if s.owner == rank
+        )
 
     def piece_paths(self, rank: int) -> tuple[str, ...]:
         """A name for each of `pieces(..., rank)`: a bucket name or the leaf's path."""

@@ -30,6 +30,7 @@ from ._gathered import gathered as gathered
 from ._hooks import hookable_units as hookable_units
 from ._pool import Pool as Pool
 from ._reductions import LocalSums as LocalSums
+from ._reductions import Watch as Watch
 from ._remat import remat as remat
 from ._schedule import Schedule as Schedule
 from ._schedule import differentiates_by_leaf as differentiates_by_leaf

@@ -201,6 +201,22 @@ class CallCheck:
             pending, self.pending = self.pending, None
             self.flags, self.words = pending.check(self.mesh)
 
+    def peek(self) -> list[list[int]] | None:
+        """Every rank's carried words, waiting for the exchange, if the check passes; None
+        if it fails (`finish` raises then, after the backward) or sent nothing. It may run
+        inside the backward, which a failing check must not cut short: it raises only what
+        any wait does (a peer's failure, a timeout)."""
+        if self.words is not None:
+            return self.words
+        if self.pending is None:
+            return None
+        everyone = self.pending.wait()
+        if any(e[_ERROR] for e in everyone) or any(e[:2] != everyone[0][:2] for e in everyone):
+            return None
+        if len({e[_MICRO] for e in everyone}) > 1:
+            return None
+        return [e[len(e) - self.pending.carried :] for e in everyone]
+
     def carried(self) -> list[list[int]]:
         """Every rank's carried words, in rank order (raising as the check does)."""
         self.finish()

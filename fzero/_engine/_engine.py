@@ -36,7 +36,7 @@ from ._entry import Entry, enter, in_backward
 from ._gathered import ACTIVE
 from ._gatherer import Gatherer
 from ._hooks import ModuleHooks
-from ._reductions import LocalSums, Reductions
+from ._reductions import LocalSums, Reductions, Watch
 from ._source import ParamSource, Replica
 
 
@@ -63,13 +63,15 @@ class Engine:
         order: Sequence[str] | None = (),
         sums: LocalSums | None = None,
         final: bool = True,
+        watch: Watch | None = None,
     ) -> None:
         """`held`: per bucket, what this rank holds of it, shaped as its reduced gradient
         (its shard, or the full buffer at stage 0); at stage 3 the shards to gather.
         `check`: the micro-batch's call check. `local`: the replicated full buffers
         (stages 0-2). `order`: the just-in-time units last step called, in order (None:
         there was no last step, which a rank without data could follow). `sums`,
-        `final`: local accumulation, and whether this is the step's last micro-batch."""
+        `final`: local accumulation, and whether this is the step's last micro-batch.
+        `watch`: told each bucket's reduced gradient once final (`Reductions`)."""
         self.ctx, self.s, self.layout, self.mesh = ctx, ctx.schedule, ctx.layout, ctx.mesh
         self.last = order
         self.leaf_grads = self.s.bursts
@@ -88,7 +90,7 @@ class Engine:
             assert local is not None
             self.source = Replica(local)
         devices = [x.device for x in held]
-        self.reductions = Reductions(ctx, devices, check, self.source, sums, final)
+        self.reductions = Reductions(ctx, devices, check, self.source, sums, final, watch)
         self.entries: list[Entry] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order
         self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf

@@ -24,7 +24,7 @@ in its own place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,10 @@ from ._source import ParamSource
 # step's micro-batches so far; reduced only on the last one. One per step.
 LocalSums = dict[int, torch.Tensor]
 
+# Told `(bucket, its reduced gradient)` as soon as a bucket's gradient is final: every
+# entry of the forward that holds it is reduced (an offloaded state steps it then).
+Watch = Callable[[int, torch.Tensor], None]
+
 
 class Reductions:
     """The reductions of one micro-batch on one rank."""
@@ -54,11 +58,13 @@ class Reductions:
         source: ParamSource,
         sums: LocalSums | None = None,
         final: bool = True,
+        watch: Watch | None = None,
     ) -> None:
         """`devices`: per bucket, where its gradient lives. `check`: the micro-batch's call
         check, waited for before the first collective. `source`: told when an entry's
         gradient is reduced (its parameters may go). `sums`, `final`: local accumulation,
-        and whether this is the step's last micro-batch (whose reductions include them)."""
+        and whether this is the step's last micro-batch (whose reductions include them).
+        `watch`: told each bucket's gradient as soon as it is final (`final` only)."""
         self.s, self.layout, self.mesh, self.devices = ctx.schedule, ctx.layout, ctx.mesh, devices
         self.ledger, self.pool = ctx.ledger, ctx.pool
         self.acc, self.final = sums, final
@@ -79,6 +85,9 @@ class Reductions:
         self.results: dict[int, torch.Tensor] = {}  # bucket -> reduced gradient (sum of parts)
         self.extra: dict[int, torch.Tensor] = {}  # bucket -> zeros reduced after the backward
         self.columns: dict[str, dict[torch.dtype, int]] = {}  # unit -> `_columns`
+        self.watch = watch if final else None
+        self.expect: dict[int, int] | None = None  # bucket -> its parts still to finish
+        self.watched: set[int] = set()  # buckets whose final gradient `watch` was told
 
     # -- the order every rank reduces in --------------------------------------------------
     def enlist(self, entry: Entry) -> None:
@@ -101,6 +110,7 @@ class Reductions:
         if entry.twin is not None:
             self._join(entry.twin, grads)
         elif entry not in self.order:
+            self._unwatch(entry.buckets)
             self._reduce_entry(entry, grads)
         else:
             self._ready(self.order[entry], grads)
@@ -299,6 +309,38 @@ class Reductions:
                 out.div_(self.mesh.size)
             self.results[i] = self.results[i] + out if i in self.results else out
             self._log(unit, -nbytes)
+            if self.watch is not None:
+                self._count(i)
+
+    # -- final gradients, told as they are ----------------------------------------------
+    def _count(self, i: int) -> None:
+        """One of bucket i's parts is reduced: if it was the last the forward's entries
+        owe it, its gradient is final. Counted from the forward's entries (complete once
+        the backward runs); an entry outside them (made inside the backward, without a
+        twin) stops the watch (`_unwatch`)."""
+        if self.expect is None:
+            self.expect = {}
+            for entry in self.ordered:
+                for b in entry.buckets:
+                    if not self.layout.buckets[b].frozen:
+                        self.expect[b] = self.expect.get(b, 0) + 1
+        self.expect[i] -= 1
+        if self.expect[i] == 0 and self.watch is not None:
+            self.watched.add(i)
+            self.watch(i, self.results[i])
+
+    def _unwatch(self, buckets: Sequence[int]) -> None:
+        """A gradient outside the forward's entries arrives for `buckets`: nothing more is
+        told final this step, and one already told cannot take it."""
+        self.watch = None
+        late = sorted(i for i in buckets if i in self.watched)
+        if late:
+            raise RuntimeError(
+                f"rank {self.mesh.rank}: bucket(s) {late} received a gradient after their "
+                "reduction was complete and their offloaded update had started: a unit "
+                "entered inside the backward, outside a checkpoint's recompute of its forward "
+                "entry. Enter the unit in the forward, or step without offload"
+            )
 
     # -- after the backward ----------------------------------------------------------------
     def finish(self) -> None:
@@ -331,6 +373,7 @@ class Reductions:
                 self._extra(i, self._reduce_now(self.acc.pop(i)))
 
     def _extra(self, i: int, part: torch.Tensor) -> None:
+        self._unwatch((i,))
         self.extra[i] = self.extra[i] + part if i in self.extra else part
 
     def result(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

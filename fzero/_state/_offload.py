@@ -37,11 +37,18 @@ class Offload:
         whole buckets (a unit's, per dtype) are taken from the last unit backwards, the
         first whose gradients a backward completes.
       directory: where the disk tier's files go (local disk); required for "disk".
+      overlap: step an offloaded bucket on a host thread as soon as the backward has
+        reduced its gradient, while the backward goes on, wherever the values stay those
+        of the update after the backward (no loss scaler, no global-norm clipping, no
+        qgZ). It pays where units enter just in time: units entered before the forward
+        complete their gradients only at the backward's end. False: every unit after the
+        backward.
     """
 
     to: str = "host"
     fraction: float = 1.0
     directory: str | None = None
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.to not in TIERS:

@@ -12,6 +12,7 @@ it: loss wrappers, the loss scaler's next state, buffers, donation.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .._core import LossFn, PyTree, Shards, Stage, device_of
@@ -21,8 +22,9 @@ from ..optim import Optimizer
 from ._gradient import mean_grad
 from ._loss_weights import Weighed
 from ._options import StepOptions
+from ._overlap import overlapping
 from ._sync import StepSync, Tally
-from ._update import after_update, apply_update, check_finite
+from ._update import after_update, apply_update, check_finite, streamer
 
 
 class Out(NamedTuple):
@@ -35,6 +37,7 @@ class Out(NamedTuple):
     applied: bool  # False: the loss scaler found an inf, or the weights summed to 0
     tally: Tally
     order: list[str] | None
+    looked: bool | None = None  # an offloaded update asked for the global norm (None: none ran)
 
 
 def body(
@@ -46,10 +49,13 @@ def body(
     state: ShardedState,
     micro: list[Any],
     order: list[str] | None,
+    overlap: ThreadPoolExecutor | None = None,
 ) -> Out:
     """One step of `o.stage` on `micro` (this rank's micro-batches); `weighed` is the
     loss under its wrappers (`loss_fn`), keeping what each call counts for; `order` the
-    just-in-time units last step called (None: no step yet)."""
+    just-in-time units last step called (None: no step yet). `overlap`: the host thread
+    on which an offloaded state steps its host buckets during the backward (`_overlap`;
+    None: not this step, where something needs the whole gradient first)."""
     stage, mesh = o.stage, o.mesh
     local = None if stage.shards_params else full_buckets(state.params, state.layout)
     target = _own_part(stage, state, local, o)
@@ -58,30 +64,49 @@ def body(
         mesh, weighed, present, device_of(state.params), len(micro), o.accumulate is not None
     )
 
-    # Enter and differentiate: the gradient leaves each unit reduced as the stage reduces.
-    grads, order = mean_grad(loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order)
+    # An offloaded state is updated unit by unit (`streamed`), its host units on a host
+    # thread during the backward (`early`) where nothing needs the whole gradient first.
+    streamed = streamer(optimizer, state, target, mesh, o.donate)
+    device = device_of(state.params)
+    with overlapping(streamed, sync.early_factor, overlap, state, device, mesh.rank) as early:
+        # Enter and differentiate: the gradient leaves each unit reduced as the stage reduces.
+        grads, order = mean_grad(
+            loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order, watch=early
+        )
 
-    # Weigh: what every rank's losses count for, agreed behind the backward.
-    tally = sync.tally()
-    if o.quantize is not None and o.quantize.grads and state.scaler is None:
-        check_finite(grads, mesh, state.step)
-    factor = tally.factor(mesh.size, len(micro))
-    if factor is None:  # no weight anywhere: nothing to update by
-        return Out(state.params, state.opt_state, state.master, False, tally, order)
+        # Weigh: what every rank's losses count for, agreed behind the backward.
+        tally = sync.tally()
+        if o.quantize is not None and o.quantize.grads and state.scaler is None:
+            check_finite(grads, mesh, state.step)
+        factor = tally.factor(mesh.size, len(micro))
+        if factor is None:  # no weight anywhere: nothing to update by
+            return Out(state.params, state.opt_state, state.master, False, tally, order)
 
-    # Update this rank's part: the optimizer on what the stage has it own.
-    new, opt_state, applied, held = apply_update(
-        optimizer, state, target, grads, mesh, o.donate, factor=factor
-    )
-    master = None if state.master is None else new
-    if not applied:  # the loss scaler skipped the step everywhere: nothing to gather
-        return Out(state.params, opt_state, master, False, tally, order)
-    del grads  # used: what follows has the memory they held
+        # Update this rank's part: the optimizer on what the stage has it own (an offloaded
+        # state's buckets stepped during the backward, done first).
+        if early is not None:
+            early.join()
+        new, opt_state, applied, held = apply_update(
+            optimizer,
+            state,
+            target,
+            grads,
+            mesh,
+            o.donate,
+            factor=factor,
+            streamed=streamed,
+            taken=None if early is None else early.taken,
+        )
+        master = None if state.master is None else new
+        looked = streamed.looked if streamed is not None and streamed.ran else None
+        if not applied:  # the loss scaler skipped the step everywhere: nothing to gather
+            return Out(state.params, opt_state, master, False, tally, order, looked)
+        del grads  # used: what follows has the memory they held
 
-    # After the update: the updated shards (`held`: as on the device, where the state is
-    # offloaded) all-gathered where the stage replicates.
-    params = after_update(stage, held, local, state, mesh, o.donate, o.reduce_bucket_bytes)
-    return Out(params, opt_state, master, True, tally, order)
+        # After the update: the updated shards (`held`: as on the device, where the state is
+        # offloaded) all-gathered where the stage replicates.
+        params = after_update(stage, held, local, state, mesh, o.donate, o.reduce_bucket_bytes)
+        return Out(params, opt_state, master, True, tally, order, looked)
 
 
 def _own_part(stage: Stage, state: ShardedState, local: Any, o: StepOptions) -> Any:

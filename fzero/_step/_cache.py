@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,17 +27,30 @@ class StepCache:
         data repeats.
       warned: a step with no weight anywhere was reported (once).
       pool: the host buffers the step's collectives reuse (`_engine._pool`).
+      looked: whether an offloaded update asked for the gradient's global norm (None:
+        none ran yet). Once one ran without asking, offloaded buckets step while the
+        backward goes on (`_step._overlap`).
     """
 
     order: list[str] | None = None
     micro: int | None = None
     warned: bool = False
+    looked: bool | None = None
     present: list[bool] = field(default_factory=list)  # first step: which ranks had data
     pool: Pool = field(default_factory=Pool)
     # (layout, key, its engine context): planned once per layout and key (the state's
     # precision, ...), as the options are the step function's and only the state varies.
     _planned: tuple[Any, Any, Context | None] = (None, None, None)
     _hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units)
+    _thread: ThreadPoolExecutor | None = None
+
+    def host_thread(self) -> ThreadPoolExecutor:
+        """The thread on which offloaded units step during the backward (`_step._overlap`):
+        one per step function, kept between steps (a new thread would build its own pool
+        of OpenMP workers every step)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fzero-offload")
+        return self._thread
 
     def context(self, layout: ShardLayout, key: Any, make: Callable[[], Context]) -> Context:
         """The engine context for `layout` and `key` (what else of the state it depends

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._core import LossFn, Shards, sparse_gradient, tree_flatten, tree_map, value_and_grad
-from .._engine import Context, Engine, LocalSums
+from .._engine import Context, Engine, LocalSums, Watch
 from .._state import ShardedState
 from ._sync import StepSync
 
@@ -22,6 +22,7 @@ def mean_grad(
     sync: StepSync,
     accumulate: str | None,
     order: list[str] | None,
+    watch: Watch | None = None,
 ) -> tuple[Any, list[str] | None]:
     """This rank's part of the mean gradient over every micro-batch and rank, shaped as
     what its optimizer updates.
@@ -36,6 +37,9 @@ def mean_grad(
       sync: the step's agreement among ranks (a call check per micro-batch).
       accumulate: the step's `accumulate=` option.
       order: the just-in-time units last step called (None: no step yet).
+      watch: told `(bucket, its part of the mean gradient)` as soon as that is final,
+        during the last micro-batch's backward (stages 1-3); the values returned for the
+        bucket are the tensor it was told.
 
     Returns:
       `(grads, order)`: the trainable tree where the stage all-reduces, else this rank's
@@ -53,19 +57,42 @@ def mean_grad(
         like = state.params.buffers if s.gathers else target.buffers
     # Local accumulation (DDP's no_sync) sums full gradients here across micro-batches.
     sums: LocalSums | None = {} if accumulate == "local" else None
-    total = None
+    total: tuple[torch.Tensor, ...] | None = None
+    n = len(micro)
+    told: dict[int, torch.Tensor] = {}  # bucket -> its final mean, told to `watch`
+
+    def mean(i: int, g: torch.Tensor) -> torch.Tensor:
+        """Bucket i's mean over the micro-batches, `g` the last one's gradient."""
+        g = g if total is None else total[i] + g
+        return g / n if n > 1 else g
+
+    def tell(i: int, g: torch.Tensor) -> None:
+        assert watch is not None
+        told[i] = mean(i, g)
+        watch(i, told[i])
+
     for j, mb in enumerate(micro):
-        last = j == len(micro) - 1
+        last = j == n - 1
         check = sync.check(j)
-        engine = Engine(ctx, like, check, local=local, order=order, sums=sums, final=last)
+        engine = Engine(
+            ctx,
+            like,
+            check,
+            local=local,
+            order=order,
+            sums=sums,
+            final=last,
+            watch=tell if watch is not None and not s.all_reduce else None,
+        )
         _, grads, order = engine.value_and_grad(loss_fn, mb)
         # Every exchange a micro-batch started ends in it: a disagreement raises on every
         # rank together, before any rank goes on to the next micro-batch.
         check.finish()
-        total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
+        if last:
+            total = tuple(told[i] if i in told else mean(i, g) for i, g in enumerate(grads))
+        else:
+            total = grads if total is None else tuple(t + g for t, g in zip(total, grads))
     assert total is not None
-    if len(micro) > 1:
-        total = tuple(t / len(micro) for t in total)
     if s.all_reduce:
         assert local is not None
         full = [f if b.frozen else g for f, g, b in zip(local, total, lay.buckets)]

@@ -136,13 +136,16 @@ def sharded_step(
         if state.scaler is not None:
             fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
         try:
-            out = body(fn, weighed, optimizer, o, ctx, state, micro, cache.order)
+            thread = cache.host_thread() if _may_overlap(o, cache, state, ctx) else None
+            out = body(fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread)
         except RuntimeError as exc:
             if isinstance(exc, PeerError) or not is_peer_failure(exc):
                 raise
             raise _stalled(exc, state, mesh) from exc
         cache.pool.reclaim()
         cache.micro, cache.order = len(micro), out.order
+        if out.looked is not None:
+            cache.looked = bool(cache.looked) or out.looked
         tally = out.tally
         local = weighed.local_loss()
         # Scalar losses: this rank's mean, as always; pairs: the global weighted mean.
@@ -175,6 +178,21 @@ def sharded_step(
         return new, loss
 
     return step
+
+
+def _may_overlap(o: StepOptions, cache: StepCache, state: ShardedState, ctx: Context) -> bool:
+    """Whether an offloaded state's buckets may step during the backward: nothing in the
+    step needs the whole gradient first. Not the loss scaler (its inf check), qgZ's
+    check, nor an optimizer that asked for the global norm: an earlier offloaded step of
+    this function, run after its backward, showed it did not ask (docs/design.md, [Note:
+    offload])."""
+    if state.offload is None or not state.offload.offload.overlap:
+        return False
+    if state.scaler is not None or ctx.schedule.all_reduce:
+        return False
+    if o.quantize is not None and o.quantize.grads:
+        return False
+    return cache.looked is False
 
 
 def _first_step(

@@ -8,7 +8,9 @@ one call that the device runs while the host works; then each offloaded bucket, 
 gradient copied to the host ahead of it and its disk state read ahead. Elementwise
 arithmetic makes the units independent; what looks across them (the global norm of
 `clip_by_global_norm`) is computed once, over every piece in order, by `UnitByUnit`. The
-values are those of the one call, bitwise (docs/design.md, [Note: offload]).
+values are those of the one call, bitwise (docs/design.md, [Note: offload]). Where
+nothing looks across them, offloaded buckets step while the backward goes on, each as
+soon as its gradient is final (`_overlap`).
 """
 
 from __future__ import annotations
@@ -37,93 +39,163 @@ def streamed_update(
     placement: Placement,
     deliver: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> tuple[Shards, Any, dict[int, torch.Tensor]]:
-    """`sharded_update` of an offloaded state: the same values, unit by unit.
+    """`sharded_update` of an offloaded state, unit by unit, after the backward (the
+    arguments are `Streamer`'s, and `grads` the gradient shards)."""
+    return Streamer(optimizer, target, opt_state, mesh, donate, placement, deliver).finish(grads)
+
+
+class Streamer:
+    """One step's update of an offloaded state, a unit at a time: offloaded buckets as
+    their gradients are final (`step_bucket`, from `_overlap`'s host thread while the
+    backward goes on), then, once the backward is done, the device's pieces and every
+    bucket not stepped yet (`finish`). The values are `sharded_update`'s, bitwise.
 
     Args:
       optimizer: the state's optimizer.
       target: the masters (offloaded buckets on the host or disk, the others on the
         device).
-      grads: the gradient shards, on the device, in the masters' dtypes.
       opt_state: the optimizer state of `target.pieces()`.
       mesh: the mesh (for the global norm).
       donate: update `target` and `opt_state` in place.
       placement: the state's Placement.
       deliver: `(bucket, new master) -> its value on the device`, called for each
         offloaded bucket as soon as it is updated, before its disk pages are dropped.
-
-    Returns:
-      `(new_target, new_opt_state, delivered)`, the last each offloaded bucket's value
-      on the device.
     """
-    lay, rank = target.layout, target.rank
-    pieces, gpieces = target.pieces(), grads.pieces()
-    n = len(pieces)
-    owner = piece_buckets(lay, rank)
-    segments = lay.piece_segments(rank)
-    offloaded = set(placement.buckets)
-    units = [[j for j in range(n) if owner[j] not in offloaded]]
-    for k in placement.buckets:
-        units.append([j for j in range(n) if owner[j] == k])
-    # A rank without pieces still calls the optimizer once: what looks across ranks (the
-    # global norm's all-reduce) must run on every rank.
-    units = [u for u in units if u] or [[]]
-    whole = UnitByUnit(gpieces, device_of(gpieces))
-    update = optimizer.update_ if donate and optimizer.update_ is not None else optimizer.update
-    nodes, globals_ = by_piece(opt_state, n)
-    new_pieces = list(pieces)
-    new_globals: dict[str, torch.Tensor] | None = None
-    delivered: dict[int, torch.Tensor] = {}
-    carried = _carry(units[0], gpieces, pieces)
 
-    def call(g: tuple, sub: Any, p: tuple, segs: tuple) -> tuple[Any, Any]:
-        """One call of the optimizer, its global tensors fresh copies of the state's."""
-        whole.unit = g
-        ctx = ShardContext(mesh, True, segs, lay.world_size, whole)
-        with shard_context(ctx):
-            return update(g, _fresh_globals(sub, len(p)), p)
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        target: Shards,
+        opt_state: Any,
+        mesh: Mesh,
+        donate: bool,
+        placement: Placement,
+        deliver: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.optimizer, self.target, self.opt_state = optimizer, target, opt_state
+        self.mesh, self.donate, self.placement, self.deliver = mesh, donate, placement, deliver
+        lay = target.layout
+        self.offloaded = frozenset(placement.buckets)
+        self.pieces = target.pieces()
+        self.n = len(self.pieces)
+        self.owner = piece_buckets(lay, target.rank)
+        self.segments = lay.piece_segments(target.rank)
+        inplace = donate and optimizer.update_ is not None
+        self.update = optimizer.update_ if inplace else optimizer.update
+        self.nodes, self.globals_ = by_piece(opt_state, self.n)
+        self.new_pieces = list(self.pieces)
+        self.delivered: dict[int, torch.Tensor] = {}
+        self.stepped: list[dict[str, torch.Tensor]] = []  # each call's new globals
+        self.done: set[int] = set()  # offloaded buckets stepped before `finish`
+        self.looked = False  # the optimizer asked for the gradient's global norm
+        self.ran = False  # `finish` ran (not a step the loss scaler skipped)
+        self.written: set[int] = set()  # offloaded buckets an optimizer call wrote into
 
-    for u, idx in enumerate(units):
-        if u + 1 < len(units):  # the next unit's state read and gradient sent ahead
-            # (units after the first are offloaded buckets, never empty)
-            placement.prefetch(owner[units[u + 1][0]])
-            ahead = _carry(units[u + 1], gpieces, pieces)
-        g = tuple(_arrived(x) for x in carried)
-        blocked = [j for j in idx if donate and _blockable(optimizer, nodes, j, pieces, g, idx)]
+    def unit(self, k: int) -> list[int]:
+        """The pieces of offloaded bucket k (-1: the device's pieces)."""
+        if k == -1:
+            return [j for j in range(self.n) if self.owner[j] not in self.offloaded]
+        return [j for j in range(self.n) if self.owner[j] == k]
+
+    def step_bucket(self, k: int, g: tuple[torch.Tensor, ...]) -> None:
+        """Offloaded bucket k stepped ahead of the others, its gradient pieces `g` final
+        and where its pieces are; a transform that needs the whole gradient raises."""
+        self._step(self.unit(k), g, UnitByUnit(None, None))
+        self.done.add(k)
+
+    def finish(
+        self, grads: Shards, overlapped: bool = False
+    ) -> tuple[Shards, Any, dict[int, torch.Tensor]]:
+        """The device's pieces and every offloaded bucket not stepped yet, with `grads`
+        (the gradient shards, on the device, in the masters' dtypes; those of the buckets
+        already stepped are not read). `overlapped`: the step handed buckets to the host
+        thread during its backward (on every rank alike, whether or not this rank had
+        any to hand over), so nothing may ask for the whole gradient's norm.
+
+        Returns:
+          `(new_target, new_opt_state, delivered)`, the last each offloaded bucket's
+          value on the device.
+        """
+        gpieces = grads.pieces()
+        later = [k for k in self.placement.buckets if k not in self.done]
+        units = [self.unit(-1)] + [self.unit(k) for k in later]
+        # A rank without pieces still calls the optimizer once: what looks across ranks
+        # (the global norm's all-reduce) must run on every rank.
+        units = [u for u in units if u] or [[]]
+        # With buckets stepped early there is no whole gradient: nothing may ask for it.
+        self.ran = True
+        whole = UnitByUnit(None if overlapped else gpieces, device_of(gpieces))
+        carried = carry(units[0], gpieces, self.pieces)
+        for u, idx in enumerate(units):
+            if u + 1 < len(units):  # the next unit's state read and gradient sent ahead
+                # (units after the first are offloaded buckets, never empty)
+                self.placement.prefetch(self.owner[units[u + 1][0]])
+                ahead = carry(units[u + 1], gpieces, self.pieces)
+            self._step(idx, tuple(arrived(x) for x in carried), whole)
+            if u + 1 < len(units):
+                carried = ahead
+        self.looked = self.looked or whole.looked
+        globals_ = None
+        for now in self.stepped:  # every call must leave the same
+            globals_ = _same_globals(globals_, now, self.target.rank)
+        if globals_ is None:
+            globals_ = self.globals_
+        new_state = assemble(self.opt_state, self.n, self.nodes, globals_)
+        if self.donate:
+            return self.target, new_state, self.delivered
+        return self.target.replace_pieces(tuple(self.new_pieces)), new_state, self.delivered
+
+    def _step(self, idx: list[int], g: tuple[torch.Tensor, ...], whole: UnitByUnit) -> None:
+        """One unit's pieces `idx` updated with their gradients `g`; an offloaded bucket's
+        new master delivered to the device and its pages dropped."""
+        lay, pieces, n = self.target.layout, self.pieces, self.n
+        k = self.owner[idx[0]] if idx else -1
+
+        def call(gs: tuple, sub: Any, p: tuple, segs: tuple) -> tuple[Any, Any]:
+            """One call of the optimizer, its global tensors fresh copies of the state's."""
+            whole.unit = gs
+            ctx = ShardContext(self.mesh, True, segs, lay.world_size, whole)
+            with shard_context(ctx):
+                out = self.update(gs, _fresh_globals(sub, len(p)), p)
+            if k in self.offloaded:
+                self.written.add(k)
+            return out
+
+        blocked = [
+            j
+            for j in idx
+            if self.donate and _blockable(self.optimizer, self.nodes, j, pieces, g, idx)
+        ]
         rest = [j for j in idx if j not in blocked]
-        for j in blocked:  # in place, a cache-sized block at a time
-            sub_j = select(opt_state, n, [j], lambda _, t: t)
-            flat_p, flat_g = pieces[j].view(-1), g[idx.index(j)].view(-1)
-            for a in range(0, flat_p.numel(), BLOCK):
-                b = min(a + BLOCK, flat_p.numel())
-                segs = (_segment(segments[j], a, b),)
-                block_state = _block(sub_j, a, b)
-                _, s_new = call((flat_g[a:b],), block_state, (flat_p[a:b],), segs)
-                new_globals = _same_globals(new_globals, by_piece(s_new, 1)[1], rank)
-        if rest or not blocked:
-            gs = tuple(g[idx.index(j)] for j in rest)
-            sub = select(opt_state, n, rest, lambda _, t: t)
-            p_new, s_new = call(
-                gs, sub, tuple(pieces[j] for j in rest), tuple(segments[j] for j in rest)
-            )
-            unit_nodes, unit_globals = by_piece(s_new, len(rest))
-            for path, entries in unit_nodes.items():
-                for j, e in zip(rest, entries):
-                    nodes[path][j] = _kept(nodes[path][j], e, donate)
-            for j, p in zip(rest, p_new):
-                new_pieces[j] = _kept(pieces[j], p, donate)
-            new_globals = _same_globals(new_globals, unit_globals, rank)
-        k = owner[idx[0]] if idx else -1
-        if k in offloaded:
-            delivered[k] = deliver(k, _bucket(target, k, [new_pieces[j] for j in idx], donate))
-            placement.release(k)
-        if u + 1 < len(units):
-            carried = ahead
-    if new_globals is not None:
-        globals_ = new_globals
-    new_state = assemble(opt_state, n, nodes, globals_)
-    if donate:
-        return target, new_state, delivered
-    return target.replace_pieces(tuple(new_pieces)), new_state, delivered
+        try:
+            for j in blocked:  # in place, a cache-sized block at a time
+                sub_j = select(self.opt_state, n, [j], lambda _, t: t)
+                flat_p, flat_g = pieces[j].view(-1), g[idx.index(j)].view(-1)
+                for a in range(0, flat_p.numel(), BLOCK):
+                    b = min(a + BLOCK, flat_p.numel())
+                    segs = (_segment(self.segments[j], a, b),)
+                    block_state = _block(sub_j, a, b)
+                    _, s_new = call((flat_g[a:b],), block_state, (flat_p[a:b],), segs)
+                    self.stepped.append(by_piece(s_new, 1)[1])
+            if rest or not blocked:
+                gs = tuple(g[idx.index(j)] for j in rest)
+                sub = select(self.opt_state, n, rest, lambda _, t: t)
+                p_new, s_new = call(
+                    gs, sub, tuple(pieces[j] for j in rest), tuple(self.segments[j] for j in rest)
+                )
+                unit_nodes, unit_globals = by_piece(s_new, len(rest))
+                for path, entries in unit_nodes.items():
+                    for j, e in zip(rest, entries):
+                        self.nodes[path][j] = _kept(self.nodes[path][j], e, self.donate)
+                for j, p in zip(rest, p_new):
+                    self.new_pieces[j] = _kept(pieces[j], p, self.donate)
+                self.stepped.append(unit_globals)
+        finally:
+            self.looked = self.looked or whole.looked
+        if k in self.offloaded:
+            new = _bucket(self.target, k, [self.new_pieces[j] for j in idx], self.donate)
+            self.delivered[k] = self.deliver(k, new)
+            self.placement.release(k)
 
 
 # Elements of a host piece the optimizer updates in one call: each of its passes (Adam
@@ -209,7 +281,7 @@ class _InFlight:
         self.host, self.event = host, event
 
 
-def _carry(
+def carry(
     idx: list[int], grads: tuple[torch.Tensor, ...], pieces: tuple[torch.Tensor, ...]
 ) -> list[Any]:
     """Unit `idx`'s gradients, started towards their pieces' device."""
@@ -229,7 +301,7 @@ def _carry(
     return out
 
 
-def _arrived(x: Any) -> torch.Tensor:
+def arrived(x: Any) -> torch.Tensor:
     """The gradient, once its copy finished."""
     if isinstance(x, _InFlight):
         x.event.synchronize()

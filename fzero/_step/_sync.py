@@ -92,6 +92,16 @@ class StepSync:
             self.last = check
         return check
 
+    def early_factor(self) -> float | None:
+        """The step's gradient factor (`Tally.factor`) from the last check's words, while
+        the backward runs: None unless they arrived and agree (the step then decides
+        after its backward, as always)."""
+        everyone = None if self.last is None else self.last.peek()
+        if not everyone or (sum(e[1] for e in everyone) and sum(e[2] for e in everyone)):
+            return None
+        weight = math.fsum(_float(e[0]) for e in everyone)
+        return None if weight == 0 else self.mesh.size * self.micro / weight
+
     def tally(self) -> Tally:
         """The sums over every rank (raising on every rank if the losses mixed kinds)."""
         assert self.last is not None, "StepSync.tally before the last micro-batch's check"

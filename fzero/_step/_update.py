@@ -25,7 +25,7 @@ from .._state import held_shards, unscale_
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from ..optim._context import ShardContext, shard_context
-from ._streamed import streamed_update
+from ._streamed import Streamer
 
 
 def sharded_update(
@@ -140,7 +140,7 @@ def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.T
         value = _cast_for(master, held.dtype, held.device)
         if donate:
             return held.copy_(value, non_blocking=value.is_pinned())
-        return value.to(held.device)  # `value` is already a fresh copy
+        return value.to(held.device, non_blocking=value.is_pinned())  # a fresh copy already
     gather = None if state.precision is None else state.precision.gather_dtype
     device, dtype = device_of(state.params), gather or state.layout.buckets[k].dtype
     value = _cast_for(master, dtype, device)
@@ -156,6 +156,16 @@ def _cast_for(master: torch.Tensor, dtype: torch.dtype, device: Any) -> torch.Te
     return out.copy_(master)
 
 
+def streamer(
+    optimizer: Optimizer, state: Any, target: Any, mesh: Mesh, donate: bool
+) -> Streamer | None:
+    """The update of an offloaded state's step, unit by unit (None: nothing offloaded)."""
+    if state.offload is None:
+        return None
+    deliver = functools.partial(on_device, state=state, donate=donate)
+    return Streamer(optimizer, target, state.opt_state, mesh, donate, state.offload, deliver)
+
+
 def apply_update(
     optimizer: Optimizer,
     state: Any,
@@ -164,6 +174,8 @@ def apply_update(
     mesh: Mesh,
     donate: bool,
     factor: float = 1.0,
+    streamed: Streamer | None = None,
+    taken: set[int] | None = None,
 ) -> tuple[Any, Any, bool, Any]:
     """A step's optimizer update of `target` (parameters or masters; a tree or Shards).
 
@@ -172,10 +184,19 @@ def apply_update(
     they are unscaled, and if any rank found an inf or NaN, nothing is updated on any rank
     (the third value is then False). The fourth is the new target as the device holds it:
     the target itself, or with an offloaded state, its offloaded buckets' device values.
+    An offloaded state is updated by `streamed` (`streamer`); `taken` (None: the step did
+    not overlap) names the buckets it stepped while the backward ran (`_overlap`), whose
+    gradients are neither cast nor scaled here, nor read.
     """
+    overlapped = taken is not None
+    taken = taken or set()
     if isinstance(target, Shards):
-        bufs = tuple(g.to(t.dtype) for g, t in zip(grads.buffers, target.buffers))
-        grads, leaves = Shards(bufs, target.layout, target.rank), list(bufs)
+        bufs = tuple(
+            g if k in taken else g.to(t.dtype)
+            for k, (g, t) in enumerate(zip(grads.buffers, target.buffers))
+        )
+        grads = Shards(bufs, target.layout, target.rank)
+        leaves = [b for k, b in enumerate(bufs) if k not in taken]
     else:
         grads = tree_map(lambda g, t: g.to(t.dtype), grads, target)
         leaves = tree_flatten(grads)[0]
@@ -184,11 +205,8 @@ def apply_update(
             g.mul_(factor)
     if state.scaler is not None and unscale_(leaves, state.scaler.scale, mesh):
         return target, state.opt_state, False, target
-    if state.offload is not None:
-        deliver = functools.partial(on_device, state=state, donate=donate)
-        new, opt_state, delivered = streamed_update(
-            optimizer, target, grads, state.opt_state, mesh, donate, state.offload, deliver
-        )
+    if streamed is not None:
+        new, opt_state, delivered = streamed.finish(grads, overlapped)
         bufs = tuple(delivered.get(k, x) for k, x in enumerate(new.buffers))
         return new, opt_state, True, Shards(bufs, new.layout, new.rank)
     new, opt_state = sharded_update(

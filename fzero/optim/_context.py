@@ -51,15 +51,27 @@ class UnitByUnit:
     `unit` is the gradient pieces of the current call, as the optimizer receives them;
     `norm_sq(leaves)` is the global squared norm of all the pieces, summed in piece order
     exactly as one call over them all would (computed once, then reused by every unit).
+    `grads` None: the units step as the backward reduces them, before the whole gradient
+    exists, and asking for its norm raises. `looked` says whether anything asked.
     """
 
-    def __init__(self, grads: tuple[torch.Tensor, ...], device: torch.device | None) -> None:
+    def __init__(self, grads: tuple[torch.Tensor, ...] | None, device: torch.device | None) -> None:
         self.grads, self.device = grads, device
         self.unit: tuple[torch.Tensor, ...] = ()
         self._norm_sq: torch.Tensor | None = None
+        self.looked = False
 
     def norm_sq(self, leaves: list[torch.Tensor]) -> torch.Tensor:
         """The squared global norm of the whole gradient, `leaves` being this unit's."""
+        self.looked = True
+        if self.grads is None:
+            raise ValueError(
+                "the optimizer asked for the gradient's global norm (clip_by_global_norm), "
+                "which its earlier offloaded steps never did, so this step updated offloaded "
+                "units as the backward reduced them, before the whole gradient existed. An "
+                "optimizer that clips only sometimes must clip (or not) from the first step, "
+                "or use Offload(overlap=False)"
+            )
         if self._norm_sq is None:  # first: every rank joins the all-reduce, then checks
             self._norm_sq = global_sum(sum_of_squares(self.grads, self.device), whole=True)
         if len(leaves) != len(self.unit) or any(a is not b for a, b in zip(leaves, self.unit)):

@@ -44,8 +44,9 @@ def make_case(steps: int = 3, inf_at: int | None = None) -> Case:
     return Case(make_params([4, 6, 5, 3], torch.float64, 3), xs, ys, world_size=2)
 
 
-def reference(case: Case, skip: tuple[int, ...] = ()) -> dict[str, Any]:
-    """torch.optim.Adam with clip_grad_norm_ on one process, on the GPU, whole batches."""
+def reference(case: Case, skip: tuple[int, ...] = (), clip: bool = True) -> dict[str, Any]:
+    """torch.optim.Adam with clip_grad_norm_ (`clip`) on one process, on the GPU, whole
+    batches."""
     leaves, treedef = fzero._core._tree.tree_flatten(case.params)
     tensors = [x.detach().clone().to(CUDA).requires_grad_() for x in leaves]
     opt = torch.optim.Adam(tensors, lr=0.05, foreach=False)
@@ -55,7 +56,8 @@ def reference(case: Case, skip: tuple[int, ...] = ()) -> dict[str, Any]:
         opt.zero_grad()
         batch = (case.xs[t].to(CUDA), case.ys[t].to(CUDA))
         loss_fn(fzero._core._tree.tree_unflatten(treedef, tensors), batch).backward()
-        torch.nn.utils.clip_grad_norm_(tensors, MAX_NORM, foreach=False)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(tensors, MAX_NORM, foreach=False)
         opt.step()
     return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
@@ -336,3 +338,47 @@ def test_an_offloaded_bf16_stage_3_state_holds_2_bytes_a_parameter_on_the_gpu(
     held, psi, state = bf16_stage_3_held(nccl_mesh, opt, fzero.Offload("host"))
     assert 2 * psi <= held <= 2 * psi + 64 * 1024, (held, psi)
     assert fzero.memory_report(state).host >= 12 * psi
+
+
+def train_overlapped(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> Any:
+    """Adam without clipping over units entered just in time: the masters, and the
+    threads that updated."""
+    from tests.engine.test_gathered import gathered_mlp_loss
+    from tests.state.test_offload_overlap import spied
+
+    threads: list[str] = []
+    opt = spied(fzero.optim.adam(lr=0.05), threads)
+    units = ["layers.0", "layers.1", "layers.2"]
+    state = fzero.shard_state(
+        on_cuda(case.params), opt, mesh, stage=stage, units=units, offload=offload
+    )
+    step = fzero.sharded_step(
+        gathered_mlp_loss, opt, mesh, stage=stage, units=units, just_in_time=True
+    )
+    for t in range(case.xs.shape[0]):
+        state, _ = step(state, (case.xs[t].to(CUDA), case.ys[t].to(CUDA)))
+    return on_cpu(fzero.master_params(state, mesh)), threads
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_offloaded_buckets_step_during_the_backward_on_nccl(
+    nccl_mesh: fzero.Mesh, stage: int, tier: str, tmp_path: Any
+) -> None:
+    """Without clipping, from the second step the host thread updates offloaded buckets
+    while the GPU's backward goes on (gradients to pinned memory on a side stream behind
+    events, masters back on the step's stream): bitwise the run that steps them after the
+    backward, and torch's training on the GPU (float64)."""
+    from tests.state.test_offload_overlap import OFFLOAD_THREAD
+
+    case = make_case()
+    want = on_cpu(reference(case, clip=False))
+    directory = str(tmp_path) if tier == "disk" else None
+    got, threads = train_overlapped(nccl_mesh, case, stage, fzero.Offload(tier, 1.0, directory))
+    late = fzero.Offload(tier, 1.0, directory, overlap=False)
+    after, late_threads = train_overlapped(nccl_mesh, case, stage, late)
+    assert any(name.startswith(OFFLOAD_THREAD) for name in threads), threads
+    assert not any(name.startswith(OFFLOAD_THREAD) for name in late_threads), late_threads
+    fzero._core._tree.assert_trees_close(got, after, rtol=0, atol=0)
+    fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
+    assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
