@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -82,10 +81,7 @@ def row_in_a_process(args: argparse.Namespace, prec: str, label: str, out: Path)
     cmd = [sys.executable, __file__, "--row", f"{prec}|{label}", "--row-out", str(out)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--smoke"] * args.smoke + (["--profile", args.profile] if args.profile else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=ROW_TIMEOUT)
-    if done.returncode != 0:
-        return (done.stdout + done.stderr)[-2000:]
-    return torch.load(out)
+    return R.in_a_process(cmd, out, ROW_TIMEOUT)
 
 
 def main() -> None:

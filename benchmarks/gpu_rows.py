@@ -191,6 +191,19 @@ def fzero_run(
     return box, step, final
 
 
+def in_a_process(cmd: list[str], out: Path, timeout: float) -> Any:
+    """What a fresh process running `cmd` saved to `out`, or the tail of its failure."""
+    import subprocess
+
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    if done.returncode != 0:
+        return (done.stdout + done.stderr)[-2000:]
+    return torch.load(out)
+
+
 def max_delta(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
 

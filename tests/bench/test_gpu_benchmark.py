@@ -76,3 +76,21 @@ def test_stage_3_under_bf16_holds_between_steps_what_fsdp2_holds() -> None:
     fsdp, ours = got["FSDP2 (per block, reshard)"], got["fzero stage 3"]
     assert 0.97 * fsdp["end"] <= ours["end"] <= 1.03 * fsdp["end"], got
     assert ours["peak"] > ours["end"] > 0, got
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_gpu_offload_benchmark_runs_small_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/offload_gpu.py's `--smoke` rows of model A: fzero offloaded (overlapped,
+    after the backward, half) ends bitwise fzero on the device; FSDP2's CPUOffloadPolicy
+    row runs and is compared."""
+    out = tmp_path / "RESULTS-offload.md"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "offload_gpu.py"), "--smoke"]
+    cmd += ["--steps", "2", "--warmup", "2", "--only", "^A ", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = out.read_text()
+    rows = {m[0]: m[1] for m in re.findall(r"^\| ([^|]+?) \|.*\| ([0-9.e+-]+) \|$", text, re.M)}
+    fzero_rows = [r for r in rows if r.startswith("fzero")]
+    assert len(fzero_rows) == 4 and "FSDP2, CPUOffloadPolicy" in rows, text
+    assert all(float(rows[r]) == 0.0 for r in fzero_rows), text  # bitwise on the device's
