@@ -19,6 +19,7 @@ from .._core import LossFn, PyTree, Shards, Stage, device_of
 from .._engine import Context, full_buckets, local_shard, own_slices
 from .._state import ShardedState
 from ..optim import Optimizer
+from ._compiled import CompiledLoss, compiled_grad
 from ._gradient import mean_grad
 from ._loss_weights import Weighed
 from ._options import StepOptions
@@ -50,12 +51,15 @@ def body(
     micro: list[Any],
     order: list[str] | None,
     overlap: ThreadPoolExecutor | None = None,
+    compiled: CompiledLoss | None = None,
 ) -> Out:
     """One step of `o.stage` on `micro` (this rank's micro-batches); `weighed` is the
     loss under its wrappers (`loss_fn`), keeping what each call counts for; `order` the
     just-in-time units last step called (None: no step yet). `overlap`: the host thread
     on which an offloaded state steps its host buckets during the backward (`_overlap`;
-    None: not this step, where something needs the whole gradient first)."""
+    None: not this step, where something needs the whole gradient first). `compiled`:
+    the forward and backward as one compiled graph (`_compiled`), for `micro`'s one
+    micro-batch."""
     stage, mesh = o.stage, o.mesh
     local = None if stage.shards_params else full_buckets(state.params, state.layout)
     target = _own_part(stage, state, local, o)
@@ -70,9 +74,12 @@ def body(
     device = device_of(state.params)
     with overlapping(streamed, sync.early_factor, overlap, state, device, mesh.rank) as early:
         # Enter and differentiate: the gradient leaves each unit reduced as the stage reduces.
-        grads, order = mean_grad(
-            loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order, watch=early
-        )
+        if compiled is not None:
+            grads = compiled_grad(compiled, weighed, micro[0], state, local, sync, mesh)
+        else:
+            grads, order = mean_grad(
+                loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order, watch=early
+            )
 
         # Weigh: what every rank's losses count for, agreed behind the backward.
         tally = sync.tally()

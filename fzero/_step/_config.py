@@ -48,6 +48,7 @@ def configuration(o: StepOptions, state: ShardedState, optimizer: Optimizer) -> 
         "overlap_reduce": repr(o.overlap_reduce),
         "reduce_bucket_bytes": repr(o.reduce_bucket_bytes),
         "buffer_sync": repr(o.buffer_sync),
+        "compile": repr(o.compile),
     }
 
 

@@ -35,6 +35,7 @@ class StepOptions:
     buffer_sync: str
     overlap_reduce: bool
     reduce_bucket_bytes: int
+    compile: str | None = None  # torch.compile's backend; None: eager
 
     def secondary(self) -> Axis | None:
         """hpZ's axis, where the backward gathers a resharded unit from (None without
@@ -83,6 +84,9 @@ def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
         raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
     _check_quantize(options["quantize"], spec)
     reshard = options["reshard_after_forward"]
+    compile_ = options.get("compile", False)
+    if not isinstance(compile_, (bool, str)) or compile_ == "":
+        raise TypeError(f"compile must be a bool or a torch.compile backend, got {compile_!r}")
     return StepOptions(
         mesh=mesh,
         stage=spec,
@@ -100,6 +104,7 @@ def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
         buffer_sync=buffer_sync,
         overlap_reduce=options["overlap_reduce"],
         reduce_bucket_bytes=bucket,
+        compile=("inductor" if compile_ is True else compile_) or None,
     )
 
 

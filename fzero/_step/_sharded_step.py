@@ -26,6 +26,8 @@ from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
 from ._body import body
 from ._cache import StepCache
+from ._compiled import CompiledLoss, agree_present
+from ._compiled import check as check_compiled
 from ._config import agree, check_module, check_optimizer_state, configuration
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
@@ -54,6 +56,7 @@ def sharded_step(
     buffer_sync: str = "broadcast",
     overlap_reduce: bool = True,
     reduce_bucket_bytes: int = 25 * 2**20,
+    compile: bool | str = False,
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
 
@@ -84,7 +87,12 @@ def sharded_step(
       buffer_sync: how ranks agree on buffers: "broadcast" (rank 0's), "mean", "local".
       overlap_reduce: reduce a unit's gradient while the backward goes on.
       reduce_bucket_bytes: reduce gradients in bursts of about this many bytes (DDP's
-        `bucket_cap_mb`, stages 0-1); 0: each unit as soon as it is complete.
+        `bucket_cap_mb`, stages 0-1; compiled, every stage's collectives); 0: each unit as
+        soon as it is complete.
+      compile: trace the forward and backward with `torch.compile` as one graph, units
+        entering through functional collectives (True: the inductor backend; a string:
+        that backend). A first slice: units up front, 1-D meshes, no precision, loss
+        scaler, accumulation, buffers or offload (docs/training.md, "Compiled steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
@@ -107,6 +115,7 @@ def sharded_step(
         buffer_sync=buffer_sync,
         overlap_reduce=overlap_reduce,
         reduce_bucket_bytes=reduce_bucket_bytes,
+        compile=compile,
     )
     cache = StepCache()
 
@@ -135,9 +144,19 @@ def sharded_step(
         fn = weighed = Weighed(fn, mesh.rank, trainable)
         if state.scaler is not None:
             fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
+        compiled = None
+        if o.compile is not None:
+            check_compiled(o, state)  # the state's: checked each step, as it may change
+            agree_present(micro[0], mesh)
+            compiled = cache.compiled(
+                state.layout,
+                lambda: CompiledLoss(
+                    loss_fn, state.layout, o.stage, mesh, o.compile, o.reduce_bucket_bytes
+                ),
+            )
         try:
             thread = cache.host_thread() if _may_overlap(o, cache, state, ctx) else None
-            out = body(fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread)
+            out = body(fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled)
         except RuntimeError as exc:
             if isinstance(exc, PeerError) or not is_peer_failure(exc):
                 raise
@@ -211,6 +230,8 @@ def _first_step(
         check_module(o.module, state, mesh.rank)
         if state.offload is not None:
             check_offload(state.offload.offload, state.stage, o.donate)
+        if o.compile is not None:
+            check_compiled(o, state)
         config = configuration(o, state, optimizer)
         config["micro-batches"] = str(len(micro))
     except Exception as exc:

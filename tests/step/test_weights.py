@@ -71,13 +71,19 @@ def make_data(
     return out
 
 
-def reference(params: Any, data: list, kind: str, optimizer: str) -> Any:
+def reference(
+    params: Any, data: list, kind: str, optimizer: str, frozen: tuple[str, ...] = ()
+) -> Any:
     """One process, torch.optim: the loss over every rank's and micro-batch's data at once
     (pairs: sum of totals over sum of tokens; scalars: the mean over micro-batches that
-    had data). A step where nothing counts is skipped."""
+    had data). A step where nothing counts is skipped. Leaves under a `frozen` path
+    prefix are not trained."""
     leaves, treedef = tree_flatten(params)
-    tensors = [x.detach().clone().requires_grad_() for x in leaves]
-    opt = make_torch_optimizer(optimizer, tensors)
+    paths = fzero._core._tree.leaf_paths(params)
+    tensors = [
+        x.detach().clone().requires_grad_(not p.startswith(frozen)) for x, p in zip(leaves, paths)
+    ]
+    opt = make_torch_optimizer(optimizer, [t for t in tensors if t.requires_grad])
     for step in data:
         batches = [mb for per_rank in step for mb in per_rank if mb is not None]
         p = tree_unflatten(treedef, tensors)

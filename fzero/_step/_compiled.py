@@ -1,0 +1,298 @@
+"""Compiled steps: a step's forward and backward traced by `torch.compile` as one graph.
+
+The eager engine enters each unit through a Python-level node and reduces its gradient
+from a hook; here the same transposes are traceable functional collectives, so the loss,
+the parameters' entry and the gradients' reduction are one program the compiler sees
+whole (docs/design.md, [Note: compiled steps]):
+
+- stage 3: the buckets' shards enter through an all-gather whose backward reduce-scatters
+  (`all_gather_tensor_autograd`);
+- stages 1-2: the replicated buckets enter as they are, through an identity whose
+  backward reduce-scatters their gradients to the rank's shards (`_Scatter`: the shards
+  are the leaves the gradients are for, the full buffers what the forward reads);
+- stage 0: an identity whose backward all-reduces (`_AllReduce`).
+
+Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
+(`bursts`), as the eager step's bursts do. Gradients are sums over the ranks, divided by
+the ranks after the collective (the eager engine divides before it: the values agree to
+rounding, not bitwise). The update, the loss weights' exchange and the gather after the
+update are the eager step's (`_body`). What this slice compiles, and what it refuses:
+`check`.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import optree
+import torch
+import torch.distributed._functional_collectives as fc
+
+from .. import _comm
+from .._comm import Mesh
+from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss
+from .._engine import own_slices
+from .._state import ShardedState
+from ._loss_weights import Weighed
+from ._sync import StepSync
+
+
+class _AllReduce(torch.autograd.Function):
+    """Buckets as they are; their gradients all-reduced (summed) as one flat collective."""
+
+    @staticmethod
+    def forward(group: Any, *fulls: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(f.view_as(f) for f in fulls)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.group, ctx.sizes = inputs[0], [f.numel() for f in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        summed = fc.all_reduce(flat, "sum", ctx.group)
+        return (None, *(p.view_as(g) for p, g in zip(summed.split(ctx.sizes), gs)))
+
+
+class _Scatter(torch.autograd.Function):
+    """Replicated buckets as they are; their gradients reduce-scattered (summed) as one
+    collective, each rank's row its shards' gradients (the shards are the leaves the
+    gradients are for; the forward reads the full buckets)."""
+
+    @staticmethod
+    def forward(group: Any, rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fulls = tensors[len(tensors) // 2 :]
+        return tuple(f.view_as(f) for f in fulls)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        shards = inputs[2 : 2 + (len(inputs) - 2) // 2]
+        ctx.group, ctx.rows, ctx.sizes = inputs[0], inputs[1], [s.numel() for s in shards]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
+        # Rank r's row: its slice of every bucket, so one reduce-scatter hands each rank
+        # its shards of all of them.
+        table = torch.cat([g.reshape(ctx.rows, -1) for g in gs], dim=1).reshape(-1)
+        mine = fc.reduce_scatter_tensor(table, "sum", 0, ctx.group)
+        return (None, None, *mine.split(ctx.sizes), *([None] * len(gs)))
+
+
+def bursts(layout: ShardLayout, cap: int) -> list[list[int]]:
+    """The buckets in runs of consecutive trainable buckets of one dtype, each up to `cap`
+    bytes in full (one collective each, as the eager step's bursts; 0: a bucket each); a
+    frozen bucket is a run of its own."""
+    runs: list[list[int]] = []
+    size = 0
+    for i, b in enumerate(layout.buckets):
+        nbytes = b.full_numel * b.dtype.itemsize
+        head = layout.buckets[runs[-1][0]] if runs else None
+        joins = (
+            head is not None
+            and not (b.frozen or head.frozen)
+            and head.dtype == b.dtype
+            and size + nbytes <= cap
+        )
+        if joins:
+            runs[-1].append(i)
+            size += nbytes
+        else:
+            runs.append([i])
+            size = nbytes
+    return runs
+
+
+class CompiledLoss:
+    """A step function's loss, compiled with its units' entry, for one layout and stage:
+    `(leaves, fulls, batch) -> loss` (the loss's own return: a scalar or a pair).
+
+    Args:
+      loss_fn: the user's `(params, batch)` loss.
+      layout: the state's layout.
+      stage: the step's stage.
+      mesh: the mesh (its shard axis carries the collectives).
+      backend: `torch.compile`'s backend ("inductor", or e.g. "aot_eager").
+      burst_bytes: the buckets entered by one collective, at most (`reduce_bucket_bytes`).
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        layout: ShardLayout,
+        stage: Stage,
+        mesh: Mesh,
+        backend: str,
+        burst_bytes: int,
+    ) -> None:
+        self.loss_fn, self.layout, self.stage = loss_fn, layout, stage
+        group = mesh.shard.group
+        self.group = group if group is not None else torch.distributed.group.WORLD
+        self.rows = mesh.shard_size
+        self.runs = bursts(layout, burst_bytes)
+        # The tree's structure as a tree of leaf indices: rebuilt inside the graph by
+        # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
+        # outside it).
+        self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
+        self.compiled = torch.compile(_own_code(self._loss), fullgraph=True, backend=backend)
+
+    def _loss(
+        self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any
+    ) -> tuple[Any, torch.Tensor]:
+        """The loss, and an anchor: zero, differentiable in every trainable leaf, whose
+        backward runs the graph's collectives where the loss has no gradient (a pair of
+        weight 0 whose total is a constant), so that this rank still joins them."""
+        lay, entered = self.layout, [None] * len(self.layout.buckets)
+        for run in self.runs:
+            frozen = lay.buckets[run[0]].frozen
+            if self.stage.shards_params:  # the all-gather of every rank's shards
+                gather = fc.all_gather_tensor if frozen else fc.all_gather_tensor_autograd
+                shards = [leaves[i] for i in run]
+                table = gather(torch.cat(shards) if len(run) > 1 else shards[0], 0, self.group)
+                table = table.view(self.rows, -1)
+                at = 0
+                for i, shard in zip(run, shards):
+                    entered[i] = table[:, at : at + shard.numel()].reshape(-1)
+                    at += shard.numel()
+            elif frozen:
+                entered[run[0]] = fulls[run[0]]
+            elif self.stage.shards_optimizer:
+                out = _Scatter.apply(
+                    self.group, self.rows, *[leaves[i] for i in run], *[fulls[i] for i in run]
+                )
+                for i, x in zip(run, out):
+                    entered[i] = x
+            else:
+                for i, x in zip(run, _AllReduce.apply(self.group, *[leaves[i] for i in run])):
+                    entered[i] = x
+        views: list[Any] = [None] * len(lay.paths)
+        for bucket, flat in zip(lay.buckets, entered):
+            assert flat is not None
+            for slot in bucket.slots:
+                views[slot.index] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        params = optree.tree_map(lambda k: views[k], self.index, namespace=NAMESPACE)
+        anchor = torch.zeros(())
+        for e, b in zip(entered, lay.buckets):
+            if not b.frozen:
+                anchor = anchor + e.reshape(-1)[:1].sum()
+        return self.loss_fn(params, batch), anchor * 0
+
+
+def compiled_grad(
+    compiled: CompiledLoss,
+    weighed: Weighed,
+    batch: Any,
+    state: ShardedState,
+    local: tuple[torch.Tensor, ...] | None,
+    sync: StepSync,
+    mesh: Mesh,
+) -> Any:
+    """This rank's part of the mean gradient over the ranks, shaped as `mean_grad`'s
+    (the trainable tree at stage 0, this rank's `Shards` otherwise), from one compiled
+    forward and its backward."""
+    lay, stage = state.layout, compiled.stage
+    if stage.shards_params:
+        held, fulls = list(state.params.buffers), []
+    elif stage.shards_optimizer:
+        # The shard leaf only receives the gradient (the forward reads the full buffer):
+        # a fresh tensor, not a view of the buffer, so the graph's inputs do not alias.
+        assert local is not None
+        held = [torch.empty_like(x) for x in own_slices(local, lay, mesh.shard_rank)]
+        fulls = list(local)
+    else:
+        assert local is not None
+        held, fulls = list(local), list(local)
+    leaves = [x.detach().requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
+    # What the forward reads besides the leaves (stage 0's trainable buckets are leaves).
+    fulls = [
+        x.detach() if b.frozen or stage.shards_optimizer else None
+        for x, b in zip(fulls, lay.buckets)
+    ]
+    anchor = []
+
+    def run(_: Any, mb: Any) -> Any:
+        out, zero = compiled.compiled(leaves, fulls, mb)
+        anchor.append(zero)
+        return out
+
+    weighed.loss_fn = run
+    total, error = None, None
+    try:
+        total = weighed(None, batch)
+    except Exception as exc:  # refused after the graph's forward: every rank raises it
+        if not is_bad_loss(exc):
+            raise
+        error = exc
+    # Waited for before the backward: the graph's collectives cannot look for a peer's
+    # failure, so a rank whose loss was refused must not leave the others inside them.
+    check = sync.check(0)
+    check.after_forward(None, error=error)
+    check.finish()
+    assert total is not None
+    trainable = [x for x, b in zip(leaves, lay.buckets) if not b.frozen]
+    out = total if total.requires_grad else anchor[0]
+    got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
+    grads = []
+    for x, b in zip(leaves, lay.buckets):
+        if b.frozen:
+            grads.append(x.new_empty(0))
+            continue
+        g = next(got)
+        g = torch.zeros_like(x) if g is None else g
+        grads.append(g.div_(mesh.size) if mesh.size > 1 else g)
+    if stage.shards_optimizer:
+        return Shards(tuple(grads), lay, mesh.shard_rank)
+    full = [f if b.frozen else g for f, g, b in zip(fulls, grads, lay.buckets)]
+    return lay.trainable(lay.unflatten(full))
+
+
+def check(o: Any, state: ShardedState) -> None:
+    """What this slice of compiled steps takes; a ValueError naming what it does not."""
+    refused = {
+        "module= or just_in_time=True (units enter before the forward when compiled)": (
+            o.module is not None or o.just_in_time
+        ),
+        "accumulate=": o.accumulate is not None,
+        "quantize=": o.quantize is not None,
+        "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
+        "a 2-D mesh": o.mesh.shard_size != o.mesh.size,
+        "precision=": state.precision is not None,
+        "a loss scaler": state.scaler is not None,
+        "buffers": state.buffers is not None,
+        "offload=": state.offload is not None,
+        "ledger=": o.ledger is not None,
+    }
+    said = [what for what, bad in refused.items() if bad]
+    if said:
+        raise ValueError(
+            f"rank {o.mesh.rank}: sharded_step(compile=...) does not yet compile a step with "
+            f"{', '.join(said)}; step eagerly (compile=False) for those"
+        )
+
+
+def _own_code(method: Any) -> Any:
+    """`method` with a code object of its own: torch.compile keeps its compiled graphs,
+    and counts recompilations against its limit, per code object, so each step
+    function's compiled loss gets its own count (with `fullgraph=True` the limit raises
+    rather than falls back to eager)."""
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{id(method.__self__):x}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+def agree_present(batch: Any, mesh: Mesh) -> None:
+    """Before a compiled forward, whose collectives run inside the graph: every rank has
+    a batch, or every rank raises (a rank without one cannot join the graph's
+    collectives, and a peer waiting in them would wait for the group's timeout)."""
+    present = _comm.all_gather_ints_async([int(batch is not None)], mesh)()
+    absent = [r for r, p in enumerate(present) if not p[0]]
+    if absent:
+        raise _comm.agreed(
+            ValueError(
+                f"rank(s) {absent} stepped without a batch (step(state, None)); a compiled "
+                "step runs its collectives inside the graph and needs a batch on every rank: "
+                "give each rank one (with weight 0 if it should not count)"
+            )
+        )

@@ -1,0 +1,246 @@
+"""Compiled steps (`sharded_step(compile=...)`): the forward and backward one traced graph,
+units entering through functional collectives, against one process of torch.optim.
+
+Most tests trace with the "aot_eager" backend: the same graph (dynamo, AOTAutograd, the
+collectives inside it) without inductor's code generation, which costs seconds a graph on
+this host; one runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import fzero
+from tests.step.test_weights import (
+    DIMS,
+    UNITS,
+    _weighs,
+    make_data,
+    pair_loss,
+    reference,
+    scalar_loss,
+)
+from tests.support import make_optimizer, make_params, run
+
+
+def final_params(state: fzero.ShardedState, mesh: fzero.Mesh) -> Any:
+    return fzero.gather_params(state.params, mesh)
+
+
+def train(
+    mesh: fzero.Mesh,
+    params: Any,
+    data: list,
+    kind: str,
+    stage: int,
+    layout: str,
+    backend: str | bool,
+    frozen: tuple[str, ...] = (),
+    burst: int = 25 * 2**20,
+    optimizer: str = "adamw",
+) -> Any:
+    """`optimizer` over `data` (one micro-batch a rank a step), compiled; the parameters
+    and how many graphs torch.compile made."""
+    opt = make_optimizer(optimizer)
+    state = fzero.shard_state(
+        params, opt, mesh, stage=stage, units=UNITS, layout=layout, frozen=list(frozen)
+    )
+    step = fzero.sharded_step(
+        pair_loss if kind == "pair" else scalar_loss,
+        opt,
+        mesh,
+        stage=stage,
+        units=UNITS,
+        compile=backend,
+        reduce_bucket_bytes=burst,
+    )
+    for per_rank in data:
+        with warnings.catch_warnings():  # a step where nothing counts says so
+            warnings.filterwarnings("ignore", "fzero: step .* weights sum to 0")
+            state, _ = step(state, per_rank[mesh.rank][0])
+    return final_params(state, mesh), torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@st.composite
+def cases(draw: Any) -> dict[str, Any]:
+    world = draw(st.integers(1, 3))
+    # Every rank has a batch (a compiled step needs one), of 1-2 sequences, and the last
+    # step's batches are another size (a new shape: the graph recompiles).
+    sizes = [[[draw(st.integers(1, 2))] for _ in range(world)] for _ in range(2)]
+    sizes.append([[3] for _ in range(world)])
+    return {
+        "world": world,
+        "sizes": sizes,
+        "stage": draw(st.integers(0, 3)),
+        "layout": draw(st.sampled_from(["flat", "tensor"])),
+        "kind": draw(st.sampled_from(["pair", "scalar"])),
+        "frozen": draw(st.sampled_from([(), ("layers.1",)])),
+        "burst": draw(st.sampled_from([0, 25 * 2**20])),
+        "optimizer": draw(st.sampled_from(["adamw", "sgd"])),
+        "seed": draw(st.integers(0, 99)),
+    }
+
+
+def example_case(**kw: Any) -> dict[str, Any]:
+    """A case the property must see whatever it draws."""
+    sizes = [[[2], [1]], [[1], [2]], [[3], [3]]]
+    c = dict(world=2, sizes=sizes, layout="flat", kind="pair", frozen=(), burst=25 * 2**20)
+    return c | {"optimizer": "sgd", "seed": 4} | kw
+
+
+@pytest.mark.multiprocess
+@settings(max_examples=8)
+@example(c=example_case(stage=2))  # stage 2's reduce-scatter of several buckets as one
+@example(c=example_case(stage=1, frozen=("layers.1",), burst=0))
+@example(c=example_case(stage=3, layout="tensor", optimizer="adamw"))
+@given(cases())
+def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
+    """Stages 0-3, flat and tensor layouts, 1-3 ranks, scalar losses and (total, weight)
+    pairs over uneven padding, a frozen unit or none, every bucket its own collective or
+    all in one: float64 AdamW and SGD (which, unlike Adam, sees a gradient's scale) equal
+    to one-process torch.optim on the global mean (1e-10; the frozen unit unchanged),
+    through three steps, the last with a new batch shape."""
+    params = make_params(DIMS, torch.float64, c["seed"])
+    data = make_data(c["sizes"], c["seed"])
+    want = reference(params, data, c["kind"], c["optimizer"], frozen=c["frozen"])
+    args = (c["kind"], c["stage"], c["layout"], "aot_eager", c["frozen"], c["burst"])
+    got = [p for p, _ in run(c["world"], train, params, data, *args, c["optimizer"])]
+    for rank, p in enumerate(got):
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12, what=f"rank {rank} {c}")
+    if any(_weighs(step, c["kind"]) for step in data):
+        assert fzero._core._tree.max_abs_diff(got[0], params) > 1e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_inductor_compiles_the_step(stage: int) -> None:
+    """The default backend, inductor's generated C++ kernels on the CPU: the same
+    training as torch's, float64, at 2 ranks, from graphs dynamo made (a cold compile
+    takes tens of seconds on 2 cores: long timeouts)."""
+    params = make_params(DIMS, torch.float64, 7)
+    data = make_data([[[2], [1]], [[1], [2]]], 7)
+    want = reference(params, data, "pair", "sgd")
+    sim = fzero.Simulation(2, collective_timeout=300, timeout=900)
+    for p, graphs in sim.run(train, params, data, "pair", stage, "flat", True, (), 0, "sgd"):
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
+        assert graphs >= 1
+
+
+def refusing(mesh: fzero.Mesh, params: Any, data: list) -> Any:
+    """Step 2: rank 1's weight is NaN (refused after the graph's forward), then step 3:
+    rank 1's pair is (0, 0), a constant total of weight 0 (no gradient: it still joins
+    the graph's collectives). Returns the error and the parameters after the steps."""
+    opt = make_optimizer("sgd")
+    state = fzero.shard_state(params, opt, mesh, stage=2, units=UNITS)
+
+    def loss_fn(p: Any, batch: Any) -> Any:
+        x, y, mask, bad = batch
+        if bad == "nan":
+            return pair_loss(p, (x, y, mask))[0], float("nan")
+        if bad == "empty":
+            return torch.zeros((), dtype=torch.float64), 0
+        return pair_loss(p, (x, y, mask))
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=2, units=UNITS, compile="aot_eager")
+    mine = [per_rank[mesh.rank][0] for per_rank in data]
+    state, _ = step(state, (*mine[0], None))
+    with pytest.raises(ValueError) as caught:
+        step(state, (*mine[1], "nan" if mesh.rank == 1 else None))
+    state, _ = step(state, (*mine[1], "empty" if mesh.rank == 1 else None))
+    return str(caught.value), fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.multiprocess
+def test_a_refused_loss_raises_on_every_rank_and_a_weightless_one_joins() -> None:
+    """A loss refused after the compiled forward raises on every rank before any
+    backward collective (none is left waiting inside the graph) and leaves the state as
+    it was; a rank whose pair is a constant of weight 0 runs the backward's collectives
+    with zero gradients. The result is torch's on what counted."""
+    params = make_params(DIMS, torch.float64, 2)
+    data = make_data([[[2], [1]], [[1], [2]]], 2)
+    for per_rank in data:  # no padding: every batch counts
+        for (batch,) in per_rank:
+            batch[2][:] = 1.0
+    counted = [data[0], [data[1][0], [None]]]  # step 3: rank 1 counts nothing
+    want = reference(params, counted, "pair", "sgd")
+    for message, p in run(2, refusing, params, data):
+        assert "weight must be finite" in message, message
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
+
+
+def eager_then_compiled(mesh: fzero.Mesh, params: Any, data: list, path: str) -> Any:
+    """Steps 1-2 eager, a checkpoint; steps 3-4 compiled from it, a checkpoint; step 5
+    eager from that: stage 2 eager, stage 3 compiled (a checkpoint moves between
+    stages too)."""
+    opt = fzero.optim.adamw(lr=0.01, weight_decay=0.1)
+
+    def stepper(stage: int, backend: str | bool) -> Any:
+        return fzero.sharded_step(pair_loss, opt, mesh, stage=stage, units=UNITS, compile=backend)
+
+    state = fzero.shard_state(params, opt, mesh, stage=2, units=UNITS)
+    eager = stepper(2, False)
+    for per_rank in data[:2]:
+        state, _ = eager(state, per_rank[mesh.rank][0])
+    fzero.checkpoint.save(state, f"{path}/a", mesh)
+    state = fzero.checkpoint.load(f"{path}/a", mesh, opt, params, stage=3, units=UNITS)
+    compiled = stepper(3, "aot_eager")
+    for per_rank in data[2:4]:
+        state, _ = compiled(state, per_rank[mesh.rank][0])
+    fzero.checkpoint.save(state, f"{path}/b", mesh)
+    state = fzero.checkpoint.load(f"{path}/b", mesh, opt, params, stage=2, units=UNITS)
+    state, _ = eager(state, data[4][mesh.rank][0])
+    return fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_move_between_eager_and_compiled_steps(tmp_path: Path) -> None:
+    """A user switches compile= on and off between runs: the state and its checkpoints
+    are the same, and five steps across two switches train as torch's five."""
+    params = make_params(DIMS, torch.float64, 3)
+    data = make_data([[[2], [1]]] * 5, 3)
+    want = reference(params, data, "pair", "adamw")
+    for p in run(2, eager_then_compiled, params, data, str(tmp_path)):
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
+
+
+def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
+    opt = fzero.optim.adamw(lr=0.01)
+    kw: dict[str, Any] = {"units": UNITS}
+    if what == "precision":
+        kw["precision"] = fzero.Precision(torch.float32)
+    state = fzero.shard_state(params, opt, mesh, stage=3, **kw)
+    step_kw: dict[str, Any] = {"units": UNITS, "compile": "aot_eager"}
+    if what == "just in time":
+        step_kw["just_in_time"] = True
+    step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, **step_kw)
+    batch = make_data([[[1], [1]]], 0)[0][mesh.rank][0]
+    if what == "no batch":
+        state, _ = step(state, batch)  # a first step with a batch everywhere
+        batch = None if mesh.rank == 1 else batch
+    with pytest.raises(ValueError) as caught:
+        step(state, batch)
+    return str(caught.value)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("what", "says"),
+    [
+        ("precision", "precision="),
+        ("just in time", "just_in_time"),
+        ("no batch", "rank(s) [1] stepped without a batch"),
+    ],
+)
+def test_what_a_compiled_step_does_not_take_is_refused_on_every_rank(what: str, says: str) -> None:
+    """Refused before any collective, the same error on every rank (never a rank waiting
+    inside the graph's collectives for a peer that will not come)."""
+    params = make_params(DIMS, torch.float64, 1)
+    for message in run(2, refused, params, what):
+        assert says in message, message
