@@ -1,0 +1,146 @@
+"""Compiled steps on the CPU (issue 50): fzero's step traced by torch.compile beside its
+eager step, DDP, and DDP with its module compiled, stepped in turn.
+
+    python benchmarks/compiled.py [--models deep,gpt] [--steps 10] [--quick]
+                                  [--out benchmarks/RESULTS-compiled.md]
+
+Two simulated ranks (processes, gloo, one thread each) hold every configuration's model
+and state and step them in turn on the same batches, so this 2-vCPU guest's drift is
+seen by all alike; each row is the median step of the slowest rank after the first, and
+the first step's time (the compilation, for compiled rows) is reported beside it. The
+models are `benchmarks/models.py`'s: "deep" (100 blocks of width 64, 426K parameters in
+400 leaves, where eager per-unit work dominates) and "gpt" (5.33M). fzero's units are one
+a block; eager rows enter them by module hooks (as the other benchmarks do), compiled
+rows before the forward (the slice issue 50 built first). Adam everywhere (torch's
+single-tensor Adam for DDP, fzero's for fzero); every row's parameters after the steps
+are compared with DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from configs import LR
+from models import build_model, rank_batch, spec
+
+import fzero
+
+CONFIGS = [  # (label, kind, stage, compile)
+    ("DDP", "ddp", 0, False),
+    ("DDP, module compiled", "ddp", 0, True),
+    ("fzero stage 0, eager", "fzero", 0, False),
+    ("fzero stage 0, compiled", "fzero", 0, True),
+    ("fzero stage 2, eager", "fzero", 2, False),
+    ("fzero stage 2, compiled", "fzero", 2, True),
+    ("fzero stage 3, eager", "fzero", 3, False),
+    ("fzero stage 3, compiled", "fzero", 3, True),
+]
+
+
+def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool) -> Any:
+    """A configuration's `(step(batch), params())`."""
+    model = build_model(s)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        net = torch.compile(ddp) if compiled else ddp
+        opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=False)
+
+        def ddp_step(batch: Any) -> None:
+            opt.zero_grad(set_to_none=True)
+            s.loss(net(batch[0]), batch[1]).backward()
+            opt.step()
+
+        return ddp_step, lambda: {k: v.detach().clone() for k, v in model.named_parameters()}
+    blocks = [g[0] if len(g) == 1 else tuple(g) for g in s.block_groups(model)]
+    units = [*blocks, *s.extra_units]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=LR)
+    box = [fzero.shard_state(params, opt, mesh, stage=stage, units=units)]
+
+    def loss_fn(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        return s.loss(functional_call(model, p, (batch[0],)), batch[1])
+
+    hooks = {} if compiled else {"module": model}
+    train = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=units, compile=compiled, **hooks
+    )
+
+    def fzero_step(batch: Any) -> None:
+        box[0], _ = train(box[0], batch)
+
+    return fzero_step, lambda: dict(fzero.gather_params(box[0].params, mesh))
+
+
+def in_turn(mesh: fzero.Mesh, name: str, quick: bool, steps: int) -> Any:
+    """Every configuration stepped in turn: per configuration the first step's time,
+    the later steps' median, and (rank 0) the final parameters."""
+    torch.set_num_threads(1)
+    s = spec(name, quick)
+    runs = [make(mesh, s, kind, stage, c) for _, kind, stage, c in CONFIGS]
+    times: list[list[float]] = [[] for _ in runs]
+    for t in range(steps + 1):
+        batch = rank_batch(s, t, mesh.rank, mesh.size)
+        for k, (step, _) in enumerate(runs):
+            t0 = time.perf_counter()
+            step(batch)
+            times[k].append(time.perf_counter() - t0)
+    finals = [params() for _, params in runs]
+    return [(ts[0], statistics.median(ts[1:])) for ts in times], finals if mesh.rank == 0 else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="deep,gpt")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="tiny models (checks the script)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "RESULTS-compiled.md"))
+    args = ap.parse_args()
+    lines = [
+        "# Compiled steps on the CPU (issue 50)\n",
+        f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}: `python benchmarks/compiled.py --models {args.models} "
+        f"--steps {args.steps}{' --quick' if args.quick else ''}`. Two ranks, stepped in "
+        "turn; the median of the steps after the first, the slowest rank's.\n",
+    ]
+    for name in args.models.split(","):
+        out = fzero.Simulation(2, collective_timeout=120, timeout=3600).run(
+            in_turn, name, args.quick, args.steps
+        )
+        finals = out[0][1]
+        rows = [
+            (max(r[0][k][0] for r in out), max(r[0][k][1] for r in out))
+            for k in range(len(CONFIGS))
+        ]
+        base = rows[0][1]
+        lines += [
+            f"\n## {spec(name, args.quick).title}\n",
+            "| configuration | step (ms) | × DDP | first step (s) | max abs Δ vs DDP |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for (label, *_), (first, med), params in zip(CONFIGS, rows, finals):
+            delta = max((params[k] - finals[0][k]).abs().max().item() for k in finals[0])
+            lines.append(
+                f"| {label} | {med * 1e3:.1f} | {med / base:.2f} | {first:.1f} | {delta:.1e} |"
+            )
+            print(lines[-1], flush=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
