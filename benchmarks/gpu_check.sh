@@ -19,7 +19,7 @@ fi
 export PYTHONUNBUFFERED=1
 { date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, optree; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'optree', optree.__version__)"; } > "$out/machine.txt" 2>&1
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -5
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -5
 if [ "${FZERO_BENCH:-gpu}" = offload ]; then
   timeout "$bench_s" python3 benchmarks/offload_gpu.py --out "$out/RESULTS-offload.md" "$@" > "$out/gpu-bench.log" 2>&1
 else

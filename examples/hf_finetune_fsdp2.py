@@ -94,6 +94,9 @@ def main() -> None:
         with torch.no_grad():
             same = torch.equal(reloaded(input_ids=held.cpu()).logits, logits.cpu())
         print(f"from_pretrained({args.out}): logits {'identical' if same else 'DIFFER'}")
+    # Torn down together: a rank that tears down while its peer still uses the group can
+    # abort at exit on gloo ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

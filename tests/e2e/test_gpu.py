@@ -382,3 +382,20 @@ def test_offloaded_buckets_step_during_the_backward_on_nccl(
     fzero._core._tree.assert_trees_close(got, after, rtol=0, atol=0)
     fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
     assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_compiled_step_matches_torch_on_nccl(nccl_mesh: fzero.Mesh, stage: int) -> None:
+    """`compile=True` on the GPU (inductor's kernels, the functional collectives on
+    NCCL): float64 Adam against torch's on the GPU."""
+    case = make_case()
+    want = on_cpu(reference(case, clip=False))
+    opt = fzero.optim.adam(lr=0.05)
+    units = ["layers.0", "layers.1", "layers.2"]
+    state = fzero.shard_state(on_cuda(case.params), opt, nccl_mesh, stage=stage, units=units)
+    step = fzero.sharded_step(loss_fn, opt, nccl_mesh, stage=stage, units=units, compile=True)
+    for t in range(case.xs.shape[0]):
+        state, _ = step(state, (case.xs[t].to(CUDA), case.ys[t].to(CUDA)))
+    got = on_cpu(fzero.gather_params(state.params, nccl_mesh))
+    fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
+    assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
