@@ -3,7 +3,7 @@
 # Usage (on the device machine, in the repo root):
 #   bash benchmarks/gpu_check.sh OUTDIR [BENCH_SECONDS] [gpu.py options, e.g. --only PATTERN]
 #   FZERO_BENCH=offload bash benchmarks/gpu_check.sh OUTDIR [BENCH_SECONDS] [offload_gpu.py options]
-# Every row of gpu.py takes about 20 s (a fresh process each): all of them need ~400 s.
+# FZERO_TEST_S (default 240) limits the GPU tests. Every row of gpu.py takes about 20 s (a fresh process each): all of them need ~400 s.
 # FZERO_BENCH=offload runs benchmarks/offload_gpu.py (issue 49) instead, into RESULTS-offload.md.
 # Writes OUTDIR/{machine.txt,gpu-tests.log,RESULTS-gpu.md,gpu-bench.log}. optree travels as a
 # wheel in .whl/ (the device has no package index): see the device tool's notes.
@@ -19,7 +19,7 @@ fi
 export PYTHONUNBUFFERED=1
 { date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, optree; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'optree', optree.__version__)"; } > "$out/machine.txt" 2>&1
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -5
+timeout "${FZERO_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -5
 if [ "${FZERO_BENCH:-gpu}" = offload ]; then
   timeout "$bench_s" python3 benchmarks/offload_gpu.py --out "$out/RESULTS-offload.md" "$@" > "$out/gpu-bench.log" 2>&1
 else

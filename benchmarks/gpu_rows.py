@@ -99,6 +99,8 @@ def timed(
         sync(device)
         if t >= warmup:
             times.append(time.perf_counter() - t0)
+        # Progress on stderr: a row cut by its time limit still says how far it got.
+        print(f"step {t}: {time.perf_counter() - t0:.3f} s", file=sys.stderr, flush=True)
     return times
 
 
@@ -197,8 +199,10 @@ def in_a_process(cmd: list[str], out: Path, timeout: float) -> Any:
 
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout:.0f} s"
+    except subprocess.TimeoutExpired as e:
+        said = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        last = said.strip().splitlines()[-1:] or ["nothing on stderr"]
+        return f"timed out after {timeout:.0f} s (last: {last[0][:100]})"
     if done.returncode != 0:
         return (done.stdout + done.stderr)[-2000:]
     return torch.load(out)
@@ -216,7 +220,10 @@ def measure(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
     held, step, final = build()
+    sync(device)
+    print(f"built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     times = timed(step, data, warmup, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     # On the host: earlier rows' parameters must not count in later rows' peaks.

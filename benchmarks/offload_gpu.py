@@ -66,7 +66,6 @@ ROWS = [  # (model, label, builder name, offload keywords)
     ("B", "fzero stage 3, offload host, overlapped", "fzero", {}),
     ("B", "FSDP2, CPUOffloadPolicy", "fsdp2", None),
 ]
-ROW_TIMEOUT = 600
 
 
 def fzero_offloaded(cfg: dict[str, int], device: torch.device, offload: Any) -> Any:
@@ -168,7 +167,7 @@ def row_in_a_process(args: argparse.Namespace, k: int, out: Path) -> Any:
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--steps-b", str(args.steps_b), "--warmup-b", str(args.warmup_b)]
     cmd += ["--smoke"] * args.smoke + (["--profile", args.profile] if args.profile else [])
-    return R.in_a_process(cmd, out, ROW_TIMEOUT)
+    return R.in_a_process(cmd, out, args.row_timeout)
 
 
 def main() -> None:
@@ -181,6 +180,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (gloo)")
     ap.add_argument("--only", metavar="PATTERN", help="only the rows matching PATTERN")
     ap.add_argument("--profile", metavar="PATTERN", help="profiles of rows matching PATTERN")
+    ap.add_argument("--row-timeout", type=float, default=600, help="seconds a row may take")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row, in this process
     ap.add_argument("--row-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
