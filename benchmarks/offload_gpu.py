@@ -1,7 +1,7 @@
 """Offload on one GPU (issue 49): offloaded against on-device steps, a model that fits only
 offloaded, and FSDP2's CPUOffloadPolicy beside both.
 
-    python benchmarks/offload_gpu.py [--steps 4] [--warmup 2] [--only PATTERN]
+    python benchmarks/offload_gpu.py [--steps 4] [--warmup 2] [--only PATTERN] [--batch-a 8]
                                      [--out benchmarks/RESULTS-offload.md]
     python benchmarks/offload_gpu.py --smoke     # tiny models on the CPU: checks the script
 
@@ -123,7 +123,7 @@ def host_peak() -> int:
 def run_row(args: argparse.Namespace, device: torch.device) -> None:
     """`--row K`: measure ROWS[K] in this process, save it to --row-out."""
     name, _, kind, offload = ROWS[int(args.row)]
-    cfg, per_step = (SMOKE if args.smoke else MODELS)[name]
+    cfg, per_step = sequences(args, name)
     R.BATCH = per_step  # `R.batches` reads it
     store = tempfile.mktemp(prefix="fzero-offload-gpu-")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -161,11 +161,18 @@ def run_row(args: argparse.Namespace, device: torch.device) -> None:
     Path(store).unlink(missing_ok=True)
 
 
+def sequences(args: argparse.Namespace, name: str) -> tuple[dict[str, int], int]:
+    """Model `name`'s configuration and sequences a step (`--batch-a` for model A)."""
+    cfg, per_step = (SMOKE if args.smoke else MODELS)[name]
+    return cfg, (args.batch_a or per_step) if name == "A" else per_step
+
+
 def row_in_a_process(args: argparse.Namespace, k: int, out: Path) -> Any:
     """Row k measured by a fresh process of this script, or the tail of its failure."""
     cmd = [sys.executable, __file__, "--row", str(k), "--row-out", str(out)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--steps-b", str(args.steps_b), "--warmup-b", str(args.warmup_b)]
+    cmd += ["--batch-a", str(args.batch_a)] if args.batch_a else []
     cmd += ["--smoke"] * args.smoke + (["--profile", args.profile] if args.profile else [])
     return R.in_a_process(cmd, out, args.row_timeout)
 
@@ -180,6 +187,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (gloo)")
     ap.add_argument("--only", metavar="PATTERN", help="only the rows matching PATTERN")
     ap.add_argument("--profile", metavar="PATTERN", help="profiles of rows matching PATTERN")
+    ap.add_argument(
+        "--batch-a", type=int, help="model A's sequences a step (8): the GPU's work per step"
+    )
     ap.add_argument("--row-timeout", type=float, default=600, help="seconds a row may take")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row, in this process
     ap.add_argument("--row-out", help=argparse.SUPPRESS)
@@ -196,13 +206,14 @@ def main() -> None:
         f"{datetime.date.today()}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
         f"`python benchmarks/offload_gpu.py --steps {args.steps} --warmup {args.warmup} "
         f"--steps-b {args.steps_b} --warmup-b {args.warmup_b}"
+        f"{f' --batch-a {args.batch_a}' if args.batch_a else ''}"
         f"{f' --only {args.only!r}' if args.only else ''}`. Median of the steps after the "
         "warm-up ones, each row in a fresh process (see the script's docstring).\n",
     ]
     scratch = Path(tempfile.mkdtemp(prefix="fzero-offload-rows-"))
     base: dict[str, Any] = {}
     for name in MODELS:
-        cfg, per_step = (SMOKE if args.smoke else MODELS)[name]
+        cfg, per_step = sequences(args, name)
         n = sum(p.numel() for p in R.new_model(cfg, torch.device("meta")).parameters())
         flops = 6 * n + 12 * cfg["layers"] * cfg["block"] * cfg["d"]
         tokens = per_step * cfg["block"]

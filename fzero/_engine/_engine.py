@@ -89,7 +89,9 @@ class Engine:
         else:
             assert local is not None
             self.source = Replica(local)
-        devices = [x.device for x in held]
+        # Gradients reduce where the parameters are: at stages 1-2 `held` may be an
+        # offloaded state's masters, on the host, which NCCL cannot reduce.
+        devices = [x.device for x in (local if local is not None else held)]
         self.reductions = Reductions(ctx, devices, check, self.source, sums, final, watch)
         self.entries: list[Entry] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order

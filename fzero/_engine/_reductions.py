@@ -387,7 +387,9 @@ class Reductions:
             for part in (self.results.get(i), self.extra.get(i)):
                 if part is not None:
                     g = part if g is None else g + part
-            out.append(torch.zeros_like(x) if g is None else g)
+            if g is None:
+                g = torch.zeros(x.shape, dtype=x.dtype, device=self.devices[i])
+            out.append(g)
         return tuple(out)
 
     def _log(self, unit: str, nbytes: int) -> None:

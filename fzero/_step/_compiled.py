@@ -23,6 +23,7 @@ update are the eager step's (`_body`). What this slice compiles, and what it ref
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any
 
 import optree
@@ -36,6 +37,8 @@ from .._engine import own_slices
 from .._state import ShardedState
 from ._loss_weights import Weighed
 from ._sync import StepSync
+
+_INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
 
 
 class _AllReduce(torch.autograd.Function):
@@ -212,7 +215,11 @@ def compiled_grad(
     anchor = []
 
     def run(_: Any, mb: Any) -> Any:
-        out, zero = compiled.compiled(leaves, fulls, mb)
+        with warnings.catch_warnings():
+            # torch 2.11's dynamo instantiates autograd.Function itself to trace one
+            # (`track_object_new`) and warns about it: torch's own call, not the user's.
+            warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
+            out, zero = compiled.compiled(leaves, fulls, mb)
         anchor.append(zero)
         return out
 

@@ -165,7 +165,8 @@ class Overlap:
         if self.back is None:
             self.back = torch.cuda.Stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(self.back):
-            self.back.wait_event(ready)
+            if ready is not None:  # None: a gradient on the host, which nothing on the GPU made
+                self.back.wait_event(ready)
             yield
 
     def _arrived(self, carried: Any) -> torch.Tensor:

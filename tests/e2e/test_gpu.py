@@ -312,14 +312,27 @@ def train_offloaded(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> A
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_offloaded_stages_match_torch_on_nccl(
-    nccl_mesh: fzero.Mesh, stage: int, tier: str, tmp_path: Any
+    nccl_mesh: fzero.Mesh, stage: int, tier: str, tmp_path: Any, monkeypatch: Any
 ) -> None:
     """The masters and moments on the host (pinned) or on disk, the parameters and the
-    gradients on the GPU: the same training as torch's on the GPU (float64)."""
+    gradients on the GPU (reduced there: NCCL cannot reduce host memory, and a stage 1-2
+    gradient once followed its master to the host): the same training as torch's on the
+    GPU (float64)."""
+    from fzero._engine import _reductions
+
     case = make_case()
     want = on_cpu(reference(case))
     offload = fzero.Offload(tier, 1.0, str(tmp_path) if tier == "disk" else None)
+    placed: list[str] = []
+    born = _reductions.Reductions.__init__
+
+    def spy(self: Any, ctx: Any, devices: Any, *args: Any, **kw: Any) -> None:
+        placed.extend(d.type for d in devices)
+        born(self, ctx, devices, *args, **kw)
+
+    monkeypatch.setattr(_reductions.Reductions, "__init__", spy)
     state = train_offloaded(nccl_mesh, case, stage, offload)
+    assert placed and set(placed) == {"cuda"}, placed
     assert devices(state.params) == {"cuda"} and devices(state.master) == {"cpu"}
     if tier == "host":
         assert all(x.is_pinned() for x in state.master.buffers if x.numel())
