@@ -38,7 +38,7 @@ from models import build_model, rank_batch, spec
 
 import fzero
 
-CONFIGS = [  # (label, kind, stage, compile)
+CONFIGS = [  # (label, kind, stage, compile: False, True, or True with that burst size)
     ("DDP", "ddp", 0, False),
     ("DDP, module compiled", "ddp", 0, True),
     ("fzero stage 0, eager", "fzero", 0, False),
@@ -47,11 +47,13 @@ CONFIGS = [  # (label, kind, stage, compile)
     ("fzero stage 2, compiled", "fzero", 2, True),
     ("fzero stage 3, eager", "fzero", 3, False),
     ("fzero stage 3, compiled", "fzero", 3, True),
+    ("fzero stage 3, compiled, 25 MiB bursts", "fzero", 3, 25 * 2**20),
 ]
 
 
-def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool) -> Any:
-    """A configuration's `(step(batch), params())`."""
+def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int) -> Any:
+    """A configuration's `(step(batch), params())` (`compiled` an int: compiled, in
+    bursts of that many bytes instead of the default)."""
     model = build_model(s)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -75,10 +77,10 @@ def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool) -> Any
     def loss_fn(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
         return s.loss(functional_call(model, p, (batch[0],)), batch[1])
 
-    hooks = {} if compiled else {"module": model}
-    train = fzero.sharded_step(
-        loss_fn, opt, mesh, stage=stage, units=units, compile=compiled, **hooks
-    )
+    kw: dict[str, Any] = {"compile": True} if compiled else {"module": model}
+    if not isinstance(compiled, bool):
+        kw["reduce_bucket_bytes"] = compiled
+    train = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, **kw)
 
     def fzero_step(batch: Any) -> None:
         box[0], _ = train(box[0], batch)

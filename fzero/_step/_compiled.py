@@ -13,7 +13,9 @@ whole (docs/design.md, [Note: compiled steps]):
 - stage 0: an identity whose backward all-reduces (`_AllReduce`).
 
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
-(`bursts`), as the eager step's bursts do. Gradients are sums over the ranks, divided by
+(`bursts`; 4 MiB by default at stage 3, where a burst's gather is waited for before
+the units it enters compute: smaller bursts let compute follow sooner, while tiny units
+still share one). Gradients are sums over the ranks, divided by
 the ranks after the collective (the eager engine divides before it: the values agree to
 rounding, not bitwise). The update, the loss weights' exchange and the gather after the
 update are the eager step's (`_body`). What this slice compiles, and what it refuses:

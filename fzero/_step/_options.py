@@ -67,6 +67,15 @@ class StepOptions:
         )
 
 
+# `reduce_bucket_bytes=None`'s bursts: DDP's bucket_cap_mb, but smaller where a compiled
+# stage 3 gathers in the graph, whose forward waits for each burst's gather before its
+# units compute: the benchmark GPT's 2.6 MB units stepped 1.5 x faster in 4 MiB bursts
+# than in 25 MiB ones, and the deep model's 1.7 MB of tiny units still share one. Where
+# the graph only reduces (stages 0-2), the larger bursts were 7 % faster.
+EAGER_BURST = 25 * 2**20
+GATHER_BURST = 4 * 2**20
+
+
 def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
     """`sharded_step`'s options checked: a TypeError or ValueError naming the option
     otherwise. `options` are `sharded_step`'s keyword arguments but `stage`."""
@@ -76,6 +85,9 @@ def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
     buffer_sync = options["buffer_sync"]
     if accumulate not in (None, "local", "sharded"):
         raise ValueError(f"accumulate must be None, 'local' or 'sharded', got {accumulate!r}")
+    compile_ = options.get("compile", False)
+    if bucket is None:
+        bucket = GATHER_BURST if compile_ and spec.shards_params else EAGER_BURST
     if isinstance(bucket, bool) or not isinstance(bucket, int):
         raise TypeError(f"reduce_bucket_bytes must be an int, got {bucket!r}")
     if bucket < 0:
@@ -84,7 +96,6 @@ def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
         raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or 'local', got {buffer_sync!r}")
     _check_quantize(options["quantize"], spec)
     reshard = options["reshard_after_forward"]
-    compile_ = options.get("compile", False)
     if not isinstance(compile_, (bool, str)) or compile_ == "":
         raise TypeError(f"compile must be a bool or a torch.compile backend, got {compile_!r}")
     return StepOptions(

@@ -55,7 +55,7 @@ def sharded_step(
     accumulate: str | None = None,
     buffer_sync: str = "broadcast",
     overlap_reduce: bool = True,
-    reduce_bucket_bytes: int = 25 * 2**20,
+    reduce_bucket_bytes: int | None = None,
     compile: bool | str = False,
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
@@ -88,7 +88,8 @@ def sharded_step(
       overlap_reduce: reduce a unit's gradient while the backward goes on.
       reduce_bucket_bytes: reduce gradients in bursts of about this many bytes (DDP's
         `bucket_cap_mb`, stages 0-1; compiled, every stage's collectives); 0: each unit as
-        soon as it is complete.
+        soon as it is complete. None: 25 MiB, but 4 MiB compiled at stage 3, whose
+        forward waits for each burst's gather (`benchmarks/RESULTS-compiled.md`).
       compile: trace the forward and backward with `torch.compile` as one graph, units
         entering through functional collectives (True: the inductor backend; a string:
         that backend). A first slice: units up front, 1-D meshes, no precision, loss

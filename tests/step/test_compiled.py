@@ -244,3 +244,23 @@ def test_what_a_compiled_step_does_not_take_is_refused_on_every_rank(what: str, 
     params = make_params(DIMS, torch.float64, 1)
     for message in run(2, refused, params, what):
         assert says in message, message
+
+
+@pytest.mark.parametrize(
+    ("stage", "compiled", "burst"),
+    [(3, True, 4 * 2**20), (3, False, 25 * 2**20), (2, True, 25 * 2**20), (0, True, 25 * 2**20)],
+)
+def test_bursts_default_smaller_where_a_compiled_graph_gathers(
+    stage: int, compiled: bool, burst: int
+) -> None:
+    """`reduce_bucket_bytes=None`: DDP's 25 MiB, but 4 MiB where a compiled stage 3's
+    forward waits for each burst's gather; a number given is kept."""
+    from fzero._step._options import step_options
+
+    kw: dict[str, Any] = dict(
+        layout=None, units=None, module=None, just_in_time=False,
+        reshard_after_forward=True, quantize=None, prefetch=True, ledger=None, donate=True,
+        accumulate=None, buffer_sync="broadcast", overlap_reduce=True, compile=compiled,
+    )  # fmt: skip
+    assert step_options(None, stage, reduce_bucket_bytes=None, **kw).reduce_bucket_bytes == burst
+    assert step_options(None, stage, reduce_bucket_bytes=123, **kw).reduce_bucket_bytes == 123
