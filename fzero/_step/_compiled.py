@@ -41,6 +41,9 @@ from ._loss_weights import Weighed
 from ._sync import StepSync
 
 _INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
+# Seen with torch 2.11 on a GPU, not with 2.13: the filter (process-wide while it lasts)
+# is set only where it is needed.
+_DYNAMO_WARNS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
 
 
 class _AllReduce(torch.autograd.Function):
@@ -217,11 +220,14 @@ def compiled_grad(
     anchor = []
 
     def run(_: Any, mb: Any) -> Any:
-        with warnings.catch_warnings():
-            # torch 2.11's dynamo instantiates autograd.Function itself to trace one
-            # (`track_object_new`) and warns about it: torch's own call, not the user's.
-            warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
+        if not _DYNAMO_WARNS:
             out, zero = compiled.compiled(leaves, fulls, mb)
+        else:
+            with warnings.catch_warnings():
+                # torch 2.11's dynamo instantiates autograd.Function itself to trace one
+                # (`track_object_new`) and warns about it: torch's own call, not the user's.
+                warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
+                out, zero = compiled.compiled(leaves, fulls, mb)
         anchor.append(zero)
         return out
 

@@ -165,8 +165,10 @@ class Overlap:
         if self.back is None:
             self.back = torch.cuda.Stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(self.back):
-            if ready is not None:  # None: a gradient on the host, which nothing on the GPU made
+            if ready is not None:
                 self.back.wait_event(ready)
+            else:  # a gradient on the host: order after all the step's stream has queued
+                self.back.wait_stream(self.stream)
             yield
 
     def _arrived(self, carried: Any) -> torch.Tensor:

@@ -373,7 +373,7 @@ def train_overlapped(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> 
     return on_cpu(fzero.master_params(state, mesh)), threads
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_offloaded_buckets_step_during_the_backward_on_nccl(
     nccl_mesh: fzero.Mesh, stage: int, tier: str, tmp_path: Any
