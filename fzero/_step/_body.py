@@ -58,7 +58,7 @@ def body(
     just-in-time units last step called (None: no step yet). `overlap`: the host thread
     on which an offloaded state steps its host buckets during the backward (`_overlap`;
     None: not this step, where something needs the whole gradient first). `compiled`:
-    the forward and backward as one compiled graph (`_compiled`), for `micro`'s one
+    the forward and backward as one compiled graph (`_compiled`), run for each
     micro-batch."""
     stage, mesh = o.stage, o.mesh
     local = None if stage.shards_params else full_buckets(state.params, state.layout)
@@ -75,7 +75,7 @@ def body(
     with overlapping(streamed, sync.early_factor, overlap, state, device, mesh.rank) as early:
         # Enter and differentiate: the gradient leaves each unit reduced as the stage reduces.
         if compiled is not None:
-            grads = compiled_grad(compiled, weighed, micro[0], state, local, sync, mesh)
+            grads = compiled_grad(compiled, weighed, micro, state, local, sync, mesh)
         else:
             grads, order = mean_grad(
                 loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order, watch=early

@@ -18,8 +18,9 @@ the units it enters compute: smaller bursts let compute follow sooner, while tin
 still share one). Gradients are sums over the ranks, divided by
 the ranks after the collective (the eager engine divides before it: the values agree to
 rounding, not bitwise). The update, the loss weights' exchange and the gather after the
-update are the eager step's (`_body`). What this slice compiles, and what it refuses:
-`check`.
+update are the eager step's (`_body`). Accumulating, the graph runs once per micro-batch,
+each run reducing its own (eager `accumulate="sharded"`). What this slice compiles, and
+what it refuses: `check`.
 """
 
 from __future__ import annotations
@@ -190,15 +191,16 @@ class CompiledLoss:
 def compiled_grad(
     compiled: CompiledLoss,
     weighed: Weighed,
-    batch: Any,
+    micro: list[Any],
     state: ShardedState,
     local: tuple[torch.Tensor, ...] | None,
     sync: StepSync,
     mesh: Mesh,
 ) -> Any:
-    """This rank's part of the mean gradient over the ranks, shaped as `mean_grad`'s
-    (the trainable tree at stage 0, this rank's `Shards` otherwise), from one compiled
-    forward and its backward."""
+    """This rank's part of the mean gradient over the ranks and micro-batches, shaped as
+    `mean_grad`'s (the trainable tree at stage 0, this rank's `Shards` otherwise): a
+    compiled forward and its backward per micro-batch, each reducing in the graph (as
+    eager `accumulate="sharded"`), their sum divided by the micro-batch count."""
     lay, stage = state.layout, compiled.stage
     if stage.shards_params:
         held, fulls = list(state.params.buffers), []
@@ -232,30 +234,38 @@ def compiled_grad(
         return out
 
     weighed.loss_fn = run
-    total, error = None, None
-    try:
-        total = weighed(None, batch)
-    except Exception as exc:  # refused after the graph's forward: every rank raises it
-        if not is_bad_loss(exc):
-            raise
-        error = exc
-    # Waited for before the backward: the graph's collectives cannot look for a peer's
-    # failure, so a rank whose loss was refused must not leave the others inside them.
-    check = sync.check(0)
-    check.after_forward(None, error=error)
-    check.finish()
-    assert total is not None
     trainable = [x for x, b in zip(leaves, lay.buckets) if not b.frozen]
-    out = total if total.requires_grad else anchor[0]
-    got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
-    grads = []
-    for x, b in zip(leaves, lay.buckets):
-        if b.frozen:
-            grads.append(x.new_empty(0))
-            continue
-        g = next(got)
-        g = torch.zeros_like(x) if g is None else g
-        grads.append(g.div_(mesh.size) if mesh.size > 1 else g)
+    sums: list[torch.Tensor | None] = [None] * len(leaves)
+    for j, mb in enumerate(micro):
+        total, error = None, None
+        try:
+            total = weighed(None, mb)
+        except Exception as exc:  # refused after the graph's forward: every rank raises it
+            if not is_bad_loss(exc):
+                raise
+            error = exc
+        # Waited for before the first backward: the graph's collectives cannot look for a
+        # peer's failure, so a rank whose loss was refused must not leave the others
+        # inside them. A middle micro-batch's refusal travels with the last check (the
+        # state is untouched until then); its backward joins with zero gradients.
+        check = sync.check(j)
+        check.after_forward(None, error=error)
+        check.finish()
+        out = total if total is not None and total.requires_grad else anchor[-1]
+        got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
+        for i, (x, b) in enumerate(zip(leaves, lay.buckets)):
+            if b.frozen:
+                continue
+            g = next(got)
+            g = torch.zeros_like(x) if g is None else g
+            g = g.div_(mesh.size) if mesh.size > 1 else g
+            acc = sums[i]
+            sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
+    n = len(micro)
+    grads = [
+        x.new_empty(0) if b.frozen else (g.div_(n) if n > 1 else g)
+        for x, b, g in zip(leaves, lay.buckets, sums)
+    ]
     if stage.shards_optimizer:
         return Shards(tuple(grads), lay, mesh.shard_rank)
     full = [f if b.frozen else g for f, g, b in zip(fulls, grads, lay.buckets)]
@@ -268,7 +278,7 @@ def check(o: Any, state: ShardedState) -> None:
         "module= or just_in_time=True (units enter before the forward when compiled)": (
             o.module is not None or o.just_in_time
         ),
-        "accumulate=": o.accumulate is not None,
+        "accumulate='local' (accumulate='sharded' compiles)": o.accumulate == "local",
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
         "a 2-D mesh": o.mesh.shard_size != o.mesh.size,
@@ -297,17 +307,28 @@ def _own_code(method: Any) -> Any:
     return types.MethodType(own, method.__self__)
 
 
-def agree_present(batch: Any, mesh: Mesh) -> None:
+def agree_present(micro: list[Any], mesh: Mesh) -> None:
     """Before a compiled forward, whose collectives run inside the graph: every rank has
-    a batch, or every rank raises (a rank without one cannot join the graph's
-    collectives, and a peer waiting in them would wait for the group's timeout)."""
-    present = _comm.all_gather_ints_async([int(batch is not None)], mesh)()
-    absent = [r for r, p in enumerate(present) if not p[0]]
+    every micro-batch, as many as the others, or every rank raises (a rank without one
+    cannot join the graph's collectives, and a peer waiting in them would wait for the
+    group's timeout)."""
+    mine = [len(micro), sum(mb is not None for mb in micro)]
+    everyone = _comm.all_gather_ints_async(mine, mesh)()
+    absent = [r for r, (n, have) in enumerate(everyone) if have < n]
     if absent:
         raise _comm.agreed(
             ValueError(
-                f"rank(s) {absent} stepped without a batch (step(state, None)); a compiled "
-                "step runs its collectives inside the graph and needs a batch on every rank: "
-                "give each rank one (with weight 0 if it should not count)"
+                f"rank(s) {absent} stepped without a batch or micro-batch (None); a compiled "
+                "step runs its collectives inside the graph and needs every one on every "
+                "rank: give each rank them all (with weight 0 where they should not count)"
+            )
+        )
+    counts = [n for n, _ in everyone]
+    if len(set(counts)) > 1:
+        raise _comm.agreed(
+            ValueError(
+                f"the ranks stepped different numbers of micro-batches ({counts}, by rank); a "
+                "compiled step runs each one's collectives inside the graph: give every rank "
+                "as many"
             )
         )

@@ -148,7 +148,7 @@ def sharded_step(
         compiled = None
         if o.compile is not None:
             check_compiled(o, state)  # the state's: checked each step, as it may change
-            agree_present(micro[0], mesh)
+            agree_present(micro, mesh)
             compiled = cache.compiled(
                 state.layout,
                 lambda: CompiledLoss(

@@ -45,9 +45,11 @@ def train(
     frozen: tuple[str, ...] = (),
     burst: int = 25 * 2**20,
     optimizer: str = "adamw",
+    accumulate: str | None = None,
 ) -> Any:
-    """`optimizer` over `data` (one micro-batch a rank a step), compiled; the parameters
-    and how many graphs torch.compile made."""
+    """`optimizer` over `data` (a rank's micro-batches each step: the first alone
+    without `accumulate`), compiled; the parameters and how many graphs torch.compile
+    made."""
     opt = make_optimizer(optimizer)
     state = fzero.shard_state(
         params, opt, mesh, stage=stage, units=UNITS, layout=layout, frozen=list(frozen)
@@ -60,23 +62,29 @@ def train(
         units=UNITS,
         compile=backend,
         reduce_bucket_bytes=burst,
+        accumulate=accumulate,
     )
     for per_rank in data:
+        mine = per_rank[mesh.rank]
         with warnings.catch_warnings():  # a step where nothing counts says so
             warnings.filterwarnings("ignore", "fzero: step .* weights sum to 0")
-            state, _ = step(state, per_rank[mesh.rank][0])
+            state, _ = step(state, mine if accumulate else mine[0])
     return final_params(state, mesh), torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @st.composite
 def cases(draw: Any) -> dict[str, Any]:
     world = draw(st.integers(1, 3))
-    # Every rank has a batch (a compiled step needs one), of 1-2 sequences, and the last
-    # step's batches are another size (a new shape: the graph recompiles).
-    sizes = [[[draw(st.integers(1, 2))] for _ in range(world)] for _ in range(2)]
-    sizes.append([[3] for _ in range(world)])
+    accumulate = draw(st.sampled_from([None, "sharded"]))
+    m = draw(st.integers(2, 3)) if accumulate else 1
+    # Every rank has every micro-batch (a compiled step needs them), of 1-2 sequences,
+    # and the last step's are another size (a new shape: the graph recompiles).
+    sizes = [[[draw(st.integers(1, 2)) for _ in range(m)] for _ in range(world)]]
+    sizes.append([[draw(st.integers(1, 2)) for _ in range(m)] for _ in range(world)])
+    sizes.append([[3] * m for _ in range(world)])
     return {
         "world": world,
+        "accumulate": accumulate,
         "sizes": sizes,
         "stage": draw(st.integers(0, 3)),
         "layout": draw(st.sampled_from(["flat", "tensor"])),
@@ -92,6 +100,7 @@ def example_case(**kw: Any) -> dict[str, Any]:
     """A case the property must see whatever it draws."""
     sizes = [[[2], [1]], [[1], [2]], [[3], [3]]]
     c = dict(world=2, sizes=sizes, layout="flat", kind="pair", frozen=(), burst=25 * 2**20)
+    c["accumulate"] = None
     return c | {"optimizer": "sgd", "seed": 4} | kw
 
 
@@ -100,18 +109,27 @@ def example_case(**kw: Any) -> dict[str, Any]:
 @example(c=example_case(stage=2))  # stage 2's reduce-scatter of several buckets as one
 @example(c=example_case(stage=1, frozen=("layers.1",), burst=0))
 @example(c=example_case(stage=3, layout="tensor", optimizer="adamw"))
+@example(  # micro-batches of uneven work, each reduced in its own graph run
+    c=example_case(
+        stage=3, kind="scalar", accumulate="sharded", sizes=[[[2, 1], [1, 1]], [[1, 2], [2, 2]]]
+    )
+)
 @given(cases())
 def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
     """Stages 0-3, flat and tensor layouts, 1-3 ranks, scalar losses and (total, weight)
-    pairs over uneven padding, a frozen unit or none, every bucket its own collective or
-    all in one: float64 AdamW and SGD (which, unlike Adam, sees a gradient's scale) equal
-    to one-process torch.optim on the global mean (1e-10; the frozen unit unchanged),
-    through three steps, the last with a new batch shape."""
+    pairs over uneven padding, one micro-batch or 2-3 accumulated ("sharded"), a frozen
+    unit or none, every bucket its own collective or all in one: float64 AdamW and SGD
+    (which, unlike Adam, sees a gradient's scale) equal to one-process torch.optim on the
+    global mean (1e-10; the frozen unit unchanged), through three steps, the last with a
+    new batch shape."""
     params = make_params(DIMS, torch.float64, c["seed"])
     data = make_data(c["sizes"], c["seed"])
+    if not c["accumulate"]:
+        data = [[per_rank[:1] for per_rank in step] for step in data]
     want = reference(params, data, c["kind"], c["optimizer"], frozen=c["frozen"])
     args = (c["kind"], c["stage"], c["layout"], "aot_eager", c["frozen"], c["burst"])
-    got = [p for p, _ in run(c["world"], train, params, data, *args, c["optimizer"])]
+    extra = (c["optimizer"], c["accumulate"])
+    got = [p for p, _ in run(c["world"], train, params, data, *args, *extra)]
     for rank, p in enumerate(got):
         fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12, what=f"rank {rank} {c}")
     if any(_weighs(step, c["kind"]) for step in data):
@@ -175,6 +193,44 @@ def test_a_refused_loss_raises_on_every_rank_and_a_weightless_one_joins() -> Non
         fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
 
 
+def refusing_a_middle_micro_batch(mesh: fzero.Mesh, params: Any, data: list) -> Any:
+    """Accumulating three micro-batches at stage 3: in step 2 rank 1's second one has a
+    NaN weight, which its check does not exchange (it travels with the last)."""
+    opt = make_optimizer("adamw")
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+
+    def loss_fn(p: Any, batch: Any) -> Any:
+        x, y, mask, bad = batch
+        total, weight = pair_loss(p, (x, y, mask))
+        return total, float("nan") if bad else weight
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=3, units=UNITS, compile="aot_eager", accumulate="sharded"
+    )
+    mine = [per_rank[mesh.rank] for per_rank in data]
+    state, _ = step(state, [(*mb, False) for mb in mine[0]])
+    bad = [(*mb, mesh.rank == 1 and j == 1) for j, mb in enumerate(mine[1])]
+    with pytest.raises(ValueError) as caught:
+        step(state, bad)
+    state, _ = step(state, [(*mb, False) for mb in mine[2]])
+    return str(caught.value), fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.multiprocess
+def test_a_refused_middle_micro_batch_raises_on_every_rank_after_the_last() -> None:
+    """Accumulating: a loss refused in a middle micro-batch raises on every rank once the
+    last micro-batch's check exchanges; meanwhile its backward joined the graph's
+    collectives with zero gradients, and the state is as it was: the training is
+    torch's over steps 1 and 3 alone."""
+    params = make_params(DIMS, torch.float64, 5)
+    data = make_data([[[1, 2, 1], [2, 1, 1]]] * 3, 5)
+    want = reference(params, [data[0], data[2]], "pair", "adamw")
+    for message, p in run(2, refusing_a_middle_micro_batch, params, data):
+        assert "weight must be finite" in message, message
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
+        assert fzero._core._tree.max_abs_diff(p, params) > 1e-4
+
+
 def eager_then_compiled(mesh: fzero.Mesh, params: Any, data: list, path: str) -> Any:
     """Steps 1-2 eager, a checkpoint; steps 3-4 compiled from it, a checkpoint; step 5
     eager from that: stage 2 eager, stage 3 compiled (a checkpoint moves between
@@ -219,11 +275,20 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     step_kw: dict[str, Any] = {"units": UNITS, "compile": "aot_eager"}
     if what == "just in time":
         step_kw["just_in_time"] = True
+    if what in ("local", "a missing micro-batch", "uneven micro-batches"):
+        step_kw["accumulate"] = "local" if what == "local" else "sharded"
     step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, **step_kw)
-    batch = make_data([[[1], [1]]], 0)[0][mesh.rank][0]
-    if what == "no batch":
-        state, _ = step(state, batch)  # a first step with a batch everywhere
-        batch = None if mesh.rank == 1 else batch
+    batch = make_data([[[1, 1], [1, 1]]], 0)[0][mesh.rank]
+    if "accumulate" not in step_kw:
+        batch = batch[0]
+    if what in ("no batch", "a missing micro-batch", "uneven micro-batches"):
+        state, _ = step(state, batch)  # a first step with every batch everywhere
+        if what == "no batch":
+            batch = None if mesh.rank == 1 else batch
+        elif what == "a missing micro-batch":
+            batch = [batch[0], None] if mesh.rank == 1 else batch
+        else:
+            batch = batch[:1] if mesh.rank == 1 else batch
     with pytest.raises(ValueError) as caught:
         step(state, batch)
     return str(caught.value)
@@ -236,6 +301,9 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
         ("precision", "precision="),
         ("just in time", "just_in_time"),
         ("no batch", "rank(s) [1] stepped without a batch"),
+        ("local", "accumulate='local'"),
+        ("a missing micro-batch", "rank(s) [1] stepped without a batch or micro-batch"),
+        ("uneven micro-batches", "different numbers of micro-batches ([2, 1], by rank)"),
     ],
 )
 def test_what_a_compiled_step_does_not_take_is_refused_on_every_rank(what: str, says: str) -> None:
