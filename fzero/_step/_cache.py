@@ -43,14 +43,14 @@ class StepCache:
     _planned: tuple[Any, Any, Context | None] = (None, None, None)
     _hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units)
     _thread: ThreadPoolExecutor | None = None
-    _compiled: tuple[Any, Any] = (None, None)  # (layout, its compiled loss)
+    _compiled: tuple[Any, Any, Any] = (None, None, None)  # (layout, precision, loss)
 
-    def compiled(self, layout: ShardLayout, make: Callable[[], Any]) -> Any:
-        """The step's compiled loss for `layout` (`_step._compiled`), made once per layout:
-        torch.compile then recompiles by its own guards (new shapes, dtypes)."""
-        if self._compiled[0] is not layout:
-            self._compiled = (layout, make())
-        return self._compiled[1]
+    def compiled(self, layout: ShardLayout, precision: Any, make: Callable[[], Any]) -> Any:
+        """The step's compiled loss for `layout` and `precision` (`_step._compiled`), made
+        once per pair: torch.compile then recompiles by its own guards (shapes, dtypes)."""
+        if self._compiled[0] is not layout or self._compiled[1] != precision:
+            self._compiled = (layout, precision, make())
+        return self._compiled[2]
 
     def host_thread(self) -> ThreadPoolExecutor:
         """The thread on which offloaded units step during the backward (`_step._overlap`):

@@ -6,11 +6,12 @@ the parameters' entry and the gradients' reduction are one program the compiler 
 whole (docs/design.md, [Note: compiled steps]):
 
 - stage 3: the buckets' shards enter through an all-gather whose backward reduce-scatters
-  (`all_gather_tensor_autograd`);
+  (`_Gather`, with `Precision`'s casts: gather dtype out, reduce dtype back);
 - stages 1-2: the replicated buckets enter as they are, through an identity whose
   backward reduce-scatters their gradients to the rank's shards (`_Scatter`: the shards
-  are the leaves the gradients are for, the full buffers what the forward reads);
-- stage 0: an identity whose backward all-reduces (`_AllReduce`).
+  are the leaves the gradients are for, in the reduce dtype; the full buffers what the
+  forward reads);
+- stage 0: the same with an all-reduce (`_AllReduce`).
 
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
 (`bursts`; 4 MiB by default at stage 3, where a burst's gather is waited for before
@@ -37,7 +38,7 @@ from .. import _comm
 from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss
 from .._engine import own_slices
-from .._state import ShardedState
+from .._state import Precision, ShardedState
 from ._loss_weights import Weighed
 from ._sync import StepSync
 
@@ -48,27 +49,31 @@ _DYNAMO_WARNS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
 
 
 class _AllReduce(torch.autograd.Function):
-    """Buckets as they are; their gradients all-reduced (summed) as one flat collective."""
+    """Replicated buckets as they are; their gradients all-reduced (summed) as one flat
+    collective, in the dtype of the leaves they are for (the reduce dtype: the forward
+    reads the buckets, in the compute dtype)."""
 
     @staticmethod
-    def forward(group: Any, *fulls: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(f.view_as(f) for f in fulls)
+    def forward(group: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(f.view_as(f) for f in tensors[len(tensors) // 2 :])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.group, ctx.sizes = inputs[0], [f.numel() for f in inputs[1:]]
+        leaves = inputs[1 : 1 + (len(inputs) - 1) // 2]
+        ctx.group, ctx.sizes, ctx.dtype = inputs[0], [x.numel() for x in leaves], leaves[0].dtype
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([g.reshape(-1) for g in gs])
+        flat = torch.cat([g.to(ctx.dtype).reshape(-1) for g in gs])
         summed = fc.all_reduce(flat, "sum", ctx.group)
-        return (None, *(p.view_as(g) for p, g in zip(summed.split(ctx.sizes), gs)))
+        mine = (p.view_as(g) for p, g in zip(summed.split(ctx.sizes), gs))
+        return (None, *mine, *([None] * len(gs)))
 
 
 class _Scatter(torch.autograd.Function):
     """Replicated buckets as they are; their gradients reduce-scattered (summed) as one
-    collective, each rank's row its shards' gradients (the shards are the leaves the
-    gradients are for; the forward reads the full buckets)."""
+    collective, each rank's row its shards' gradients, in the shards' dtype (the shards
+    are the leaves the gradients are for; the forward reads the full buckets)."""
 
     @staticmethod
     def forward(group: Any, rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -79,14 +84,49 @@ class _Scatter(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         shards = inputs[2 : 2 + (len(inputs) - 2) // 2]
         ctx.group, ctx.rows, ctx.sizes = inputs[0], inputs[1], [s.numel() for s in shards]
+        ctx.dtype = shards[0].dtype
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
         # Rank r's row: its slice of every bucket, so one reduce-scatter hands each rank
         # its shards of all of them.
-        table = torch.cat([g.reshape(ctx.rows, -1) for g in gs], dim=1).reshape(-1)
-        mine = fc.reduce_scatter_tensor(table, "sum", 0, ctx.group)
+        table = torch.cat([g.to(ctx.dtype).reshape(ctx.rows, -1) for g in gs], dim=1)
+        mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
         return (None, None, *mine.split(ctx.sizes), *([None] * len(gs)))
+
+
+class _Gather(torch.autograd.Function):
+    """Stage 3's entry: the shards cast to the travel dtype, all-gathered as one
+    collective, each bucket cut from the rank-major table and cast to the compute dtype;
+    their gradients cast to the reduce dtype and reduce-scattered back to the shards."""
+
+    @staticmethod
+    def forward(
+        group: Any,
+        rows: int,
+        travel: torch.dtype,
+        compute: torch.dtype,
+        reduce: torch.dtype,
+        *shards: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        flat = torch.cat([s.to(travel) for s in shards]) if len(shards) > 1 else shards[0]
+        table = fc.all_gather_tensor(flat.to(travel), 0, group).view(rows, -1)
+        out, at = [], 0
+        for s in shards:
+            out.append(table[:, at : at + s.numel()].reshape(-1).to(compute))
+            at += s.numel()
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.group, ctx.rows, ctx.reduce = inputs[0], inputs[1], inputs[4]
+        ctx.sizes = [s.numel() for s in inputs[5:]]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
+        table = torch.cat([g.to(ctx.reduce).reshape(ctx.rows, -1) for g in gs], dim=1)
+        mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
+        return (None, None, None, None, None, *mine.split(ctx.sizes))
 
 
 def bursts(layout: ShardLayout, cap: int) -> list[list[int]]:
@@ -134,8 +174,10 @@ class CompiledLoss:
         mesh: Mesh,
         backend: str,
         burst_bytes: int,
+        precision: Precision | None = None,
     ) -> None:
         self.loss_fn, self.layout, self.stage = loss_fn, layout, stage
+        self.travel, self.reduce = _comm_dtypes(precision, layout)
         group = mesh.shard.group
         self.group = group if group is not None else torch.distributed.group.WORLD
         self.rows = mesh.shard_size
@@ -155,26 +197,18 @@ class CompiledLoss:
         lay, entered = self.layout, [None] * len(self.layout.buckets)
         for run in self.runs:
             frozen = lay.buckets[run[0]].frozen
+            b, shards = lay.buckets[run[0]], [leaves[i] for i in run]
             if self.stage.shards_params:  # the all-gather of every rank's shards
-                gather = fc.all_gather_tensor if frozen else fc.all_gather_tensor_autograd
-                shards = [leaves[i] for i in run]
-                table = gather(torch.cat(shards) if len(run) > 1 else shards[0], 0, self.group)
-                table = table.view(self.rows, -1)
-                at = 0
-                for i, shard in zip(run, shards):
-                    entered[i] = table[:, at : at + shard.numel()].reshape(-1)
-                    at += shard.numel()
+                travel, reduce = self.travel[run[0]], self.reduce[run[0]]
+                out = _Gather.apply(self.group, self.rows, travel, b.dtype, reduce, *shards)
             elif frozen:
-                entered[run[0]] = fulls[run[0]]
+                out = (fulls[run[0]],)
             elif self.stage.shards_optimizer:
-                out = _Scatter.apply(
-                    self.group, self.rows, *[leaves[i] for i in run], *[fulls[i] for i in run]
-                )
-                for i, x in zip(run, out):
-                    entered[i] = x
+                out = _Scatter.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
             else:
-                for i, x in zip(run, _AllReduce.apply(self.group, *[leaves[i] for i in run])):
-                    entered[i] = x
+                out = _AllReduce.apply(self.group, *shards, *[fulls[i] for i in run])
+            for i, x in zip(run, out):
+                entered[i] = x
         views: list[Any] = [None] * len(lay.paths)
         for bucket, flat in zip(lay.buckets, entered):
             assert flat is not None
@@ -190,6 +224,7 @@ class CompiledLoss:
 
 def compiled_grad(
     compiled: CompiledLoss,
+    loss_fn: LossFn,
     weighed: Weighed,
     micro: list[Any],
     state: ShardedState,
@@ -200,25 +235,23 @@ def compiled_grad(
     """This rank's part of the mean gradient over the ranks and micro-batches, shaped as
     `mean_grad`'s (the trainable tree at stage 0, this rank's `Shards` otherwise): a
     compiled forward and its backward per micro-batch, each reducing in the graph (as
-    eager `accumulate="sharded"`), their sum divided by the micro-batch count."""
+    eager `accumulate="sharded"`), their sum divided by the micro-batch count.
+    `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any."""
     lay, stage = state.layout, compiled.stage
     if stage.shards_params:
         held, fulls = list(state.params.buffers), []
-    elif stage.shards_optimizer:
-        # The shard leaf only receives the gradient (the forward reads the full buffer):
-        # a fresh tensor, not a view of the buffer, so the graph's inputs do not alias.
-        assert local is not None
-        held = [torch.empty_like(x) for x in own_slices(local, lay, mesh.shard_rank)]
-        fulls = list(local)
     else:
+        # Stages 0-2: the leaf only receives the gradient, in the reduce dtype (the
+        # forward reads the full buffer): a fresh zero-stride tensor, storage-free, and
+        # not a view of the buffer, so the graph's inputs do not alias.
         assert local is not None
-        held, fulls = list(local), list(local)
+        mine = own_slices(local, lay, mesh.shard_rank) if stage.shards_optimizer else local
+        held = [
+            torch.zeros((), dtype=d, device=x.device).expand(x.shape)
+            for x, d in zip(mine, compiled.reduce)
+        ]
+        fulls = [x.detach() for x in local]
     leaves = [x.detach().requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
-    # What the forward reads besides the leaves (stage 0's trainable buckets are leaves).
-    fulls = [
-        x.detach() if b.frozen or stage.shards_optimizer else None
-        for x, b in zip(fulls, lay.buckets)
-    ]
     anchor = []
 
     def run(_: Any, mb: Any) -> Any:
@@ -239,7 +272,7 @@ def compiled_grad(
     for j, mb in enumerate(micro):
         total, error = None, None
         try:
-            total = weighed(None, mb)
+            total = loss_fn(None, mb)
         except Exception as exc:  # refused after the graph's forward: every rank raises it
             if not is_bad_loss(exc):
                 raise
@@ -282,8 +315,6 @@ def check(o: Any, state: ShardedState) -> None:
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
         "a 2-D mesh": o.mesh.shard_size != o.mesh.size,
-        "precision=": state.precision is not None,
-        "a loss scaler": state.scaler is not None,
         "buffers": state.buffers is not None,
         "offload=": state.offload is not None,
         "ledger=": o.ledger is not None,
@@ -294,6 +325,16 @@ def check(o: Any, state: ShardedState) -> None:
             f"rank {o.mesh.rank}: sharded_step(compile=...) does not yet compile a step with "
             f"{', '.join(said)}; step eagerly (compile=False) for those"
         )
+
+
+def _comm_dtypes(
+    precision: Precision | None, layout: ShardLayout
+) -> tuple[list[torch.dtype], list[torch.dtype]]:
+    """Per bucket, the dtypes parameters travel in and gradients are reduced in (the
+    compute dtype where `precision` names none), as the eager engine's."""
+    gather = precision.gather_dtype if precision is not None else None
+    reduce = precision.reduce_dtype if precision is not None else None
+    return [gather or b.dtype for b in layout.buckets], [reduce or b.dtype for b in layout.buckets]
 
 
 def _own_code(method: Any) -> Any:

@@ -92,8 +92,9 @@ def sharded_step(
         forward waits for each burst's gather (`benchmarks/RESULTS-compiled.md`).
       compile: trace the forward and backward with `torch.compile` as one graph, units
         entering through functional collectives (True: the inductor backend; a string:
-        that backend). A first slice: units up front, 1-D meshes, no precision, loss
-        scaler, accumulation, buffers or offload (docs/training.md, "Compiled steps").
+        that backend). Units up front, 1-D meshes; precision, loss scaling and
+        "sharded" accumulation, but no "local" accumulation, buffers or offload
+        (docs/training.md, "Compiled steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
@@ -151,8 +152,15 @@ def sharded_step(
             agree_present(micro, mesh)
             compiled = cache.compiled(
                 state.layout,
+                state.precision,
                 lambda: CompiledLoss(
-                    loss_fn, state.layout, o.stage, mesh, o.compile, o.reduce_bucket_bytes
+                    loss_fn,
+                    state.layout,
+                    o.stage,
+                    mesh,
+                    o.compile,
+                    o.reduce_bucket_bytes,
+                    state.precision,
                 ),
             )
         try:

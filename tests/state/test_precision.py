@@ -118,6 +118,7 @@ def train(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int, **kw
         stage=stage,
         units=UNITS,
         module=model if kw.get("hooks") else None,
+        compile=kw.get("compile", False),
     )
     scales = []
     for t in range(xs.shape[0]):

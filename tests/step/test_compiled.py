@@ -268,10 +268,7 @@ def test_checkpoints_move_between_eager_and_compiled_steps(tmp_path: Path) -> No
 
 def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     opt = fzero.optim.adamw(lr=0.01)
-    kw: dict[str, Any] = {"units": UNITS}
-    if what == "precision":
-        kw["precision"] = fzero.Precision(torch.float32)
-    state = fzero.shard_state(params, opt, mesh, stage=3, **kw)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
     step_kw: dict[str, Any] = {"units": UNITS, "compile": "aot_eager"}
     if what == "just in time":
         step_kw["just_in_time"] = True
@@ -298,7 +295,6 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
 @pytest.mark.parametrize(
     ("what", "says"),
     [
-        ("precision", "precision="),
         ("just in time", "just_in_time"),
         ("no batch", "rank(s) [1] stepped without a batch"),
         ("local", "accumulate='local'"),
@@ -332,3 +328,31 @@ def test_bursts_default_smaller_where_a_compiled_graph_gathers(
     )  # fmt: skip
     assert step_options(None, stage, reduce_bucket_bytes=None, **kw).reduce_bucket_bytes == burst
     assert step_options(None, stage, reduce_bucket_bytes=123, **kw).reduce_bucket_bytes == 123
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("case", ["fp16, fp32 reduce, scaler", "bf16, bf16 reduce"])
+def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: str) -> None:
+    """Compiled under `Precision`: 16-bit compute from fp32 masters (stage 3: the shard
+    is the master, cast as it is gathered), gradients reduced in fp32 or bf16. With a
+    dynamic loss scale and an inf in one rank's batch at step 1, every rank skips that
+    update and halves the scale. The masters are torch.optim.Adam's under
+    torch.amp.GradScaler on one process doing the same casts."""
+    from tests.state.test_precision import BF16, FP16, FP32, close, data, reference
+    from tests.state.test_precision import train as train_precision
+
+    pdt, rdt, scale = (FP16, FP32, True) if case.startswith("fp16") else (BF16, BF16, False)
+    xs, ys = data(2, 5, inf_at=(1, 1) if scale else None)
+    ref = reference(xs, ys, pdt, rdt, scale=scale)
+    if scale:
+        assert ref["skipped"] == [False, True, False, False, False]
+    kw = dict(pdt=pdt, rdt=rdt, scale=scale, compile="aot_eager")
+    for out in fzero.simulate(2, train_precision, xs, ys, stage, **kw):
+        assert out["step"] == (4 if scale else 5)
+        if scale:
+            assert out["scales"][-1] == ref["scale"]
+        for k in ref["masters"]:
+            assert out["masters"][k].dtype == FP32 and out["params"][k].dtype == pdt
+        close(out["masters"], ref["masters"], rtol=0, atol=0)
+        assert fzero._core._tree.max_abs_diff(out["masters"], ref["start"]) > 1e-3
