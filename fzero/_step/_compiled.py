@@ -16,12 +16,12 @@ whole (docs/design.md, [Note: compiled steps]):
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
 (`bursts`; 4 MiB by default at stage 3, where a burst's gather is waited for before
 the units it enters compute: smaller bursts let compute follow sooner, while tiny units
-still share one). Gradients are sums over the ranks, divided by
-the ranks after the collective (the eager engine divides before it: the values agree to
-rounding, not bitwise). The update, the loss weights' exchange and the gather after the
-update are the eager step's (`_body`). Accumulating, the graph runs once per micro-batch,
-each run reducing its own (eager `accumulate="sharded"`). What this slice compiles, and
-what it refuses: `check`.
+still share one). Each rank's gradient is divided by the ranks in the reduce dtype
+before the collective sums it, as the eager engine's is (an fp16 sum could overflow
+where the mean does not); the values agree with eager to rounding, not bitwise. The
+update, the loss weights' exchange and the gather after the update are the eager step's
+(`_body`). Accumulating, the graph runs once per micro-batch, each run reducing its own
+(eager `accumulate="sharded"`). What this slice compiles, and what it refuses: `check`.
 """
 
 from __future__ import annotations
@@ -48,26 +48,35 @@ _INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
 _DYNAMO_WARNS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
 
 
+def _share(g: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """A rank's share of the mean gradient, in the reduce dtype: divided before the
+    collective sums it, as the eager engine and DDP divide (an fp16 sum over the ranks
+    could overflow where the mean does not)."""
+    g = g.to(dtype)
+    return g / rows if rows > 1 else g
+
+
 class _AllReduce(torch.autograd.Function):
-    """Replicated buckets as they are; their gradients all-reduced (summed) as one flat
-    collective, in the dtype of the leaves they are for (the reduce dtype: the forward
-    reads the buckets, in the compute dtype)."""
+    """Replicated buckets as they are; their gradients all-reduced to the mean over the
+    `rows` ranks as one flat collective, in the dtype of the leaves they are for (the
+    reduce dtype: the forward reads the buckets, in the compute dtype)."""
 
     @staticmethod
-    def forward(group: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(group: Any, rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(f.view_as(f) for f in tensors[len(tensors) // 2 :])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        leaves = inputs[1 : 1 + (len(inputs) - 1) // 2]
-        ctx.group, ctx.sizes, ctx.dtype = inputs[0], [x.numel() for x in leaves], leaves[0].dtype
+        leaves = inputs[2 : 2 + (len(inputs) - 2) // 2]
+        ctx.group, ctx.rows, ctx.dtype = inputs[0], inputs[1], leaves[0].dtype
+        ctx.sizes = [x.numel() for x in leaves]
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([g.to(ctx.dtype).reshape(-1) for g in gs])
+        flat = torch.cat([_share(g, ctx.dtype, ctx.rows).reshape(-1) for g in gs])
         summed = fc.all_reduce(flat, "sum", ctx.group)
         mine = (p.view_as(g) for p, g in zip(summed.split(ctx.sizes), gs))
-        return (None, *mine, *([None] * len(gs)))
+        return (None, None, *mine, *([None] * len(gs)))
 
 
 class _Scatter(torch.autograd.Function):
@@ -90,7 +99,7 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
         # Rank r's row: its slice of every bucket, so one reduce-scatter hands each rank
         # its shards of all of them.
-        table = torch.cat([g.to(ctx.dtype).reshape(ctx.rows, -1) for g in gs], dim=1)
+        table = torch.cat([_share(g, ctx.dtype, ctx.rows).reshape(ctx.rows, -1) for g in gs], 1)
         mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
         return (None, None, *mine.split(ctx.sizes), *([None] * len(gs)))
 
@@ -124,19 +133,22 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        table = torch.cat([g.to(ctx.reduce).reshape(ctx.rows, -1) for g in gs], dim=1)
+        table = torch.cat([_share(g, ctx.reduce, ctx.rows).reshape(ctx.rows, -1) for g in gs], 1)
         mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
         return (None, None, None, None, None, *mine.split(ctx.sizes))
 
 
-def bursts(layout: ShardLayout, cap: int) -> list[list[int]]:
+def bursts(
+    layout: ShardLayout, cap: int, reduce: list[torch.dtype] | None = None
+) -> list[list[int]]:
     """The buckets in runs of consecutive trainable buckets of one dtype, each up to `cap`
-    bytes in full (one collective each, as the eager step's bursts; 0: a bucket each); a
-    frozen bucket is a run of its own."""
+    bytes in full in its reduce dtype (`reduce`, per bucket; None: its own), one
+    collective each, as the eager step's bursts (0: a bucket each); a frozen bucket is a
+    run of its own."""
     runs: list[list[int]] = []
     size = 0
     for i, b in enumerate(layout.buckets):
-        nbytes = b.full_numel * b.dtype.itemsize
+        nbytes = b.full_numel * (reduce[i] if reduce is not None else b.dtype).itemsize
         head = layout.buckets[runs[-1][0]] if runs else None
         joins = (
             head is not None
@@ -181,7 +193,7 @@ class CompiledLoss:
         group = mesh.shard.group
         self.group = group if group is not None else torch.distributed.group.WORLD
         self.rows = mesh.shard_size
-        self.runs = bursts(layout, burst_bytes)
+        self.runs = bursts(layout, burst_bytes, self.reduce)
         # The tree's structure as a tree of leaf indices: rebuilt inside the graph by
         # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
         # outside it).
@@ -206,7 +218,7 @@ class CompiledLoss:
             elif self.stage.shards_optimizer:
                 out = _Scatter.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
             else:
-                out = _AllReduce.apply(self.group, *shards, *[fulls[i] for i in run])
+                out = _AllReduce.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
             for i, x in zip(run, out):
                 entered[i] = x
         views: list[Any] = [None] * len(lay.paths)
@@ -291,7 +303,6 @@ def compiled_grad(
                 continue
             g = next(got)
             g = torch.zeros_like(x) if g is None else g
-            g = g.div_(mesh.size) if mesh.size > 1 else g
             acc = sums[i]
             sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
     n = len(micro)

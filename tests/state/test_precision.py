@@ -130,6 +130,7 @@ def train(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int, **kw
         "params": params,
         "scales": scales,
         "step": state.step,
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
 
 

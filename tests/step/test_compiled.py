@@ -114,6 +114,8 @@ def example_case(**kw: Any) -> dict[str, Any]:
         stage=3, kind="scalar", accumulate="sharded", sizes=[[[2, 1], [1, 1]], [[1, 2], [2, 2]]]
     )
 )
+@example(c=example_case(stage=0, accumulate="sharded", sizes=[[[2, 1], [1, 2]]] * 2))
+@example(c=example_case(stage=1, accumulate="sharded", sizes=[[[1, 1], [2, 1]]] * 2))
 @given(cases())
 def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
     """Stages 0-3, flat and tensor layouts, 1-3 ranks, scalar losses and (total, weight)
@@ -332,27 +334,33 @@ def test_bursts_default_smaller_where_a_compiled_graph_gathers(
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("case", ["fp16, fp32 reduce, scaler", "bf16, bf16 reduce"])
+@pytest.mark.parametrize(
+    "case", ["fp16, fp32 reduce, scaler", "bf16, bf16 reduce", "bf16, bf16 reduce, 3 ranks"]
+)
 def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: str) -> None:
     """Compiled under `Precision`: 16-bit compute from fp32 masters (stage 3: the shard
     is the master, cast as it is gathered), gradients reduced in fp32 or bf16. With a
     dynamic loss scale and an inf in one rank's batch at step 1, every rank skips that
     update and halves the scale. The masters are torch.optim.Adam's under
-    torch.amp.GradScaler on one process doing the same casts."""
+    torch.amp.GradScaler on one process doing the same casts: bitwise at 2 ranks (a
+    division by 2 is exact), within bf16's rounding of the mean at 3, where each rank
+    divides before the sum and torch after it."""
     from tests.state.test_precision import BF16, FP16, FP32, close, data, reference
     from tests.state.test_precision import train as train_precision
 
     pdt, rdt, scale = (FP16, FP32, True) if case.startswith("fp16") else (BF16, BF16, False)
-    xs, ys = data(2, 5, inf_at=(1, 1) if scale else None)
+    n = 3 if case.endswith("3 ranks") else 2
+    xs, ys = data(n, 5, inf_at=(1, 1) if scale else None)
     ref = reference(xs, ys, pdt, rdt, scale=scale)
     if scale:
         assert ref["skipped"] == [False, True, False, False, False]
     kw = dict(pdt=pdt, rdt=rdt, scale=scale, compile="aot_eager")
-    for out in fzero.simulate(2, train_precision, xs, ys, stage, **kw):
+    for out in fzero.simulate(n, train_precision, xs, ys, stage, **kw):
+        assert out["graphs"] >= 1  # compiled, not stepped eagerly
         assert out["step"] == (4 if scale else 5)
         if scale:
             assert out["scales"][-1] == ref["scale"]
         for k in ref["masters"]:
             assert out["masters"][k].dtype == FP32 and out["params"][k].dtype == pdt
-        close(out["masters"], ref["masters"], rtol=0, atol=0)
+        close(out["masters"], ref["masters"], rtol=0, atol=0 if n == 2 else 1e-3)
         assert fzero._core._tree.max_abs_diff(out["masters"], ref["start"]) > 1e-3
