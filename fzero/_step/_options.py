@@ -69,9 +69,10 @@ class StepOptions:
 
 # `reduce_bucket_bytes=None`'s bursts: DDP's bucket_cap_mb, but smaller where a compiled
 # stage 3 gathers in the graph, whose forward waits for each burst's gather before its
-# units compute: the benchmark GPT's 2.6 MB units stepped 1.5 x faster in 4 MiB bursts
-# than in 25 MiB ones, and the deep model's 1.7 MB of tiny units still share one. Where
-# the graph only reduces (stages 0-2), the larger bursts were 7 % faster.
+# units compute: on the CPU the benchmark GPT's 2.6 MB units stepped 1.03-1.5 x faster
+# in 4 MiB bursts than in 25 MiB ones, and the deep model's 1.7 MB of tiny units still
+# share one (docs/design.md, [Note: compiled steps]). Where the graph only reduces
+# (stages 0-2), the larger bursts were 7 % faster.
 EAGER_BURST = 25 * 2**20
 GATHER_BURST = 4 * 2**20
 
