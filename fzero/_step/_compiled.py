@@ -6,12 +6,12 @@ the parameters' entry and the gradients' reduction are one program the compiler 
 whole (docs/design.md, [Note: compiled steps]):
 
 - stage 3: the buckets' shards enter through an all-gather whose backward reduce-scatters
-  (`_Gather`, with `Precision`'s casts: gather dtype out, reduce dtype back);
+  (`_entries.Gather`, with `Precision`'s casts: gather dtype out, reduce dtype back);
 - stages 1-2: the replicated buckets enter as they are, through an identity whose
-  backward reduce-scatters their gradients to the rank's shards (`_Scatter`: the shards
+  backward reduce-scatters their gradients to the rank's shards (`Scatter`: the shards
   are the leaves the gradients are for, in the reduce dtype; the full buffers what the
   forward reads);
-- stage 0: the same with an all-reduce (`_AllReduce`).
+- stage 0: the same with an all-reduce (`AllReduce`).
 
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
 (`bursts`; 4 MiB by default at stage 3, where a burst's gather is waited for before
@@ -32,13 +32,13 @@ from typing import Any
 
 import optree
 import torch
-import torch.distributed._functional_collectives as fc
 
 from .. import _comm
 from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss
 from .._engine import own_slices
 from .._state import Precision, ShardedState
+from ._entries import AllReduce, Gather, Scatter, gathered
 from ._loss_weights import Weighed
 from ._sync import StepSync
 
@@ -46,96 +46,6 @@ _INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
 # Seen with torch 2.11 on a GPU, not with 2.13: the filter (process-wide while it lasts)
 # is set only where it is needed.
 _DYNAMO_WARNS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
-
-
-def _share(g: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
-    """A rank's share of the mean gradient, in the reduce dtype: divided before the
-    collective sums it, as the eager engine and DDP divide (an fp16 sum over the ranks
-    could overflow where the mean does not)."""
-    g = g.to(dtype)
-    return g / rows if rows > 1 else g
-
-
-class _AllReduce(torch.autograd.Function):
-    """Replicated buckets as they are; their gradients all-reduced to the mean over the
-    `rows` ranks as one flat collective, in the dtype of the leaves they are for (the
-    reduce dtype: the forward reads the buckets, in the compute dtype)."""
-
-    @staticmethod
-    def forward(group: Any, rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(f.view_as(f) for f in tensors[len(tensors) // 2 :])
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        leaves = inputs[2 : 2 + (len(inputs) - 2) // 2]
-        ctx.group, ctx.rows, ctx.dtype = inputs[0], inputs[1], leaves[0].dtype
-        ctx.sizes = [x.numel() for x in leaves]
-
-    @staticmethod
-    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([_share(g, ctx.dtype, ctx.rows).reshape(-1) for g in gs])
-        summed = fc.all_reduce(flat, "sum", ctx.group)
-        mine = (p.view_as(g) for p, g in zip(summed.split(ctx.sizes), gs))
-        return (None, None, *mine, *([None] * len(gs)))
-
-
-class _Scatter(torch.autograd.Function):
-    """Replicated buckets as they are; their gradients reduce-scattered (summed) as one
-    collective, each rank's row its shards' gradients, in the shards' dtype (the shards
-    are the leaves the gradients are for; the forward reads the full buckets)."""
-
-    @staticmethod
-    def forward(group: Any, rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fulls = tensors[len(tensors) // 2 :]
-        return tuple(f.view_as(f) for f in fulls)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        shards = inputs[2 : 2 + (len(inputs) - 2) // 2]
-        ctx.group, ctx.rows, ctx.sizes = inputs[0], inputs[1], [s.numel() for s in shards]
-        ctx.dtype = shards[0].dtype
-
-    @staticmethod
-    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        # Rank r's row: its slice of every bucket, so one reduce-scatter hands each rank
-        # its shards of all of them.
-        table = torch.cat([_share(g, ctx.dtype, ctx.rows).reshape(ctx.rows, -1) for g in gs], 1)
-        mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
-        return (None, None, *mine.split(ctx.sizes), *([None] * len(gs)))
-
-
-class _Gather(torch.autograd.Function):
-    """Stage 3's entry: the shards cast to the travel dtype, all-gathered as one
-    collective, each bucket cut from the rank-major table and cast to the compute dtype;
-    their gradients cast to the reduce dtype and reduce-scattered back to the shards."""
-
-    @staticmethod
-    def forward(
-        group: Any,
-        rows: int,
-        travel: torch.dtype,
-        compute: torch.dtype,
-        reduce: torch.dtype,
-        *shards: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        flat = torch.cat([s.to(travel) for s in shards]) if len(shards) > 1 else shards[0]
-        table = fc.all_gather_tensor(flat.to(travel), 0, group).view(rows, -1)
-        out, at = [], 0
-        for s in shards:
-            out.append(table[:, at : at + s.numel()].reshape(-1).to(compute))
-            at += s.numel()
-        return tuple(out)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.group, ctx.rows, ctx.reduce = inputs[0], inputs[1], inputs[4]
-        ctx.sizes = [s.numel() for s in inputs[5:]]
-
-    @staticmethod
-    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        table = torch.cat([_share(g, ctx.reduce, ctx.rows).reshape(ctx.rows, -1) for g in gs], 1)
-        mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
-        return (None, None, None, None, None, *mine.split(ctx.sizes))
 
 
 def bursts(
@@ -200,6 +110,16 @@ class CompiledLoss:
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.compiled = torch.compile(_own_code(self._loss), fullgraph=True, backend=backend)
 
+    def __call__(self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any) -> Any:
+        """The compiled `(loss_fn's output, anchor)`."""
+        if not _DYNAMO_WARNS:
+            return self.compiled(leaves, fulls, batch)
+        with warnings.catch_warnings():
+            # torch 2.11's dynamo instantiates autograd.Function itself to trace one
+            # (`track_object_new`) and warns about it: torch's own call, not the user's.
+            warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
+            return self.compiled(leaves, fulls, batch)
+
     def _loss(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any
     ) -> tuple[Any, torch.Tensor]:
@@ -210,15 +130,22 @@ class CompiledLoss:
         for run in self.runs:
             frozen = lay.buckets[run[0]].frozen
             b, shards = lay.buckets[run[0]], [leaves[i] for i in run]
+            # Without a gradient to take (a frozen run; a forward under no_grad), the
+            # entry's forward alone: dynamo inlines an autograd.Function's forward then,
+            # and would hand it arguments the new-style signature does not take.
+            bare = frozen or not torch.is_grad_enabled()
             if self.stage.shards_params:  # the all-gather of every rank's shards
                 travel, reduce = self.travel[run[0]], self.reduce[run[0]]
-                out = _Gather.apply(self.group, self.rows, travel, b.dtype, reduce, *shards)
-            elif frozen:
-                out = (fulls[run[0]],)
+                if bare:
+                    out = gathered(self.group, self.rows, travel, b.dtype, shards)
+                else:
+                    out = Gather.apply(self.group, self.rows, travel, b.dtype, reduce, *shards)
+            elif bare:
+                out = tuple(fulls[i] for i in run)
             elif self.stage.shards_optimizer:
-                out = _Scatter.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
+                out = Scatter.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
             else:
-                out = _AllReduce.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
+                out = AllReduce.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
             for i, x in zip(run, out):
                 entered[i] = x
         views: list[Any] = [None] * len(lay.paths)
@@ -250,31 +177,12 @@ def compiled_grad(
     eager `accumulate="sharded"`), their sum divided by the micro-batch count.
     `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any."""
     lay, stage = state.layout, compiled.stage
-    if stage.shards_params:
-        held, fulls = list(state.params.buffers), []
-    else:
-        # Stages 0-2: the leaf only receives the gradient, in the reduce dtype (the
-        # forward reads the full buffer): a fresh zero-stride tensor, storage-free, and
-        # not a view of the buffer, so the graph's inputs do not alias.
-        assert local is not None
-        mine = own_slices(local, lay, mesh.shard_rank) if stage.shards_optimizer else local
-        held = [
-            torch.zeros((), dtype=d, device=x.device).expand(x.shape)
-            for x, d in zip(mine, compiled.reduce)
-        ]
-        fulls = [x.detach() for x in local]
-    leaves = [x.detach().requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
+    held, fulls = entry_inputs(compiled, state, local, mesh)
+    leaves = [x.requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
     anchor = []
 
     def run(_: Any, mb: Any) -> Any:
-        if not _DYNAMO_WARNS:
-            out, zero = compiled.compiled(leaves, fulls, mb)
-        else:
-            with warnings.catch_warnings():
-                # torch 2.11's dynamo instantiates autograd.Function itself to trace one
-                # (`track_object_new`) and warns about it: torch's own call, not the user's.
-                warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
-                out, zero = compiled.compiled(leaves, fulls, mb)
+        out, zero = compiled(leaves, fulls, mb)
         anchor.append(zero)
         return out
 
@@ -314,6 +222,28 @@ def compiled_grad(
         return Shards(tuple(grads), lay, mesh.shard_rank)
     full = [f if b.frozen else g for f, g, b in zip(fulls, grads, lay.buckets)]
     return lay.trainable(lay.unflatten(full))
+
+
+def entry_inputs(
+    compiled: CompiledLoss,
+    state: ShardedState,
+    local: tuple[torch.Tensor, ...] | None,
+    mesh: Mesh,
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """The compiled loss's `(leaves, fulls)` for `state`, detached: at stage 3 the shards;
+    at stages 0-2 the replicas `local` as what the forward reads, and as leaves fresh
+    zero-stride tensors in the reduce dtype, storage-free, that only receive the
+    gradients (not views of the buffers, so the graph's inputs do not alias)."""
+    if compiled.stage.shards_params:
+        return [x.detach() for x in state.params.buffers], []
+    assert local is not None
+    lay = state.layout
+    mine = own_slices(local, lay, mesh.shard_rank) if compiled.stage.shards_optimizer else local
+    held = [
+        torch.zeros((), dtype=d, device=x.device).expand(x.shape)
+        for x, d in zip(mine, compiled.reduce)
+    ]
+    return held, [x.detach() for x in local]
 
 
 def check(o: Any, state: ShardedState) -> None:
@@ -370,9 +300,10 @@ def agree_present(micro: list[Any], mesh: Mesh) -> None:
     if absent:
         raise _comm.agreed(
             ValueError(
-                f"rank(s) {absent} stepped without a batch or micro-batch (None); a compiled "
-                "step runs its collectives inside the graph and needs every one on every "
-                "rank: give each rank them all (with weight 0 where they should not count)"
+                f"rank(s) {absent} stepped without a batch or micro-batch (None); compiled, "
+                "a step or forward runs its collectives inside the graph and needs every one "
+                "on every rank: give each rank them all (with weight 0 where they should not "
+                "count)"
             )
         )
     counts = [n for n, _ in everyone]

@@ -11,14 +11,15 @@ engine all the same, so a parameter used outside its unit fails at every stage a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from .. import _comm
 from .._comm import Mesh
-from .._core import PyTree, Stage, stage_of
+from .._core import PyTree, Stage, stage_of, tree_map
 from .._engine import (
     CallCheck,
     Context,
@@ -31,9 +32,10 @@ from .._engine import (
 )
 from .._state import ShardedState
 from ._cache import StepCache
+from ._compiled import CompiledLoss, agree_present, entry_inputs
 from ._config import check_module
 from ._loss import copied
-from ._options import check_step_state
+from ._options import EAGER_BURST, GATHER_BURST, check_step_state
 from ._sharded_step import collector_paused
 
 Forward = Callable[[ShardedState, Any], Any]
@@ -47,6 +49,7 @@ def sharded_forward(
     just_in_time: bool = False,
     prefetch: bool = True,
     ledger: UnitLedger | None = None,
+    compile: bool | str = False,
 ) -> Forward:
     """A forward without gradients: `forward(state, batch) -> fn(params, batch)`.
 
@@ -70,15 +73,58 @@ def sharded_forward(
       prefetch: stage 3: start gathering the unit that came next last call as a unit
         enters.
       ledger: a UnitLedger recording live full-unit bytes (for tests and notebooks).
+      compile: trace `fn` with its units' entry by `torch.compile`, as a compiled step's
+        forward (True: inductor; a string: that backend): units up front, a 1-D mesh, no
+        buffers or ledger; at stage 3 every rank needs a batch (the gathers run inside
+        the graph), and the whole model is gathered for the call.
 
     Returns:
       `forward(state, batch) -> fn's result` (None for `batch=None` at stage 3).
     """
     forwarder = Forwarder(mesh, module, just_in_time, prefetch, ledger)
+    if not isinstance(compile, (bool, str)) or compile == "":
+        raise TypeError(f"compile must be a bool or a torch.compile backend, got {compile!r}")
+    backend = ("inductor" if compile is True else compile) or None
 
     def forward(state: ShardedState, batch: Any) -> Any:
         with _comm.together(mesh.rank, mesh.size, "sharded_forward"):
+            if backend is not None:
+                return _compiled_forward(state, batch)
             return _forward(state, batch)
+
+    def _compiled_forward(state: ShardedState, batch: Any) -> Any:
+        refused = {
+            "module= or just_in_time=True": module is not None or just_in_time,
+            "ledger=": ledger is not None,
+            "buffers": state.buffers is not None,
+            "a 2-D mesh": mesh.shard_size != mesh.size,
+        }
+        said = [what for what, bad in refused.items() if bad]
+        if said:
+            raise ValueError(
+                f"rank {mesh.rank}: sharded_forward(compile=...) does not yet compile a "
+                f"forward with {', '.join(said)}; run it eagerly (compile=False) for those"
+            )
+        assert backend is not None
+        check_step_state(state, state.stage, None, None, mesh)
+        stage, lay = stage_of(state.stage), state.layout
+        if stage.shards_params:
+            agree_present([batch], mesh)
+        elif batch is None:  # replicas: nothing to join
+            return None
+        burst = GATHER_BURST if stage.shards_params else EAGER_BURST
+        compiled = forwarder.cache.compiled(
+            lay,
+            (state.precision, stage),
+            lambda: CompiledLoss(fn, lay, stage, mesh, backend, burst, state.precision),
+        )
+        local = None if stage.shards_params else full_buckets(state.params, lay)
+        leaves, fulls = entry_inputs(compiled, state, local, mesh)
+        with collector_paused(), torch.no_grad():
+            out, _ = compiled(leaves, fulls, batch)
+        if local is None:  # gathered in the graph: nothing of the state's to alias
+            return out
+        return _unaliased(out, local)
 
     def _forward(state: ShardedState, batch: Any) -> Any:
         call: Callable[[PyTree, Any], Any] = fn
@@ -94,6 +140,20 @@ def sharded_forward(
         return out
 
     return forward
+
+
+def _unaliased(out: Any, buffers: Sequence[torch.Tensor]) -> Any:
+    """`out` with copies of its tensors that share memory with the state's `buffers` (a
+    forward returning a weight, or a view of one: a donating step updates it in place)."""
+    owned = {b.untyped_storage().data_ptr() for b in buffers}
+    return tree_map(
+        lambda x: (
+            x.clone()
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in owned
+            else x
+        ),
+        out,
+    )
 
 
 class Forwarder:

@@ -114,6 +114,7 @@ def example_case(**kw: Any) -> dict[str, Any]:
         stage=3, kind="scalar", accumulate="sharded", sizes=[[[2, 1], [1, 1]], [[1, 2], [2, 2]]]
     )
 )
+@example(c=example_case(stage=3, frozen=("layers.1",)))  # a frozen run gathered bare
 @example(c=example_case(stage=0, accumulate="sharded", sizes=[[[2, 1], [1, 2]]] * 2))
 @example(c=example_case(stage=1, accumulate="sharded", sizes=[[[1, 1], [2, 1]]] * 2))
 @given(cases())
@@ -364,3 +365,73 @@ def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: st
             assert out["masters"][k].dtype == FP32 and out["params"][k].dtype == pdt
         close(out["masters"], ref["masters"], rtol=0, atol=0 if n == 2 else 1e-3)
         assert fzero._core._tree.max_abs_diff(out["masters"], ref["start"]) > 1e-3
+
+
+def plain_predict(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    """support.mlp_loss's network without the loss."""
+    h = x
+    for layer in params["layers"]:
+        h = torch.tanh(h @ layer["w"] + layer["b"])
+    return h * params["scale"] + params["shift"]
+
+
+def compiled_predictions(mesh: fzero.Mesh, case: Any, held_out: torch.Tensor) -> Any:
+    """Trains eagerly, then predicts with a compiled `sharded_forward`; also a weight
+    returned by a compiled forward, read again after a donating step."""
+    from tests.support import make_optimizer as optimizer_of
+    from tests.support import mlp_loss
+
+    opt = optimizer_of(case.optimizer)
+    units = ["layers.0", "layers.1"]
+    state = fzero.shard_state(case.params, opt, mesh, stage=case.stage, units=units)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, stage=case.stage, units=units)
+    forward = fzero.sharded_forward(plain_predict, mesh, compile="aot_eager")
+    weight = fzero.sharded_forward(lambda p, x: p["layers"][0]["w"], mesh, compile="aot_eager")
+    for t in range(case.xs.shape[0]):
+        state, _ = step(state, case.micro_batch(t, mesh.rank))
+    out = forward(state, held_out)
+    w = weight(state, held_out)
+    before = w.clone()
+    state, _ = step(state, case.micro_batch(0, mesh.rank))  # updates the replicas in place
+    return out, w, before, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_compiled_forward_predicts_as_one_process(stage: int) -> None:
+    """`sharded_forward(compile=...)`: at stage 3 the shards gathered inside the graph, at
+    stages 0-2 the replicas read: the predictions of torch.optim's trained parameters on
+    one process (float64), and a returned weight is the rank's own copy, not the state's
+    memory that the next step updates."""
+    from tests.support import Case, train_reference
+
+    g = torch.Generator().manual_seed(stage)
+    xs = torch.randn(2, 4, 3, generator=g, dtype=torch.float64)
+    ys = torch.randn(2, 4, 2, generator=g, dtype=torch.float64)
+    case = Case(make_params([3, 5, 2], torch.float64, stage), xs, ys, 2, "adam", stage)
+    held_out = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    trained = train_reference(case)
+    want = plain_predict(trained, held_out)
+    for out, w, before, graphs in run(2, compiled_predictions, case, held_out):
+        assert graphs >= 2  # the predictions' graph and the weight's
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(w, trained["layers"][0]["w"], rtol=1e-10, atol=1e-12)
+        assert torch.equal(w, before)
+
+
+def forward_without_a_batch(mesh: fzero.Mesh, params: Any) -> str:
+    state = fzero.shard_state(params, fzero.optim.sgd(0.1), mesh, stage=3, units=["layers.0"])
+    forward = fzero.sharded_forward(plain_predict, mesh, compile="aot_eager")
+    x = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError) as caught:
+        forward(state, None if mesh.rank == 1 else x)
+    return str(caught.value)
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_stage_3_forward_without_a_batch_is_refused_on_every_rank() -> None:
+    """The gathers run inside the graph: a rank without a batch cannot join them, so every
+    rank raises the same error before any gather (none waits for the group's timeout)."""
+    params = make_params([3, 5, 2], torch.float64, 0)
+    for message in run(2, forward_without_a_batch, params):
+        assert "rank(s) [1] stepped without a batch" in message, message
