@@ -122,9 +122,11 @@ def torch_step(
     return step
 
 
-def eager(cfg: dict[str, int], prec: str, device: torch.device) -> Any:
+def eager(cfg: dict[str, int], prec: str, device: torch.device, compiled: bool = False) -> Any:
+    """The plain loop; `compiled`: its module under `torch.compile` (issue 50's base)."""
     model = new_model(cfg, device)
-    step = torch_step(model, adamw(model.parameters(), device), prec == "bf16", device)
+    forward = torch.compile(model) if compiled else model
+    step = torch_step(forward, adamw(model.parameters(), device), prec == "bf16", device)
     return model, step, lambda: dict(model.named_parameters())
 
 
@@ -143,9 +145,11 @@ def fsdp2(
     device: torch.device,
     reshard: bool = True,
     root_reshard: bool | None = True,
+    compiled: bool = False,
 ) -> Any:
     """FSDP2 per block, then the root; `root_reshard=None` is FSDP2's own default for the
-    root (kept gathered after the forward, as the backward needs it first)."""
+    root (kept gathered after the forward, as the backward needs it first); `compiled`:
+    each block compiled first, as torchtitan does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -155,6 +159,8 @@ def fsdp2(
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
     kw.update({"mp_policy": mp} if mp else {})
     for blk in model.blocks:
+        if compiled:
+            blk.compile()
         fully_shard(blk, **kw)
     fully_shard(model, **(kw | {"reshard_after_forward": root_reshard if reshard else False}))
     # No autocast: FSDP2's policy casts the parameters, as fzero's Precision does.
@@ -163,8 +169,15 @@ def fsdp2(
 
 
 def fzero_run(
-    cfg: dict[str, int], prec: str, device: torch.device, stage: int, reshard: bool = True
+    cfg: dict[str, int],
+    prec: str,
+    device: torch.device,
+    stage: int,
+    reshard: bool = True,
+    compiled: bool = False,
 ) -> Any:
+    """fzero at `stage`, units entering by module hooks, or (`compiled`) up front in a
+    step traced by torch.compile."""
     mesh = fzero.ProcessGroupMesh()
     assert mesh.device == device, (mesh.device, device)
     bf16 = prec == "bf16"
@@ -178,7 +191,14 @@ def fzero_run(
         return loss_of(functional_call(model, p, (tokens[:, :-1],)), tokens)
 
     train = fzero.sharded_step(
-        loss_fn, opt, mesh, stage=stage, units=units, module=model, reshard_after_forward=reshard
+        loss_fn,
+        opt,
+        mesh,
+        stage=stage,
+        units=units,
+        module=None if compiled else model,
+        reshard_after_forward=reshard,
+        compile=compiled,
     )
 
     def step(tokens: torch.Tensor) -> None:
@@ -286,4 +306,13 @@ def builders(cfg: dict[str, int], prec: str, device: torch.device) -> dict[str, 
     for s in range(4):
         rows[f"fzero stage {s}"] = lambda s=s: fzero_run(cfg, prec, device, s)
     rows["fzero stage 3 (keep)"] = lambda: fzero_run(cfg, prec, device, 3, False)
+    # Issue 50's rows: the first step of each pays its compilation (in the warm-up).
+    rows["eager, compiled"] = lambda: eager(cfg, prec, device, compiled=True)
+    rows["FSDP2 (per block, reshard), blocks compiled"] = lambda: fsdp2(
+        cfg, prec, device, compiled=True
+    )
+    for s in (0, 3):
+        rows[f"fzero stage {s}, compiled"] = lambda s=s: fzero_run(
+            cfg, prec, device, s, compiled=True
+        )
     return rows
