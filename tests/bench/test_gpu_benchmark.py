@@ -18,22 +18,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_the_gpu_benchmark_runs_small_on_the_cpu(tmp_path: Path) -> None:
+def smoke_rows(tmp_path: Path, only: str, ws2_steps: int) -> tuple[dict[str, str], str]:
+    """gpu.py's `--smoke` run of the rows `only` matches: the fp32 table's rows (label ->
+    max abs delta against the eager loop), and the whole results file."""
     out = tmp_path / "RESULTS-gpu.md"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--steps", "2"]
-    cmd += ["--warmup", "1", "--ws2-steps", "2", "--out", str(out)]
-    cmd += ["--only", "fp32 (DDP|FSDP2 \\(per block, reshard\\)$|fzero stage [03](?!, compiled))"]
+    cmd += ["--warmup", "1", "--ws2-steps", str(ws2_steps), "--out", str(out), "--only", only]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
     fp32 = text[text.index("## fp32") : text.index("## bf16")]
     rows = {m[0]: m[1] for m in re.findall(r"^\| ([^|]+?) \|.*\| ([0-9.e+-]+) \|$", fp32, re.M)}
+    return rows, text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_gpu_benchmark_runs_small_on_the_cpu(tmp_path: Path) -> None:
+    only = "fp32 (DDP|FSDP2 \\(per block, reshard\\)$|fzero stage [03](?!, compiled))"
+    rows, text = smoke_rows(tmp_path, only, ws2_steps=2)
     want = ["eager (fused AdamW)", "DDP", "FSDP2 (per block, reshard)"]
     want += ["fzero stage 0", "fzero stage 3", "fzero stage 3 (keep)"]
-    assert list(rows) == want, fp32
-    assert all(float(d) == 0.0 for d in rows.values()), fp32  # bitwise the eager loop
+    assert list(rows) == want, text
+    assert all(float(d) == 0.0 for d in rows.values()), text  # bitwise the eager loop
     ws2 = re.findall(r"^\| ([0-3]) \| ([0-9.e+-]+) \|$", text, re.M)
     assert [s for s, _ in ws2] == ["0", "1", "2", "3"], text
     assert all(0 < float(d) < 1e-4 for _, d in ws2), ws2  # trained alike, not bitwise
@@ -44,19 +51,12 @@ def test_the_gpu_benchmark_runs_small_on_the_cpu(tmp_path: Path) -> None:
 def test_the_gpu_benchmarks_compiled_rows_run_small_on_the_cpu(tmp_path: Path) -> None:
     """Issue 50's rows: the eager loop with its module compiled, and fzero stages 0 and 3
     compiled, train as the eager loop does to float32's reassociation."""
-    out = tmp_path / "RESULTS-gpu.md"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--steps", "2"]
-    cmd += ["--warmup", "1", "--ws2-steps", "0", "--out", str(out)]
-    cmd += ["--only", "fp32 (eager, compiled|fzero stage [03], compiled)"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    text = out.read_text()
-    fp32 = text[text.index("## fp32") : text.index("## bf16")]
-    rows = {m[0]: m[1] for m in re.findall(r"^\| ([^|]+?) \|.*\| ([0-9.e+-]+) \|$", fp32, re.M)}
+    only = "fp32 (eager, compiled|fzero stage [03], compiled)"
+    rows, text = smoke_rows(tmp_path, only, ws2_steps=0)
     want = ["eager (fused AdamW)", "eager, compiled"]
     want += ["fzero stage 0, compiled", "fzero stage 3, compiled"]
-    assert list(rows) == want, fp32
-    assert all(float(d) < 1e-4 for d in rows.values()), fp32
+    assert list(rows) == want, text
+    assert all(float(d) < 1e-4 for d in rows.values()), text
 
 
 @pytest.mark.slow
