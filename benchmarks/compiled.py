@@ -11,7 +11,8 @@ the first step's time (the compilation, for compiled rows) is reported beside it
 models are `benchmarks/models.py`'s: "deep" (100 blocks of width 64, 426K parameters in
 400 leaves, where eager per-unit work dominates) and "gpt" (5.33M). fzero's units are one
 a block; eager rows enter them by module hooks (as the other benchmarks do), compiled
-rows before the forward (the slice issue 50 built first). Adam everywhere (torch's
+rows before the forward, or where the loss asks ("just in time": `fzero.gathered` per
+unit, each stage-3 gather recomputed for the backward). Adam everywhere (torch's
 single-tensor Adam for DDP, fzero's for fzero); every row's parameters after the steps
 are compared with DDP's.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,12 +50,31 @@ CONFIGS = [  # (label, kind, stage, compile: False, True, or True with that burs
     ("fzero stage 3, eager", "fzero", 3, False),
     ("fzero stage 3, compiled", "fzero", 3, True),
     ("fzero stage 3, compiled, 25 MiB bursts", "fzero", 3, 25 * 2**20),
+    ("fzero stage 3, compiled, just in time", "fzero", 3, "jit"),
 ]
 
 
-def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int) -> Any:
+def entered_forward(model: nn.Module, p: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+    """The benchmark models' forward with each unit entered where it runs
+    (`fzero.gathered`, for `just_in_time=True`): the deep stack's blocks, or the GPT's
+    embeddings, blocks and head (its final norm is the root's)."""
+    if isinstance(model, nn.Sequential):
+        for i, block in enumerate(model):
+            x = functional_call(block, fzero.gathered(p, str(i)), (x,))
+        return x
+    pos = torch.arange(x.shape[1])
+    h = functional_call(model.tok, fzero.gathered(p, "tok"), (x,))
+    h = h + functional_call(model.pos, fzero.gathered(p, "pos"), (pos,))
+    for i, block in enumerate(model.blocks):
+        h = functional_call(block, fzero.gathered(p, f"blocks.{i}"), (h,))
+    h = functional_call(model.ln, {"weight": p["ln.weight"], "bias": p["ln.bias"]}, (h,))
+    return functional_call(model.head, fzero.gathered(p, "head"), (h,))
+
+
+def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int | str) -> Any:
     """A configuration's `(step(batch), params())` (`compiled` an int: compiled, in
-    bursts of that many bytes instead of the default)."""
+    bursts of that many bytes instead of the default; "jit": compiled, units entered
+    where the loss asks, `entered_forward`)."""
     model = build_model(s)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -75,10 +96,14 @@ def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int) 
     box = [fzero.shard_state(params, opt, mesh, stage=stage, units=units)]
 
     def loss_fn(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        if compiled == "jit":
+            return s.loss(entered_forward(model, p, batch[0]), batch[1])
         return s.loss(functional_call(model, p, (batch[0],)), batch[1])
 
     kw: dict[str, Any] = {"compile": True} if compiled else {"module": model}
-    if not isinstance(compiled, bool):
+    if compiled == "jit":
+        kw["just_in_time"] = True
+    elif not isinstance(compiled, bool):
         kw["reduce_bucket_bytes"] = compiled
     train = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, **kw)
 

@@ -28,6 +28,7 @@ from ._context import context as context
 from ._engine import Engine as Engine
 from ._gathered import gathered as gathered
 from ._hooks import hookable_units as hookable_units
+from ._placeholder import Unentered as Unentered
 from ._pool import Pool as Pool
 from ._reductions import LocalSums as LocalSums
 from ._reductions import Watch as Watch

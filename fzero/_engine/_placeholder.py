@@ -72,3 +72,22 @@ def placeholders_for(
             for s in b.slots
         )
     return out
+
+
+class Unentered:
+    """A parameter of a just-in-time unit inside a compiled step's traced loss, until
+    `fzero.gathered` enters the unit: not a tensor (the graph has no value for it), but
+    what entering needs. `enter()` adds the unit's entry to the graph and returns its
+    leaves' views by path; `members` are the unit's path prefixes, all of which a
+    `gathered` call must name (as eagerly: every call enters the whole unit)."""
+
+    def __init__(
+        self, path: str, unit: str, members: tuple[str, ...], rank: int, enter: Any
+    ) -> None:
+        self.path, self.unit, self.members, self.rank, self.enter = path, unit, members, rank, enter
+
+    def __repr__(self) -> str:
+        return (
+            f"Unentered({self.path!r} of the just-in-time unit {self.unit!r} on rank "
+            f"{self.rank}: enter it with fzero.gathered(params, {self.unit!r}) before use)"
+        )

@@ -13,6 +13,16 @@ whole (docs/design.md, [Note: compiled steps]):
   forward reads);
 - stage 0: the same with an all-reduce (`AllReduce`).
 
+On a 2-D mesh the shard axis carries these and the replicas sum each reduced shard
+(`_entries.Axes`). Units enter before the loss, or, with `just_in_time=True`, where the
+loss calls `fzero.gathered` (each an `Unentered` leaf until then), so the graph gathers
+a unit where the forward first needs it. A just-in-time unit's gather is then
+checkpointed at stage 3 unless `reshard_after_forward=False`: the compiler recomputes it
+for the backward instead of keeping the full parameters from the forward (JAX's remat
+policy; eager frees them after the unit's forward and gathers again). `module=`'s hooks
+are not traced (dynamo mis-traced a hook that swaps a module's parameters, measured
+here): its units enter before the loss.
+
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
 (`bursts`; 4 MiB by default at stage 3, where a burst's gather is waited for before
 the units it enters compute: smaller bursts let compute follow sooner, while tiny units
@@ -26,19 +36,21 @@ update, the loss weights' exchange and the gather after the update are the eager
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from typing import Any
 
 import optree
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .. import _comm
 from .._comm import Mesh
-from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss
-from .._engine import own_slices
+from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss, spec_of
+from .._engine import Unentered, own_slices
 from .._state import Precision, ShardedState
-from ._entries import AllReduce, Gather, Scatter, gathered
+from ._entries import AllReduce, Gather, Scatter, bursts, comm_dtypes, entry_axes, gathered
 from ._loss_weights import Weighed
 from ._sync import StepSync
 
@@ -46,33 +58,6 @@ _INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
 # Seen with torch 2.11 on a GPU, not with 2.13: the filter (process-wide while it lasts)
 # is set only where it is needed.
 _DYNAMO_WARNS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
-
-
-def bursts(
-    layout: ShardLayout, cap: int, reduce: list[torch.dtype] | None = None
-) -> list[list[int]]:
-    """The buckets in runs of consecutive trainable buckets of one dtype, each up to `cap`
-    bytes in full in its reduce dtype (`reduce`, per bucket; None: its own), one
-    collective each, as the eager step's bursts (0: a bucket each); a frozen bucket is a
-    run of its own."""
-    runs: list[list[int]] = []
-    size = 0
-    for i, b in enumerate(layout.buckets):
-        nbytes = b.full_numel * (reduce[i] if reduce is not None else b.dtype).itemsize
-        head = layout.buckets[runs[-1][0]] if runs else None
-        joins = (
-            head is not None
-            and not (b.frozen or head.frozen)
-            and head.dtype == b.dtype
-            and size + nbytes <= cap
-        )
-        if joins:
-            runs[-1].append(i)
-            size += nbytes
-        else:
-            runs.append([i])
-            size = nbytes
-    return runs
 
 
 class CompiledLoss:
@@ -86,6 +71,12 @@ class CompiledLoss:
       mesh: the mesh (its shard axis carries the collectives).
       backend: `torch.compile`'s backend ("inductor", or e.g. "aot_eager").
       burst_bytes: the buckets entered by one collective, at most (`reduce_bucket_bytes`).
+      precision: the state's `Precision`, if any (the dtypes the collectives run in).
+      jit: the units entered where the loss asks for them (`fzero.gathered`), inside
+        the graph; the others enter before the loss.
+      reshard: at stage 3, a just-in-time unit's gather is recomputed for its backward
+        rather than its full parameters kept from the forward (the compiler's remat,
+        where eager frees them after the unit's forward and gathers again).
     """
 
     def __init__(
@@ -97,13 +88,32 @@ class CompiledLoss:
         backend: str,
         burst_bytes: int,
         precision: Precision | None = None,
+        jit: frozenset[str] = frozenset(),
+        reshard: bool = True,
     ) -> None:
-        self.loss_fn, self.layout, self.stage = loss_fn, layout, stage
-        self.travel, self.reduce = _comm_dtypes(precision, layout)
-        group = mesh.shard.group
-        self.group = group if group is not None else torch.distributed.group.WORLD
-        self.rows = mesh.shard_size
-        self.runs = bursts(layout, burst_bytes, self.reduce)
+        self.loss_fn, self.layout, self.stage, self.rank = loss_fn, layout, stage, mesh.rank
+        self.travel, self.reduce = comm_dtypes(precision, layout)
+        self.axes = entry_axes(mesh, stage)
+        self.reshard = reshard and stage.shards_params
+        later = {i for u in jit for i in layout.unit_buckets(u)}
+        upfront = [i for i in range(len(layout.buckets)) if i not in later]
+        self.runs = bursts(layout, burst_bytes, self.reduce, upfront)
+        # Per just-in-time unit, its runs, its leaves (slot index, path), its prefixes and
+        # its spec: worked out here, since dynamo cannot trace the layout's cached
+        # properties on their first use.
+        self.jit = {
+            u: (
+                bursts(layout, burst_bytes, self.reduce, layout.unit_buckets(u)),
+                tuple(
+                    (s.index, s.path)
+                    for i in layout.unit_buckets(u)
+                    for s in layout.buckets[i].slots
+                ),
+                layout.unit_members(u),
+                spec_of(layout.unit_members(u)),
+            )
+            for u in sorted(jit, key=layout.units.index)
+        }
         # The tree's structure as a tree of leaf indices: rebuilt inside the graph by
         # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
         # outside it).
@@ -111,54 +121,105 @@ class CompiledLoss:
         self.compiled = torch.compile(_own_code(self._loss), fullgraph=True, backend=backend)
 
     def __call__(self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any) -> Any:
-        """The compiled `(loss_fn's output, anchor)`."""
-        if not _DYNAMO_WARNS:
-            return self.compiled(leaves, fulls, batch)
-        with warnings.catch_warnings():
-            # torch 2.11's dynamo instantiates autograd.Function itself to trace one
-            # (`track_object_new`) and warns about it: torch's own call, not the user's.
-            warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
-            return self.compiled(leaves, fulls, batch)
+        """The compiled `(loss_fn's output, anchor, units entered in the loss)`."""
+        try:
+            if not _DYNAMO_WARNS:
+                return self.compiled(leaves, fulls, batch)
+            with warnings.catch_warnings():
+                # torch 2.11's dynamo instantiates autograd.Function itself to trace one
+                # (`track_object_new`) and warns about it: torch's own call, not the user's.
+                warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
+                return self.compiled(leaves, fulls, batch)
+        except torch._dynamo.exc.Unsupported as exc:
+            if "Unentered" not in str(exc):
+                raise
+            # Dynamo's own words name the line but not what the value was.
+            raise ValueError(
+                f"rank {self.rank}: the compiled loss used a parameter of a just-in-time unit "
+                "that it had not entered (just_in_time=True: every unit but the root enters "
+                "where the loss calls fzero.gathered(params, unit)); call fzero.gathered "
+                "before using the unit's parameters, or leave just_in_time off so that the "
+                "units enter before the loss (the line is in the traceback above)"
+            ) from exc
 
     def _loss(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any
-    ) -> tuple[Any, torch.Tensor]:
-        """The loss, and an anchor: zero, differentiable in every trainable leaf, whose
+    ) -> tuple[Any, torch.Tensor, tuple[str, ...]]:
+        """The loss; an anchor: zero, differentiable in every trainable entry, whose
         backward runs the graph's collectives where the loss has no gradient (a pair of
-        weight 0 whose total is a constant), so that this rank still joins them."""
-        lay, entered = self.layout, [None] * len(self.layout.buckets)
-        for run in self.runs:
-            frozen = lay.buckets[run[0]].frozen
-            b, shards = lay.buckets[run[0]], [leaves[i] for i in run]
-            # Without a gradient to take (a frozen run; a forward under no_grad), the
-            # entry's forward alone: dynamo inlines an autograd.Function's forward then,
-            # and would hand it arguments the new-style signature does not take.
-            bare = frozen or not torch.is_grad_enabled()
-            if self.stage.shards_params:  # the all-gather of every rank's shards
-                travel, reduce = self.travel[run[0]], self.reduce[run[0]]
-                if bare:
-                    out = gathered(self.group, self.rows, travel, b.dtype, shards)
-                else:
-                    out = Gather.apply(self.group, self.rows, travel, b.dtype, reduce, *shards)
-            elif bare:
-                out = tuple(fulls[i] for i in run)
-            elif self.stage.shards_optimizer:
-                out = Scatter.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
-            else:
-                out = AllReduce.apply(self.group, self.rows, *shards, *[fulls[i] for i in run])
-            for i, x in zip(run, out):
-                entered[i] = x
+        weight 0 whose total is a constant), so that this rank still joins them; and the
+        just-in-time units the loss entered, in order (a constant of the trace, which the
+        ranks compare before any backward)."""
+        lay = self.layout
         views: list[Any] = [None] * len(lay.paths)
-        for bucket, flat in zip(lay.buckets, entered):
-            assert flat is not None
-            for slot in bucket.slots:
-                views[slot.index] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        # Per trainable entry, a scalar of its outputs for the anchor, taken as it enters
+        # (the outputs themselves kept to the loss's end would keep every unit's full
+        # parameters alive through the forward).
+        entries: list[torch.Tensor] = []
+        called: list[str] = []
+        for run in self.runs:
+            for i, flat in zip(run, self._enter(run, leaves, fulls, entries)):
+                for s in lay.buckets[i].slots:
+                    views[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        for unit, (_, slots, members, spec) in self.jit.items():
+            enter = functools.partial(self._enter_unit, unit, leaves, fulls, entries, called)
+            for index, path in slots:
+                views[index] = Unentered(path, spec, members, self.rank, enter)
         params = optree.tree_map(lambda k: views[k], self.index, namespace=NAMESPACE)
+        out = self.loss_fn(params, batch)
         anchor = torch.zeros(())
-        for e, b in zip(entered, lay.buckets):
-            if not b.frozen:
-                anchor = anchor + e.reshape(-1)[:1].sum()
-        return self.loss_fn(params, batch), anchor * 0
+        for e in entries:
+            anchor = anchor + e
+        return out, anchor * 0, tuple(called)
+
+    def _enter_unit(
+        self,
+        unit: str,
+        leaves: list[torch.Tensor],
+        fulls: list[Any],
+        entries: list[torch.Tensor],
+        called: list[str],
+    ) -> dict[str, torch.Tensor]:
+        """A just-in-time unit entered where the loss asks (`Unentered.enter`): its
+        leaves' views by path."""
+        lay, views = self.layout, {}
+        called.append(unit)
+        for run in self.jit[unit][0]:
+            for i, flat in zip(run, self._enter(run, leaves, fulls, entries, self.reshard)):
+                for s in lay.buckets[i].slots:
+                    views[s.path] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        return views
+
+    def _enter(
+        self,
+        run: list[int],
+        leaves: list[torch.Tensor],
+        fulls: list[Any],
+        entries: list[torch.Tensor],
+        recompute: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """One run of buckets entered as one collective: each bucket's full buffer."""
+        b, shards = self.layout.buckets[run[0]], [leaves[i] for i in run]
+        # Without a gradient to take (a frozen run; a forward under no_grad), the
+        # entry's forward alone: dynamo inlines an autograd.Function's forward then,
+        # and would hand it arguments the new-style signature does not take.
+        bare = b.frozen or not torch.is_grad_enabled()
+        a = self.axes
+        if self.stage.shards_params:  # the all-gather of every rank's shards
+            travel, reduce = self.travel[run[0]], self.reduce[run[0]]
+            if bare:
+                return gathered(a.group, a.rows, travel, b.dtype, shards)
+            enter = functools.partial(Gather.apply, a, travel, b.dtype, reduce)
+            # Resharding: not saved for the backward, but gathered again there.
+            out = checkpoint(enter, *shards, use_reentrant=False) if recompute else enter(*shards)
+        elif bare:
+            return tuple(fulls[i] for i in run)
+        elif self.stage.shards_optimizer:
+            out = Scatter.apply(a, *shards, *[fulls[i] for i in run])
+        else:
+            out = AllReduce.apply(a, *shards, *[fulls[i] for i in run])
+        entries.append(sum(x.reshape(-1)[:1].sum() for x in out))
+        return out
 
 
 def compiled_grad(
@@ -179,11 +240,12 @@ def compiled_grad(
     lay, stage = state.layout, compiled.stage
     held, fulls = entry_inputs(compiled, state, local, mesh)
     leaves = [x.requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
-    anchor = []
+    anchor, calls = [], []
 
     def run(_: Any, mb: Any) -> Any:
-        out, zero = compiled(leaves, fulls, mb)
+        out, zero, called = compiled(leaves, fulls, mb)
         anchor.append(zero)
+        calls.append(list(called))
         return out
 
     weighed.loss_fn = run
@@ -201,8 +263,11 @@ def compiled_grad(
         # peer's failure, so a rank whose loss was refused must not leave the others
         # inside them. A middle micro-batch's refusal travels with the last check (the
         # state is untouched until then); its backward joins with zero gradients.
+        # The units a loss entered are the graph's collectives: where they could differ
+        # between ranks (a rank-dependent branch), every rank compares them first.
+        compare = bool(compiled.jit) and mesh.size > 1 and len(calls) > j
         check = sync.check(j)
-        check.after_forward(None, error=error)
+        check.after_forward(calls[j] if compare else None, error=error)
         check.finish()
         out = total if total is not None and total.requires_grad else anchor[-1]
         got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
@@ -249,13 +314,9 @@ def entry_inputs(
 def check(o: Any, state: ShardedState) -> None:
     """What this slice of compiled steps takes; a ValueError naming what it does not."""
     refused = {
-        "module= or just_in_time=True (units enter before the forward when compiled)": (
-            o.module is not None or o.just_in_time
-        ),
         "accumulate='local' (accumulate='sharded' compiles)": o.accumulate == "local",
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
-        "a 2-D mesh": o.mesh.shard_size != o.mesh.size,
         "buffers": state.buffers is not None,
         "offload=": state.offload is not None,
         "ledger=": o.ledger is not None,
@@ -266,16 +327,6 @@ def check(o: Any, state: ShardedState) -> None:
             f"rank {o.mesh.rank}: sharded_step(compile=...) does not yet compile a step with "
             f"{', '.join(said)}; step eagerly (compile=False) for those"
         )
-
-
-def _comm_dtypes(
-    precision: Precision | None, layout: ShardLayout
-) -> tuple[list[torch.dtype], list[torch.dtype]]:
-    """Per bucket, the dtypes parameters travel in and gradients are reduced in (the
-    compute dtype where `precision` names none), as the eager engine's."""
-    gather = precision.gather_dtype if precision is not None else None
-    reduce = precision.reduce_dtype if precision is not None else None
-    return [gather or b.dtype for b in layout.buckets], [reduce or b.dtype for b in layout.buckets]
 
 
 def _own_code(method: Any) -> Any:
@@ -315,3 +366,4 @@ def agree_present(micro: list[Any], mesh: Mesh) -> None:
                 "as many"
             )
         )
+

@@ -3,23 +3,48 @@ traceable functional collectives (`_compiled` builds the graph from them).
 
 Each takes a run of buckets (`bursts`) as one collective. The leaves that receive the
 gradients are in the reduce dtype, and each rank divides its share by the ranks before
-the collective sums it, as the eager engine and DDP do.
+the collective sums it, as the eager engine and DDP do. On a 2-D mesh the shard axis
+gathers and reduce-scatters, and a reduced shard is then summed across the replicas
+(`Axes.across`), as the eager engine's hybrid sharding sums it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as fc
 
+from .._comm import Mesh
+from .._core import ShardLayout, Stage
+from .._state import Precision
 
-def share(g: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+
+class Axes(NamedTuple):
+    """Where an entry's collectives run: `group` of `rows` ranks gathers and reduces
+    (the shard axis; the world's at stage 0), `across` (None: no other) sums a reduced
+    shard over the replicas, and a gradient is the mean over `ranks` (every rank's)."""
+
+    group: Any
+    rows: int
+    across: Any
+    ranks: int
+
+
+def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
     """A rank's share of the mean gradient, in the reduce dtype: divided before the
     collective sums it, as the eager engine and DDP divide (an fp16 sum over the ranks
     could overflow where the mean does not)."""
     g = g.to(dtype)
-    return g / rows if rows > 1 else g
+    return g / ranks if ranks > 1 else g
+
+
+def _scattered(table: torch.Tensor, axes: Axes) -> torch.Tensor:
+    """This rank's row of the summed rank-major `table`: reduce-scattered along the
+    shard axis, then summed across the replicas."""
+    mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, axes.group)
+    return mine if axes.across is None else fc.all_reduce(mine, "sum", axes.across)
 
 
 class AllReduce(torch.autograd.Function):
@@ -28,21 +53,21 @@ class AllReduce(torch.autograd.Function):
     reduce dtype: the forward reads the buckets, in the compute dtype)."""
 
     @staticmethod
-    def forward(group: Any, rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(axes: Axes, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(f.view_as(f) for f in tensors[len(tensors) // 2 :])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        leaves = inputs[2 : 2 + (len(inputs) - 2) // 2]
-        ctx.group, ctx.rows, ctx.dtype = inputs[0], inputs[1], leaves[0].dtype
+        leaves = inputs[1 : 1 + (len(inputs) - 1) // 2]
+        ctx.axes, ctx.dtype = inputs[0], leaves[0].dtype
         ctx.sizes = [x.numel() for x in leaves]
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([share(g, ctx.dtype, ctx.rows).reshape(-1) for g in gs])
-        summed = fc.all_reduce(flat, "sum", ctx.group)
+        flat = torch.cat([share(g, ctx.dtype, ctx.axes.ranks).reshape(-1) for g in gs])
+        summed = fc.all_reduce(flat, "sum", ctx.axes.group)
         mine = (p.view_as(g) for p, g in zip(summed.split(ctx.sizes), gs))
-        return (None, None, *mine, *([None] * len(gs)))
+        return (None, *mine, *([None] * len(gs)))
 
 
 class Scatter(torch.autograd.Function):
@@ -51,23 +76,23 @@ class Scatter(torch.autograd.Function):
     are the leaves the gradients are for; the forward reads the full buckets)."""
 
     @staticmethod
-    def forward(group: Any, rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(axes: Axes, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         fulls = tensors[len(tensors) // 2 :]
         return tuple(f.view_as(f) for f in fulls)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        shards = inputs[2 : 2 + (len(inputs) - 2) // 2]
-        ctx.group, ctx.rows, ctx.sizes = inputs[0], inputs[1], [s.numel() for s in shards]
+        shards = inputs[1 : 1 + (len(inputs) - 1) // 2]
+        ctx.axes, ctx.sizes = inputs[0], [s.numel() for s in shards]
         ctx.dtype = shards[0].dtype
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
         # Rank r's row: its slice of every bucket, so one reduce-scatter hands each rank
         # its shards of all of them.
-        table = torch.cat([share(g, ctx.dtype, ctx.rows).reshape(ctx.rows, -1) for g in gs], 1)
-        mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
-        return (None, None, *mine.split(ctx.sizes), *([None] * len(gs)))
+        a = ctx.axes
+        table = torch.cat([share(g, ctx.dtype, a.ranks).reshape(a.rows, -1) for g in gs], 1)
+        return (None, *_scattered(table, a).split(ctx.sizes), *([None] * len(gs)))
 
 
 def gathered(
@@ -91,22 +116,80 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        group: Any,
-        rows: int,
+        axes: Axes,
         travel: torch.dtype,
         compute: torch.dtype,
         reduce: torch.dtype,
         *shards: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        return gathered(group, rows, travel, compute, shards)
+        return gathered(axes.group, axes.rows, travel, compute, shards)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.group, ctx.rows, ctx.reduce = inputs[0], inputs[1], inputs[4]
-        ctx.sizes = [s.numel() for s in inputs[5:]]
+        ctx.axes, ctx.reduce = inputs[0], inputs[3]
+        ctx.sizes = [s.numel() for s in inputs[4:]]
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        table = torch.cat([share(g, ctx.reduce, ctx.rows).reshape(ctx.rows, -1) for g in gs], 1)
-        mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, ctx.group)
-        return (None, None, None, None, None, *mine.split(ctx.sizes))
+        a = ctx.axes
+        table = torch.cat([share(g, ctx.reduce, a.ranks).reshape(a.rows, -1) for g in gs], 1)
+        return (None, None, None, None, *_scattered(table, a).split(ctx.sizes))
+
+
+def bursts(
+    layout: ShardLayout,
+    cap: int,
+    reduce: list[torch.dtype] | None = None,
+    among: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """The buckets (those of `among`, in order; None: all) in runs of consecutive
+    trainable buckets of one dtype, each up to `cap` bytes in full in its reduce dtype
+    (`reduce`, per bucket; None: its own), one collective each, as the eager step's
+    bursts (0: a bucket each); a frozen bucket is a run of its own."""
+    runs: list[list[int]] = []
+    size = 0
+    for i in range(len(layout.buckets)) if among is None else among:
+        b = layout.buckets[i]
+        nbytes = b.full_numel * (reduce[i] if reduce is not None else b.dtype).itemsize
+        head = layout.buckets[runs[-1][0]] if runs else None
+        joins = (
+            head is not None
+            and not (b.frozen or head.frozen)
+            and head.dtype == b.dtype
+            and size + nbytes <= cap
+        )
+        if joins:
+            runs[-1].append(i)
+            size += nbytes
+        else:
+            runs.append([i])
+            size = nbytes
+    return runs
+
+
+def jit_units(layout: ShardLayout) -> frozenset[str]:
+    """`just_in_time=True`'s units: every unit with parameters but the root."""
+    return frozenset(u for u in layout.units if u and layout.unit_buckets(u))
+
+
+def entry_axes(mesh: Mesh, stage: Stage) -> Axes:
+    """Where a compiled step's entries communicate: at stage 0 the world all-reduces;
+    otherwise the shard axis gathers and reduce-scatters, and on a 2-D mesh the replicas
+    sum the reduced shards. A gradient is the mean over every rank."""
+    world = torch.distributed.group.WORLD
+    if not (stage.shards_optimizer or stage.shards_params):
+        group = mesh.world.group
+        return Axes(world if group is None else group, mesh.size, None, mesh.size)
+    group = mesh.shard.group
+    across = mesh.replica.group if mesh.replicas > 1 else None
+    return Axes(world if group is None else group, mesh.shard_size, across, mesh.size)
+
+
+def comm_dtypes(
+    precision: Precision | None, layout: ShardLayout
+) -> tuple[list[torch.dtype], list[torch.dtype]]:
+    """Per bucket, the dtypes parameters travel in and gradients are reduced in (the
+    compute dtype where `precision` names none), as the eager engine's."""
+    gather = precision.gather_dtype if precision is not None else None
+    reduce = precision.reduce_dtype if precision is not None else None
+    return [gather or b.dtype for b in layout.buckets], [reduce or b.dtype for b in layout.buckets]

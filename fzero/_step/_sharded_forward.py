@@ -34,6 +34,7 @@ from .._state import ShardedState
 from ._cache import StepCache
 from ._compiled import CompiledLoss, agree_present, entry_inputs
 from ._config import check_module
+from ._entries import jit_units
 from ._loss import copied
 from ._options import EAGER_BURST, GATHER_BURST, check_step_state
 from ._sharded_step import collector_paused
@@ -74,9 +75,10 @@ def sharded_forward(
         enters.
       ledger: a UnitLedger recording live full-unit bytes (for tests and notebooks).
       compile: trace `fn` with its units' entry by `torch.compile`, as a compiled step's
-        forward (True: inductor; a string: that backend): units up front, a 1-D mesh, no
-        buffers or ledger; at stage 3 every rank needs a batch (the gathers run inside
-        the graph), and the whole model is gathered for the call.
+        forward (True: inductor; a string: that backend), no buffers or ledger. At stage 3
+        every rank needs a batch (the gathers run inside the graph); the units enter up
+        front (the whole model gathered for the call; `module=`'s hooks are not traced)
+        or, with `just_in_time=True`, where `fn` asks for them (`fzero.gathered`).
 
     Returns:
       `forward(state, batch) -> fn's result` (None for `batch=None` at stage 3).
@@ -93,12 +95,7 @@ def sharded_forward(
             return _forward(state, batch)
 
     def _compiled_forward(state: ShardedState, batch: Any) -> Any:
-        refused = {
-            "module= or just_in_time=True": module is not None or just_in_time,
-            "ledger=": ledger is not None,
-            "buffers": state.buffers is not None,
-            "a 2-D mesh": mesh.shard_size != mesh.size,
-        }
+        refused = {"ledger=": ledger is not None, "buffers": state.buffers is not None}
         said = [what for what, bad in refused.items() if bad]
         if said:
             raise ValueError(
@@ -116,12 +113,27 @@ def sharded_forward(
         compiled = forwarder.cache.compiled(
             lay,
             (state.precision, stage),
-            lambda: CompiledLoss(fn, lay, stage, mesh, backend, burst, state.precision),
+            lambda: CompiledLoss(
+                fn,
+                lay,
+                stage,
+                mesh,
+                backend,
+                burst,
+                state.precision,
+                jit_units(lay) if just_in_time else frozenset(),
+            ),
         )
         local = None if stage.shards_params else full_buckets(state.params, lay)
         leaves, fulls = entry_inputs(compiled, state, local, mesh)
         with collector_paused(), torch.no_grad():
-            out, _ = compiled(leaves, fulls, batch)
+            out, _, called = compiled(leaves, fulls, batch)
+        if called and stage.shards_params and mesh.size > 1:
+            # The units `fn` entered, in order, the same on every rank (the gathers pair
+            # up by order), or every rank raises: the eager forward's call check.
+            check = CallCheck(mesh)
+            check.after_forward(list(called))
+            check.finish()
         if local is None:  # gathered in the graph: nothing of the state's to alias
             return out
         return _unaliased(out, local)

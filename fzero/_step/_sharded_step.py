@@ -29,6 +29,7 @@ from ._cache import StepCache
 from ._compiled import CompiledLoss, agree_present
 from ._compiled import check as check_compiled
 from ._config import agree, check_module, check_optimizer_state, configuration
+from ._entries import jit_units
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
@@ -92,9 +93,12 @@ def sharded_step(
         forward waits for each burst's gather (`benchmarks/RESULTS-compiled.md`).
       compile: trace the forward and backward with `torch.compile` as one graph, units
         entering through functional collectives (True: the inductor backend; a string:
-        that backend). Units up front, 1-D meshes; precision, loss scaling and
-        "sharded" accumulation, but no "local" accumulation, buffers or offload
-        (docs/training.md, "Compiled steps").
+        that backend). Units enter before the loss (`module=`'s hooks are not traced)
+        or, with `just_in_time`, where it calls `fzero.gathered` (stage 3 recomputes
+        such a gather for the backward unless `reshard_after_forward=False`); 1-D and
+        2-D meshes, precision, loss scaling and "sharded" accumulation, but no "local"
+        accumulation, hpZ, quantize, buffers or offload (docs/training.md, "Compiled
+        steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
@@ -161,6 +165,8 @@ def sharded_step(
                     o.compile,
                     o.reduce_bucket_bytes,
                     state.precision,
+                    jit_units(state.layout) if o.just_in_time else frozenset(),
+                    o.reshard_after_forward,
                 ),
             )
         try:

@@ -8,6 +8,7 @@ this host; one runs inductor itself.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from tests.step.test_weights import (
     reference,
     scalar_loss,
 )
-from tests.support import make_optimizer, make_params, run
+from tests.support import make_optimizer, make_params, make_torch_optimizer, run
 
 
 def final_params(state: fzero.ShardedState, mesh: fzero.Mesh) -> Any:
@@ -46,16 +47,19 @@ def train(
     burst: int = 25 * 2**20,
     optimizer: str = "adamw",
     accumulate: str | None = None,
+    entry: str = "upfront",
 ) -> Any:
     """`optimizer` over `data` (a rank's micro-batches each step: the first alone
-    without `accumulate`), compiled; the parameters and how many graphs torch.compile
-    made."""
+    without `accumulate`), compiled, its units entering before the loss ("upfront") or
+    where it asks for them ("gathered": `just_in_time`); the parameters and how many
+    graphs torch.compile made."""
     opt = make_optimizer(optimizer)
     state = fzero.shard_state(
         params, opt, mesh, stage=stage, units=UNITS, layout=layout, frozen=list(frozen)
     )
+    jit = entry == "gathered"
     step = fzero.sharded_step(
-        pair_loss if kind == "pair" else scalar_loss,
+        functools.partial(pair_loss if kind == "pair" else scalar_loss, jit=jit),
         opt,
         mesh,
         stage=stage,
@@ -63,6 +67,7 @@ def train(
         compile=backend,
         reduce_bucket_bytes=burst,
         accumulate=accumulate,
+        just_in_time=jit,
     )
     for per_rank in data:
         mine = per_rank[mesh.rank]
@@ -92,6 +97,7 @@ def cases(draw: Any) -> dict[str, Any]:
         "frozen": draw(st.sampled_from([(), ("layers.1",)])),
         "burst": draw(st.sampled_from([0, 25 * 2**20])),
         "optimizer": draw(st.sampled_from(["adamw", "sgd"])),
+        "entry": draw(st.sampled_from(["upfront", "gathered"])),
         "seed": draw(st.integers(0, 99)),
     }
 
@@ -100,7 +106,7 @@ def example_case(**kw: Any) -> dict[str, Any]:
     """A case the property must see whatever it draws."""
     sizes = [[[2], [1]], [[1], [2]], [[3], [3]]]
     c = dict(world=2, sizes=sizes, layout="flat", kind="pair", frozen=(), burst=25 * 2**20)
-    c["accumulate"] = None
+    c["accumulate"], c["entry"] = None, "upfront"
     return c | {"optimizer": "sgd", "seed": 4} | kw
 
 
@@ -115,13 +121,21 @@ def example_case(**kw: Any) -> dict[str, Any]:
     )
 )
 @example(c=example_case(stage=3, frozen=("layers.1",)))  # a frozen run gathered bare
+@example(  # units entered where the loss asks, a frozen one among them, accumulating
+    c=example_case(
+        stage=3, entry="gathered", frozen=("layers.1",), accumulate="sharded",
+        sizes=[[[1, 2], [2, 1]]] * 2,
+    )
+)  # fmt: skip
+@example(c=example_case(stage=2, entry="gathered", burst=0))
 @example(c=example_case(stage=0, accumulate="sharded", sizes=[[[2, 1], [1, 2]]] * 2))
 @example(c=example_case(stage=1, accumulate="sharded", sizes=[[[1, 1], [2, 1]]] * 2))
 @given(cases())
 def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
     """Stages 0-3, flat and tensor layouts, 1-3 ranks, scalar losses and (total, weight)
     pairs over uneven padding, one micro-batch or 2-3 accumulated ("sharded"), a frozen
-    unit or none, every bucket its own collective or all in one: float64 AdamW and SGD
+    unit or none, every bucket its own collective or all in one, units entering before
+    the loss or where it calls fzero.gathered (just_in_time): float64 AdamW and SGD
     (which, unlike Adam, sees a gradient's scale) equal to one-process torch.optim on the
     global mean (1e-10; the frozen unit unchanged), through three steps, the last with a
     new batch shape."""
@@ -131,7 +145,7 @@ def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
         data = [[per_rank[:1] for per_rank in step] for step in data]
     want = reference(params, data, c["kind"], c["optimizer"], frozen=c["frozen"])
     args = (c["kind"], c["stage"], c["layout"], "aot_eager", c["frozen"], c["burst"])
-    extra = (c["optimizer"], c["accumulate"])
+    extra = (c["optimizer"], c["accumulate"], c["entry"])
     got = [p for p, _ in run(c["world"], train, params, data, *args, *extra)]
     for rank, p in enumerate(got):
         fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12, what=f"rank {rank} {c}")
@@ -298,7 +312,7 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
 @pytest.mark.parametrize(
     ("what", "says"),
     [
-        ("just in time", "just_in_time"),
+        ("just in time", "had not entered (just_in_time=True"),
         ("no batch", "rank(s) [1] stepped without a batch"),
         ("local", "accumulate='local'"),
         ("a missing micro-batch", "rank(s) [1] stepped without a batch or micro-batch"),
@@ -367,10 +381,12 @@ def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: st
         assert fzero._core._tree.max_abs_diff(out["masters"], ref["start"]) > 1e-3
 
 
-def plain_predict(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-    """support.mlp_loss's network without the loss."""
+def plain_predict(params: dict[str, Any], x: torch.Tensor, jit: bool = False) -> torch.Tensor:
+    """support.mlp_loss's network without the loss (`jit`: each layer through
+    fzero.gathered)."""
     h = x
-    for layer in params["layers"]:
+    for i, layer in enumerate(params["layers"]):
+        layer = fzero.gathered(params, f"layers.{i}") if jit else layer
         h = torch.tanh(h @ layer["w"] + layer["b"])
     return h * params["scale"] + params["shift"]
 
@@ -390,6 +406,9 @@ def compiled_predictions(mesh: fzero.Mesh, case: Any, held_out: torch.Tensor) ->
     for t in range(case.xs.shape[0]):
         state, _ = step(state, case.micro_batch(t, mesh.rank))
     out = forward(state, held_out)
+    jit = functools.partial(plain_predict, jit=True)
+    entered = fzero.sharded_forward(jit, mesh, just_in_time=True, compile="aot_eager")
+    torch.testing.assert_close(entered(state, held_out), out, rtol=0, atol=0)
     w = weight(state, held_out)
     before = w.clone()
     state, _ = step(state, case.micro_batch(0, mesh.rank))  # updates the replicas in place
@@ -399,8 +418,9 @@ def compiled_predictions(mesh: fzero.Mesh, case: Any, held_out: torch.Tensor) ->
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_compiled_forward_predicts_as_one_process(stage: int) -> None:
-    """`sharded_forward(compile=...)`: at stage 3 the shards gathered inside the graph, at
-    stages 0-2 the replicas read: the predictions of torch.optim's trained parameters on
+    """`sharded_forward(compile=...)`: at stage 3 the shards gathered inside the graph
+    (before `fn`, or where it asks with `just_in_time`: the same), at stages 0-2 the
+    replicas read: the predictions of torch.optim's trained parameters on
     one process (float64), and a returned weight is the rank's own copy, not the state's
     memory that the next step updates."""
     from tests.support import Case, train_reference
@@ -435,3 +455,137 @@ def test_a_compiled_stage_3_forward_without_a_batch_is_refused_on_every_rank() -
     params = make_params([3, 5, 2], torch.float64, 0)
     for message in run(2, forward_without_a_batch, params):
         assert "rank(s) [1] stepped without a batch" in message, message
+
+
+def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
+    """Stages 0-3 in turn on a 2-D mesh of 4 ranks (2 shard, 2 replicas), from `params`
+    each time, compiled: units before the loss at stages 0 and 2, where it asks at 1 and
+    3. The four trained trees."""
+    mesh = fzero.ProcessGroupMesh(shard_size=2)
+    out = []
+    for stage in range(4):
+        jit = stage % 2 == 1
+        opt = make_optimizer("adamw")
+        state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
+        step = fzero.sharded_step(
+            functools.partial(pair_loss, jit=jit),
+            opt,
+            mesh,
+            stage=stage,
+            units=UNITS,
+            just_in_time=jit,
+            compile="aot_eager",
+        )
+        for per_rank in data:
+            state, _ = step(state, per_rank[mesh.rank][0])
+        out.append(final_params(state, mesh))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_two_dimensional_mesh_compiles() -> None:
+    """Hybrid sharding compiled: the shard axis gathers and reduce-scatters inside the
+    graph, the replica axis sums the reduced shards (stage 0: the world all-reduces);
+    every stage trains as one-process torch.optim (float64, uneven padding)."""
+    params = make_params(DIMS, torch.float64, 11)
+    data = make_data([[[2], [1], [1], [2]], [[1], [2], [2], [2]]], 11)
+    want = reference(params, data, "pair", "adamw")
+    for per_stage in fzero.Simulation(4, collective_timeout=120, timeout=600).run(
+        hybrid, params, data
+    ):
+        for stage, p in enumerate(per_stage):
+            fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+            assert fzero._core._tree.max_abs_diff(p, params) > 1e-4
+
+
+def hooked(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor) -> list[Any]:
+    """Stages 0-3 in turn, `module=` with a loss through functional_call, compiled."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
+        torch.nn.Linear(4, 2),
+    ).double()  # fmt: skip
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    out = []
+    for stage in range(4):
+        opt = make_optimizer("adamw")
+        state = fzero.shard_state(params, opt, mesh, stage=stage, units=["0", "2"])
+        step = fzero.sharded_step(
+            loss_fn, opt, mesh, stage=stage, module=model, compile="aot_eager"
+        )
+        for t in range(xs.shape[0]):
+            state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+        out.append(final_params(state, mesh))
+    return [params, *out]
+
+
+@pytest.mark.multiprocess
+def test_a_module_loss_compiles_with_its_units_before_the_loss() -> None:
+    """`module=` compiled: the loss runs the module through functional_call, its units
+    entered before the loss (dynamo does not trace the hooks' swaps faithfully); every
+    stage trains as one-process torch.optim.AdamW over both ranks' batches (float64)."""
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(3, 2, 2, 3, generator=g, dtype=torch.float64)  # step, rank, rows, in
+    ys = torch.randn(3, 2, 2, 2, generator=g, dtype=torch.float64)
+    got = run(2, hooked, xs, ys)
+    start = got[0][0]
+    tensors = {k: v.detach().clone().requires_grad_() for k, v in start.items()}
+    opt = make_torch_optimizer("adamw", list(tensors.values()))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
+        torch.nn.Linear(4, 2),
+    ).double()  # fmt: skip
+    for t in range(xs.shape[0]):
+        out = torch.func.functional_call(model, tensors, (xs[t].reshape(4, 3),))
+        opt.zero_grad()
+        ((out - ys[t].reshape(4, 2)) ** 2).mean().backward()
+        opt.step()
+    for rank_out in got:
+        for stage, p in enumerate(rank_out[1:]):
+            fzero.assert_trees_close(p, tensors, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+            assert fzero._core._tree.max_abs_diff(p, start) > 1e-4
+
+
+def swapped(mesh: fzero.Mesh, params: Any, forward: bool) -> str:
+    """Rank 1 enters two units of one size in the other order: the graph's gathers pair
+    rank 0's layers.1 with rank 1's layers.2 (no collective fails)."""
+    opt = make_optimizer("sgd")
+    units = ["layers.0", "layers.1", "layers.2"]
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=units)
+    order = ["layers.1", "layers.2"] if mesh.rank == 0 else ["layers.2", "layers.1"]
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        got = {u: fzero.gathered(p, u) for u in order}
+        h = batch
+        for u in ["layers.0", "layers.1", "layers.2"]:
+            layer = got.get(u) or fzero.gathered(p, u)
+            h = torch.tanh(h @ layer["w"] + layer["b"])
+        return h.sum()
+
+    x = torch.ones(2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError) as caught:
+        if forward:
+            fzero.sharded_forward(loss_fn, mesh, just_in_time=True, compile="aot_eager")(state, x)
+        else:
+            step = fzero.sharded_step(
+                loss_fn, opt, mesh, stage=3, units=units, just_in_time=True, compile="aot_eager"
+            )
+            step(state, x)
+    return str(caught.value)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("forward", [False, True])
+def test_units_entered_in_another_order_on_one_rank_raise_on_every_rank(forward: bool) -> None:
+    """Where the loss enters its units, a rank-dependent order would pair one unit's
+    gather with another's of the same size, silently: the ranks compare what their
+    graphs entered before any backward (after a forward), and every rank raises."""
+    params = make_params([4, 4, 4, 4], torch.float64, 0)
+    for message in run(2, swapped, params, forward):
+        assert "different units on different ranks" in message, message
+        assert "'layers.2', 'layers.1'" in message or "layers.2, layers.1" in message, message
