@@ -7,16 +7,7 @@ from typing import Any
 
 import torch
 
-from .._core import (
-    PyTree,
-    covers,
-    leaf_paths,
-    spec_of,
-    subtree,
-    subtree_of,
-    tree_flatten,
-    tree_map,
-)
+from .._core import PyTree, leaf_paths, subtree, subtree_of, tree_flatten, tree_map
 from ._placeholder import Placeholder, Unentered
 
 # The engine of the step whose loss is running on this thread (None outside a step).
@@ -50,46 +41,61 @@ def gathered(params: PyTree, path: str | tuple[str, ...]) -> Any:
       `named_parameters`, a dict of the leaves under it keyed by the rest of their path);
       for a tuple of paths, a tuple of those parts.
     """
-    if torch.compiler.is_compiling():
-        parts = _traced(params, path)
+    compiling = torch.compiler.is_compiling()
+    # Compiling, the engine is not read (dynamo cannot trace a ContextVar): a compiled
+    # step's tree holds `Unentered` leaves instead, entered here, inside the graph.
+    engine = None if compiling else ACTIVE.get()
+    if engine is None:
+        parts = _entered(params, path, compiling)
         if parts is not None:
             return parts
-    engine = ACTIVE.get()
-    if engine is None:
-        if isinstance(path, str):
-            return subtree(params, path)
-        return tuple(subtree(params, p) for p in path)
+        engine = ACTIVE.get()  # an eager step's placeholders: its engine, behind a graph break
+        if engine is None:
+            return _pick(path, [subtree(params, p) for p in _paths(path)])
     return engine.gathered(params, path)
 
 
-def _traced(params: PyTree, path: str | tuple[str, ...]) -> Any:
-    """`gathered` while torch.compile traces: the parts under `path`, each `Unentered`
-    leaf's unit entered into the graph (once per unit and call); None where the tree
-    holds an eager step's placeholders (a block compiled by the user inside an eager
-    step: that step's engine enters them, behind a graph break)."""
-    paths = (path,) if isinstance(path, str) else tuple(path)
+def _paths(path: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (path,) if isinstance(path, str) else tuple(path)
+
+
+def _pick(path: str | tuple[str, ...], parts: list[Any]) -> Any:
+    return parts[0] if isinstance(path, str) else tuple(parts)
+
+
+def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> Any:
+    """The parts of `params` under `path`, each `Unentered` leaf's unit entered (once per
+    unit and call): into the graph while torch.compile traces a compiled step, or
+    eagerly where a compiled step runs without dynamo
+    (`torch.compiler.set_stance("force_eager")`).
+    None where the tree holds an eager step's placeholders (that step's engine enters
+    them; compiling, that is a block the user compiled inside an eager step)."""
     leaves, treedef = tree_flatten(params)
     if any(isinstance(x, Placeholder) for x in leaves):
         return None
     names = tuple(leaf_paths(params))
-    # `subtree_of` unwrapped: dynamo traces what lru_cache wraps, and warns that it does.
-    parts = [subtree_of.__wrapped__(treedef, names, p)(leaves) for p in paths]
-    views: dict[str, Any] = {}
+    # Compiling, `subtree_of` unwrapped: dynamo traces what lru_cache wraps, and warns.
+    cut = subtree_of.__wrapped__ if compiling else subtree_of
+    parts = [cut(treedef, names, p)(leaves) for p in _paths(path)]
+    found: dict[Any, list[Unentered]] = {}
     for part in parts:
         for x in tree_flatten(part)[0]:
-            if not isinstance(x, Unentered) or x.path in views:
-                continue
-            if not all(any(covers(p, m) for p in paths) for m in x.members):
-                raise ValueError(
-                    f"rank {x.rank}: fzero.gathered: {path!r} is only part of the "
-                    f"just-in-time unit {x.unit!r}; ask for the whole unit "
-                    f"(fzero.gathered(params, {spec_of(x.members)!r})) or split units= finer, "
-                    "since every call enters (gathers) the units it names"
-                )
-            views.update(x.enter())
-    if views:
-        parts = [
-            tree_map(lambda x: views[x.path] if isinstance(x, Unentered) else x, part)
-            for part in parts
-        ]
-    return parts[0] if isinstance(path, str) else tuple(parts)
+            if isinstance(x, Unentered):
+                found.setdefault(x.unit, []).append(x)
+    if not found:
+        return _pick(path, parts)
+    views: dict[str, Any] = {}
+    for unit, xs in found.items():
+        # Counted, not matched by prefix: `params` may be a part of the step's tree.
+        if len({x.path for x in xs}) < xs[0].count:
+            raise ValueError(
+                f"rank {xs[0].rank}: fzero.gathered: {path!r} is only part of the "
+                f"just-in-time unit {unit!r}; ask for the whole unit "
+                f"(fzero.gathered(params, {unit!r})) or split units= finer, since every call "
+                "enters (gathers) the units it names"
+            )
+        views.update(xs[0].enter())
+    return _pick(
+        path,
+        [tree_map(lambda x: views[x.path] if isinstance(x, Unentered) else x, p) for p in parts],
+    )

@@ -75,16 +75,17 @@ def placeholders_for(
 
 
 class Unentered:
-    """A parameter of a just-in-time unit inside a compiled step's traced loss, until
+    """A parameter of a just-in-time unit inside a compiled step's loss, until
     `fzero.gathered` enters the unit: not a tensor (the graph has no value for it), but
     what entering needs. `enter()` adds the unit's entry to the graph and returns its
-    leaves' views by path; `members` are the unit's path prefixes, all of which a
-    `gathered` call must name (as eagerly: every call enters the whole unit)."""
+    leaves' views by path; `unit` is its `units=` entry, `count` its number of leaves,
+    all of which a `gathered` call must cover (as eagerly: every call enters the whole
+    unit)."""
 
     def __init__(
-        self, path: str, unit: str, members: tuple[str, ...], rank: int, enter: Any
+        self, path: str, unit: str | tuple[str, ...], count: int, rank: int, enter: Any
     ) -> None:
-        self.path, self.unit, self.members, self.rank, self.enter = path, unit, members, rank, enter
+        self.path, self.unit, self.count, self.rank, self.enter = path, unit, count, rank, enter
 
     def __repr__(self) -> str:
         return (

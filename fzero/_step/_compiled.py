@@ -16,7 +16,7 @@ whole (docs/design.md, [Note: compiled steps]):
 On a 2-D mesh the shard axis carries these and the replicas sum each reduced shard
 (`_entries.Axes`). Units enter before the loss, or, with `just_in_time=True`, where the
 loss calls `fzero.gathered` (each an `Unentered` leaf until then), so the graph gathers
-a unit where the forward first needs it. A just-in-time unit's gather is then
+a unit where the forward first needs it. A trainable just-in-time unit's gather is then
 checkpointed at stage 3 unless `reshard_after_forward=False`: the compiler recomputes it
 for the backward instead of keeping the full parameters from the forward (JAX's remat
 policy; eager frees them after the unit's forward and gathers again). `module=`'s hooks
@@ -36,6 +36,8 @@ update, the loss weights' exchange and the gather after the update are the eager
 
 from __future__ import annotations
 
+import ast
+import builtins
 import functools
 import types
 import warnings
@@ -98,8 +100,8 @@ class CompiledLoss:
         later = {i for u in jit for i in layout.unit_buckets(u)}
         upfront = [i for i in range(len(layout.buckets)) if i not in later]
         self.runs = bursts(layout, burst_bytes, self.reduce, upfront)
-        # Per just-in-time unit, its runs, its leaves (slot index, path), its prefixes and
-        # its spec: worked out here, since dynamo cannot trace the layout's cached
+        # Per just-in-time unit, its runs, its leaves (slot index, path) and its spec:
+        # worked out here, since dynamo cannot trace the layout's cached
         # properties on their first use.
         self.jit = {
             u: (
@@ -109,7 +111,6 @@ class CompiledLoss:
                     for i in layout.unit_buckets(u)
                     for s in layout.buckets[i].slots
                 ),
-                layout.unit_members(u),
                 spec_of(layout.unit_members(u)),
             )
             for u in sorted(jit, key=layout.units.index)
@@ -131,6 +132,9 @@ class CompiledLoss:
                 warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
                 return self.compiled(leaves, fulls, batch)
         except torch._dynamo.exc.Unsupported as exc:
+            raised = _raised_in_trace(exc)
+            if raised is not None:  # the loss's (or fzero.gathered's) own error, as itself
+                raise raised from exc
             if "Unentered" not in str(exc):
                 raise
             # Dynamo's own words name the line but not what the value was.
@@ -161,10 +165,10 @@ class CompiledLoss:
             for i, flat in zip(run, self._enter(run, leaves, fulls, entries)):
                 for s in lay.buckets[i].slots:
                     views[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
-        for unit, (_, slots, members, spec) in self.jit.items():
+        for unit, (_, slots, spec) in self.jit.items():
             enter = functools.partial(self._enter_unit, unit, leaves, fulls, entries, called)
             for index, path in slots:
-                views[index] = Unentered(path, spec, members, self.rank, enter)
+                views[index] = Unentered(path, spec, len(slots), self.rank, enter)
         params = optree.tree_map(lambda k: views[k], self.index, namespace=NAMESPACE)
         out = self.loss_fn(params, batch)
         anchor = torch.zeros(())
@@ -265,9 +269,9 @@ def compiled_grad(
         # state is untouched until then); its backward joins with zero gradients.
         # The units a loss entered are the graph's collectives: where they could differ
         # between ranks (a rank-dependent branch), every rank compares them first.
-        compare = bool(compiled.jit) and mesh.size > 1 and len(calls) > j
+        compare = bool(compiled.jit) and mesh.size > 1  # alike on every rank
         check = sync.check(j)
-        check.after_forward(calls[j] if compare else None, error=error)
+        check.after_forward((calls[j] if len(calls) > j else []) if compare else None, error=error)
         check.finish()
         out = total if total is not None and total.requires_grad else anchor[-1]
         got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
@@ -329,6 +333,25 @@ def check(o: Any, state: ShardedState) -> None:
         )
 
 
+def _raised_in_trace(exc: BaseException) -> BaseException | None:
+    """The exception a traced function raised (a ValueError of `fzero.gathered`, the
+    user's own), rebuilt from dynamo's report of it: with `fullgraph=True` dynamo raises
+    `Unsupported` ("Observed exception") carrying only its repr. None where that is not
+    what happened, or the repr is not a builtin exception of literal arguments."""
+    cause = exc.__cause__
+    if not isinstance(cause, torch._dynamo.exc.ObservedException) or not cause.args:
+        return None
+    said = str(cause.args[0]).removeprefix("raised exception ")
+    try:
+        call = ast.parse(said, mode="eval").body
+        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+        kind = getattr(builtins, call.func.id)
+        assert isinstance(kind, type) and issubclass(kind, Exception) and not call.keywords
+        return kind(*(ast.literal_eval(a) for a in call.args))
+    except (SyntaxError, ValueError, AttributeError, AssertionError, TypeError):
+        return None
+
+
 def _own_code(method: Any) -> Any:
     """`method` with a code object of its own: torch.compile keeps its compiled graphs,
     and counts recompilations against its limit, per code object, so each step
@@ -366,4 +389,3 @@ def agree_present(micro: list[Any], mesh: Mesh) -> None:
                 "as many"
             )
         )
-

@@ -40,10 +40,16 @@ def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
     return g / ranks if ranks > 1 else g
 
 
+# torch 2.13 renamed the tensor collectives `*_single` (the old names warn, eagerly); a
+# GPU image may predate that.
+_all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+
+
 def _scattered(table: torch.Tensor, axes: Axes) -> torch.Tensor:
     """This rank's row of the summed rank-major `table`: reduce-scattered along the
     shard axis, then summed across the replicas."""
-    mine = fc.reduce_scatter_tensor(table.reshape(-1), "sum", 0, axes.group)
+    mine = _reduce_scatter(table.reshape(-1), "sum", 0, axes.group)
     return mine if axes.across is None else fc.all_reduce(mine, "sum", axes.across)
 
 
@@ -101,7 +107,7 @@ def gathered(
     """The shards cast to `travel`, all-gathered as one collective, each bucket cut from
     the rank-major table and cast to `compute`."""
     flat = torch.cat([s.to(travel) for s in shards]) if len(shards) > 1 else shards[0]
-    table = fc.all_gather_tensor(flat.to(travel), 0, group).view(rows, -1)
+    table = _all_gather(flat.to(travel), 0, group).view(rows, -1)
     out, at = [], 0
     for s in shards:
         out.append(table[:, at : at + s.numel()].reshape(-1).to(compute))

@@ -128,7 +128,7 @@ def sharded_forward(
         leaves, fulls = entry_inputs(compiled, state, local, mesh)
         with collector_paused(), torch.no_grad():
             out, _, called = compiled(leaves, fulls, batch)
-        if called and stage.shards_params and mesh.size > 1:
+        if compiled.jit and stage.shards_params and mesh.size > 1:  # alike on every rank
             # The units `fn` entered, in order, the same on every rank (the gathers pair
             # up by order), or every rank raises: the eager forward's call check.
             check = CallCheck(mesh)

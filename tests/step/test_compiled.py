@@ -459,12 +459,12 @@ def test_a_compiled_stage_3_forward_without_a_batch_is_refused_on_every_rank() -
 
 def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
     """Stages 0-3 in turn on a 2-D mesh of 4 ranks (2 shard, 2 replicas), from `params`
-    each time, compiled: units before the loss at stages 0 and 2, where it asks at 1 and
-    3. The four trained trees."""
+    each time, compiled: units where the loss asks at stages 0 and 3, before it at 1 and
+    2. The four trained trees."""
     mesh = fzero.ProcessGroupMesh(shard_size=2)
     out = []
     for stage in range(4):
-        jit = stage % 2 == 1
+        jit = stage in (0, 3)
         opt = make_optimizer("adamw")
         state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
         step = fzero.sharded_step(
@@ -525,7 +525,7 @@ def hooked(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor) -> list[Any]:
 
 
 @pytest.mark.multiprocess
-def test_a_module_loss_compiles_with_its_units_before_the_loss() -> None:
+def test_a_module_loss_compiles() -> None:
     """`module=` compiled: the loss runs the module through functional_call, its units
     entered before the loss (dynamo does not trace the hooks' swaps faithfully); every
     stage trains as one-process torch.optim.AdamW over both ranks' batches (float64)."""
@@ -589,3 +589,57 @@ def test_units_entered_in_another_order_on_one_rank_raise_on_every_rank(forward:
     for message in run(2, swapped, params, forward):
         assert "different units on different ranks" in message, message
         assert "'layers.2', 'layers.1'" in message or "layers.2, layers.1" in message, message
+
+
+def part_loss(params: Any, batch: tuple, how: str) -> torch.Tensor:
+    """test_weights' network, its layers entered through `fzero.gathered` on the "layers"
+    subtree ("subtree"), or layers.1's weight alone ("part")."""
+    x, y, mask = batch
+    h = x
+    for i in range(len(DIMS) - 1):
+        if how == "part" and i == 1:
+            layer = {"w": fzero.gathered(params, "layers.1.w"), "b": params["layers"][1]["b"]}
+        else:
+            layer = fzero.gathered(params["layers"], str(i))
+        h = torch.tanh(h @ layer["w"] + layer["b"])
+    out = h * params["scale"] + params["shift"]
+    return (((out - y) ** 2).sum(-1) * mask).sum() / mask.sum()
+
+
+def entering(mesh: fzero.Mesh, params: Any, data: list, how: str, dynamo: bool) -> Any:
+    """Stage 3, just in time, compiled (`dynamo` False: the same step under
+    `torch.compiler.set_stance("force_eager")`, its function run as Python); the trained
+    tree, or the error."""
+    if not dynamo:
+        torch.compiler.set_stance("force_eager")
+    opt = make_optimizer("sgd")
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+    loss = functools.partial(part_loss, how=how)
+    step = fzero.sharded_step(
+        loss, opt, mesh, stage=3, units=UNITS, just_in_time=True, compile="aot_eager"
+    )
+    try:
+        for per_rank in data:
+            state, _ = step(state, per_rank[mesh.rank][0])
+    except ValueError as exc:
+        return str(exc)
+    return final_params(state, mesh)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_units_enter_from_a_subtree_and_a_part_of_one_is_refused(dynamo: bool) -> None:
+    """`fzero.gathered` on a part of the step's tree (`params["layers"]`, "0") enters the
+    unit as on the whole tree; asking for part of a just-in-time unit is a ValueError
+    naming it, as eagerly. Traced, and forced eager (torch.compile's debugging stance:
+    the compiled step's function then runs as Python, entering the units there)."""
+    params = make_params(DIMS, torch.float64, 6)
+    data = make_data([[[2], [2]], [[2], [2]]], 6)
+    for per_rank in data:  # no padding: each rank's mean is the pair's
+        for (batch,) in per_rank:
+            batch[2][:] = 1.0
+    want = reference(params, data, "scalar", "sgd")
+    for p in run(2, entering, params, data, "subtree", dynamo):
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
+    for message in run(2, entering, params, data, "part", dynamo):
+        assert "'layers.1.w' is only part of the just-in-time unit 'layers.1'" in message, message
