@@ -36,10 +36,7 @@ update, the loss weights' exchange and the gather after the update are the eager
 
 from __future__ import annotations
 
-import ast
-import builtins
 import functools
-import types
 import warnings
 from typing import Any
 
@@ -52,7 +49,9 @@ from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss, spec_of
 from .._engine import Unentered, own_slices
 from .._state import Precision, ShardedState
+from ._dynamo import own_code, raised_in_trace
 from ._entries import AllReduce, Gather, Scatter, bursts, comm_dtypes, entry_axes, gathered
+from ._loss import BufferThread
 from ._loss_weights import Weighed
 from ._sync import StepSync
 
@@ -119,20 +118,22 @@ class CompiledLoss:
         # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
         # outside it).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
-        self.compiled = torch.compile(_own_code(self._loss), fullgraph=True, backend=backend)
+        self.compiled = torch.compile(own_code(self._loss), fullgraph=True, backend=backend)
 
-    def __call__(self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any) -> Any:
+    def __call__(
+        self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
+    ) -> Any:
         """The compiled `(loss_fn's output, anchor, units entered in the loss)`."""
         try:
             if not _DYNAMO_WARNS:
-                return self.compiled(leaves, fulls, batch)
+                return self.compiled(leaves, fulls, batch, buffers)
             with warnings.catch_warnings():
                 # torch 2.11's dynamo instantiates autograd.Function itself to trace one
                 # (`track_object_new`) and warns about it: torch's own call, not the user's.
                 warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
-                return self.compiled(leaves, fulls, batch)
+                return self.compiled(leaves, fulls, batch, buffers)
         except torch._dynamo.exc.Unsupported as exc:
-            raised = _raised_in_trace(exc)
+            raised = raised_in_trace(exc)
             if raised is not None:  # the loss's (or fzero.gathered's) own error, as itself
                 raise raised from exc
             if "Unentered" not in str(exc):
@@ -147,13 +148,15 @@ class CompiledLoss:
             ) from exc
 
     def _loss(
-        self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any
+        self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any
     ) -> tuple[Any, torch.Tensor, tuple[str, ...]]:
-        """The loss; an anchor: zero, differentiable in every trainable entry, whose
-        backward runs the graph's collectives where the loss has no gradient (a pair of
-        weight 0 whose total is a constant), so that this rank still joins them; and the
-        just-in-time units the loss entered, in order (a constant of the trace, which the
-        ranks compare before any backward)."""
+        """The loss (`loss_fn(params, buffers, batch)` where `buffers` is not None: the
+        state's buffers, a copy its in-place updates go to); an anchor: zero,
+        differentiable in every trainable entry, whose backward runs the graph's
+        collectives where the loss has no gradient (a pair of weight 0 whose total is a
+        constant), so that this rank still joins them; and the just-in-time units the
+        loss entered, in order (a constant of the trace, which the ranks compare before
+        any backward)."""
         lay = self.layout
         views: list[Any] = [None] * len(lay.paths)
         # Per trainable entry, a scalar of its outputs for the anchor, taken as it enters
@@ -170,7 +173,10 @@ class CompiledLoss:
             for index, path in slots:
                 views[index] = Unentered(path, spec, len(slots), self.rank, enter)
         params = optree.tree_map(lambda k: views[k], self.index, namespace=NAMESPACE)
-        out = self.loss_fn(params, batch)
+        if buffers is None:
+            out = self.loss_fn(params, batch)
+        else:
+            out = self.loss_fn(params, buffers, batch)
         anchor = torch.zeros(())
         for e in entries:
             anchor = anchor + e
@@ -246,13 +252,19 @@ def compiled_grad(
     leaves = [x.requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
     anchor, calls = [], []
 
-    def run(_: Any, mb: Any) -> Any:
-        out, zero, called = compiled(leaves, fulls, mb)
+    def run(_: Any, mb: Any, buffers: Any = None) -> Any:
+        out, zero, called = compiled(leaves, fulls, mb, buffers)
         anchor.append(zero)
         calls.append(list(called))
         return out
 
-    weighed.loss_fn = run
+    # With buffers the graph takes them from the step's `BufferThread` (which keeps each
+    # micro-batch's new ones for the next) and returns `(loss, new_buffers)`.
+    threaded = weighed.loss_fn
+    if isinstance(threaded, BufferThread):
+        threaded.loss_fn = lambda _, buffers, mb: run(None, mb, buffers)
+    else:
+        weighed.loss_fn = run
     trainable = [x for x, b in zip(leaves, lay.buckets) if not b.frozen]
     sums: list[torch.Tensor | None] = [None] * len(leaves)
     for j, mb in enumerate(micro):
@@ -321,7 +333,6 @@ def check(o: Any, state: ShardedState) -> None:
         "accumulate='local' (accumulate='sharded' compiles)": o.accumulate == "local",
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
-        "buffers": state.buffers is not None,
         "offload=": state.offload is not None,
         "ledger=": o.ledger is not None,
     }
@@ -331,36 +342,6 @@ def check(o: Any, state: ShardedState) -> None:
             f"rank {o.mesh.rank}: sharded_step(compile=...) does not yet compile a step with "
             f"{', '.join(said)}; step eagerly (compile=False) for those"
         )
-
-
-def _raised_in_trace(exc: BaseException) -> BaseException | None:
-    """The exception a traced function raised (a ValueError of `fzero.gathered`, the
-    user's own), rebuilt from dynamo's report of it: with `fullgraph=True` dynamo raises
-    `Unsupported` ("Observed exception") carrying only its repr. None where that is not
-    what happened, or the repr is not a builtin exception of literal arguments."""
-    cause = exc.__cause__
-    if not isinstance(cause, torch._dynamo.exc.ObservedException) or not cause.args:
-        return None
-    said = str(cause.args[0]).removeprefix("raised exception ")
-    try:
-        call = ast.parse(said, mode="eval").body
-        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-        kind = getattr(builtins, call.func.id)
-        assert isinstance(kind, type) and issubclass(kind, Exception) and not call.keywords
-        return kind(*(ast.literal_eval(a) for a in call.args))
-    except (SyntaxError, ValueError, AttributeError, AssertionError, TypeError):
-        return None
-
-
-def _own_code(method: Any) -> Any:
-    """`method` with a code object of its own: torch.compile keeps its compiled graphs,
-    and counts recompilations against its limit, per code object, so each step
-    function's compiled loss gets its own count (with `fullgraph=True` the limit raises
-    rather than falls back to eager)."""
-    fn = method.__func__
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{id(method.__self__):x}")
-    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    return types.MethodType(own, method.__self__)
 
 
 def agree_present(micro: list[Any], mesh: Mesh) -> None:

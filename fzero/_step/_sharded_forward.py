@@ -75,7 +75,7 @@ def sharded_forward(
         enters.
       ledger: a UnitLedger recording live full-unit bytes (for tests and notebooks).
       compile: trace `fn` with its units' entry by `torch.compile`, as a compiled step's
-        forward (True: inductor; a string: that backend), no buffers or ledger. At stage 3
+        forward (True: inductor; a string: that backend), no ledger. At stage 3
         every rank needs a batch (the gathers run inside the graph); the units enter up
         front (the whole model gathered for the call; `module=`'s hooks are not traced)
         or, with `just_in_time=True`, where `fn` asks for them (`fzero.gathered`).
@@ -95,7 +95,7 @@ def sharded_forward(
             return _forward(state, batch)
 
     def _compiled_forward(state: ShardedState, batch: Any) -> Any:
-        refused = {"ledger=": ledger is not None, "buffers": state.buffers is not None}
+        refused = {"ledger=": ledger is not None}
         said = [what for what, bad in refused.items() if bad]
         if said:
             raise ValueError(
@@ -126,8 +126,11 @@ def sharded_forward(
         )
         local = None if stage.shards_params else full_buckets(state.params, lay)
         leaves, fulls = entry_inputs(compiled, state, local, mesh)
+        # Buffers: a copy (a forward never changes the state; BatchNorm in training mode
+        # writes its statistics into what it is given).
+        buffers = None if state.buffers is None else copied(state.buffers)
         with collector_paused(), torch.no_grad():
-            out, _, called = compiled(leaves, fulls, batch)
+            out, _, called = compiled(leaves, fulls, batch, buffers)
         if compiled.jit and stage.shards_params and mesh.size > 1:  # alike on every rank
             # The units `fn` entered, in order, the same on every rank (the gathers pair
             # up by order), or every rank raises: the eager forward's call check.

@@ -97,8 +97,8 @@ def sharded_step(
         or, with `just_in_time`, where it calls `fzero.gathered` (stage 3 recomputes
         such a gather for the backward unless `reshard_after_forward=False`); 1-D and
         2-D meshes, precision, loss scaling and "sharded" accumulation, but no "local"
-        accumulation, hpZ, quantize, buffers, offload or ledger (docs/training.md,
-        "Compiled steps").
+        accumulation, hpZ, quantize, offload or ledger (docs/training.md, "Compiled
+        steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its

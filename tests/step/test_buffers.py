@@ -70,7 +70,9 @@ def reference(policy: str, n: int = N) -> tuple[dict, list[dict]]:
     return {k: v.detach() for k, v in params.items()}, per_rank
 
 
-def train(mesh: fzero.Mesh, stage: int, policy: str) -> tuple[Any, dict]:
+def train(
+    mesh: fzero.Mesh, stage: int, policy: str, compile: str | bool = False
+) -> tuple[Any, dict]:
     model = make_model()
     xs, ys = data(mesh.size)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -85,6 +87,7 @@ def train(mesh: fzero.Mesh, stage: int, policy: str) -> tuple[Any, dict]:
         stage=stage,
         module=model,
         buffer_sync=policy,
+        compile=compile,
     )
     sl = slice(mesh.rank * B, (mesh.rank + 1) * B)
     for t in range(STEPS):
@@ -109,6 +112,37 @@ def test_buffers_follow_the_policy_and_params_train_like_ddp(stage: int, policy:
         )
     if policy == "local":  # each rank saw other data, so their statistics really differ
         assert not torch.equal(results[0][1]["1.running_mean"], results[1][1]["1.running_mean"])
+
+
+def train_and_predict(mesh: fzero.Mesh, stage: int, x: torch.Tensor) -> tuple[Any, dict, Any]:
+    """`train` compiled ("mean"), then a compiled `sharded_forward` of the module in
+    eval mode (its running statistics) on `x`."""
+    params, buffers = train(mesh, stage, "mean", "aot_eager")
+    model = make_model().eval()
+    state = fzero.shard_state(
+        params, fzero.optim.sgd(0.0), mesh, stage=stage, units=["0", "3"], buffers=buffers
+    )
+    forward = fzero.sharded_forward(
+        lambda p, bufs, x: functional_call(model, {**p, **bufs}, (x,)), mesh, compile="aot_eager"
+    )
+    return params, buffers, forward(state, x)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_buffers_thread_through_a_compiled_step(stage: int) -> None:
+    """Compiled (`compile=`): the graph takes each micro-batch's buffers and returns the
+    new ones (BatchNorm's in-place update of its statistics inside the graph); the same
+    training and statistics as DDP's, averaged over the ranks. A compiled forward reads
+    them: the one-process module's predictions with the reference's state."""
+    expected, expected_buffers = reference("mean")
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    model = make_model().eval()
+    want = functional_call(model, {**expected, **expected_buffers[0]}, (x,))
+    for rank, (params, buffers, out) in enumerate(run(N, train_and_predict, stage, x)):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"rank {rank}")
+        fzero.assert_trees_close(buffers, expected_buffers[rank], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.multiprocess
