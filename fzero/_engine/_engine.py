@@ -33,7 +33,7 @@ from .._core import (
 from ._callcheck import CallCheck
 from ._context import Context
 from ._entry import Entry, enter, in_backward
-from ._gathered import ACTIVE
+from ._gathered import ACTIVE, pick
 from ._gatherer import Gatherer
 from ._hooks import ModuleHooks
 from ._reductions import LocalSums, Reductions, Watch
@@ -170,7 +170,7 @@ class Engine:
         leaves, treedef = tree_flatten(params)
         paths = (path,) if isinstance(path, str) else tuple(path)
         if treedef != lay.treedef:  # not the tree this step passed: nothing to enter
-            return _pick(path, [subtree(params, p) for p in paths])
+            return pick(path, [subtree(params, p) for p in paths])
         cuts = [subtree_of(lay.treedef, lay.paths, p) for p in paths]
         entered = None
         for unit in dict.fromkeys(u for p in paths for u in lay.units_at(p)):
@@ -189,7 +189,7 @@ class Engine:
             for p, view in self.enter(unit).items():
                 entered[lay.path_index[p]] = view
         tree = leaves if entered is None else entered
-        return _pick(path, [cut(tree) for cut in cuts])
+        return pick(path, [cut(tree) for cut in cuts])
 
     # -- one micro-batch -------------------------------------------------------------------
     def value_and_grad(self, loss_fn: Callable[[PyTree, Any], torch.Tensor], batch: Any) -> Pass:
@@ -324,8 +324,3 @@ class Engine:
     def fetch(self, held: Any) -> Any:
         """`t` again, for the recompute (`ParamSource.fetch`)."""
         return self.source.fetch(held)
-
-
-def _pick(path: str | tuple[str, ...], parts: list[Any]) -> Any:
-    """`gathered`'s answer: the one part for a path, a tuple of them for a tuple."""
-    return parts[0] if isinstance(path, str) else tuple(parts)

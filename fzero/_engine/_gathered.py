@@ -51,7 +51,7 @@ def gathered(params: PyTree, path: str | tuple[str, ...]) -> Any:
             return parts
         engine = ACTIVE.get()  # an eager step's placeholders: its engine, behind a graph break
         if engine is None:
-            return _pick(path, [subtree(params, p) for p in _paths(path)])
+            return pick(path, [subtree(params, p) for p in _paths(path)])
     return engine.gathered(params, path)
 
 
@@ -59,7 +59,8 @@ def _paths(path: str | tuple[str, ...]) -> tuple[str, ...]:
     return (path,) if isinstance(path, str) else tuple(path)
 
 
-def _pick(path: str | tuple[str, ...], parts: list[Any]) -> Any:
+def pick(path: str | tuple[str, ...], parts: list[Any]) -> Any:
+    """`gathered`'s answer: the one part for a path, a tuple of them for a tuple."""
     return parts[0] if isinstance(path, str) else tuple(parts)
 
 
@@ -83,7 +84,7 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
             if isinstance(x, Unentered):
                 found.setdefault(x.unit, []).append(x)
     if not found:
-        return _pick(path, parts)
+        return pick(path, parts)
     views: dict[str, Any] = {}
     for unit, xs in found.items():
         # Counted, not matched by prefix: `params` may be a part of the step's tree.
@@ -95,7 +96,7 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
                 "enters (gathers) the units it names"
             )
         views.update(xs[0].enter())
-    return _pick(
+    return pick(
         path,
         [tree_map(lambda x: views[x.path] if isinstance(x, Unentered) else x, p) for p in parts],
     )
