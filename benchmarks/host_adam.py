@@ -11,6 +11,8 @@ shard has), the median step of
 - `fzero.optim.adamw(...).update_` (in place, as `sharded_step` runs it);
 - the update of an offloaded state (`shard_state(offload=fzero.Offload())`), which runs
   that same `update_` on the shard a cache-sized block at a time (`fzero._step._streamed`);
+- both with `adamw(fused=True)`: the update one compiled kernel (`fzero.optim._fused`;
+  the first step compiles it, and is not in the median);
 - `torch.optim.AdamW(foreach=True)`, `(foreach=False)` (the single-tensor loop) and
   `(fused=True)` (torch's fused CPU kernel);
 
@@ -67,8 +69,10 @@ def run_torch(
     return statistics.median(times[1:] or times), p.detach()
 
 
-def run_fzero(p0: torch.Tensor, grads: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
-    opt = fzero.optim.adamw(**HYPER)
+def run_fzero(
+    p0: torch.Tensor, grads: list[torch.Tensor], fused: bool = False
+) -> tuple[float, torch.Tensor]:
+    opt = fzero.optim.adamw(**HYPER, fused=fused)
     params = {"w": p0.clone()}
     state = opt.init(params)
     times = []
@@ -79,14 +83,16 @@ def run_fzero(p0: torch.Tensor, grads: list[torch.Tensor]) -> tuple[float, torch
     return statistics.median(times[1:] or times), params["w"]
 
 
-def run_offloaded(p0: torch.Tensor, grads: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+def run_offloaded(
+    p0: torch.Tensor, grads: list[torch.Tensor], fused: bool = False
+) -> tuple[float, torch.Tensor]:
     """The update an offloaded state's step runs (`fzero._step._streamed`): the shard in
     cache-sized blocks, in place. One rank; the state built by `shard_state(offload=)`."""
     from fzero._core import Shards
     from fzero._step._streamed import streamed_update
 
     def on_rank(mesh: fzero.Mesh) -> tuple[float, torch.Tensor]:
-        opt = fzero.optim.adamw(**HYPER)
+        opt = fzero.optim.adamw(**HYPER, fused=fused)
         state = fzero.shard_state({"w": p0}, opt, mesh, stage=1, offload=fzero.Offload())
         master, opt_state, times = state.master, state.opt_state, []
         for g in grads:
@@ -129,6 +135,12 @@ def main() -> None:
             (p - ref).abs().max().item(),
         )
     )
+    for label, run in [
+        ("fzero.optim.adamw(fused=True): one compiled kernel (inductor)", run_fzero),
+        ("fzero offload, adamw(fused=True): a kernel per block", run_offloaded),
+    ]:
+        t, p = run(p0, grads, fused=True)
+        rows.append((label, t, torch.equal(p, ref), (p - ref).abs().max().item()))
     for label, kw in [
         ("torch AdamW foreach=True", {"foreach": True}),
         ("torch AdamW foreach=False (single-tensor)", {"foreach": False}),

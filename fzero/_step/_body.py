@@ -13,12 +13,14 @@ it: loss wrappers, the loss scaler's next state, buffers, donation.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 from .._core import LossFn, PyTree, Shards, Stage, device_of
 from .._engine import Context, full_buckets, local_shard, own_slices
 from .._state import ShardedState
 from ..optim import Optimizer
+from ..optim._fused import compiled_updates
 from ._compiled import CompiledLoss, compiled_grad
 from ._gradient import mean_grad
 from ._loss_weights import Weighed
@@ -93,17 +95,20 @@ def body(
         # state's buckets stepped during the backward, done first).
         if early is not None:
             early.join()
-        new, opt_state, applied, held = apply_update(
-            optimizer,
-            state,
-            target,
-            grads,
-            mesh,
-            o.donate,
-            factor=factor,
-            streamed=streamed,
-            taken=None if early is None else early.taken,
-        )
+        # Compiled, fzero's optimizers run fused kernels (`fused=None`: the step's backend).
+        fusing = nullcontext() if compiled is None else compiled_updates(o.compile)
+        with fusing:
+            new, opt_state, applied, held = apply_update(
+                optimizer,
+                state,
+                target,
+                grads,
+                mesh,
+                o.donate,
+                factor=factor,
+                streamed=streamed,
+                taken=None if early is None else early.taken,
+            )
         master = None if state.master is None else new
         looked = streamed.looked if streamed is not None and streamed.ran else None
         if not applied:  # the loss scaler skipped the step everywhere: nothing to gather

@@ -30,8 +30,10 @@ still share one). Each rank's gradient is divided by the ranks in the reduce dty
 before the collective sums it, as the eager engine's is (an fp16 sum could overflow
 where the mean does not); the values agree with eager to rounding, not bitwise. The
 update, the loss weights' exchange and the gather after the update are the eager step's
-(`_body`). Accumulating, the graph runs once per micro-batch, each run reducing its own
-(eager `accumulate="sharded"`). What this slice compiles, and what it refuses: `check`.
+(`_body`), but fzero's optimizers run their arithmetic fused, one compiled kernel per
+flat piece (`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch,
+each run reducing its own (eager `accumulate="sharded"`). What this slice compiles, and
+what it refuses: `check`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Stochastic gradient descent, bitwise-equal to ``torch.optim.SGD(foreach=False)`` (on the
-CPU, where it is tested): large leaves op by op, small ones a group at a time."""
+CPU, where it is tested): large leaves op by op, small ones a group at a time; fused
+(`_fused`), large leaves one compiled kernel each."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ._base import (
     zero_count,
     zeros_like_tree,
 )
+from ._fused import backend_for, make_sgd, run, split
 
 
 class SgdState(NamedTuple):
@@ -45,6 +47,7 @@ def sgd(
     nesterov: bool = False,
     maximize: bool = False,
     mask: Any = None,
+    fused: bool | None = None,
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
 
@@ -59,6 +62,10 @@ def sgd(
       maximize: maximize the objective instead of minimizing it.
       mask: where weight decay applies (a predicate on parameter paths or a pytree of
         bools like the parameters); None decays everything.
+      fused: each large leaf's (a flat shard's) update as one compiled kernel
+        (`torch.compile`), agreeing with the unfused ops to a few ulps rather than
+        bitwise. None: fused inside a compiled step (`sharded_step(compile=...)`, with
+        its backend), unfused otherwise.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`SgdState`.
@@ -88,6 +95,15 @@ def sgd(
         decay = decay_flags(mask, params, len(leaves), weight_decay)
 
         groups, large = grouped(leaves, decay)
+        backend = backend_for(fused)
+        if backend is not None:  # a compiled kernel per large leaf, the rest as below
+            first = count == 0
+            step_scalars = [step_lr, weight_decay, momentum, 0.0 if first else momentum]
+            step_scalars.append(1.0 if first else 1 - dampening)
+            fast, groups, large = split(leaves, groups, large)
+            key = (nesterov, maximize, momentum != 0)
+            columns = [grad_leaves, buf_leaves]
+            run(make_sgd, key, step_scalars, backend, fast, leaves, columns, decay)
         for idx in groups:  # the same ops, each one list op over the group (`grouped`)
             ps, d_ps = [leaves[i] for i in idx], [grad_leaves[i] for i in idx]
             d_ps = torch._foreach_neg(d_ps) if maximize else d_ps

@@ -30,13 +30,14 @@ def batches(steps: int, n: int, micro: int, seed: int = 3) -> tuple[torch.Tensor
     return xs, ys
 
 
-def optimizer() -> fzero.optim.Optimizer:
-    return fzero.optim.chain(
-        fzero.optim.clip_by_global_norm(MAX_NORM), fzero.optim.adamw(lr=0.05, weight_decay=0.1)
-    )
+def optimizer(fused: bool | None = None, clip: bool = True) -> fzero.optim.Optimizer:
+    adamw = fzero.optim.adamw(lr=0.05, weight_decay=0.1, fused=fused)
+    return fzero.optim.chain(fzero.optim.clip_by_global_norm(MAX_NORM), adamw) if clip else adamw
 
 
-def torch_reference(params: Any, xs: torch.Tensor, ys: torch.Tensor, frozen: str) -> Any:
+def torch_reference(
+    params: Any, xs: torch.Tensor, ys: torch.Tensor, frozen: str, clip: bool = True
+) -> Any:
     """torch.optim.AdamW with clip_grad_norm_, one process, the concatenated batch."""
     leaves, treedef = fzero._core._tree.tree_flatten(params)
     paths = fzero._core._tree.leaf_paths(params)
@@ -48,7 +49,8 @@ def torch_reference(params: Any, xs: torch.Tensor, ys: torch.Tensor, frozen: str
     for t in range(xs.shape[0]):
         opt.zero_grad()
         mlp_loss(fzero._core._tree.tree_unflatten(treedef, tensors), (xs[t], ys[t])).backward()
-        torch.nn.utils.clip_grad_norm_(live, MAX_NORM, foreach=False)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(live, MAX_NORM, foreach=False)
         opt.step()
     return fzero._core._tree.tree_unflatten(treedef, [x.detach() for x in tensors])
 
@@ -63,8 +65,10 @@ def train(
     offload: fzero.Offload | None,
     accumulate: str | None,
     frozen: str,
+    fused: bool | None = None,
+    clip: bool = True,
 ) -> Any:
-    opt = optimizer()
+    opt = optimizer(fused, clip)
     kw: dict[str, Any] = dict(stage=stage, units=LAYER_UNITS)
     state = fzero.shard_state(
         params, opt, mesh, layout=layout, frozen=[frozen], offload=offload, **kw
@@ -134,6 +138,22 @@ def test_offloaded_training_is_the_device_training_and_torchs(
     )
     if directory is not None:
         assert list(Path(directory).iterdir()) == []  # the files live only while mapped
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_a_fused_optimizer_steps_an_offloaded_state_as_torch(clip: bool) -> None:
+    """`adamw(fused=True)`: the host's update, a compiled kernel (inductor's loop) per
+    offloaded block, also on the host thread that steps units during the backward
+    (without clipping); float64 against torch.optim, parameters moved."""
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(3, 2, 2)
+    want = torch_reference(params, xs, ys, "shift", clip)
+    offload = fzero.Offload("host", 1.0)
+    got = run(2, train, params, xs, ys, 3, "flat", offload, None, "shift", True, clip)
+    for masters, report in got:
+        fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
+        assert report.host > 0
+    assert fzero._core._tree.max_abs_diff(got[0][0], params) > 1e-3
 
 
 def train_mixed(mesh: fzero.Mesh, xs: Any, ys: Any, stage: int, offload: Any) -> Any:

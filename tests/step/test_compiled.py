@@ -357,9 +357,10 @@ def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: st
     is the master, cast as it is gathered), gradients reduced in fp32 or bf16. With a
     dynamic loss scale and an inf in one rank's batch at step 1, every rank skips that
     update and halves the scale. The masters are torch.optim.Adam's under
-    torch.amp.GradScaler on one process doing the same casts: bitwise at 2 ranks (a
-    division by 2 is exact), within bf16's rounding of the mean at 3, where each rank
-    divides before the sum and torch after it."""
+    torch.amp.GradScaler on one process doing the same casts: at 2 ranks (a division by
+    2 is exact) within the fused update's few fp32 ulps (eager: bitwise; compiled, the
+    update is one kernel per piece, `fzero.optim._fused`), within bf16's rounding of the
+    mean at 3, where each rank divides before the sum and torch after it."""
     from tests.state.test_precision import BF16, FP16, FP32, close, data, reference
     from tests.state.test_precision import train as train_precision
 
@@ -377,7 +378,7 @@ def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: st
             assert out["scales"][-1] == ref["scale"]
         for k in ref["masters"]:
             assert out["masters"][k].dtype == FP32 and out["params"][k].dtype == pdt
-        close(out["masters"], ref["masters"], rtol=0, atol=0 if n == 2 else 1e-3)
+        close(out["masters"], ref["masters"], rtol=0, atol=1e-6 if n == 2 else 1e-3)
         assert fzero._core._tree.max_abs_diff(out["masters"], ref["start"]) > 1e-3
 
 

@@ -1,0 +1,186 @@
+"""Fused updates: an elementwise optimizer's arithmetic over one tensor as one compiled
+kernel, for `fused=True` optimizers and the update of a compiled step.
+
+fzero's unfused Adam runs torch's single-tensor ops, seven passes over memory per leaf,
+each rounding as torch's `foreach=False` loop does (bitwise). Compiled, the same
+expression is one pass (inductor's loop, vectorised and threaded on the CPU; one kernel
+on a GPU): on a flat shard of 50M fp32 elements here, 1.6-1.7 G params/s against
+0.3-0.4 unfused, as fast as torch's fused CPU AdamW (`benchmarks/RESULTS-host-adam.md`).
+Its rounding is not the seven ops': the step is a product subtracted where torch's
+`addcdiv` multiplies by its value, the compiler writes `lerp` its own way, and the
+per-step scalars, worked out in Python floats as the unfused ops take them, are rounded
+once to the precision the parameters compute in. The values agree with the unfused
+update to a few ulps (tested: float64 to 1e-12 of torch.optim, float32 within 4 ulps).
+
+Only what varies per step is a tensor argument; the optimizer's structure (AMSGrad, a
+decay mask, the dtype) is fixed per kernel, each its own compiled function (`kernel`),
+so a process with many optimizers never reaches dynamo's recompile limit of one
+function. Shapes are dynamic: one compile serves every bucket and block of a dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from ._context import current
+
+_STEP: ContextVar[str | None] = ContextVar("fzero_fused_step", default=None)
+_KERNELS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+
+@contextlib.contextmanager
+def compiled_updates(backend: str) -> Iterator[None]:
+    """Within the block, optimizers made with `fused=None` run fused kernels compiled by
+    `backend` (a compiled step's update)."""
+    token = _STEP.set(backend)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def backend_for(fused: bool | None) -> str | None:
+    """The backend an optimizer made with `fused` compiles its kernels with now (None:
+    unfused). True: the compiled step's backend, else inductor; None: the step's."""
+    step = _STEP.get()
+    if fused is None:
+        return step
+    return (step or "inductor") if fused else None
+
+
+def split(
+    leaves: list[torch.Tensor], groups: list[list[int]], large: list[int]
+) -> tuple[list[int], list[list[int]], list[int]]:
+    """Which leaves a fused update runs as kernels: `(fused, groups, large)`, the last two
+    what is left of `grouped`'s answer for the unfused ops.
+
+    Every real floating leaf with elements, where the update runs on a shard's pieces
+    (few flat buffers); of a tree (stage 0, an optimizer called on its own), the large
+    ones only: a compiled kernel's call costs some 40 us on the host (measured here),
+    four times what one leaf costs in a group of list ops.
+    """
+    ctx = current()
+    pieces = ctx is not None and ctx.segments is not None
+    candidates = large + [i for g in groups for i in g] if pieces else large
+    fast = [i for i in candidates if leaves[i].numel() > 0 and leaves[i].is_floating_point()]
+    taken = set(fast)
+    kept = [[i for i in g if i not in taken] for g in groups]
+    return fast, [g for g in kept if g], [i for i in large if i not in taken]
+
+
+def run(
+    make: Callable[..., Callable[..., Any]],
+    key: tuple[Any, ...],
+    step_scalars: list[float],
+    backend: str,
+    fast: list[int],
+    leaves: list[torch.Tensor],
+    columns: list[list[Any]],
+    decay: list[Any],
+) -> None:
+    """`make`'s kernel over each leaf of `fast`: `kernel(p, *its columns, mask, s)`, its
+    key `key` and the leaf's decay (`decay_kind`), `s` the step's scalars."""
+    made: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    for i in fast:
+        p, d = leaves[i], decay[i]
+        s = made.get((p.dtype, p.device))
+        if s is None:
+            s = made[p.dtype, p.device] = scalars(step_scalars, p)
+        mask = None if isinstance(d, bool) else d
+        tensors = [_one_d(x) for x in (p, *(c[i] for c in columns), mask)]
+        kernel(make, backend, (*key, decay_kind(d)), p)(*tensors, s)
+
+
+def _one_d(x: Any) -> Any:
+    """A 0-d tensor as a view of one element: compiled (torch 2.13, either backend), an
+    in-place update of a 0-d input by a product with an element of `s` was lost, the
+    input left as it was (found here; the same on a view of shape (1,) is written)."""
+    return x.view(1) if isinstance(x, torch.Tensor) and x.dim() == 0 else x
+
+
+def scalars(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A step's scalars, worked out in Python floats as the unfused ops take them, as one
+    tensor in the precision `like`'s ops compute in (float32 for fp16 and bf16, as torch
+    rounds a Python scalar), where `like` is: an argument, not a constant of the trace,
+    so the next step's values reuse the compiled kernel."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    return torch.tensor(values, dtype=torch.float64).to(like.device, dtype, non_blocking=True)
+
+
+def kernel(
+    make: Callable[..., Callable[..., Any]], backend: str, args: tuple[Any, ...], like: torch.Tensor
+) -> Callable[..., Any]:
+    """The kernel `make(*args)` compiled by `backend` for tensors like `like` (its dtype
+    and device type), made once per process and key.
+
+    Each key's function gets its own code object: dynamo caches compiled code per code
+    object and stops compiling one (falling back to eager, with a warning) after a few
+    variants, which distinct optimizers and dtypes in one process would otherwise share.
+    """
+    full = (make.__qualname__, backend, *args, like.dtype, like.device.type)
+    fn = _KERNELS.get(full)
+    if fn is None:
+        body = make(*args)
+        name = f"{body.__name__}_{len(_KERNELS)}"
+        code = body.__code__.replace(co_name=name, co_qualname=name)
+        fresh = types.FunctionType(code, body.__globals__, name, None, body.__closure__)
+        fn = _KERNELS[full] = torch.compile(fresh, backend=backend, dynamic=True, fullgraph=True)
+    return fn
+
+
+def make_adam(amsgrad: bool, decoupled: bool, maximize: bool, decay: str) -> Callable[..., Any]:
+    """Adam's update of one tensor, in place: `(p, g, m, v, v_max, mask, s)` with `s` the
+    step's `(decay, 1 - beta1, beta2, 1 - beta2, bias_correction2_sqrt, eps, step_size)`
+    where `decay` is `1 - lr * weight_decay` (AdamW) or `weight_decay` (Adam's L2 term).
+    `decay`: "none", "all" or "mask" (a 0/1 tensor of `p`'s shape)."""
+
+    def adam_kernel(p, g, m, v, v_max, mask, s):
+        factor, w1, beta2, w2, bc2, eps, step_size = (s[i] for i in range(7))
+        g = -g if maximize else g
+        if decay != "none":
+            if decoupled:
+                kept = p * factor
+                p.copy_(kept if decay == "all" else torch.where(mask.bool(), kept, p))
+            else:
+                g = g + (p if decay == "all" else p * mask) * factor
+        m.lerp_(g, w1)
+        v.mul_(beta2).add_(g * g * w2)
+        top = v
+        if amsgrad:
+            v_max.copy_(torch.maximum(v_max, v))
+            top = v_max
+        p.sub_(m / (top.sqrt() / bc2 + eps) * step_size)
+
+    return adam_kernel
+
+
+def make_sgd(nesterov: bool, maximize: bool, momentum: bool, decay: str) -> Callable[..., Any]:
+    """SGD's update of one tensor, in place: `(p, g, buf, mask, s)` with `s` the step's
+    `(lr, weight_decay, momentum, keep, take)`: the buffer becomes `buf * keep + d_p *
+    take` (`(0, 1)` on the first step, which seeds it with the direction, as torch does;
+    `(momentum, 1 - dampening)` after)."""
+
+    def sgd_kernel(p, g, buf, mask, s):
+        lr, wd, mom, keep, take = (s[i] for i in range(5))
+        d_p = -g if maximize else g
+        if decay != "none":
+            d_p = d_p + (p if decay == "all" else p * mask) * wd
+        if momentum:
+            buf.copy_(buf * keep + d_p * take)
+            d_p = d_p + buf * mom if nesterov else buf
+        p.sub_(d_p * lr)
+
+    return sgd_kernel
+
+
+def decay_kind(flag: Any) -> str:
+    """A leaf's decay flag (`decay_flags`) as a kernel's key."""
+    if flag is False:
+        return "none"
+    return "all" if flag is True else "mask"

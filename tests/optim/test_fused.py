@@ -1,0 +1,134 @@
+"""Fused updates (`fused=True`, and `fused=None` inside a compiled step): each flat piece's
+Adam, AdamW or SGD as one compiled kernel, against torch.optim's single-tensor loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from fzero import optim
+from fzero.optim._context import ShardContext, shard_context
+from fzero.optim._fused import _KERNELS, compiled_updates
+
+# (fzero's factory, torch's class, hyper-parameters): decay on "w" only, so that the flat
+# piece below mixes a decayed and an undecayed parameter (the kernel's mask).
+CONFIGS: dict[str, tuple[Callable[..., optim.Optimizer], type, dict[str, Any]]] = {
+    "adamw": (optim.adamw, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.33)),
+    "adam-amsgrad-maximize": (
+        optim.adam,
+        torch.optim.Adam,
+        dict(lr=0.01, weight_decay=0.1, amsgrad=True, maximize=True),
+    ),
+    "sgd-momentum": (
+        optim.sgd,
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.1),
+    ),
+    "sgd-nesterov": (optim.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+}
+SEGMENTS = ((("w", 0, 300), ("b", 300, 340)),)
+
+
+def _make(name: str, fused: bool | None) -> optim.Optimizer:
+    factory, _, hyper = CONFIGS[name]
+    return factory(**hyper, mask=lambda path: path == "w", fused=fused)
+
+
+def _train(
+    opt: optim.Optimizer, cls: type, hyper: dict[str, Any], dtype: torch.dtype, steps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`opt` on one flat piece of w (300) and b (40) under a shard's context, and torch's
+    `cls` on w and b (b without weight decay): (fzero's piece, torch's, the start)."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, generator=g, dtype=dtype), torch.randn(40, generator=g, dtype=dtype)
+    start = torch.cat([w, b])
+    piece, state = start.clone(), opt.init((start,))
+    tw, tb = w.clone(), b.clone()
+    groups = [{"params": [tw]}, {"params": [tb], "weight_decay": 0.0}]
+    ref = cls(groups, foreach=False, **hyper)
+    for _ in range(steps):
+        gw, gb = (
+            torch.randn(300, generator=g, dtype=dtype),
+            torch.randn(40, generator=g, dtype=dtype),
+        )
+        with shard_context(ShardContext(None, True, SEGMENTS)):
+            (piece,), state = opt.update_((torch.cat([gw, gb]),), state, (piece,))
+        tw.grad, tb.grad = gw, gb
+        ref.step()
+    return piece, torch.cat([tw, tb]), start
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_kernels_step_as_torch_in_float64(name: str) -> None:
+    """Compiled by inductor: within 1e-12 of torch's loop, parameters moved."""
+    _, cls, hyper = CONFIGS[name]
+    got, want, start = _train(_make(name, True), cls, hyper, torch.float64)
+    assert (got - start).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_fused_kernels_round_within_a_few_ulps_in_float32(name: str) -> None:
+    """The kernel's rounding differs from the seven ops' (a contracted multiply-add, the
+    scalars rounded once): the documented bound, 4 ulps of the largest parameter."""
+    _, cls, hyper = CONFIGS[name]
+    got, want, start = _train(_make(name, True), cls, hyper, torch.float32)
+    assert (got - start).abs().max() > 1e-3
+    bound = 4 * torch.finfo(torch.float32).eps * want.abs().max().item()
+    assert (got - want).abs().max().item() <= bound
+
+
+def test_fused_none_follows_the_compiled_step() -> None:
+    """`fused=None` (the default) fuses inside a compiled step's update, with its backend,
+    and nowhere else; `fused=False` never does (bitwise torch's loop there too)."""
+    hyper = CONFIGS["adamw"][2]
+    before = len(_KERNELS)
+    eager, want, _ = _train(_make("adamw", None), torch.optim.AdamW, hyper, torch.float64)
+    assert torch.equal(eager, want) and len(_KERNELS) == before
+    with compiled_updates("aot_eager"):
+        off, _, _ = _train(_make("adamw", False), torch.optim.AdamW, hyper, torch.float64)
+        assert torch.equal(off, want) and len(_KERNELS) == before
+        on, _, _ = _train(_make("adamw", None), torch.optim.AdamW, hyper, torch.float64)
+    assert ("make_adam", "aot_eager") in {k[:2] for k in _KERNELS}
+    torch.testing.assert_close(on, want, rtol=0, atol=1e-12)
+
+
+def test_a_kernel_compiles_once_for_new_sizes_and_learning_rates() -> None:
+    """The step's scalars are arguments and the shapes dynamic: a schedule and pieces of
+    other sizes reuse the compiled kernel (one graph)."""
+    opt = optim.sgd(lr=lambda count: 0.1 / (1 + count), momentum=0.5, fused=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in (1000, 3000, 20000):
+        params = (torch.randn(n, dtype=torch.float64),)
+        state = opt.init(params)
+        for _ in range(3):
+            with shard_context(ShardContext(None, True, ((("x", 0, n),),))):
+                params, state = opt.update_((torch.randn(n, dtype=torch.float64),), state, params)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_kernels_update_pieces_of_every_rank(backend: str) -> None:
+    """Owned tensors in their shapes (layout="tensor"): 0-d (compiled, torch 2.13 lost an
+    in-place update of a 0-d input), one element, a matrix; AdamW as torch's."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(), (1,), (4, 7)]
+    start = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    pieces, opt = tuple(x.clone() for x in start), optim.adamw(lr=0.05, weight_decay=0.1)
+    state = opt.init(pieces)
+    ref = [x.clone() for x in start]
+    torch_opt = torch.optim.AdamW(ref, lr=0.05, weight_decay=0.1, foreach=False)
+    segments = tuple(((f"x{i}", 0, x.numel()),) for i, x in enumerate(start))
+    for _ in range(3):
+        grads = tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+        with compiled_updates(backend), shard_context(ShardContext(None, True, segments)):
+            pieces, state = opt.update_(grads, state, pieces)
+        for r, gr in zip(ref, grads):
+            r.grad = gr
+        torch_opt.step()
+    for got, want, x in zip(pieces, ref, start):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert (got - x).abs().max() > 1e-4
