@@ -168,6 +168,38 @@ def counting(names: tuple[str, ...]) -> Iterator[list[int]]:
             setattr(fzero._comm, name, f)
 
 
+@contextlib.contextmanager
+def fused_kernels() -> Iterator[list[tuple[int, ...]]]:
+    """Records the shape of every tensor a fused optimizer kernel (`fzero.optim._fused`)
+    updates within the block, one entry a call (then restores)."""
+    from fzero.optim import _fused
+
+    calls: list[tuple[int, ...]] = []
+    original = _fused.kernel
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        compiled = original(*args, **kwargs)
+
+        def call(p: torch.Tensor, *rest: Any) -> Any:
+            calls.append(tuple(p.shape))
+            return compiled(p, *rest)
+
+        return call
+
+    _fused.kernel = spy
+    try:
+        yield calls
+    finally:
+        _fused.kernel = original
+
+
+def with_fused_kernels(mesh: fzero.Mesh, fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """A rank's `fn(mesh, *args)` and how many fused kernel calls it made (`run` it)."""
+    with fused_kernels() as calls:
+        out = fn(mesh, *args)
+    return out, len(calls)
+
+
 def map_every_allocation() -> None:
     """Makes glibc serve every allocation of 64 KiB or more with its own mapping, unmapped
     on free (`mallopt(M_MMAP_THRESHOLD)`), so resident memory follows live tensors rather

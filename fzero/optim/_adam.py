@@ -94,7 +94,7 @@ def _adam(
                 eps,
                 step_size,
             ]
-            fast, groups, large = split(leaves, groups, large)
+            fast, groups, large = split(leaves, groups, large, [mu_l, nu_l, nu_max_l])
             columns = [g_l, mu_l, nu_l, nu_max_l]
             key = (amsgrad, decoupled, maximize)
             run(make_adam, key, step_scalars, backend, fast, leaves, columns, decay)

@@ -5,17 +5,18 @@ fzero's unfused Adam runs torch's single-tensor ops, seven passes over memory pe
 each rounding as torch's `foreach=False` loop does (bitwise). Compiled, the same
 expression is one pass (inductor's loop, vectorised and threaded on the CPU; one kernel
 on a GPU): on a flat shard of 50M fp32 elements here, 1.6-1.7 G params/s against
-0.3-0.4 unfused, as fast as torch's fused CPU AdamW (`benchmarks/RESULTS-host-adam.md`).
+0.3-0.4 unfused, about as fast as torch's fused CPU AdamW (`benchmarks/RESULTS-host-adam.md`).
 Its rounding is not the seven ops': the step is a product subtracted where torch's
-`addcdiv` multiplies by its value, the compiler writes `lerp` its own way, and the
-per-step scalars, worked out in Python floats as the unfused ops take them, are rounded
-once to the precision the parameters compute in. The values agree with the unfused
-update to a few ulps (tested: float64 to 1e-12 of torch.optim, float32 within 4 ulps).
+`addcdiv` multiplies by its value, and the compiler writes `lerp` its own way. The
+values agree with the unfused update to a few ulps (tested: float64 to 1e-12 of
+torch.optim, float32 within 4 ulps of the largest parameter); fp32 and fp64 leaves only
+(`_FUSED_DTYPES`).
 
-Only what varies per step is a tensor argument; the optimizer's structure (AMSGrad, a
-decay mask, the dtype) is fixed per kernel, each its own compiled function (`kernel`),
-so a process with many optimizers never reaches dynamo's recompile limit of one
-function. Shapes are dynamic: one compile serves every bucket and block of a dtype.
+Only what varies per step is a tensor argument (the scalars, worked out in Python floats
+as the unfused ops take them, then one tensor of the leaf's dtype); the optimizer's
+structure (AMSGrad, a decay mask, the dtype) is fixed per kernel, each its own compiled
+function (`kernel`), and every tensor goes in flat, of a dynamic length (`run`): one
+compile serves every bucket, block and owned tensor of a dtype.
 """
 
 from __future__ import annotations
@@ -54,21 +55,42 @@ def backend_for(fused: bool | None) -> str | None:
     return (step or "inductor") if fused else None
 
 
+# What a kernel updates: fp32 and fp64. A 16-bit leaf keeps the unfused ops: its scalars
+# would be 0-d float32 tensors, which a backend running the traced ops as eager kernels
+# on a GPU rounds to the leaf's dtype first (beta2 = 0.999 is 1.0 in bf16); inductor on
+# the CPU moved bf16 leaves away from the unfused update's (measured here).
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
 def split(
-    leaves: list[torch.Tensor], groups: list[list[int]], large: list[int]
+    leaves: list[torch.Tensor],
+    groups: list[list[int]],
+    large: list[int],
+    written: list[list[Any]],
 ) -> tuple[list[int], list[list[int]], list[int]]:
     """Which leaves a fused update runs as kernels: `(fused, groups, large)`, the last two
     what is left of `grouped`'s answer for the unfused ops.
 
-    Every real floating leaf with elements, where the update runs on a shard's pieces
-    (few flat buffers); of a tree (stage 0, an optimizer called on its own), the large
-    ones only: a compiled kernel's call costs some 40 us on the host (measured here),
-    four times what one leaf costs in a group of list ops.
+    Every contiguous fp32 or fp64 leaf with elements whose state (`written`: per leaf,
+    the tensors the update writes besides it) is contiguous too, where the update runs on
+    a shard's pieces (few flat buffers); of a tree (stage 0, an optimizer called on its
+    own), the large ones only: a compiled kernel's call costs some 40 us on the host
+    (measured here), four times what one leaf costs in a group of list ops.
     """
     ctx = current()
     pieces = ctx is not None and ctx.segments is not None
     candidates = large + [i for g in groups for i in g] if pieces else large
-    fast = [i for i in candidates if leaves[i].numel() > 0 and leaves[i].is_floating_point()]
+
+    def fits(i: int) -> bool:
+        p = leaves[i]
+        state = [c[i] for c in written if c[i] is not None]
+        return (
+            p.numel() > 0
+            and p.dtype in _FUSED_DTYPES
+            and all(x.is_contiguous() for x in (p, *state))
+        )
+
+    fast = [i for i in candidates if fits(i)]
     taken = set(fast)
     kept = [[i for i in g if i not in taken] for g in groups]
     return fast, [g for g in kept if g], [i for i in large if i not in taken]
@@ -85,7 +107,16 @@ def run(
     decay: list[Any],
 ) -> None:
     """`make`'s kernel over each leaf of `fast`: `kernel(p, *its columns, mask, s)`, its
-    key `key` and the leaf's decay (`decay_kind`), `s` the step's scalars."""
+    key `key` and the leaf's decay (`decay_kind`), `s` the step's scalars.
+
+    Every tensor goes in flat (a view: `split` took contiguous ones), so the kernel sees
+    one shape, of a dynamic length: dynamo specialises the number of dimensions and
+    dimensions of size 0 or 1, and with the owned tensors of `layout="tensor"` in their
+    own shapes a kernel compiled once per shape reached its recompile limit (a hard
+    error under `fullgraph`). Flat, a 0-d leaf is a view of shape (1,) too: compiled
+    (torch 2.13, either backend), an in-place update of a 0-d input by a product with an
+    element of the scalars was lost, the input left as it was (found here).
+    """
     made: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
     for i in fast:
         p, d = leaves[i], decay[i]
@@ -93,24 +124,15 @@ def run(
         if s is None:
             s = made[p.dtype, p.device] = scalars(step_scalars, p)
         mask = None if isinstance(d, bool) else d
-        tensors = [_one_d(x) for x in (p, *(c[i] for c in columns), mask)]
-        kernel(make, backend, (*key, decay_kind(d)), p)(*tensors, s)
-
-
-def _one_d(x: Any) -> Any:
-    """A 0-d tensor as a view of one element: compiled (torch 2.13, either backend), an
-    in-place update of a 0-d input by a product with an element of `s` was lost, the
-    input left as it was (found here; the same on a view of shape (1,) is written)."""
-    return x.view(1) if isinstance(x, torch.Tensor) and x.dim() == 0 else x
+        flat = [None if x is None else x.reshape(-1) for x in (p, *(c[i] for c in columns), mask)]
+        kernel(make, backend, (*key, decay_kind(d)), p)(*flat, s)
 
 
 def scalars(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """A step's scalars, worked out in Python floats as the unfused ops take them, as one
-    tensor in the precision `like`'s ops compute in (float32 for fp16 and bf16, as torch
-    rounds a Python scalar), where `like` is: an argument, not a constant of the trace,
-    so the next step's values reuse the compiled kernel."""
-    dtype = torch.promote_types(like.dtype, torch.float32)
-    return torch.tensor(values, dtype=torch.float64).to(like.device, dtype, non_blocking=True)
+    tensor of `like`'s dtype and device: an argument, not a constant of the trace, so
+    the next step's values reuse the compiled kernel."""
+    return torch.tensor(values, dtype=torch.float64).to(like.device, like.dtype, non_blocking=True)
 
 
 def kernel(
@@ -120,15 +142,17 @@ def kernel(
     and device type), made once per process and key.
 
     Each key's function gets its own code object: dynamo caches compiled code per code
-    object and stops compiling one (falling back to eager, with a warning) after a few
-    variants, which distinct optimizers and dtypes in one process would otherwise share.
+    object and, under `fullgraph`, raises once one has compiled a few variants (its
+    recompile limit, 8), which distinct optimizers and dtypes in one process would
+    otherwise share. A key's kernel compiles twice at most: for flat tensors of one
+    element, and of a dynamic length (`run`).
     """
     full = (make.__qualname__, backend, *args, like.dtype, like.device.type)
     fn = _KERNELS.get(full)
     if fn is None:
         body = make(*args)
         name = f"{body.__name__}_{len(_KERNELS)}"
-        code = body.__code__.replace(co_name=name, co_qualname=name)
+        code = body.__code__.replace(co_name=name)  # co_qualname: Python >= 3.11 only
         fresh = types.FunctionType(code, body.__globals__, name, None, body.__closure__)
         fn = _KERNELS[full] = torch.compile(fresh, backend=backend, dynamic=True, fullgraph=True)
     return fn

@@ -100,7 +100,7 @@ def sgd(
             first = count == 0
             step_scalars = [step_lr, weight_decay, momentum, 0.0 if first else momentum]
             step_scalars.append(1.0 if first else 1 - dampening)
-            fast, groups, large = split(leaves, groups, large)
+            fast, groups, large = split(leaves, groups, large, [buf_leaves])
             key = (nesterov, maximize, momentum != 0)
             columns = [grad_leaves, buf_leaves]
             run(make_sgd, key, step_scalars, backend, fast, leaves, columns, decay)

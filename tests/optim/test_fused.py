@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+import fzero
 from fzero import optim
 from fzero.optim._context import ShardContext, shard_context
 from fzero.optim._fused import _KERNELS, compiled_updates
+from tests.step.test_weights import DIMS
+from tests.support import fused_kernels, make_params, run, with_fused_kernels
 
 # (fzero's factory, torch's class, hyper-parameters): decay on "w" only, so that the flat
 # piece below mixes a decayed and an undecayed parameter (the kernel's mask).
@@ -63,72 +66,113 @@ def _train(
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_fused_kernels_step_as_torch_in_float64(name: str) -> None:
-    """Compiled by inductor: within 1e-12 of torch's loop, parameters moved."""
+    """Compiled by inductor, a kernel call a step: within 1e-12 of torch's loop,
+    parameters moved."""
     _, cls, hyper = CONFIGS[name]
-    got, want, start = _train(_make(name, True), cls, hyper, torch.float64)
+    with fused_kernels() as calls:
+        got, want, start = _train(_make(name, True), cls, hyper, torch.float64)
+    assert calls == [(340,)] * 4
     assert (got - start).abs().max() > 1e-3
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
 def test_fused_kernels_round_within_a_few_ulps_in_float32(name: str) -> None:
-    """The kernel's rounding differs from the seven ops' (a contracted multiply-add, the
-    scalars rounded once): the documented bound, 4 ulps of the largest parameter."""
+    """The kernel's rounding differs from the seven ops' (`_fused`): the documented bound,
+    4 ulps of the largest parameter."""
     _, cls, hyper = CONFIGS[name]
-    got, want, start = _train(_make(name, True), cls, hyper, torch.float32)
+    with fused_kernels() as calls:
+        got, want, start = _train(_make(name, True), cls, hyper, torch.float32)
+    assert len(calls) == 4
     assert (got - start).abs().max() > 1e-3
     bound = 4 * torch.finfo(torch.float32).eps * want.abs().max().item()
     assert (got - want).abs().max().item() <= bound
+
+
+def test_16_bit_leaves_keep_the_unfused_ops() -> None:
+    """A bf16 piece under `fused=True`: no kernel, bitwise torch's loop."""
+    _, cls, hyper = CONFIGS["adamw"]
+    with fused_kernels() as calls:
+        got, want, start = _train(_make("adamw", True), cls, hyper, torch.bfloat16)
+    assert calls == [] and torch.equal(got, want) and not torch.equal(got, start)
 
 
 def test_fused_none_follows_the_compiled_step() -> None:
     """`fused=None` (the default) fuses inside a compiled step's update, with its backend,
     and nowhere else; `fused=False` never does (bitwise torch's loop there too)."""
     hyper = CONFIGS["adamw"][2]
-    before = len(_KERNELS)
-    eager, want, _ = _train(_make("adamw", None), torch.optim.AdamW, hyper, torch.float64)
-    assert torch.equal(eager, want) and len(_KERNELS) == before
-    with compiled_updates("aot_eager"):
-        off, _, _ = _train(_make("adamw", False), torch.optim.AdamW, hyper, torch.float64)
-        assert torch.equal(off, want) and len(_KERNELS) == before
-        on, _, _ = _train(_make("adamw", None), torch.optim.AdamW, hyper, torch.float64)
-    assert ("make_adam", "aot_eager") in {k[:2] for k in _KERNELS}
+    with fused_kernels() as calls:
+        eager, want, _ = _train(_make("adamw", None), torch.optim.AdamW, hyper, torch.float64)
+        with compiled_updates("aot_eager"):
+            off, _, _ = _train(_make("adamw", False), torch.optim.AdamW, hyper, torch.float64)
+            assert calls == []
+            on, _, _ = _train(_make("adamw", None), torch.optim.AdamW, hyper, torch.float64)
+    assert torch.equal(eager, want) and torch.equal(off, want)
+    assert len(calls) == 4 and ("make_adam", "aot_eager") in {k[:2] for k in _KERNELS}
     torch.testing.assert_close(on, want, rtol=0, atol=1e-12)
 
 
 def test_a_kernel_compiles_once_for_new_sizes_and_learning_rates() -> None:
     """The step's scalars are arguments and the shapes dynamic: a schedule and pieces of
-    other sizes reuse the compiled kernel (one graph)."""
+    other sizes reuse the compiled kernel (one graph; none if an earlier test made it)."""
     opt = optim.sgd(lr=lambda count: 0.1 / (1 + count), momentum=0.5, fused=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for n in (1000, 3000, 20000):
-        params = (torch.randn(n, dtype=torch.float64),)
-        state = opt.init(params)
-        for _ in range(3):
-            with shard_context(ShardContext(None, True, ((("x", 0, n),),))):
-                params, state = opt.update_((torch.randn(n, dtype=torch.float64),), state, params)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    with fused_kernels() as calls:
+        for n in (1000, 3000, 20000):
+            params = (torch.randn(n, dtype=torch.float64),)
+            state = opt.init(params)
+            for _ in range(3):
+                with shard_context(ShardContext(None, True, ((("x", 0, n),),))):
+                    grads = (torch.randn(n, dtype=torch.float64),)
+                    params, state = opt.update_(grads, state, params)
+    assert len(calls) == 9
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 1
+
+
+# Owned tensors as `layout="tensor"` hands them over: a 0-d one (compiled, torch 2.13 lost
+# an in-place update of a 0-d input), one element, and the shapes of a vision model
+# (tokens, a patch convolution, 1x1 and depthwise kernels), more than dynamo's recompile
+# limit of shapes for one function.
+SHAPES = [(), (1,), (4, 7), (5,), (4, 4), (1, 7), (7, 1), (2, 3, 3, 3), (4, 3, 1, 1)]
+SHAPES += [(1, 1, 7), (3, 1, 3, 3), (6, 2), (2, 2, 2, 2, 2)]
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_kernels_update_pieces_of_every_rank(backend: str) -> None:
-    """Owned tensors in their shapes (layout="tensor"): 0-d (compiled, torch 2.13 lost an
-    in-place update of a 0-d input), one element, a matrix; AdamW as torch's."""
+def test_kernels_update_owned_tensors_of_any_shape(backend: str) -> None:
+    """Every shape through one kernel (flat views), AdamW as torch's."""
     g = torch.Generator().manual_seed(1)
-    shapes = [(), (1,), (4, 7)]
-    start = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    start = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
     pieces, opt = tuple(x.clone() for x in start), optim.adamw(lr=0.05, weight_decay=0.1)
     state = opt.init(pieces)
     ref = [x.clone() for x in start]
     torch_opt = torch.optim.AdamW(ref, lr=0.05, weight_decay=0.1, foreach=False)
     segments = tuple(((f"x{i}", 0, x.numel()),) for i, x in enumerate(start))
-    for _ in range(3):
-        grads = tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
-        with compiled_updates(backend), shard_context(ShardContext(None, True, segments)):
-            pieces, state = opt.update_(grads, state, pieces)
-        for r, gr in zip(ref, grads):
-            r.grad = gr
-        torch_opt.step()
+    with fused_kernels() as calls:
+        for _ in range(3):
+            grads = tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES)
+            with compiled_updates(backend), shard_context(ShardContext(None, True, segments)):
+                pieces, state = opt.update_(grads, state, pieces)
+            for r, gr in zip(ref, grads):
+                r.grad = gr
+            torch_opt.step()
+    assert len(calls) == 3 * len(SHAPES)
     for got, want, x in zip(pieces, ref, start):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         assert (got - x).abs().max() > 1e-4
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_step_runs_its_update_as_fused_kernels() -> None:
+    """`sharded_step(compile=...)` with the default `adamw()`: every rank's update runs
+    kernels (each owned tensor of layout="tensor" one call), training as torch.optim."""
+    from tests.step.test_compiled import train
+    from tests.step.test_weights import make_data, reference
+
+    params = make_params(DIMS, torch.float64, 2)
+    data = make_data([[[2], [1]], [[1], [2]]], 2)
+    want = reference(params, data, "pair", "adamw")
+    args = (train, params, data, "pair", 2, "tensor", "aot_eager", (), 0, "adamw")
+    for (got, _), calls in run(2, with_fused_kernels, *args):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert calls > 0
+    assert fzero._core._tree.max_abs_diff(got, params) > 1e-3

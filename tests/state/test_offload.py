@@ -16,7 +16,14 @@ from torch import nn
 
 import fzero
 from tests.state.test_precision import FP16, FP32, UNITS, Net, data, make_loss, reference
-from tests.support import make_params, map_every_allocation, mlp_loss, peak_rss_rise, run
+from tests.support import (
+    make_params,
+    map_every_allocation,
+    mlp_loss,
+    peak_rss_rise,
+    run,
+    with_fused_kernels,
+)
 
 MAX_NORM = 0.4
 DIMS = [4, 7, 5, 3]
@@ -142,18 +149,18 @@ def test_offloaded_training_is_the_device_training_and_torchs(
 
 @pytest.mark.parametrize("clip", [True, False])
 def test_a_fused_optimizer_steps_an_offloaded_state_as_torch(clip: bool) -> None:
-    """`adamw(fused=True)`: the host's update, a compiled kernel (inductor's loop) per
-    offloaded block, also on the host thread that steps units during the backward
+    """`adamw(fused=True)`: the host's update a compiled kernel (inductor's loop) per
+    offloaded bucket, also on the host thread that steps units during the backward
     (without clipping); float64 against torch.optim, parameters moved."""
     params = make_params(DIMS, torch.float64, 5)
     xs, ys = batches(3, 2, 2)
     want = torch_reference(params, xs, ys, "shift", clip)
     offload = fzero.Offload("host", 1.0)
-    got = run(2, train, params, xs, ys, 3, "flat", offload, None, "shift", True, clip)
-    for masters, report in got:
+    args = (train, params, xs, ys, 3, "flat", offload, None, "shift", True, clip)
+    for (masters, report), calls in run(2, with_fused_kernels, *args):
         fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
-        assert report.host > 0
-    assert fzero._core._tree.max_abs_diff(got[0][0], params) > 1e-3
+        assert report.host > 0 and calls >= 3  # a kernel call at least per step
+    assert fzero._core._tree.max_abs_diff(masters, params) > 1e-3
 
 
 def train_mixed(mesh: fzero.Mesh, xs: Any, ys: Any, stage: int, offload: Any) -> Any:
@@ -479,6 +486,10 @@ def big_optimizer(which: str) -> fzero.optim.Optimizer:
         "clipped": fzero.optim.chain(
             fzero.optim.clip_by_global_norm(0.05), fzero.optim.adamw(lr=0.01, mask=no_decay)
         ),
+        "fused": fzero.optim.chain(
+            fzero.optim.clip_by_global_norm(0.05),
+            fzero.optim.adamw(lr=0.01, mask=no_decay, fused=True),
+        ),
         "from_torch": fzero.optim.from_torch(torch.optim.AdamW, lr=0.01, foreach=False),
         "out of place": fzero.optim.Optimizer(base.init, base.update),  # no update_
     }[which]
@@ -494,16 +505,8 @@ def train_big(mesh: fzero.Mesh, xs: torch.Tensor, offload: Any, which: str = "cl
     return fzero.master_params(state, mesh)
 
 
-def test_a_shard_larger_than_a_block_is_stepped_in_blocks_bitwise(tmp_path: Path) -> None:
-    """A 2.25M-element matrix in one unit: each rank's host shard (1.1M elements) steps
-    in cache-sized blocks (`_streamed.BLOCK`); a weight-decay mask cuts across them."""
-    from fzero._step import _streamed
-
-    assert big_params()["w"].numel() // 2 > _streamed.BLOCK
-    xs = torch.randn(2, 4, 1500, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    plain = run(2, train_big, xs, None)[0]
-    got = run(2, train_big, xs, fzero.Offload("disk", 1.0, str(tmp_path)))[0]
-    fzero.assert_trees_close(got, plain, rtol=0, atol=0)
+def big_reference(xs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`big_optimizer("clipped")`'s training in torch.optim, one process."""
     tensors = {k: v.clone().requires_grad_() for k, v in big_params().items()}
     opt = torch.optim.AdamW(
         [{"params": [tensors["w"], tensors["v"]]}, {"params": [tensors["b"]], "weight_decay": 0}],
@@ -515,9 +518,34 @@ def test_a_shard_larger_than_a_block_is_stepped_in_blocks_bitwise(tmp_path: Path
         big_loss(tensors, xs[t]).backward()
         torch.nn.utils.clip_grad_norm_(list(tensors.values()), 0.05, foreach=False)
         opt.step()
-    fzero.assert_trees_close(
-        got, {k: v.detach() for k, v in tensors.items()}, rtol=1e-10, atol=1e-12
-    )
+    return {k: v.detach() for k, v in tensors.items()}
+
+
+def test_a_shard_larger_than_a_block_is_stepped_in_blocks_bitwise(tmp_path: Path) -> None:
+    """A 2.25M-element matrix in one unit: each rank's host shard (1.1M elements) steps
+    in cache-sized blocks (`_streamed.BLOCK`); a weight-decay mask cuts across them."""
+    from fzero._step import _streamed
+
+    assert big_params()["w"].numel() // 2 > _streamed.BLOCK
+    xs = torch.randn(2, 4, 1500, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plain = run(2, train_big, xs, None)[0]
+    got = run(2, train_big, xs, fzero.Offload("disk", 1.0, str(tmp_path)))[0]
+    fzero.assert_trees_close(got, plain, rtol=0, atol=0)
+    fzero.assert_trees_close(got, big_reference(xs), rtol=1e-10, atol=1e-12)
+    assert not torch.equal(got["w"], big_params()["w"])
+
+
+def test_a_fused_optimizer_steps_a_shard_larger_than_a_block_a_kernel_a_block() -> None:
+    """`adamw(fused=True)` offloaded: each cache-sized block of the host shard one kernel
+    call (the mask cutting across blocks), as torch.optim in float64."""
+    from fzero._step import _streamed
+
+    xs = torch.randn(2, 4, 1500, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    offload = fzero.Offload("host", 1.0)
+    blocks = -(-big_params()["w"].numel() // 2 // _streamed.BLOCK)
+    for got, calls in run(2, with_fused_kernels, train_big, xs, offload, "fused"):
+        fzero.assert_trees_close(got, big_reference(xs), rtol=1e-10, atol=1e-12)
+        assert calls >= blocks * xs.shape[0]
     assert not torch.equal(got["w"], big_params()["w"])
 
 
