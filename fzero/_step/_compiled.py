@@ -53,6 +53,7 @@ from .._engine import Unentered, own_slices
 from .._state import Precision, ShardedState
 from ._dynamo import own_code, raised_in_trace
 from ._entries import AllReduce, Gather, Scatter, bursts, comm_dtypes, entry_axes, gathered
+from ._local import local_leaves, reduce_sums
 from ._loss import BufferThread
 from ._loss_weights import Weighed
 from ._sync import StepSync
@@ -80,6 +81,8 @@ class CompiledLoss:
       reshard: at stage 3, a just-in-time unit's gather is recomputed for its backward
         rather than its full parameters kept from the forward (the compiler's remat,
         where eager frees them after the unit's forward and gathers again).
+      local: local accumulation (`_local`): the leaves are the full buffers, entered as
+        they are, and the graph has no collective.
     """
 
     def __init__(
@@ -93,11 +96,12 @@ class CompiledLoss:
         precision: Precision | None = None,
         jit: frozenset[str] = frozenset(),
         reshard: bool = True,
+        local: bool = False,
     ) -> None:
         self.loss_fn, self.layout, self.stage, self.rank = loss_fn, layout, stage, mesh.rank
         self.travel, self.reduce = comm_dtypes(precision, layout)
-        self.axes = entry_axes(mesh, stage)
-        self.reshard = reshard and stage.shards_params
+        self.axes, self.burst_bytes, self.local = entry_axes(mesh, stage), burst_bytes, local
+        self.reshard = reshard and stage.shards_params and not local
         later = {i for u in jit for i in layout.unit_buckets(u)}
         upfront = [i for i in range(len(layout.buckets)) if i not in later]
         self.runs = bursts(layout, burst_bytes, self.reduce, upfront)
@@ -217,7 +221,11 @@ class CompiledLoss:
         # and would hand it arguments the new-style signature does not take.
         bare = b.frozen or not torch.is_grad_enabled()
         a = self.axes
-        if self.stage.shards_params:  # the all-gather of every rank's shards
+        if self.local:  # the full buffers themselves, differentiated where they are
+            out = tuple(shards)
+            if bare:
+                return out
+        elif self.stage.shards_params:  # the all-gather of every rank's shards
             travel, reduce = self.travel[run[0]], self.reduce[run[0]]
             if bare:
                 return gathered(a.group, a.rows, travel, b.dtype, shards)
@@ -250,8 +258,11 @@ def compiled_grad(
     eager `accumulate="sharded"`), their sum divided by the micro-batch count.
     `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any."""
     lay, stage = state.layout, compiled.stage
-    held, fulls = entry_inputs(compiled, state, local, mesh)
-    leaves = [x.requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
+    if compiled.local:  # the full buffers, their gradients summed here, reduced after
+        leaves, fulls = local_leaves(compiled, state, local), []
+    else:
+        held, fulls = entry_inputs(compiled, state, local, mesh)
+        leaves = [x.requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
     anchor, calls = [], []
 
     def run(_: Any, mb: Any, buffers: Any = None) -> Any:
@@ -294,9 +305,13 @@ def compiled_grad(
                 continue
             g = next(got)
             g = torch.zeros_like(x) if g is None else g
+            if compiled.local:  # summed in the dtype the reduction will run in
+                g = g.to(compiled.reduce[i])
             acc = sums[i]
             sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
     n = len(micro)
+    if compiled.local:
+        return reduce_sums(compiled, sums, leaves, state, mesh, n)
     grads = [
         x.new_empty(0) if b.frozen else (g.div_(n) if n > 1 else g)
         for x, b, g in zip(leaves, lay.buckets, sums)
@@ -332,7 +347,6 @@ def entry_inputs(
 def check(o: Any, state: ShardedState) -> None:
     """What this slice of compiled steps takes; a ValueError naming what it does not."""
     refused = {
-        "accumulate='local' (accumulate='sharded' compiles)": o.accumulate == "local",
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
         "offload=": state.offload is not None,

@@ -46,11 +46,26 @@ _all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 
 
-def _scattered(table: torch.Tensor, axes: Axes) -> torch.Tensor:
-    """This rank's row of the summed rank-major `table`: reduce-scattered along the
-    shard axis, then summed across the replicas."""
+def scattered(
+    gs: Sequence[torch.Tensor], dtype: torch.dtype, axes: Axes, sizes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """This rank's shards (of `sizes` elements) of the mean of the full gradients `gs`
+    over every rank, in `dtype`: one reduce-scatter along the shard axis, of a table
+    whose row r is rank r's slice of every bucket, then a sum across the replicas."""
+    table = torch.cat([share(g, dtype, axes.ranks).reshape(axes.rows, -1) for g in gs], 1)
     mine = _reduce_scatter(table.reshape(-1), "sum", 0, axes.group)
-    return mine if axes.across is None else fc.all_reduce(mine, "sum", axes.across)
+    mine = mine if axes.across is None else fc.all_reduce(mine, "sum", axes.across)
+    return mine.split(sizes)
+
+
+def all_reduced(
+    gs: Sequence[torch.Tensor], dtype: torch.dtype, axes: Axes
+) -> tuple[torch.Tensor, ...]:
+    """The mean of the full gradients `gs` over the ranks, in `dtype`: one all-reduce of
+    them side by side, each returned in its shape."""
+    flat = torch.cat([share(g, dtype, axes.ranks).reshape(-1) for g in gs])
+    summed = fc.all_reduce(flat, "sum", axes.group)
+    return tuple(p.view_as(g) for p, g in zip(summed.split([g.numel() for g in gs]), gs))
 
 
 class AllReduce(torch.autograd.Function):
@@ -66,14 +81,10 @@ class AllReduce(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         leaves = inputs[1 : 1 + (len(inputs) - 1) // 2]
         ctx.axes, ctx.dtype = inputs[0], leaves[0].dtype
-        ctx.sizes = [x.numel() for x in leaves]
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([share(g, ctx.dtype, ctx.axes.ranks).reshape(-1) for g in gs])
-        summed = fc.all_reduce(flat, "sum", ctx.axes.group)
-        mine = (p.view_as(g) for p, g in zip(summed.split(ctx.sizes), gs))
-        return (None, *mine, *([None] * len(gs)))
+        return (None, *all_reduced(gs, ctx.dtype, ctx.axes), *([None] * len(gs)))
 
 
 class Scatter(torch.autograd.Function):
@@ -94,11 +105,7 @@ class Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        # Rank r's row: its slice of every bucket, so one reduce-scatter hands each rank
-        # its shards of all of them.
-        a = ctx.axes
-        table = torch.cat([share(g, ctx.dtype, a.ranks).reshape(a.rows, -1) for g in gs], 1)
-        return (None, *_scattered(table, a).split(ctx.sizes), *([None] * len(gs)))
+        return (None, *scattered(gs, ctx.dtype, ctx.axes, ctx.sizes), *([None] * len(gs)))
 
 
 def gathered(
@@ -137,9 +144,7 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        a = ctx.axes
-        table = torch.cat([share(g, ctx.reduce, a.ranks).reshape(a.rows, -1) for g in gs], 1)
-        return (None, None, None, None, *_scattered(table, a).split(ctx.sizes))
+        return (None, None, None, None, *scattered(gs, ctx.reduce, ctx.axes, ctx.sizes))
 
 
 def bursts(

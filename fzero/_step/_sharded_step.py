@@ -96,9 +96,9 @@ def sharded_step(
         that backend). Units enter before the loss (`module=`'s hooks are not traced)
         or, with `just_in_time`, where it calls `fzero.gathered` (stage 3 recomputes
         such a gather for the backward unless `reshard_after_forward=False`); 1-D and
-        2-D meshes, precision, loss scaling and "sharded" accumulation, but no "local"
-        accumulation, hpZ, quantize, offload or ledger (docs/training.md, "Compiled
-        steps").
+        2-D meshes, precision, loss scaling and accumulation, but no hpZ, quantize,
+        offload or ledger; fzero's optimizers then update through fused kernels
+        (docs/training.md, "Compiled steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
@@ -167,6 +167,7 @@ def sharded_step(
                     state.precision,
                     jit_units(state.layout) if o.just_in_time else frozenset(),
                     o.reshard_after_forward,
+                    o.accumulate == "local",
                 ),
             )
         try:

@@ -80,7 +80,7 @@ def train(
 @st.composite
 def cases(draw: Any) -> dict[str, Any]:
     world = draw(st.integers(1, 3))
-    accumulate = draw(st.sampled_from([None, "sharded"]))
+    accumulate = draw(st.sampled_from([None, "sharded", "local"]))
     m = draw(st.integers(2, 3)) if accumulate else 1
     # Every rank has every micro-batch (a compiled step needs them), of 1-2 sequences,
     # and the last step's are another size (a new shape: the graph recompiles).
@@ -130,10 +130,21 @@ def example_case(**kw: Any) -> dict[str, Any]:
 @example(c=example_case(stage=2, entry="gathered", burst=0))
 @example(c=example_case(stage=0, accumulate="sharded", sizes=[[[2, 1], [1, 2]]] * 2))
 @example(c=example_case(stage=1, accumulate="sharded", sizes=[[[1, 1], [2, 1]]] * 2))
+@example(  # local: full gradients summed, reduced once (stage 3: gathered once a step)
+    c=example_case(stage=3, accumulate="local", frozen=("layers.1",), sizes=[[[2, 1], [1, 2]]] * 2)
+)
+@example(c=example_case(stage=0, accumulate="local", kind="scalar", sizes=[[[1, 2], [2, 2]]] * 2))
+@example(
+    c=example_case(
+        stage=2, accumulate="local", layout="tensor", entry="gathered", burst=0,
+        sizes=[[[2, 2], [1, 1]]] * 2,
+    )
+)  # fmt: skip
 @given(cases())
 def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
     """Stages 0-3, flat and tensor layouts, 1-3 ranks, scalar losses and (total, weight)
-    pairs over uneven padding, one micro-batch or 2-3 accumulated ("sharded"), a frozen
+    pairs over uneven padding, one micro-batch or 2-3 accumulated ("sharded", or "local":
+    reduced once after the last), a frozen
     unit or none, every bucket its own collective or all in one, units entering before
     the loss or where it calls fzero.gathered (just_in_time): float64 AdamW and SGD
     (which, unlike Adam, sees a gradient's scale) equal to one-process torch.optim on the
@@ -289,8 +300,10 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     step_kw: dict[str, Any] = {"units": UNITS, "compile": "aot_eager"}
     if what == "just in time":
         step_kw["just_in_time"] = True
-    if what in ("local", "a missing micro-batch", "uneven micro-batches"):
-        step_kw["accumulate"] = "local" if what == "local" else "sharded"
+    if what == "quantized":
+        step_kw["quantize"] = fzero.QuantizedComm()
+    if what in ("a missing micro-batch", "uneven micro-batches"):
+        step_kw["accumulate"] = "sharded"
     step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, **step_kw)
     batch = make_data([[[1, 1], [1, 1]]], 0)[0][mesh.rank]
     if "accumulate" not in step_kw:
@@ -314,7 +327,7 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     [
         ("just in time", "had not entered (just_in_time=True"),
         ("no batch", "rank(s) [1] stepped without a batch"),
-        ("local", "accumulate='local'"),
+        ("quantized", "does not yet compile a step with quantize="),
         ("a missing micro-batch", "rank(s) [1] stepped without a batch or micro-batch"),
         ("uneven micro-batches", "different numbers of micro-batches ([2, 1], by rank)"),
     ],
@@ -461,11 +474,12 @@ def test_a_compiled_stage_3_forward_without_a_batch_is_refused_on_every_rank() -
 def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
     """Stages 0-3 in turn on a 2-D mesh of 4 ranks (2 shard, 2 replicas), from `params`
     each time, compiled: units where the loss asks at stages 0 and 3, before it at 1 and
-    2. The four trained trees."""
+    2; accumulating locally at stages 1 and 3 (a list of one micro-batch: reduced after
+    the graph, across the replicas too). The four trained trees."""
     mesh = fzero.ProcessGroupMesh(shard_size=2)
     out = []
     for stage in range(4):
-        jit = stage in (0, 3)
+        jit, local = stage in (0, 3), stage in (1, 3)
         opt = make_optimizer("adamw")
         state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
         step = fzero.sharded_step(
@@ -476,9 +490,11 @@ def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
             units=UNITS,
             just_in_time=jit,
             compile="aot_eager",
+            accumulate="local" if local else None,
         )
         for per_rank in data:
-            state, _ = step(state, per_rank[mesh.rank][0])
+            mb = per_rank[mesh.rank][0]
+            state, _ = step(state, [mb] if local else mb)
         out.append(final_params(state, mesh))
     return out
 
