@@ -32,8 +32,9 @@ where the mean does not); the values agree with eager to rounding, not bitwise. 
 update, the loss weights' exchange and the gather after the update are the eager step's
 (`_body`), but fzero's optimizers run their arithmetic fused, one compiled kernel per
 flat piece (`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch,
-each run reducing its own (eager `accumulate="sharded"`). What this slice compiles, and
-what it refuses: `check`.
+each run reducing its own (eager `accumulate="sharded"`); "local" accumulation runs a
+graph without collectives and reduces the sum after the last (`_local`). What this
+slice compiles, and what it refuses: `check`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class CompiledLoss:
         the graph; the others enter before the loss.
       reshard: at stage 3, a just-in-time unit's gather is recomputed for its backward
         rather than its full parameters kept from the forward (the compiler's remat,
-        where eager frees them after the unit's forward and gathers again).
+        where eager frees them after the unit's forward and gathers again); not with
+        `local`, which gathers the whole model once for the step.
       local: local accumulation (`_local`): the leaves are the full buffers, entered as
         they are, and the graph has no collective.
     """
@@ -255,7 +257,8 @@ def compiled_grad(
     """This rank's part of the mean gradient over the ranks and micro-batches, shaped as
     `mean_grad`'s (the trainable tree at stage 0, this rank's `Shards` otherwise): a
     compiled forward and its backward per micro-batch, each reducing in the graph (as
-    eager `accumulate="sharded"`), their sum divided by the micro-batch count.
+    eager `accumulate="sharded"`; with `compiled.local`, none reducing, their full sum
+    reduced after the last, `_local`), their sum divided by the micro-batch count.
     `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any."""
     lay, stage = state.layout, compiled.stage
     if compiled.local:  # the full buffers, their gradients summed here, reduced after
@@ -305,9 +308,9 @@ def compiled_grad(
                 continue
             g = next(got)
             g = torch.zeros_like(x) if g is None else g
-            if compiled.local:  # summed in the dtype the reduction will run in
-                g = g.to(compiled.reduce[i])
             acc = sums[i]
+            if compiled.local:  # summed in the dtype the reduction will run in, owned
+                g = g.to(compiled.reduce[i], copy=acc is None)
             sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
     n = len(micro)
     if compiled.local:

@@ -61,7 +61,7 @@ def reduce_sums(
     for run in bursts(lay, compiled.burst_bytes, compiled.reduce):
         if lay.buckets[run[0]].frozen:
             continue
-        gs = [s for s in (sums[i] for i in run) if s is not None]
+        gs = [sums[i] for i in run]  # every trainable bucket's (zeros where unused)
         dtype = compiled.reduce[run[0]]
         if stage.shards_optimizer:
             reduced = scattered(gs, dtype, a, [lay.buckets[i].shard_numel for i in run])

@@ -95,10 +95,10 @@ def sharded_step(
         entering through functional collectives (True: the inductor backend; a string:
         that backend). Units enter before the loss (`module=`'s hooks are not traced)
         or, with `just_in_time`, where it calls `fzero.gathered` (stage 3 recomputes
-        such a gather for the backward unless `reshard_after_forward=False`); 1-D and
-        2-D meshes, precision, loss scaling and accumulation, but no hpZ, quantize,
-        offload or ledger; fzero's optimizers then update through fused kernels
-        (docs/training.md, "Compiled steps").
+        such a gather for the backward unless `reshard_after_forward=False` or
+        accumulating locally); 1-D and 2-D meshes, precision, loss scaling and
+        accumulation, but no hpZ, quantize, offload or ledger; fzero's optimizers then
+        update through fused kernels (docs/training.md, "Compiled steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its

@@ -374,6 +374,20 @@ def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: st
     2 is exact) within the fused update's few fp32 ulps (eager: bitwise; compiled, the
     update is one kernel per piece, `fzero.optim._fused`), within bf16's rounding of the
     mean at 3, where each rank divides before the sum and torch after it."""
+    _precision_case(stage, case)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_local_accumulation_compiles_under_precision_and_a_skipping_scaler(stage: int) -> None:
+    """`accumulate="local"` compiled, fp16 compute, fp32 reduction, a scaler skipping
+    step 1 (its inf summed into the local gradient): each rank's batch twice as two
+    micro-batches, whose fp32 sum and halving are exact, so the masters are those of the
+    test above, torch.optim's (within the fused update's ulps)."""
+    _precision_case(stage, "fp16, fp32 reduce, scaler", accumulate="local")
+
+
+def _precision_case(stage: int, case: str, accumulate: str | None = None) -> None:
     from tests.state.test_precision import BF16, FP16, FP32, close, data, reference
     from tests.state.test_precision import train as train_precision
 
@@ -383,7 +397,7 @@ def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: st
     ref = reference(xs, ys, pdt, rdt, scale=scale)
     if scale:
         assert ref["skipped"] == [False, True, False, False, False]
-    kw = dict(pdt=pdt, rdt=rdt, scale=scale, compile="aot_eager")
+    kw = dict(pdt=pdt, rdt=rdt, scale=scale, compile="aot_eager", accumulate=accumulate)
     for out in fzero.simulate(n, train_precision, xs, ys, stage, **kw):
         assert out["graphs"] >= 1  # compiled, not stepped eagerly
         assert out["step"] == (4 if scale else 5)
@@ -474,8 +488,9 @@ def test_a_compiled_stage_3_forward_without_a_batch_is_refused_on_every_rank() -
 def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
     """Stages 0-3 in turn on a 2-D mesh of 4 ranks (2 shard, 2 replicas), from `params`
     each time, compiled: units where the loss asks at stages 0 and 3, before it at 1 and
-    2; accumulating locally at stages 1 and 3 (a list of one micro-batch: reduced after
-    the graph, across the replicas too). The four trained trees."""
+    2; two micro-batches a rank, accumulated locally at stages 1 and 3 (reduced once
+    after the graphs, across the replicas too), "sharded" at 0 and 2. The four trained
+    trees."""
     mesh = fzero.ProcessGroupMesh(shard_size=2)
     out = []
     for stage in range(4):
@@ -490,11 +505,10 @@ def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
             units=UNITS,
             just_in_time=jit,
             compile="aot_eager",
-            accumulate="local" if local else None,
+            accumulate="local" if local else "sharded",
         )
         for per_rank in data:
-            mb = per_rank[mesh.rank][0]
-            state, _ = step(state, [mb] if local else mb)
+            state, _ = step(state, per_rank[mesh.rank])
         out.append(final_params(state, mesh))
     return out
 
@@ -505,7 +519,7 @@ def test_a_two_dimensional_mesh_compiles() -> None:
     graph, the replica axis sums the reduced shards (stage 0: the world all-reduces);
     every stage trains as one-process torch.optim (float64, uneven padding)."""
     params = make_params(DIMS, torch.float64, 11)
-    data = make_data([[[2], [1], [1], [2]], [[1], [2], [2], [2]]], 11)
+    data = make_data([[[2, 1], [1, 1], [1, 2], [2, 2]], [[1, 2], [2, 1], [2, 2], [2, 1]]], 11)
     want = reference(params, data, "pair", "adamw")
     for per_stage in fzero.Simulation(4, collective_timeout=120, timeout=600).run(
         hybrid, params, data
