@@ -331,12 +331,19 @@ def entry_inputs(
     local: tuple[torch.Tensor, ...] | None,
     mesh: Mesh,
 ) -> tuple[list[torch.Tensor], list[Any]]:
-    """The compiled loss's `(leaves, fulls)` for `state`, detached: at stage 3 the shards;
+    """The compiled loss's `(leaves, fulls)` for `state`, detached: at stage 3 the shards
+    (at least in the reduce dtype);
     at stages 0-2 the replicas `local` as what the forward reads, and as leaves fresh
     zero-stride tensors in the reduce dtype, storage-free, that only receive the
     gradients (not views of the buffers, so the graph's inputs do not alias)."""
     if compiled.stage.shards_params:
-        return [x.detach() for x in state.params.buffers], []
+        # A shard narrower than the reduce dtype (an offloaded state's device copy, in the
+        # parameter dtype, its master on the host) is upcast, exactly: a leaf of its own
+        # dtype would have autograd cast the reduced gradient down to it.
+        return [
+            x.detach().to(torch.promote_types(x.dtype, r))
+            for x, r in zip(state.params.buffers, compiled.reduce)
+        ], []
     assert local is not None
     lay = state.layout
     mine = own_slices(local, lay, mesh.shard_rank) if compiled.stage.shards_optimizer else local
@@ -352,7 +359,6 @@ def check(o: Any, state: ShardedState) -> None:
     refused = {
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
-        "offload=": state.offload is not None,
         "ledger=": o.ledger is not None,
     }
     said = [what for what, bad in refused.items() if bad]

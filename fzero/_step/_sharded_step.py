@@ -97,7 +97,7 @@ def sharded_step(
         or, with `just_in_time`, where it calls `fzero.gathered` (stage 3 recomputes
         such a gather for the backward unless `reshard_after_forward=False` or
         accumulating locally); 1-D and 2-D meshes, precision, loss scaling and
-        accumulation, but no hpZ, quantize, offload or ledger; fzero's optimizers then
+        accumulation and offload, but no hpZ, quantize or ledger; fzero's optimizers then
         update through fused kernels (docs/training.md, "Compiled steps").
 
     Returns:
@@ -171,7 +171,9 @@ def sharded_step(
                 ),
             )
         try:
-            thread = cache.host_thread() if _may_overlap(o, cache, state, ctx) else None
+            # Compiled, no gradient is handed over during the backward (it is the graph's).
+            overlap = compiled is None and _may_overlap(o, cache, state, ctx)
+            thread = cache.host_thread() if overlap else None
             out = body(fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled)
         except RuntimeError as exc:
             if isinstance(exc, PeerError) or not is_peer_failure(exc):

@@ -74,13 +74,14 @@ def train(
     frozen: str,
     fused: bool | None = None,
     clip: bool = True,
+    compiled: str | bool = False,
 ) -> Any:
     opt = optimizer(fused, clip)
     kw: dict[str, Any] = dict(stage=stage, units=LAYER_UNITS)
     state = fzero.shard_state(
         params, opt, mesh, layout=layout, frozen=[frozen], offload=offload, **kw
     )
-    step = fzero.sharded_step(mlp_loss, opt, mesh, accumulate=accumulate, **kw)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, accumulate=accumulate, compile=compiled, **kw)
     n = xs.shape[1] // mesh.size
     for t in range(xs.shape[0]):
         x, y = (
@@ -163,7 +164,33 @@ def test_a_fused_optimizer_steps_an_offloaded_state_as_torch(clip: bool) -> None
     assert fzero._core._tree.max_abs_diff(masters, params) > 1e-3
 
 
-def train_mixed(mesh: fzero.Mesh, xs: Any, ys: Any, stage: int, offload: Any) -> Any:
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("stage", "tier", "accumulate", "clip"),
+    [(1, "disk", "local", True), (2, "host", None, False), (3, "host", "sharded", True)],
+)
+def test_a_compiled_step_updates_an_offloaded_state(
+    tmp_path: Path, stage: int, tier: str, accumulate: str | None, clip: bool
+) -> None:
+    """`sharded_step(compile=...)` with `offload=`: the graph's gradient, then the
+    offloaded update unit by unit after the backward (compiled, none during it), fzero's
+    AdamW fused on the host; float64 against torch.optim, a frozen leaf unchanged."""
+    directory = str(tmp_path) if tier == "disk" else None
+    params = make_params(DIMS, torch.float64, 6)
+    xs, ys = batches(3, 2, 2)
+    want = torch_reference(params, xs, ys, "shift", clip)
+    offload = fzero.Offload(tier, 1.0, directory)
+    args = (params, xs, ys, stage, "flat", offload, accumulate, "shift", None, clip, "aot_eager")
+    for (masters, report), calls in run(2, with_fused_kernels, train, *args):
+        fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
+        assert report.host + report.disk > 0 and calls > 0
+        assert torch.equal(masters["shift"], params["shift"])
+    assert fzero._core._tree.max_abs_diff(masters, params) > 1e-3
+
+
+def train_mixed(
+    mesh: fzero.Mesh, xs: Any, ys: Any, stage: int, offload: Any, compiled: Any = False
+) -> Any:
     torch.manual_seed(0)
     model = Net()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -174,7 +201,8 @@ def train_mixed(mesh: fzero.Mesh, xs: Any, ys: Any, stage: int, offload: Any) ->
     state = fzero.shard_state(
         params, opt, mesh, precision=prec, loss_scale=scale, offload=offload, **kw
     )
-    step = fzero.sharded_step(make_loss(model, FP16), opt, mesh, module=model, **kw)
+    loss_fn = make_loss(model, FP16)
+    step = fzero.sharded_step(loss_fn, opt, mesh, module=model, compile=compiled, **kw)
     for t in range(xs.shape[0]):
         state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
     return fzero.master_params(state, mesh), state.step, fzero.gather_params(state.params, mesh)
@@ -196,6 +224,20 @@ def test_mixed_precision_with_a_skipped_step_offloaded(
         for k, m in ref["masters"].items():
             torch.testing.assert_close(masters[k], m, rtol=0, atol=0, msg=k)
             torch.testing.assert_close(params[k], m.to(FP16), rtol=0, atol=0, msg=k)
+            assert not torch.equal(masters[k], ref["start"][k]), k
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_mixed_precision_step_offloaded_skips_as_torch() -> None:
+    """The same, compiled at stage 3 with 60 % of the state on the host: the skip
+    everywhere, and the masters torch's within the fused update's fp32 ulps."""
+    xs, ys = data(2, 5, inf_at=(1, 1))
+    ref = reference(xs, ys, FP16, FP32, scale=True)
+    offload = fzero.Offload("host", 0.6)
+    for masters, steps, _ in run(2, train_mixed, xs, ys, 3, offload, "aot_eager"):
+        assert steps == 4
+        for k, m in ref["masters"].items():
+            torch.testing.assert_close(masters[k], m, rtol=0, atol=1e-6, msg=k)
             assert not torch.equal(masters[k], ref["start"][k]), k
 
 
