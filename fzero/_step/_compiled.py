@@ -34,7 +34,7 @@ update, the loss weights' exchange and the gather after the update are the eager
 flat piece (`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch,
 each run reducing its own (eager `accumulate="sharded"`); "local" accumulation runs a
 graph without collectives and reduces the sum after the last (`_local`). What this
-slice compiles, and what it refuses: `check`.
+slice compiles, and what it refuses: `_compile_checks`.
 """
 
 from __future__ import annotations
@@ -47,13 +47,21 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .. import _comm
 from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss, spec_of
 from .._engine import Unentered, own_slices
 from .._state import Precision, ShardedState
 from ._dynamo import own_code, raised_in_trace
-from ._entries import AllReduce, Gather, Scatter, bursts, comm_dtypes, entry_axes, gathered
+from ._entries import (
+    AllReduce,
+    Gather,
+    Scatter,
+    bursts,
+    comm_dtypes,
+    entry_axes,
+    gathered,
+    jit_bursts,
+)
 from ._local import local_leaves, reduce_sums
 from ._loss import BufferThread
 from ._loss_weights import Weighed
@@ -107,21 +115,22 @@ class CompiledLoss:
         later = {i for u in jit for i in layout.unit_buckets(u)}
         upfront = [i for i in range(len(layout.buckets)) if i not in later]
         self.runs = bursts(layout, burst_bytes, self.reduce, upfront)
-        # Per just-in-time unit, its runs, its leaves (slot index, path) and its spec:
-        # worked out here, since dynamo cannot trace the layout's cached
-        # properties on their first use.
-        self.jit = {
-            u: (
-                bursts(layout, burst_bytes, self.reduce, layout.unit_buckets(u)),
-                tuple(
+        # Just-in-time units in bursts (`jit_bursts`): per burst its runs; per unit its
+        # burst, its leaves (slot index, path) and its spec. Worked out here, since
+        # dynamo cannot trace the layout's cached properties on their first use.
+        ordered = sorted(jit, key=layout.units.index)
+        self.jit_runs: list[list[list[int]]] = []
+        self.jit: dict[str, tuple[int, tuple[tuple[int, str], ...], Any]] = {}
+        for members in jit_bursts(layout, ordered, burst_bytes, self.reduce):
+            among = [i for u in members for i in layout.unit_buckets(u)]
+            self.jit_runs.append(bursts(layout, burst_bytes, self.reduce, among))
+            for u in members:
+                slots = tuple(
                     (s.index, s.path)
                     for i in layout.unit_buckets(u)
                     for s in layout.buckets[i].slots
-                ),
-                spec_of(layout.unit_members(u)),
-            )
-            for u in sorted(jit, key=layout.units.index)
-        }
+                )
+                self.jit[u] = (len(self.jit_runs) - 1, slots, spec_of(layout.unit_members(u)))
         # The tree's structure as a tree of leaf indices: rebuilt inside the graph by
         # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
         # outside it).
@@ -172,12 +181,15 @@ class CompiledLoss:
         # parameters alive through the forward).
         entries: list[torch.Tensor] = []
         called: list[str] = []
+        entered: dict[int, dict[str, torch.Tensor]] = {}  # per burst, its leaves' views
         for run in self.runs:
             for i, flat in zip(run, self._enter(run, leaves, fulls, entries)):
                 for s in lay.buckets[i].slots:
                     views[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
         for unit, (_, slots, spec) in self.jit.items():
-            enter = functools.partial(self._enter_unit, unit, leaves, fulls, entries, called)
+            enter = functools.partial(
+                self._enter_unit, unit, leaves, fulls, entries, called, entered
+            )
             for index, path in slots:
                 views[index] = Unentered(path, spec, len(slots), self.rank, enter)
         params = optree.tree_map(lambda k: views[k], self.index, namespace=NAMESPACE)
@@ -197,16 +209,22 @@ class CompiledLoss:
         fulls: list[Any],
         entries: list[torch.Tensor],
         called: list[str],
+        entered: dict[int, dict[str, torch.Tensor]],
     ) -> dict[str, torch.Tensor]:
         """A just-in-time unit entered where the loss asks (`Unentered.enter`): its
-        leaves' views by path."""
-        lay, views = self.layout, {}
+        leaves' views by path. The first unit of its burst asked for enters the whole
+        burst; the others take their views from it (`entered`, per trace)."""
+        lay = self.layout
         called.append(unit)
-        for run in self.jit[unit][0]:
-            for i, flat in zip(run, self._enter(run, leaves, fulls, entries, self.reshard)):
-                for s in lay.buckets[i].slots:
-                    views[s.path] = flat[s.offset : s.offset + s.numel].view(s.shape)
-        return views
+        burst, slots, _ = self.jit[unit]
+        views = entered.get(burst)
+        if views is None:
+            views = entered[burst] = {}
+            for run in self.jit_runs[burst]:
+                for i, flat in zip(run, self._enter(run, leaves, fulls, entries, self.reshard)):
+                    for s in lay.buckets[i].slots:
+                        views[s.path] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        return {path: views[path] for _, path in slots}
 
     def _enter(
         self,
@@ -352,46 +370,3 @@ def entry_inputs(
         for x, d in zip(mine, compiled.reduce)
     ]
     return held, [x.detach() for x in local]
-
-
-def check(o: Any, state: ShardedState) -> None:
-    """What this slice of compiled steps takes; a ValueError naming what it does not."""
-    refused = {
-        "quantize=": o.quantize is not None,
-        "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
-        "ledger=": o.ledger is not None,
-    }
-    said = [what for what, bad in refused.items() if bad]
-    if said:
-        raise ValueError(
-            f"rank {o.mesh.rank}: sharded_step(compile=...) does not yet compile a step with "
-            f"{', '.join(said)}; step eagerly (compile=False) for those"
-        )
-
-
-def agree_present(micro: list[Any], mesh: Mesh) -> None:
-    """Before a compiled forward, whose collectives run inside the graph: every rank has
-    every micro-batch, as many as the others, or every rank raises (a rank without one
-    cannot join the graph's collectives, and a peer waiting in them would wait for the
-    group's timeout)."""
-    mine = [len(micro), sum(mb is not None for mb in micro)]
-    everyone = _comm.all_gather_ints_async(mine, mesh)()
-    absent = [r for r, (n, have) in enumerate(everyone) if have < n]
-    if absent:
-        raise _comm.agreed(
-            ValueError(
-                f"rank(s) {absent} stepped without a batch or micro-batch (None); compiled, "
-                "a step or forward runs its collectives inside the graph and needs every one "
-                "on every rank: give each rank them all (with weight 0 where they should not "
-                "count)"
-            )
-        )
-    counts = [n for n, _ in everyone]
-    if len(set(counts)) > 1:
-        raise _comm.agreed(
-            ValueError(
-                f"the ranks stepped different numbers of micro-batches ({counts}, by rank); a "
-                "compiled step runs each one's collectives inside the graph: give every rank "
-                "as many"
-            )
-        )

@@ -178,6 +178,28 @@ def bursts(
     return runs
 
 
+def jit_bursts(
+    layout: ShardLayout, units: Sequence[str], cap: int, reduce: list[torch.dtype]
+) -> list[tuple[str, ...]]:
+    """Just-in-time `units` (in the layout's order) in bursts of consecutive units whose
+    full buckets, in the reduce dtype, come to at most `cap` bytes together (0: a unit
+    each; a larger unit alone): a burst enters where the loss asks for its first unit,
+    as one entry, as eager prefetching gathers the units after it."""
+    out: list[tuple[str, ...]] = []
+    size = 0
+    for u in units:
+        nbytes = sum(
+            layout.buckets[i].full_numel * reduce[i].itemsize for i in layout.unit_buckets(u)
+        )
+        if out and size + nbytes <= cap:
+            out[-1] += (u,)
+            size += nbytes
+        else:
+            out.append((u,))
+            size = nbytes
+    return out
+
+
 def jit_units(layout: ShardLayout) -> frozenset[str]:
     """`just_in_time=True`'s units: every unit with parameters but the root."""
     return frozenset(u for u in layout.units if u and layout.unit_buckets(u))

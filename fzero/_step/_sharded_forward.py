@@ -32,7 +32,8 @@ from .._engine import (
 )
 from .._state import ShardedState
 from ._cache import StepCache
-from ._compiled import CompiledLoss, agree_present, entry_inputs
+from ._compile_checks import agree_present
+from ._compiled import CompiledLoss, entry_inputs
 from ._config import check_module
 from ._entries import jit_units
 from ._loss import copied

@@ -26,8 +26,9 @@ from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
 from ._body import body
 from ._cache import StepCache
-from ._compiled import CompiledLoss, agree_present
-from ._compiled import check as check_compiled
+from ._compile_checks import agree_present
+from ._compile_checks import check as check_compiled
+from ._compiled import CompiledLoss
 from ._config import agree, check_module, check_optimizer_state, configuration
 from ._entries import jit_units
 from ._loss import BufferThread, ScaledLoss, sync_buffers

@@ -674,3 +674,26 @@ def test_units_enter_from_a_subtree_and_a_part_of_one_is_refused(dynamo: bool) -
         fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
     for message in run(2, entering, params, data, "part", dynamo):
         assert "'layers.1.w' is only part of the just-in-time unit 'layers.1'" in message, message
+
+
+def test_just_in_time_units_enter_in_bursts_up_to_the_cap() -> None:
+    """`jit_bursts`: consecutive just-in-time units share an entry while their full
+    buckets (reduce dtype) fit `reduce_bucket_bytes`; 0, or a unit larger than the cap,
+    enters alone."""
+    from fzero._core._layout import build_layout
+    from fzero._step._entries import jit_bursts, jit_units
+
+    sizes = {"a": 100, "b": 300, "c": 50, "d": 60, "e": 1000}
+    params = {u: {"w": torch.zeros(n, dtype=torch.float64)} for u, n in sizes.items()}
+    layout = build_layout(params, 2, units=list(sizes))
+    units = sorted(jit_units(layout), key=layout.units.index)
+    reduce = [b.dtype for b in layout.buckets]
+    # 8 bytes an element: a, b = 3200 bytes; c, d = 880; e = 8000.
+    assert jit_bursts(layout, units, 3500, reduce) == [("a", "b"), ("c", "d"), ("e",)]
+    assert jit_bursts(layout, units, 0, reduce) == [(u,) for u in units]
+    assert jit_bursts(layout, units, 10**6, reduce) == [tuple(units)]
+    # A 4-byte reduce dtype halves what each unit counts for.
+    assert jit_bursts(layout, units, 3500, [torch.float32] * len(reduce)) == [
+        ("a", "b", "c", "d"),
+        ("e",),
+    ]

@@ -1,0 +1,53 @@
+"""What a compiled step takes: the options it does not compile yet (refused), and the
+micro-batches every rank must bring, since the graph runs its collectives inside it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _comm
+from .._comm import Mesh
+from .._state import ShardedState
+
+
+def check(o: Any, state: ShardedState) -> None:
+    """What this slice of compiled steps takes; a ValueError naming what it does not."""
+    refused = {
+        "quantize=": o.quantize is not None,
+        "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
+        "ledger=": o.ledger is not None,
+    }
+    said = [what for what, bad in refused.items() if bad]
+    if said:
+        raise ValueError(
+            f"rank {o.mesh.rank}: sharded_step(compile=...) does not yet compile a step with "
+            f"{', '.join(said)}; step eagerly (compile=False) for those"
+        )
+
+
+def agree_present(micro: list[Any], mesh: Mesh) -> None:
+    """Before a compiled forward, whose collectives run inside the graph: every rank has
+    every micro-batch, as many as the others, or every rank raises (a rank without one
+    cannot join the graph's collectives, and a peer waiting in them would wait for the
+    group's timeout)."""
+    mine = [len(micro), sum(mb is not None for mb in micro)]
+    everyone = _comm.all_gather_ints_async(mine, mesh)()
+    absent = [r for r, (n, have) in enumerate(everyone) if have < n]
+    if absent:
+        raise _comm.agreed(
+            ValueError(
+                f"rank(s) {absent} stepped without a batch or micro-batch (None); compiled, "
+                "a step or forward runs its collectives inside the graph and needs every one "
+                "on every rank: give each rank them all (with weight 0 where they should not "
+                "count)"
+            )
+        )
+    counts = [n for n, _ in everyone]
+    if len(set(counts)) > 1:
+        raise _comm.agreed(
+            ValueError(
+                f"the ranks stepped different numbers of micro-batches ({counts}, by rank); a "
+                "compiled step runs each one's collectives inside the graph: give every rank "
+                "as many"
+            )
+        )
