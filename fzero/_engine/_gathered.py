@@ -71,13 +71,17 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
     (`torch.compiler.set_stance("force_eager")`).
     None where the tree holds an eager step's placeholders (that step's engine enters
     them; compiling, that is a block the user compiled inside an eager step)."""
-    leaves, treedef = tree_flatten(params)
-    if any(isinstance(x, Placeholder) for x in leaves):
-        return None
-    names = tuple(leaf_paths(params))
-    # Compiling, `subtree_of` unwrapped: dynamo traces what lru_cache wraps, and warns.
-    cut = subtree_of.__wrapped__ if compiling else subtree_of
-    parts = [cut(treedef, names, p)(leaves) for p in _paths(path)]
+    fast = [_walked(params, p) for p in _paths(path)] if compiling else None
+    if fast is not None and all(part is not None for part in fast):
+        parts = fast
+    else:
+        leaves, treedef = tree_flatten(params)
+        if any(isinstance(x, Placeholder) for x in leaves):
+            return None
+        names = tuple(leaf_paths(params))
+        # Compiling, `subtree_of` unwrapped: dynamo traces what lru_cache wraps, and warns.
+        cut = subtree_of.__wrapped__ if compiling else subtree_of
+        parts = [cut(treedef, names, p)(leaves) for p in _paths(path)]
     found: dict[Any, list[Unentered]] = {}
     for part in parts:
         for x in tree_flatten(part)[0]:
@@ -100,3 +104,56 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
         path,
         [tree_map(lambda x: views[x.path] if isinstance(x, Unentered) else x, p) for p in parts],
     )
+
+
+def _walked(tree: PyTree, prefix: str) -> Any:
+    """`subtree(tree, prefix)` found by walking plain dicts, lists and tuples key by key,
+    or None where that is not plainly the same answer (the caller then cuts the whole
+    flattened tree). Compiling, a loss that asks for many units had dynamo trace a
+    flatten of the whole tree and its leaf paths at every call (100 calls over 400
+    leaves: most of a 1400 s compile, `benchmarks/RESULTS-compiled.md`); walking costs
+    the path's depth, or one pass over a dict's keys. No `Placeholder` is looked for:
+    compiling, the step's tree holds none (an eager step's tree, inside a user's
+    compiled block, has them where the walk finds them, and goes the general way)."""
+    node, rest = tree, prefix
+    while rest:
+        if type(node) is dict:
+            if not all(isinstance(k, str) for k in node):
+                return None
+            # The one key the path goes through, as `subtree_of` matches entries: the
+            # whole rest, or a dotted prefix of it.
+            keys = [k for k in node if rest == k or rest.startswith(k + ".")]
+            if len(keys) == 1:
+                node, rest = node[keys[0]], rest[len(keys[0]) + 1 :]
+                continue
+            if keys or node is not tree:
+                return None
+            # Leaves keyed by dotted names (`named_parameters`): those under the prefix.
+            under = {k[len(rest) + 1 :]: v for k, v in node.items() if k.startswith(rest + ".")}
+            if not under or not all(
+                isinstance(v, (torch.Tensor, Unentered)) for v in under.values()
+            ):
+                return None
+            return under
+        if type(node) in (list, tuple):
+            head, _, tail = rest.partition(".")
+            if not head.isdigit() or int(head) >= len(node):
+                return None
+            node, rest = node[int(head)], tail
+            continue
+        return None
+    if isinstance(node, Placeholder) or not _plain(node):
+        return None
+    return node
+
+
+def _plain(node: Any) -> bool:
+    """Whether `node` is a tensor, an `Unentered` leaf, or plain dicts, lists and tuples
+    of them (what the walk may hand back as it is)."""
+    if isinstance(node, (torch.Tensor, Unentered)):
+        return True
+    if type(node) is dict:
+        return all(_plain(v) for v in node.values())
+    if type(node) in (list, tuple):
+        return all(_plain(v) for v in node)
+    return False
