@@ -229,6 +229,12 @@ def _rank_main(
     # GNU OpenMP is not fork-safe: a child of a parent that already ran a multi-threaded
     # op hangs in its first parallel region unless it drops to one thread first.
     torch.set_num_threads(1)
+    # Inductor's compile workers are the parent's too: a forked child that hands them a
+    # kernel waits for an answer that never comes (the pool's threads were not forked;
+    # seen here, a cold compile after in-process ones). Ranks compile in-process.
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.compile_threads = 1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     try:
         try:

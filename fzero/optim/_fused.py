@@ -56,9 +56,9 @@ def backend_for(fused: bool | None) -> str | None:
 
 
 # What a kernel updates: fp32 and fp64. A 16-bit leaf keeps the unfused ops: its scalars
-# would be 0-d float32 tensors, which a backend running the traced ops as eager kernels
-# on a GPU rounds to the leaf's dtype first (beta2 = 0.999 is 1.0 in bf16); inductor on
-# the CPU moved bf16 leaves away from the unfused update's (measured here).
+# would be tensors, which round in its dtype (beta2 = 0.999 is 1.0 in bf16) and, in
+# float32, are rounded to bf16 first by a backend running the traced ops as eager kernels
+# on a GPU; inductor on the CPU moved bf16 leaves away from the unfused update (measured).
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
 
