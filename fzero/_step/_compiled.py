@@ -65,6 +65,7 @@ from ._entries import (
 from ._local import local_leaves, reduce_sums
 from ._loss import BufferThread
 from ._loss_weights import Weighed
+from ._options import GATHER_BURST
 from ._sync import StepSync
 
 _INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
@@ -121,7 +122,12 @@ class CompiledLoss:
         ordered = sorted(jit, key=layout.units.index)
         self.jit_runs: list[list[list[int]]] = []
         self.jit: dict[str, tuple[int, tuple[tuple[int, str], ...], Any]] = {}
-        for members in jit_bursts(layout, ordered, burst_bytes, self.reduce):
+        # At most a gather burst's worth (4 MiB) however large the step's bursts: units
+        # enter where the loss asks for their memory's sake, and a larger burst of them
+        # holds that many units' full gradients until the last is done (a stage-2 step of
+        # 4 MB units held 1.06 B with 25 MiB bursts, measured; tiny units still share one).
+        jit_cap = min(burst_bytes, GATHER_BURST)
+        for members in jit_bursts(layout, ordered, jit_cap, self.reduce):
             among = [i for u in members for i in layout.unit_buckets(u)]
             self.jit_runs.append(bursts(layout, burst_bytes, self.reduce, among))
             for u in members:
