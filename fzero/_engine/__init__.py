@@ -27,6 +27,8 @@ from ._context import Context as Context
 from ._context import context as context
 from ._engine import Engine as Engine
 from ._gathered import gathered as gathered
+from ._hooks import Members as Members
+from ._hooks import ModuleHooks as ModuleHooks
 from ._hooks import hookable_units as hookable_units
 from ._placeholder import Unentered as Unentered
 from ._pool import Pool as Pool

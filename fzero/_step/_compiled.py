@@ -19,9 +19,9 @@ loss calls `fzero.gathered` (each an `Unentered` leaf until then), so the graph 
 a unit where the forward first needs it. A trainable just-in-time unit's gather is then
 checkpointed at stage 3 unless `reshard_after_forward=False`: the compiler recomputes it
 for the backward instead of keeping the full parameters from the forward (JAX's remat
-policy; eager frees them after the unit's forward and gathers again). `module=`'s hooks
-are not traced (dynamo mis-traced a hook that swaps a module's parameters, measured
-here): its units enter before the loss.
+policy; eager frees them after the unit's forward and gathers again). With `module=`
+the eager engine's hooks are traced too: a hooked unit enters where its submodule runs
+(`_traced_hooks`).
 
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
 (`bursts`; 4 MiB by default at stage 3, where a burst's gather is waited for before
@@ -39,8 +39,10 @@ slice compiles, and what it refuses: `_compile_checks`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import optree
@@ -49,9 +51,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss, spec_of
-from .._engine import Unentered, own_slices
+from .._engine import Members, Unentered
 from .._state import Precision, ShardedState
-from ._dynamo import own_code, raised_in_trace
+from ._dynamo import graph_break, own_code, quiet, raised_in_trace
 from ._entries import (
     AllReduce,
     Gather,
@@ -59,6 +61,7 @@ from ._entries import (
     bursts,
     comm_dtypes,
     entry_axes,
+    entry_inputs,
     gathered,
     jit_bursts,
 )
@@ -67,11 +70,7 @@ from ._loss import BufferThread
 from ._loss_weights import Weighed
 from ._options import GATHER_BURST
 from ._sync import StepSync
-
-_INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
-# Seen with torch 2.11 on a GPU, not with 2.13: the filter (process-wide while it lasts)
-# is set only where it is needed.
-_DYNAMO_WARNS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
+from ._traced_hooks import TracedHooks, check_loss, ghosts, unhooked_use
 
 
 class CompiledLoss:
@@ -94,6 +93,8 @@ class CompiledLoss:
         `local`, which gathers the whole model once for the step.
       local: local accumulation (`_local`): the leaves are the full buffers, entered as
         they are, and the graph has no collective.
+      hooked: the units `module=`'s hooks enter, with their submodules
+        (`hookable_units`): each enters the graph where its submodule runs.
     """
 
     def __init__(
@@ -108,8 +109,13 @@ class CompiledLoss:
         jit: frozenset[str] = frozenset(),
         reshard: bool = True,
         local: bool = False,
+        hooked: Mapping[str, Members] | None = None,
     ) -> None:
         self.loss_fn, self.layout, self.stage, self.rank = loss_fn, layout, stage, mesh.rank
+        hooked = hooked or {}
+        jit = jit | frozenset(hooked)  # entered inside the graph: by a hook, or `gathered`
+        self.hooks = TracedHooks(hooked) if hooked else None
+        self.ghosts = ghosts(layout, hooked)
         self.travel, self.reduce = comm_dtypes(precision, layout)
         self.axes, self.burst_bytes, self.local = entry_axes(mesh, stage), burst_bytes, local
         self.reshard = reshard and stage.shards_params and not local
@@ -141,26 +147,30 @@ class CompiledLoss:
         # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
         # outside it).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
+        self.backend, self.pieces = backend, False
         self.compiled = torch.compile(own_code(self._loss), fullgraph=True, backend=backend)
 
     def __call__(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
     ) -> Any:
         """The compiled `(loss_fn's output, anchor, units entered in the loss)`."""
+        hooks = self.hooks.installed() if self.hooks is not None else contextlib.nullcontext()
         try:
-            if not _DYNAMO_WARNS:
+            with hooks, quiet(self.pieces):
                 return self.compiled(leaves, fulls, batch, buffers)
-            with warnings.catch_warnings():
-                # torch 2.11's dynamo instantiates autograd.Function itself to trace one
-                # (`track_object_new`) and warns about it: torch's own call, not the user's.
-                warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
-                return self.compiled(leaves, fulls, batch, buffers)
+        except torch._dynamo.exc.TorchRuntimeError as exc:
+            if self.hooks is None or "meta" not in str(exc):
+                raise
+            raise ValueError(unhooked_use(self.rank)) from exc  # a ghost beside real tensors
         except torch._dynamo.exc.Unsupported as exc:
             raised = raised_in_trace(exc)
             if raised is not None:  # the loss's (or fzero.gathered's) own error, as itself
                 raise raised from exc
             if "Unentered" not in str(exc):
-                raise
+                if self.pieces:
+                    raise
+                self._in_pieces(exc)
+                return self(leaves, fulls, batch, buffers)
             # Dynamo's own words name the line but not what the value was.
             raise ValueError(
                 f"rank {self.rank}: the compiled loss used a parameter of a just-in-time unit "
@@ -169,6 +179,20 @@ class CompiledLoss:
                 "before using the unit's parameters, or leave just_in_time off so that the "
                 "units enter before the loss (the line is in the traceback above)"
             ) from exc
+
+    def _in_pieces(self, exc: BaseException) -> None:
+        """The loss breaks dynamo's graph (`exc`, a trace that ran nothing): compiled
+        again without `fullgraph`, in pieces with eager Python between them, and said once."""
+        warnings.warn(
+            f"fzero: rank {self.rank}: the compiled loss breaks torch.compile's graph "
+            f"({graph_break(exc)}); it is compiled in pieces, with the code between them run "
+            "eagerly: the same training, less of it compiled (TORCH_LOGS=graph_breaks "
+            "lists every break)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self.pieces = True
+        self.compiled = torch.compile(own_code(self._loss), fullgraph=False, backend=self.backend)
 
     def _loss(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any
@@ -188,6 +212,7 @@ class CompiledLoss:
         entries: list[torch.Tensor] = []
         called: list[str] = []
         entered: dict[int, dict[str, torch.Tensor]] = {}  # per burst, its leaves' views
+        enters: dict[str, Any] = {}  # per just-in-time unit, what enters it
         for run in self.runs:
             for i, flat in zip(run, self._enter(run, leaves, fulls, entries)):
                 for s in lay.buckets[i].slots:
@@ -196,13 +221,20 @@ class CompiledLoss:
             enter = functools.partial(
                 self._enter_unit, unit, leaves, fulls, entries, called, entered
             )
+            enters[unit] = enter
             for index, path in slots:
                 views[index] = Unentered(path, spec, len(slots), self.rank, enter)
+        for index, shape, dtype in self.ghosts:  # swapped for its views by the unit's hook
+            views[index] = torch.empty(shape, dtype=dtype, device="meta")
         params = optree.tree_map(lambda k: views[k], self.index, namespace=NAMESPACE)
+        if self.hooks is not None:
+            self.hooks.enter_unit = lambda unit: enters[unit]()
         if buffers is None:
             out = self.loss_fn(params, batch)
         else:
             out = self.loss_fn(params, buffers, batch)
+        if self.hooks is not None:
+            self.hooks.enter_unit = None
         anchor = torch.zeros(())
         for e in entries:
             anchor = anchor + e
@@ -296,6 +328,8 @@ def compiled_grad(
         out, zero, called = compiled(leaves, fulls, mb, buffers)
         anchor.append(zero)
         calls.append(list(called))
+        if compiled.hooks is not None:  # refused as a loss: every rank raises it at the check
+            check_loss(out, compiled.rank)
         return out
 
     # With buffers the graph takes them from the step's `BufferThread` (which keeps each
@@ -347,32 +381,3 @@ def compiled_grad(
         return Shards(tuple(grads), lay, mesh.shard_rank)
     full = [f if b.frozen else g for f, g, b in zip(fulls, grads, lay.buckets)]
     return lay.trainable(lay.unflatten(full))
-
-
-def entry_inputs(
-    compiled: CompiledLoss,
-    state: ShardedState,
-    local: tuple[torch.Tensor, ...] | None,
-    mesh: Mesh,
-) -> tuple[list[torch.Tensor], list[Any]]:
-    """The compiled loss's `(leaves, fulls)` for `state`, detached: at stage 3 the shards
-    (at least in the reduce dtype);
-    at stages 0-2 the replicas `local` as what the forward reads, and as leaves fresh
-    zero-stride tensors in the reduce dtype, storage-free, that only receive the
-    gradients (not views of the buffers, so the graph's inputs do not alias)."""
-    if compiled.stage.shards_params:
-        # A shard narrower than the reduce dtype (an offloaded state's device copy, in the
-        # parameter dtype, its master on the host) is upcast, exactly: a leaf of its own
-        # dtype would have autograd cast the reduced gradient down to it.
-        return [
-            x.detach().to(torch.promote_types(x.dtype, r))
-            for x, r in zip(state.params.buffers, compiled.reduce)
-        ], []
-    assert local is not None
-    lay = state.layout
-    mine = own_slices(local, lay, mesh.shard_rank) if compiled.stage.shards_optimizer else local
-    held = [
-        torch.zeros((), dtype=d, device=x.device).expand(x.shape)
-        for x, d in zip(mine, compiled.reduce)
-    ]
-    return held, [x.detach() for x in local]

@@ -1,14 +1,55 @@
-"""Dynamo's side of compiled steps: a code object per compiled function, and the
-exception a traced function raised, as itself."""
+"""Dynamo's side of compiled steps: a code object per compiled function, the exception
+a traced function raised, as itself, what broke a graph, and the warnings of torch's own
+that a compiled call silences."""
 
 from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import types
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+_INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
+# Seen with torch 2.11 on a GPU, not with 2.13: the filter (process-wide while it lasts)
+# is set only where it is needed.
+_DYNAMO_WARNS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
+# Dynamo's own, resuming a frame after a graph break inside `functional_call` (it reads
+# `.grad` of the swapped-in tensors); seen with torch 2.13.
+_NON_LEAF_GRAD = r"The \.grad attribute of a Tensor that is not a leaf Tensor"
+
+
+@contextlib.contextmanager
+def quiet(pieces: bool) -> Iterator[None]:
+    """Around a compiled call: torch's own warnings of tracing ignored, where they occur
+    (torch 2.11's dynamo instantiates autograd.Function itself to trace one; a graph
+    traced in `pieces` reads `.grad` of non-leaf tensors), not the user's."""
+    if not (_DYNAMO_WARNS or pieces):
+        yield
+        return
+    with warnings.catch_warnings():
+        if _DYNAMO_WARNS:
+            warnings.filterwarnings("ignore", _INSTANTIATED, DeprecationWarning)
+        if pieces:
+            warnings.filterwarnings("ignore", _NON_LEAF_GRAD, UserWarning)
+        yield
+
+
+def graph_break(exc: BaseException) -> str:
+    """What broke the graph, from dynamo's report: its first line and the innermost line
+    of the user's code it names."""
+    lines = str(exc).splitlines()
+    where = [ln.strip() for ln in lines if ln.strip().startswith("File ")]
+    at = ""
+    if where:
+        k = max(i for i, ln in enumerate(lines) if ln.strip() == where[-1])
+        code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+        at = f" at {where[-1]}" + (f": {code}" if code else "")
+    return f"{lines[0].strip() if lines else type(exc).__name__}{at}"
 
 
 def raised_in_trace(exc: BaseException) -> BaseException | None:

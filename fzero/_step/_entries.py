@@ -18,7 +18,8 @@ import torch.distributed._functional_collectives as fc
 
 from .._comm import Mesh
 from .._core import ShardLayout, Stage
-from .._state import Precision
+from .._engine import own_slices
+from .._state import Precision, ShardedState
 
 
 class Axes(NamedTuple):
@@ -226,3 +227,32 @@ def comm_dtypes(
     gather = precision.gather_dtype if precision is not None else None
     reduce = precision.reduce_dtype if precision is not None else None
     return [gather or b.dtype for b in layout.buckets], [reduce or b.dtype for b in layout.buckets]
+
+
+def entry_inputs(
+    compiled: Any,
+    state: ShardedState,
+    local: tuple[torch.Tensor, ...] | None,
+    mesh: Mesh,
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """A `CompiledLoss`'s `(leaves, fulls)` for `state`, detached: at stage 3 the shards
+    (at least in the reduce dtype);
+    at stages 0-2 the replicas `local` as what the forward reads, and as leaves fresh
+    zero-stride tensors in the reduce dtype, storage-free, that only receive the
+    gradients (not views of the buffers, so the graph's inputs do not alias)."""
+    if compiled.stage.shards_params:
+        # A shard narrower than the reduce dtype (an offloaded state's device copy, in the
+        # parameter dtype, its master on the host) is upcast, exactly: a leaf of its own
+        # dtype would have autograd cast the reduced gradient down to it.
+        return [
+            x.detach().to(torch.promote_types(x.dtype, r))
+            for x, r in zip(state.params.buffers, compiled.reduce)
+        ], []
+    assert local is not None
+    lay = state.layout
+    mine = own_slices(local, lay, mesh.shard_rank) if compiled.stage.shards_optimizer else local
+    held = [
+        torch.zeros((), dtype=d, device=x.device).expand(x.shape)
+        for x, d in zip(mine, compiled.reduce)
+    ]
+    return held, [x.detach() for x in local]

@@ -33,12 +33,13 @@ from .._engine import (
 from .._state import ShardedState
 from ._cache import StepCache
 from ._compile_checks import agree_present
-from ._compiled import CompiledLoss, entry_inputs
+from ._compiled import CompiledLoss
 from ._config import check_module
-from ._entries import jit_units
+from ._entries import entry_inputs, jit_units
 from ._loss import copied
 from ._options import EAGER_BURST, GATHER_BURST, check_step_state
 from ._sharded_step import collector_paused
+from ._traced_hooks import check_loss
 
 Forward = Callable[[ShardedState, Any], Any]
 
@@ -78,8 +79,9 @@ def sharded_forward(
       compile: trace `fn` with its units' entry by `torch.compile`, as a compiled step's
         forward (True: inductor; a string: that backend), no ledger. At stage 3
         every rank needs a batch (the gathers run inside the graph); the units enter up
-        front (the whole model gathered for the call; `module=`'s hooks are not traced)
-        or, with `just_in_time=True`, where `fn` asks for them (`fzero.gathered`).
+        front (the whole model gathered for the call), where their submodule runs
+        (`module=`'s hooks, traced), or, with `just_in_time=True`, where `fn` asks for
+        them (`fzero.gathered`).
 
     Returns:
       `forward(state, batch) -> fn's result` (None for `batch=None` at stage 3).
@@ -123,6 +125,7 @@ def sharded_forward(
                 burst,
                 state.precision,
                 jit_units(lay) if just_in_time else frozenset(),
+                hooked=forwarder.hooked(state),
             ),
         )
         local = None if stage.shards_params else full_buckets(state.params, lay)
@@ -132,6 +135,8 @@ def sharded_forward(
         buffers = None if state.buffers is None else copied(state.buffers)
         with collector_paused(), torch.no_grad():
             out, _, called = compiled(leaves, fulls, batch, buffers)
+        if compiled.hooks is not None:
+            check_loss(out, mesh.rank)
         if compiled.jit and stage.shards_params and mesh.size > 1:  # alike on every rank
             # The units `fn` entered, in order, the same on every rank (the gathers pair
             # up by order), or every rank raises: the eager forward's call check.
@@ -188,6 +193,11 @@ class Forwarder:
         self.mesh, self.module, self.ledger = mesh, module, ledger
         self.just_in_time, self.prefetch = just_in_time, prefetch
         self.cache = StepCache()
+
+    def hooked(self, state: ShardedState) -> dict[str, Any]:
+        """The units `module=`'s hooks enter (checked against the state first)."""
+        check_module(self.module, state, self.mesh.rank)
+        return self.cache.hooked_units(state.layout, self.module)
 
     def engine(self, state: ShardedState) -> Engine:
         """A fresh engine over `state` for one forward (checked against the mesh)."""

@@ -94,12 +94,14 @@ def sharded_step(
         forward waits for each burst's gather (`benchmarks/RESULTS-compiled.md`).
       compile: trace the forward and backward with `torch.compile` as one graph, units
         entering through functional collectives (True: the inductor backend; a string:
-        that backend). Units enter before the loss (`module=`'s hooks are not traced)
-        or, with `just_in_time`, where it calls `fzero.gathered` (stage 3 recomputes
-        such a gather for the backward unless `reshard_after_forward=False` or
-        accumulating locally); 1-D and 2-D meshes, precision, loss scaling and
-        accumulation and offload, but no hpZ, quantize or ledger; fzero's optimizers then
-        update through fused kernels (docs/training.md, "Compiled steps").
+        that backend). Units enter before the loss, where their submodule runs
+        (`module=`'s hooks, traced) or, with `just_in_time`, where it calls
+        `fzero.gathered` (stage 3 recomputes such a gather for the backward unless
+        `reshard_after_forward=False` or accumulating locally); one graph, or pieces
+        where the loss breaks it (said once); 1-D and 2-D meshes, precision, loss
+        scaling, accumulation and offload, but no hpZ, quantize or ledger; fzero's
+        optimizers then update through fused kernels (docs/training.md, "Compiled
+        steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
@@ -169,6 +171,7 @@ def sharded_step(
                     jit_units(state.layout) if o.just_in_time else frozenset(),
                     o.reshard_after_forward,
                     o.accumulate == "local",
+                    cache.hooked_units(state.layout, o.module),
                 ),
             )
         try:

@@ -4,6 +4,7 @@ the eager construction, training as one-process torch.optim, pretrained files in
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,15 @@ def loss_of(name: str, out: Any) -> torch.Tensor:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
-def test_training_a_deferred_hf_model_matches_torch_optim(name: str) -> None:
+@pytest.mark.parametrize(
+    "name, compile",
+    [("llama", False), ("gpt2", False), ("bert", False), ("llama", "aot_eager"),
+     ("gpt2", "aot_eager"), ("bert", "aot_eager")],
+)  # fmt: skip
+def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: Any) -> None:
+    """A deferred Hugging Face model at stage 3, its blocks entered by module= hooks
+    (compiled: the hooks traced, each block gathered in the graph where it runs), equal
+    to torch.optim.AdamW on one process (float64), every leaf moved."""
     world, per_rank, steps = 2, 2, 3
     make, cfg, _ = config(name)
     data = lm_batch(name, steps, world * per_rank)
@@ -120,14 +128,22 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str) -> None:
         def loss_fn(params: Any, bufs: Any, batch: torch.Tensor) -> Any:
             return loss_of(name, functional_call(m, (params, bufs), (), kwargs(batch))), bufs
 
-        step = fzero.sharded_step(loss_fn, adamw, mesh, stage=3, module=m)
-        for k in range(steps):
-            state, _ = step(state, mine[k])
-        return {k: v.detach().clone() for k, v in fzero.gather_params(state.params, mesh).items()}
+        step = fzero.sharded_step(loss_fn, adamw, mesh, stage=3, module=m, compile=compile)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for k in range(steps):
+                state, _ = step(state, mine[k])
+        said = [str(w.message) for w in seen if "fzero" in str(w.message)]
+        params = fzero.gather_params(state.params, mesh)
+        return {k: v.detach().clone() for k, v in params.items()}, said
 
-    for got in run(world, fn):
+    for got, said in run(world, fn):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert all(not torch.equal(got[k], start[k]) for k in want)  # every leaf moved
+        # GPT-2's loss logs once through transformers' `warning_once`, which dynamo does
+        # not trace: its graph compiles in pieces, said once; the others' whole.
+        breaks = compile and name == "gpt2"
+        assert [("breaks torch.compile's graph" in w) for w in said] == [True] * breaks
 
 
 @pytest.mark.multiprocess

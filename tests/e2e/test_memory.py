@@ -126,13 +126,14 @@ def _step_rise(mesh: fzero.Mesh, stage: int, entry: str) -> list[float]:
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
     del params
     compiled = entry.startswith("compiled")
+    hooked = entry in ("module", "compiled, module")
     step = fzero.sharded_step(
-        pure_loss if entry == "gathered" or compiled else loss_fn,
+        loss_fn if hooked or entry == "upfront" else pure_loss,
         opt,
         mesh,
         stage=stage,
-        module=model if entry == "module" else None,
-        just_in_time=entry == "gathered" or compiled,
+        module=model if hooked else None,
+        just_in_time=not hooked and (entry == "gathered" or compiled),
         reshard_after_forward=entry != "compiled, kept",
         compile="aot_eager" if compiled else False,
     )
@@ -156,7 +157,7 @@ def _step_rise(mesh: fzero.Mesh, stage: int, entry: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("entry", ["module", "gathered", "compiled"])
+@pytest.mark.parametrize("entry", ["module", "gathered", "compiled", "compiled, module"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_per_unit_steps_allocate_a_few_units_beyond_the_shard_gradient(
     stage: int, entry: str
@@ -169,7 +170,8 @@ def test_per_unit_steps_allocate_a_few_units_beyond_the_shard_gradient(
     least one B more, which the same bound must reject (or it could not fail). Units
     enter through module hooks, or through fzero.gathered in a loss over the bare dict,
     eagerly or compiled ("compiled": the gathers inside the traced graph where the loss
-    asks, each recomputed for its backward; kept from the forward instead, as the
+    asks, each recomputed for its backward; "compiled, module": where each submodule
+    runs, its hooks traced; kept from the forward instead, as the
     compiler otherwise would, every full parameter stays: the second control).
     What the step function keeps between calls (`fzero._engine._pool`: a few units' buffers)
     stays within eight units."""

@@ -9,6 +9,7 @@ this host; one runs inductor itself.
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,13 @@ from tests.step.test_weights import (
     reference,
     scalar_loss,
 )
-from tests.support import make_optimizer, make_params, make_torch_optimizer, run
+from tests.support import (
+    errors_on_every_rank,
+    make_optimizer,
+    make_params,
+    make_torch_optimizer,
+    run,
+)
 
 
 def final_params(state: fzero.ShardedState, mesh: fzero.Mesh) -> Any:
@@ -58,12 +65,18 @@ def train(
         params, opt, mesh, stage=stage, units=UNITS, layout=layout, frozen=list(frozen)
     )
     jit = entry == "gathered"
+    loss_fn = functools.partial(pair_loss if kind == "pair" else scalar_loss, jit=jit)
+    model = None
+    if entry == "module":  # each unit entered by its submodule's hooks, traced
+        model = TreeMLP(DIMS)
+        loss_fn = functools.partial(module_loss, model, kind)
     step = fzero.sharded_step(
-        functools.partial(pair_loss if kind == "pair" else scalar_loss, jit=jit),
+        loss_fn,
         opt,
         mesh,
         stage=stage,
         units=UNITS,
+        module=model,
         compile=backend,
         reduce_bucket_bytes=burst,
         accumulate=accumulate,
@@ -75,6 +88,42 @@ def train(
             warnings.filterwarnings("ignore", "fzero: step .* weights sum to 0")
             state, _ = step(state, mine if accumulate else mine[0])
     return final_params(state, mesh), torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(a, b, dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.zeros(b, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.w + self.b)
+
+
+class TreeMLP(torch.nn.Module):
+    """`token_losses`' MLP as a module whose parameters are named by the paths of
+    `make_params(dims)`'s tree (`layers.0.w`, ..., `scale`, `shift`), for module= hooks."""
+
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer(a, b) for a, b in itertools.pairwise(dims))
+        self.scale = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+        self.shift = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x * self.scale + self.shift
+
+
+def module_loss(model: TreeMLP, kind: str, params: Any, batch: tuple) -> Any:
+    """`pair_loss` or `scalar_loss` through `functional_call(model, ...)`."""
+    x, y, mask = batch
+    named = {"scale": params["scale"], "shift": params["shift"]}
+    for i, layer in enumerate(params["layers"]):
+        named |= {f"layers.{i}.{k}": v for k, v in layer.items()}
+    tokens = ((torch.func.functional_call(model, named, (x,)) - y) ** 2).sum(-1)
+    return ((tokens * mask).sum(), mask.sum()) if kind == "pair" else tokens.mean()
 
 
 @st.composite
@@ -97,7 +146,7 @@ def cases(draw: Any) -> dict[str, Any]:
         "frozen": draw(st.sampled_from([(), ("layers.1",)])),
         "burst": draw(st.sampled_from([0, 25 * 2**20])),
         "optimizer": draw(st.sampled_from(["adamw", "sgd"])),
-        "entry": draw(st.sampled_from(["upfront", "gathered"])),
+        "entry": draw(st.sampled_from(["upfront", "gathered", "module"])),
         "seed": draw(st.integers(0, 99)),
     }
 
@@ -128,6 +177,13 @@ def example_case(**kw: Any) -> dict[str, Any]:
     )
 )  # fmt: skip
 @example(c=example_case(stage=2, entry="gathered", burst=0))
+@example(  # units entered by their submodules' hooks, traced, one frozen, accumulating
+    c=example_case(
+        stage=3, entry="module", frozen=("layers.1",), accumulate="sharded", kind="scalar",
+        sizes=[[[1, 2], [2, 1]]] * 2,
+    )
+)  # fmt: skip
+@example(c=example_case(stage=1, entry="module", layout="tensor", burst=0))
 @example(c=example_case(stage=0, accumulate="sharded", sizes=[[[2, 1], [1, 2]]] * 2))
 @example(c=example_case(stage=1, accumulate="sharded", sizes=[[[1, 1], [2, 1]]] * 2))
 @example(  # local: full gradients summed, reduced once (stage 3: gathered once a step)
@@ -146,7 +202,8 @@ def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
     pairs over uneven padding, one micro-batch or 2-3 accumulated ("sharded", or "local":
     reduced once after the last), a frozen
     unit or none, every bucket its own collective or all in one, units entering before
-    the loss or where it calls fzero.gathered (just_in_time): float64 AdamW and SGD
+    the loss, where it calls fzero.gathered (just_in_time) or where their submodules run
+    (module= hooks, traced): float64 AdamW and SGD
     (which, unlike Adam, sees a gradient's scale) equal to one-process torch.optim on the
     global mean (1e-10; the frozen unit unchanged), through three steps, the last with a
     new batch shape."""
@@ -437,6 +494,16 @@ def compiled_predictions(mesh: fzero.Mesh, case: Any, held_out: torch.Tensor) ->
     jit = functools.partial(plain_predict, jit=True)
     entered = fzero.sharded_forward(jit, mesh, just_in_time=True, compile="aot_eager")
     torch.testing.assert_close(entered(state, held_out), out, rtol=0, atol=0)
+    model = TreeMLP([3, 5, 2])
+
+    def module_predict(p: Any, x: torch.Tensor) -> torch.Tensor:
+        named = {"scale": p["scale"], "shift": p["shift"]}
+        for i, layer in enumerate(p["layers"]):
+            named |= {f"layers.{i}.{k}": v for k, v in layer.items()}
+        return torch.func.functional_call(model, named, (x,))
+
+    hooked = fzero.sharded_forward(module_predict, mesh, module=model, compile="aot_eager")
+    torch.testing.assert_close(hooked(state, held_out), out, rtol=0, atol=0)
     w = weight(state, held_out)
     before = w.clone()
     state, _ = step(state, case.micro_batch(0, mesh.rank))  # updates the replicas in place
@@ -447,7 +514,8 @@ def compiled_predictions(mesh: fzero.Mesh, case: Any, held_out: torch.Tensor) ->
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_compiled_forward_predicts_as_one_process(stage: int) -> None:
     """`sharded_forward(compile=...)`: at stage 3 the shards gathered inside the graph
-    (before `fn`, or where it asks with `just_in_time`: the same), at stages 0-2 the
+    (before `fn`, where it asks with `just_in_time`, or where a submodule runs with
+    `module=`: the same), at stages 0-2 the
     replicas read: the predictions of torch.optim's trained parameters on
     one process (float64), and a returned weight is the rank's own copy, not the state's
     memory that the next step updates."""
@@ -557,9 +625,9 @@ def hooked(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor) -> list[Any]:
 
 @pytest.mark.multiprocess
 def test_a_module_loss_compiles() -> None:
-    """`module=` compiled: the loss runs the module through functional_call, its units
-    entered before the loss (dynamo does not trace the hooks' swaps faithfully); every
-    stage trains as one-process torch.optim.AdamW over both ranks' batches (float64)."""
+    """`module=` compiled: the loss runs torch's own layers through functional_call,
+    each unit entered where its submodule runs (the hooks traced); every stage trains as
+    one-process torch.optim.AdamW over both ranks' batches (float64)."""
     g = torch.Generator().manual_seed(3)
     xs = torch.randn(3, 2, 2, 3, generator=g, dtype=torch.float64)  # step, rank, rows, in
     ys = torch.randn(3, 2, 2, 2, generator=g, dtype=torch.float64)
@@ -580,6 +648,38 @@ def test_a_module_loss_compiles() -> None:
         for stage, p in enumerate(rank_out[1:]):
             fzero.assert_trees_close(p, tensors, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
             assert fzero._core._tree.max_abs_diff(p, start) > 1e-4
+
+
+def misused(mesh: fzero.Mesh, how: str) -> None:
+    """A hooked unit's parameter used outside its submodule's forward, compiled."""
+    params = make_params(DIMS, torch.float64, 0)
+    model = TreeMLP(DIMS)
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+
+    def loss_fn(p: Any, batch: tuple) -> torch.Tensor:
+        loss = module_loss(model, "scalar", p, batch)
+        w = p["layers"][1]["w"]
+        if how == "gathered":
+            w = fzero.gathered(p, "layers.1")["w"]
+        if how == "matmul":  # beside the batch's tensors: the trace fails
+            return loss + (batch[0] @ w).sum()
+        return loss + 1e-3 * w.square().sum()  # a scalar: the loss comes out meta
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=model, compile="aot_eager")
+    step(state, make_data([[[1], [1]]], 0)[0][mesh.rank][0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["scalar", "matmul", "gathered"])
+def test_a_hooked_parameter_used_outside_its_submodule_is_refused_on_every_rank(
+    how: str,
+) -> None:
+    """Compiled, a hooked unit's leaves are empty until its submodule runs: a loss that
+    reads one elsewhere (a regulariser, `fzero.gathered`) raises a ValueError saying so on
+    every rank, never a value read from nothing."""
+    for said in errors_on_every_rank(2, functools.partial(misused, how=how)):
+        assert said.startswith("ValueError: rank ") and "outside that unit's submodule" in said
 
 
 def swapped(mesh: fzero.Mesh, params: Any, forward: bool) -> str:
