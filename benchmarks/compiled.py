@@ -11,8 +11,9 @@ the first step's time (the compilation, for compiled rows) is reported beside it
 models are `benchmarks/models.py`'s: "deep" (100 blocks of width 64, 426K parameters in
 400 leaves, where eager per-unit work dominates) and "gpt" (5.33M). fzero's units are one
 a block; eager rows enter them by module hooks (as the other benchmarks do), compiled
-rows before the forward, or where the loss asks ("just in time": `fzero.gathered` per
-unit, each stage-3 gather recomputed for the backward). Adam everywhere (torch's
+rows before the forward, where the loss asks ("just in time": `fzero.gathered` per
+unit), or where each block runs ("module hooks", traced); stage 3 recomputes a gather
+entered inside the forward for the backward. Adam everywhere (torch's
 single-tensor Adam for DDP, fzero's for fzero); every row's parameters after the steps
 are compared with DDP's. A compiled fzero step runs fzero's Adam fused (one compiled
 kernel per piece of the shard), so DDP compiled is measured with torch's fused CPU Adam
@@ -45,7 +46,7 @@ from models import build_model, rank_batch, spec
 
 import fzero
 
-CONFIGS = [  # (label, kind, stage, compile: False, True, "fused" (DDP), "jit", or bursts)
+CONFIGS = [  # (label, kind, stage, compile: False, True, "fused" (DDP), "jit", "hooks", bursts)
     ("DDP", "ddp", 0, False),
     ("DDP, module compiled", "ddp", 0, True),
     ("DDP, module compiled, fused Adam", "ddp", 0, "fused"),
@@ -57,6 +58,7 @@ CONFIGS = [  # (label, kind, stage, compile: False, True, "fused" (DDP), "jit", 
     ("fzero stage 3, compiled", "fzero", 3, True),
     ("fzero stage 3, compiled, 25 MiB bursts", "fzero", 3, 25 * 2**20),
     ("fzero stage 3, compiled, just in time", "fzero", 3, "jit"),
+    ("fzero stage 3, compiled, module hooks", "fzero", 3, "hooks"),
 ]
 
 
@@ -108,7 +110,9 @@ def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int |
         return s.loss(functional_call(model, p, (batch[0],)), batch[1])
 
     kw: dict[str, Any] = {"compile": True} if compiled else {"module": model}
-    if compiled == "jit":
+    if compiled == "hooks":  # each unit entered where its submodule runs, hooks traced
+        kw["module"] = model
+    elif compiled == "jit":
         kw["just_in_time"] = True
     elif not isinstance(compiled, bool):
         kw["reduce_bucket_bytes"] = compiled

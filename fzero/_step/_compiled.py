@@ -53,7 +53,7 @@ from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision, ShardedState
-from ._dynamo import graph_break, own_code, quiet, raised_in_trace
+from ._dynamo import compile_loss, graph_break, own_code, quiet, raised_in_trace
 from ._entries import (
     AllReduce,
     Gather,
@@ -148,7 +148,7 @@ class CompiledLoss:
         # outside it).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.backend, self.pieces = backend, False
-        self.compiled = torch.compile(own_code(self._loss), fullgraph=True, backend=backend)
+        self.compiled = compile_loss(own_code(self._loss), backend, fullgraph=True)
 
     def __call__(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
@@ -192,7 +192,7 @@ class CompiledLoss:
             stacklevel=4,
         )
         self.pieces = True
-        self.compiled = torch.compile(own_code(self._loss), fullgraph=False, backend=self.backend)
+        self.compiled = compile_loss(own_code(self._loss), self.backend, fullgraph=False)
 
     def _loss(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any
