@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed._functional_collectives as fc
 
-from .._comm import Mesh, backend_for
+from .._comm import Mesh
 from .._core import ShardLayout, Stage
 from .._engine import own_slices
 from .._state import Precision, ShardedState
@@ -25,15 +25,12 @@ from .._state import Precision, ShardedState
 class Axes(NamedTuple):
     """Where an entry's collectives run: `group` of `rows` ranks gathers and reduces
     (the shard axis; the world's at stage 0), `across` (None: no other) sums a reduced
-    shard over the replicas, and a gradient is the mean over `ranks` (every rank's).
-    `gloo`: the group moves the step's tensors on gloo (its reduce-scatter then runs as
-    an all-to-all, `scattered`)."""
+    shard over the replicas, and a gradient is the mean over `ranks` (every rank's)."""
 
     group: Any
     rows: int
     across: Any
     ranks: int
-    gloo: bool = False
 
 
 def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
@@ -57,18 +54,7 @@ def scattered(
     over every rank, in `dtype`: one reduce-scatter along the shard axis, of a table
     whose row r is rank r's slice of every bucket, then a sum across the replicas."""
     table = torch.cat([share(g, dtype, axes.ranks).reshape(axes.rows, -1) for g in gs], 1)
-    if axes.gloo and axes.rows > 1:
-        # Gloo's reduce-scatter is an all-reduce underneath, twice the bytes. An all-to-all
-        # moves the reduce-scatter's volume: rank r receives every rank's row r, summed
-        # here left to right, as the eager engine's gloo path sums them
-        # ([Note: gloo's paths]). Its receive buffer is the burst's full size.
-        rows = fc.all_to_all_single(table.reshape(-1), None, None, axes.group)
-        rows = rows.view(axes.rows, -1)
-        mine = rows[0] + rows[1]
-        for row in rows[2:]:
-            mine = mine + row
-    else:
-        mine = _reduce_scatter(table.reshape(-1), "sum", 0, axes.group)
+    mine = _reduce_scatter(table.reshape(-1), "sum", 0, axes.group)
     mine = mine if axes.across is None else fc.all_reduce(mine, "sum", axes.across)
     return mine.split(sizes)
 
@@ -230,11 +216,7 @@ def entry_axes(mesh: Mesh, stage: Stage) -> Axes:
         return Axes(world if group is None else group, mesh.size, None, mesh.size)
     group = mesh.shard.group
     across = mesh.replica.group if mesh.replicas > 1 else None
-    shard = world if group is None else group
-    # Decided by the mesh's device, outside the trace (dynamo cannot call into the
-    # process group): a state elsewhere still reduces correctly, by the other path.
-    gloo = mesh.shard_size > 1 and backend_for(shard, mesh.device) == "gloo"
-    return Axes(shard, mesh.shard_size, across, mesh.size, gloo)
+    return Axes(world if group is None else group, mesh.shard_size, across, mesh.size)
 
 
 def comm_dtypes(
