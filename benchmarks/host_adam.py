@@ -12,7 +12,8 @@ shard has), the median step of
 - the update of an offloaded state (`shard_state(offload=fzero.Offload())`), which runs
   that same `update_` on the shard a cache-sized block at a time (`fzero._step._streamed`);
 - both with `adamw(fused=True)`: the update one compiled kernel (`fzero.optim._fused`;
-  the first step compiles it, and is not in the median);
+  the first step compiles it, and is not in the median), over the whole shard in both
+  (an offloaded state blocks only unfused updates);
 - `torch.optim.AdamW(foreach=True)`, `(foreach=False)` (the single-tensor loop) and
   `(fused=True)` (torch's fused CPU kernel);
 
@@ -86,8 +87,9 @@ def run_fzero(
 def run_offloaded(
     p0: torch.Tensor, grads: list[torch.Tensor], fused: bool = False
 ) -> tuple[float, torch.Tensor]:
-    """The update an offloaded state's step runs (`fzero._step._streamed`): the shard in
-    cache-sized blocks, in place. One rank; the state built by `shard_state(offload=)`."""
+    """The update an offloaded state's step runs (`fzero._step._streamed`): in place, the
+    shard in cache-sized blocks (unfused) or whole (fused). One rank; the state built by
+    `shard_state(offload=)`."""
     from fzero._core import Shards
     from fzero._step._streamed import streamed_update
 
@@ -137,7 +139,7 @@ def main() -> None:
     )
     for label, run in [
         ("fzero.optim.adamw(fused=True): one compiled kernel (inductor)", run_fzero),
-        ("fzero offload, adamw(fused=True): a kernel per block", run_offloaded),
+        ("fzero offload, adamw(fused=True): one kernel over the shard", run_offloaded),
     ]:
         t, p = run(p0, grads, fused=True)
         rows.append((label, t, torch.equal(p, ref), (p - ref).abs().max().item()))

@@ -195,9 +195,17 @@ def fused_kernels() -> Iterator[list[tuple[int, ...]]]:
 
 def with_fused_kernels(mesh: fzero.Mesh, fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     """A rank's `fn(mesh, *args)` and how many fused kernel calls it made (`run` it)."""
+    out, calls = with_fused_calls(mesh, fn, *args)
+    return out, len(calls)
+
+
+def with_fused_calls(
+    mesh: fzero.Mesh, fn: Callable[..., Any], *args: Any
+) -> tuple[Any, list[tuple[int, ...]]]:
+    """A rank's `fn(mesh, *args)` and the shape each fused kernel call updated."""
     with fused_kernels() as calls:
         out = fn(mesh, *args)
-    return out, len(calls)
+    return out, calls
 
 
 def map_every_allocation() -> None:

@@ -162,7 +162,7 @@ def _adam(
         state.count.add_(1)
         return params, state
 
-    return Optimizer(init, from_inplace(update_), update_)
+    return Optimizer(init, from_inplace(update_), update_, fused=fused)
 
 
 class _Scratch:

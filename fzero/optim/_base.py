@@ -42,12 +42,16 @@ class Optimizer(NamedTuple):
     optimizer must see whole tensors (Adafactor's factored moments, a trust ratio over
     the tensor): the flat layout cuts tensors across ranks at stages 1-3, so such an
     optimizer needs ``layout="tensor"`` there (``shard_state`` checks).
+
+    ``fused`` is how its arithmetic runs: True as compiled kernels (`_fused`), None as
+    those inside a compiled step and unfused ops otherwise, False unfused ops always.
     """
 
     init: Callable[[Params], OptState]
     update: Callable[[Grads, OptState, Params], tuple[Params, OptState]]
     update_: Callable[[Grads, OptState, Params], tuple[Params, OptState]] | None = None
     whole_tensors: str | None = None
+    fused: bool | None = False
 
 
 def check_slices(optimizer: Optimizer, layout: str, where: str = "") -> None:

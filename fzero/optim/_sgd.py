@@ -135,4 +135,4 @@ def sgd(
         state.count.add_(1)
         return params, state
 
-    return Optimizer(init, from_inplace(update_), update_)
+    return Optimizer(init, from_inplace(update_), update_, fused=fused)

@@ -22,6 +22,7 @@ from tests.support import (
     mlp_loss,
     peak_rss_rise,
     run,
+    with_fused_calls,
     with_fused_kernels,
 )
 
@@ -577,17 +578,19 @@ def test_a_shard_larger_than_a_block_is_stepped_in_blocks_bitwise(tmp_path: Path
     assert not torch.equal(got["w"], big_params()["w"])
 
 
-def test_a_fused_optimizer_steps_a_shard_larger_than_a_block_a_kernel_a_block() -> None:
-    """`adamw(fused=True)` offloaded: each cache-sized block of the host shard one kernel
-    call (the mask cutting across blocks), as torch.optim in float64."""
+def test_a_fused_optimizer_steps_a_shard_larger_than_a_block_in_one_kernel() -> None:
+    """`adamw(fused=True)` offloaded: the host shard, larger than the unfused update's
+    cache-sized block, is one kernel call a step (one pass over memory gains nothing
+    from blocks; the mask cuts across it), as torch.optim in float64."""
     from fzero._step import _streamed
 
     xs = torch.randn(2, 4, 1500, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     offload = fzero.Offload("host", 1.0)
-    blocks = -(-big_params()["w"].numel() // 2 // _streamed.BLOCK)
-    for got, calls in run(2, with_fused_kernels, train_big, xs, offload, "fused"):
+    shard = -(-(sum(v.numel() for v in big_params().values())) // 2)
+    assert shard > _streamed.BLOCK
+    for got, calls in run(2, with_fused_calls, train_big, xs, offload, "fused"):
         fzero.assert_trees_close(got, big_reference(xs), rtol=1e-10, atol=1e-12)
-        assert calls >= blocks * xs.shape[0]
+        assert calls == [(shard,)] * xs.shape[0]  # the whole shard, once a step
     assert not torch.equal(got["w"], big_params()["w"])
 
 
