@@ -19,8 +19,9 @@ is what differs):
   stage 3 keeping its units (`reshard_after_forward=False`);
 - issue 50's compiled rows: the eager loop with its module under `torch.compile`, FSDP2
   with each block compiled first (torchtitan's way), and fzero stages 0 and 3 with
-  `compile=True` (units up front). Their warm-up steps pay the compilation, so give
-  them `--warmup` of 2 or more.
+  `compile=True` (units up front), and stage 3 with its module hooks traced (each block
+  gathered in the graph where it runs, recomputed for the backward). Their warm-up
+  steps pay the compilation, so give them `--warmup` of 2 or more.
 
 All at world size 1 on NCCL; then stages 0-3 at world size 2 on the one GPU over gloo
 (`fzero.Simulation(2, device="cuda")`), for correctness only. Each row reports the

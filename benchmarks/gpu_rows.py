@@ -175,9 +175,10 @@ def fzero_run(
     stage: int,
     reshard: bool = True,
     compiled: bool = False,
+    hooks: bool = False,
 ) -> Any:
-    """fzero at `stage`, units entering by module hooks, or (`compiled`) up front in a
-    step traced by torch.compile."""
+    """fzero at `stage`, units entering by module hooks, or (`compiled`) in a step traced
+    by torch.compile, up front or (`hooks`) by the module hooks, traced."""
     mesh = fzero.ProcessGroupMesh()
     assert mesh.device == device, (mesh.device, device)
     bf16 = prec == "bf16"
@@ -196,7 +197,7 @@ def fzero_run(
         mesh,
         stage=stage,
         units=units,
-        module=None if compiled else model,
+        module=model if hooks or not compiled else None,
         reshard_after_forward=reshard,
         compile=compiled,
     )
@@ -315,4 +316,7 @@ def builders(cfg: dict[str, int], prec: str, device: torch.device) -> dict[str, 
         rows[f"fzero stage {s}, compiled"] = lambda s=s: fzero_run(
             cfg, prec, device, s, compiled=True
         )
+    rows["fzero stage 3, compiled, module hooks"] = lambda: fzero_run(
+        cfg, prec, device, 3, compiled=True, hooks=True
+    )
     return rows

@@ -50,11 +50,13 @@ def test_the_gpu_benchmark_runs_small_on_the_cpu(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_the_gpu_benchmarks_compiled_rows_run_small_on_the_cpu(tmp_path: Path) -> None:
     """Issue 50's rows: the eager loop with its module compiled, and fzero stages 0 and 3
-    compiled, train as the eager loop does to float32's reassociation."""
+    compiled (stage 3 also through its module hooks), train as the eager loop does to
+    float32's reassociation."""
     only = "fp32 (eager, compiled|fzero stage [03], compiled)"
     rows, text = smoke_rows(tmp_path, only, ws2_steps=0)
     want = ["eager (fused AdamW)", "eager, compiled"]
     want += ["fzero stage 0, compiled", "fzero stage 3, compiled"]
+    want += ["fzero stage 3, compiled, module hooks"]
     assert list(rows) == want, text
     assert all(float(d) < 1e-4 for d in rows.values()), text
 
