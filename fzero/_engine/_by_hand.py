@@ -156,17 +156,29 @@ def gather_params(params: PyTree, mesh: Mesh, *, unit: UnitSpec | None = None) -
             f"shards of rank {params.rank} of {layout.world_size} cannot be gathered on "
             f"rank {mesh.rank} (shard {mesh.shard_rank} of {mesh.shard_size})"
         )
+    bufs = _carried(params.buffers, mesh)
     if members is None:
         entry = Entry("", tuple(range(len(layout.buckets))))
-        return layout.unflatten(enter(Now(layout, mesh), entry, params.buffers))
+        return layout.unflatten(enter(Now(layout, mesh), entry, bufs))
     if members not in layout.members:
         raise ValueError(f"{unit!r} is not a unit of the layout (units: {list(layout.specs)})")
     name = name_of(members)
     entry = Entry(name, layout.unit_buckets(name))
-    fulls = enter(Now(layout, mesh), entry, tuple(params.buffers[i] for i in entry.buckets))
+    fulls = enter(Now(layout, mesh), entry, tuple(bufs[i] for i in entry.buckets))
     views = layout.unflatten_unit(name, fulls)
     leaves = [views.get(p) for p in layout.paths]
     return _parts(tree_unflatten(layout.treedef, leaves), unit, members)
+
+
+def _carried(bufs: tuple[torch.Tensor, ...], mesh: Mesh) -> tuple[torch.Tensor, ...]:
+    """Host shards (a state's `Offload(params=True)` buckets) over to the mesh's device
+    where its group cannot move host memory (NCCL alone); the others as they are."""
+    device = mesh.device
+    if device.type == "cpu" or not any(b.device.type == "cpu" for b in bufs):
+        return bufs
+    if _comm.backend_for(mesh.shard.group, torch.device("cpu")) is not None:
+        return bufs  # a group with a CPU backend ("cpu:gloo,cuda:nccl") gathers them
+    return tuple(b.to(device) if b.device.type == "cpu" else b for b in bufs)
 
 
 def _parts(tree: PyTree, unit: UnitSpec, members: tuple[str, ...]) -> Any:

@@ -40,6 +40,15 @@ from ._reductions import LocalSums, Reductions, Watch
 from ._source import ParamSource, Replica
 
 
+def _leaf(x: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """The autograd leaf a bucket's gradient is for: `x` itself, or for a shard held away
+    from the compute `device` (on the host) a storage-free stand-in there of its shape
+    and dtype, so the gradient is the device's (the gather reads the shard itself)."""
+    if device is None or x.device == device:
+        return x.detach()
+    return torch.zeros((), dtype=x.dtype, device=device).expand(x.shape)
+
+
 class Pass(NamedTuple):
     """What one micro-batch's pass gives back: the loss, the reduced gradient per bucket,
     and the just-in-time units it called, in order (what the next step follows)."""
@@ -64,6 +73,7 @@ class Engine:
         sums: LocalSums | None = None,
         final: bool = True,
         watch: Watch | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """`held`: per bucket, what this rank holds of it, shaped as its reduced gradient
         (its shard, or the full buffer at stage 0); at stage 3 the shards to gather.
@@ -71,27 +81,31 @@ class Engine:
         (stages 0-2). `order`: the just-in-time units last step called, in order (None:
         there was no last step, which a rank without data could follow). `sums`,
         `final`: local accumulation, and whether this is the step's last micro-batch.
-        `watch`: told each bucket's reduced gradient once final (`Reductions`)."""
+        `watch`: told each bucket's reduced gradient once final (`Reductions`).
+        `device`: where the units compute, where a shard in `held` is elsewhere (stage 3
+        with `Offload(params=True)`: on the host, copied over for each gather)."""
         self.ctx, self.s, self.layout, self.mesh = ctx, ctx.schedule, ctx.layout, ctx.mesh
         self.last = order
         self.leaf_grads = self.s.bursts
         # The autograd leaves the backward differentiates: frozen buckets enter without
         # requires_grad, so they have no gradient and cost no reduction.
         self.inputs = tuple(
-            x.detach() if b.frozen else x.detach().requires_grad_()
+            x.detach() if b.frozen else _leaf(x, device).requires_grad_()
             for x, b in zip(held, self.layout.buckets)
         )
         # Both halves hold the check, and neither holds the engine: a step's engine is
         # freed (with what it holds) as soon as the step is done with it.
         self.check = check
         if self.s.gathers:
-            self.source: ParamSource = Gatherer(ctx, self.inputs, check, order or ())
+            shards = tuple(x.detach() for x in held)  # a host shard's copy is the gather's
+            self.source: ParamSource = Gatherer(ctx, shards, check, order or (), device)
         else:
             assert local is not None
             self.source = Replica(local)
-        # Gradients reduce where the parameters are: at stages 1-2 `held` may be an
-        # offloaded state's masters, on the host, which NCCL cannot reduce.
-        devices = [x.device for x in (local if local is not None else held)]
+        # Gradients reduce where the parameters compute: at stages 1-2 `held` may be an
+        # offloaded state's masters, and at stage 3 its parameter shards, on the host,
+        # which NCCL cannot reduce.
+        devices = [x.device for x in (local if local is not None else self.inputs)]
         self.reductions = Reductions(ctx, devices, check, self.source, sums, final, watch)
         self.entries: list[Entry] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order

@@ -74,12 +74,14 @@ class Gatherer(ParamSource):
         shards: tuple[torch.Tensor, ...],
         check: CallCheck,
         order: Sequence[str],
+        device: torch.device | None = None,
     ) -> None:
         """`shards`: this rank's shard of every bucket. `check`: the micro-batch's call
         check, waited for before a backward collective. `order`: the just-in-time units
-        last step called, in order (the same on every rank)."""
+        last step called, in order (the same on every rank). `device`: where the units
+        compute, if a shard is held elsewhere (on the host: copied over to be gathered)."""
         s = ctx.schedule
-        self.mesh, self.layout, self.shards = ctx.mesh, ctx.layout, shards
+        self.mesh, self.layout, self.shards, self.device = ctx.mesh, ctx.layout, shards, device
         self.dtype, self.prefetch, self.reshard = s.gather_dtype, s.prefetch, s.reshard
         self.quant, self.secondary, self.keep_last = s.quant_gather, s.secondary, s.keep_last
         self.ledger, self.pool, self.check = ctx.ledger, ctx.pool, check
@@ -184,6 +186,10 @@ class Gatherer(ParamSource):
             # Into a buffer of the compute dtype (the layout's): a shard held at higher
             # precision (an fp32 master) is gathered as its cast (`_comm.all_gather_async`).
             shard, dtype = self.shards[i].detach(), self.layout.buckets[i].dtype
+            if self.device is not None and shard.device != self.device:
+                # A host shard (`Offload(params=True)`): over to the device for its gather,
+                # asynchronously from pinned memory; the copy lives until the gather ends.
+                shard = shard.to(self.device, non_blocking=shard.is_pinned())
             out = self.pool.take(shard.numel() * self.mesh.shard.size, dtype, shard.device)
             full, work = _comm.all_gather_async(
                 shard,

@@ -28,7 +28,9 @@ from ._loss_scale import unscale_ as unscale_
 from ._offload import Offload as Offload
 from ._offload import Placement as Placement
 from ._offload import check_offload as check_offload
+from ._offload import compute_device as compute_device
 from ._offload import offloaded_bytes as offloaded_bytes
+from ._offload import offloaded_param_bytes as offloaded_param_bytes
 from ._offload import piece_buckets as piece_buckets
 from ._offload import place as place
 from ._precision import Precision as Precision

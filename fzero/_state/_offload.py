@@ -17,7 +17,7 @@ import optree
 import torch
 
 from .._comm import Mesh
-from .._core import ShardLayout, Shards, stage_of
+from .._core import ShardLayout, Shards, device_of, stage_of
 from ..optim import Optimizer
 from ..optim._pieces import assemble, by_piece, pieces_spec, walk
 from ._spill import Spill
@@ -43,12 +43,18 @@ class Offload:
         qgZ). It pays where units enter just in time: units entered before the forward
         complete their gradients only at the backward's end. False: every unit after the
         backward.
+      params: stage 3: the offloaded buckets' parameter shards on the host too (pinned
+        where the parameters are on a GPU; ZeRO-Infinity's parameter offload), copied to
+        the device for each gather; the device then holds nothing of those buckets
+        between their gathers. Without `Precision` the host shard is the master itself,
+        with it a copy in the compute dtype (what the gather sends).
     """
 
     to: str = "host"
     fraction: float = 1.0
     directory: str | None = None
     overlap: bool = True
+    params: bool = False
 
     def __post_init__(self) -> None:
         if self.to not in TIERS:
@@ -64,12 +70,15 @@ class Offload:
 @dataclass(frozen=True)
 class Placement:
     """What a state records of its offload: the config, the offloaded buckets (by index
-    in the layout), and for the disk tier the file and each bucket's region in it."""
+    in the layout), for the disk tier the file and each bucket's region in it, and with
+    `Offload(params=True)` the device the parameters compute on (their shards of the
+    offloaded buckets being on the host)."""
 
     offload: Offload
     buckets: tuple[int, ...]
     spill: Spill | None = field(default=None, compare=False, repr=False)
     regions: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+    device: torch.device | None = None
 
     def prefetch(self, bucket: int) -> None:
         """Reads a disk bucket's state ahead (nothing for the host)."""
@@ -124,6 +133,12 @@ def check_offload(offload: Any, stage: int, donate: bool | None = None) -> None:
         raise ValueError(
             "offload needs stage 1, 2 or 3: stage 0 keeps every rank's optimizer state "
             "whole and replicated (at one rank, stage 1 holds the same bytes and offloads)"
+        )
+    if offload.params and not stage_of(stage).shards_params:
+        raise ValueError(
+            f"Offload(params=True) needs stage 3: at stage {stage} every rank holds the "
+            "full parameters, which the forward reads where they are (stage 3 holds "
+            "shards, gathered unit by unit, whose host copies a gather can send)"
         )
     if donate is False and offload.to == "disk":
         raise ValueError(
@@ -210,14 +225,21 @@ def place(state: Any, offload: Offload, mesh: Mesh, optimizer: Optimizer | None 
         assert optimizer is not None
         pieces = Shards(tuple(new_master), mlay, rank).pieces()
         opt_state = _init_by_unit(optimizer, pieces, owner, buckets, like, move, spill, regions)
-    params = state.params
-    if spec.shards_params:  # the device keeps what is gathered, in the compute dtype
+    params, device = state.params, None
+    if spec.shards_params:  # what is gathered, in the compute dtype: on the device, or
+        # with `params` on the host (the master itself where it is in that dtype)
         bufs = list(params.buffers)
+        device = next((b.device for b in bufs if b.numel()), bufs[0].device if bufs else None)
         for k in buckets:
-            if bufs[k] is master.buffers[k] or bufs[k].dtype != lay.buckets[k].dtype:
-                bufs[k] = master.buffers[k].to(lay.buckets[k].dtype, copy=True)
+            m, dtype = new_master[k], lay.buckets[k].dtype
+            if offload.params:  # a disk master is paged out after its update: copied
+                shared = m.dtype == dtype and spill is None
+                bufs[k] = m if shared else _pinned(m.to(dtype, copy=True), on_gpu)
+            elif bufs[k] is master.buffers[k] or bufs[k].dtype != dtype:
+                bufs[k] = master.buffers[k].to(dtype, copy=True)
         params = Shards(tuple(bufs), lay, rank)
-    placement = Placement(offload, buckets, spill, regions)
+        device = device if offload.params else None
+    placement = Placement(offload, buckets, spill, regions, device)
     placement.release_all()
     return dataclasses.replace(
         state,
@@ -225,6 +247,34 @@ def place(state: Any, offload: Offload, mesh: Mesh, optimizer: Optimizer | None 
         opt_state=opt_state,
         master=Shards(tuple(new_master), mlay, rank),
         offload=placement,
+    )
+
+
+def _pinned(x: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`x` (a host tensor) in pinned memory where copies go to a GPU."""
+    return x.pin_memory() if pin else x
+
+
+def compute_device(state: Any) -> torch.device | None:
+    """Where a state's parameters compute: their own device, or with `Offload(params=True)`
+    the device their offloaded shards are copied to for each gather."""
+    placement = state.offload
+    if placement is not None and placement.device is not None:
+        return placement.device
+    return device_of(state.params)
+
+
+def offloaded_param_bytes(state: Any) -> int:
+    """Bytes of parameter shards a state holds on the host beside its masters
+    (`Offload(params=True)` under `Precision`; without it the shards are the masters)."""
+    placement = state.offload
+    if placement is None or placement.device is None:
+        return 0
+    masters = {m.untyped_storage().data_ptr() for m in state.master.buffers if m.numel()}
+    return sum(
+        _bytes(x)
+        for k, x in enumerate(state.params.buffers)
+        if k in placement.buckets and x.untyped_storage().data_ptr() not in masters
     )
 
 

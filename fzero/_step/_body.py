@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
-from .._core import LossFn, PyTree, Shards, Stage, device_of
+from .._core import LossFn, PyTree, Shards, Stage
 from .._engine import Context, full_buckets, local_shard, own_slices
-from .._state import ShardedState
+from .._state import ShardedState, compute_device
 from ..optim import Optimizer
 from ..optim._fused import compiled_updates
 from ._compiled import CompiledLoss, compiled_grad
@@ -66,14 +66,12 @@ def body(
     local = None if stage.shards_params else full_buckets(state.params, state.layout)
     target = _own_part(stage, state, local, o)
     present = any(mb is not None for mb in micro)
-    sync = StepSync(
-        mesh, weighed, present, device_of(state.params), len(micro), o.accumulate is not None
-    )
+    device = compute_device(state)
+    sync = StepSync(mesh, weighed, present, device, len(micro), o.accumulate is not None)
 
     # An offloaded state is updated unit by unit (`streamed`), its host units on a host
     # thread during the backward (`early`) where nothing needs the whole gradient first.
     streamed = streamer(optimizer, state, target, mesh, o.donate)
-    device = device_of(state.params)
     with overlapping(streamed, sync.early_factor, overlap, state, device, mesh.rank) as early:
         # Enter and differentiate: the gradient leaves each unit reduced as the stage reduces.
         if compiled is not None:

@@ -16,6 +16,7 @@ def check(o: Any, state: ShardedState) -> None:
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
         "ledger=": o.ledger is not None,
+        "Offload(params=True)": state.offload is not None and state.offload.device is not None,
     }
     said = [what for what, bad in refused.items() if bad]
     if said:

@@ -83,6 +83,7 @@ def mean_grad(
             sums=sums,
             final=last,
             watch=tell if watch is not None and not s.all_reduce else None,
+            device=None if state.offload is None else state.offload.device,
         )
         _, grads, order = engine.value_and_grad(loss_fn, mb)
         # Every exchange a micro-batch started ends in it: a disagreement raises on every

@@ -98,7 +98,10 @@ def sharded_forward(
             return _forward(state, batch)
 
     def _compiled_forward(state: ShardedState, batch: Any) -> Any:
-        refused = {"ledger=": ledger is not None}
+        refused = {
+            "ledger=": ledger is not None,
+            "Offload(params=True)": state.offload is not None and state.offload.device is not None,
+        }
         said = [what for what, bad in refused.items() if bad]
         if said:
             raise ValueError(
@@ -214,7 +217,8 @@ class Forwarder:
         held = local if local is not None else state.params.buffers
         # A forward keeps no buffers from one call to the next: a fresh pool each call.
         ctx = dataclasses.replace(ctx, pool=Pool())
-        return Engine(ctx, held, CallCheck(mesh), local=local, order=order)
+        device = None if state.offload is None else state.offload.device
+        return Engine(ctx, held, CallCheck(mesh), local=local, order=order, device=device)
 
     def _context(self, stage: Stage, state: ShardedState) -> Context:
         prec, lay = state.precision, state.layout

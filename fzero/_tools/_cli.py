@@ -53,6 +53,7 @@ def estimate_table(
     unit: str = "auto",
     offload: str | None = None,
     fraction: float = 1.0,
+    params_offload: bool = False,
 ) -> list[str]:
     """The ZeRO paper's Table 1 for one model: model-state memory per rank.
 
@@ -67,6 +68,7 @@ def estimate_table(
       unit: see `human_bytes`.
       offload, fraction: as `estimate_memory`'s; each cell is then "device + offloaded"
         (stage 0, which cannot offload: "-").
+      params_offload: the stage-3 column with the parameter shards' share on the host too.
 
     Returns:
       The table's lines.
@@ -84,6 +86,7 @@ def estimate_table(
             optim_bytes=optim_bytes,
             offload=offload,
             fraction=fraction,
+            params_offload=params_offload and s == 3,
         )
         device = human_bytes(e.total, unit)
         return device if offload is None else f"{device} + {human_bytes(e.host + e.disk, unit)}"
@@ -156,6 +159,7 @@ def _estimate(args: argparse.Namespace) -> int:
             unit=args.unit,
             offload=args.offload,
             fraction=args.offload_fraction,
+            params_offload=args.offload_params,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -169,7 +173,9 @@ def _estimate(args: argparse.Namespace) -> int:
         share = "" if args.offload_fraction == 1 else f"{args.offload_fraction:g} of "
         print(
             f"Offload (ZeRO-Offload / ZeRO-Infinity): {share}the optimizer state, fp32 masters "
-            f"included, on the {args.offload}; each cell is device + {args.offload}.\n"
+            f"included, on the {args.offload}"
+            f"{' (stage 3: the parameter shards on the host too)' if args.offload_params else ''}"
+            f"; each cell is device + offloaded.\n"
         )
     print("\n".join(lines))
     if args.shard_size or args.hpz or args.qwz or args.qgz:  # the mesh shape was asked about
@@ -312,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     est.add_argument(
         "--offload-fraction", type=float, default=1.0, metavar="F", help="its share, in (0, 1]"
+    )
+    est.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="stage 3: the parameter shards on the host too: Offload(params=True)",
     )
     est.add_argument(
         "--shard-size",

@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._core import device_of, stage_of, tree_nbytes
-from .._state import ShardedState, offloaded_bytes
+from .._core import stage_of, tree_nbytes
+from .._state import ShardedState, compute_device, offloaded_bytes, offloaded_param_bytes
 
 
 class MemoryEstimate(NamedTuple):
@@ -16,8 +16,9 @@ class MemoryEstimate(NamedTuple):
     params: float
     grads: float
     opt_state: float  # what stays on the device
-    host: float = 0.0  # optimizer state (masters included) offloaded to host memory
-    disk: float = 0.0  # ... or to disk
+    host: float = 0.0  # optimizer state (masters included) offloaded to host memory,
+    # and parameter shards there (`params_offload`)
+    disk: float = 0.0  # optimizer state offloaded to disk
 
     @property
     def total(self) -> float:
@@ -35,6 +36,7 @@ def estimate_memory(
     optim_bytes: float = 12,
     offload: str | None = None,
     fraction: float = 1.0,
+    params_offload: bool = False,
 ) -> MemoryEstimate:
     """Model-state bytes per rank for ZeRO `stage` (ZeRO, arXiv 1910.02054, section 5).
 
@@ -58,6 +60,8 @@ def estimate_memory(
         stage 3 keeps a compute-dtype shard on the device beside the offloaded masters:
         `param_bytes` counts it.
       fraction: the offloaded share, in (0, 1].
+      params_offload: stage 3 with `offload`: that share of the parameter shards on the
+        host too (`Offload(params=True)`; the device keeps none of them between gathers).
 
     Returns:
       A MemoryEstimate: `.total` sums what stays on the device; `host` or `disk` what
@@ -73,16 +77,20 @@ def estimate_memory(
             raise ValueError(f"the offloaded fraction must be in (0, 1], got {fraction}")
         if not spec.shards_optimizer:
             raise ValueError("offload needs stage 1, 2 or 3")
+    if params_offload and (offload is None or not spec.shards_params):
+        raise ValueError("params_offload needs offload= and stage 3")
     per = num_params / world_size
     opt = (per if spec.shards_optimizer else num_params) * optim_bytes
     off = 0.0 if offload is None else opt * fraction
     # The paper's gradient arithmetic: stage 1 holds full gradients through the backward
     # (they are reduced in buckets), stages 2-3 one unit's at a time besides the shard.
+    params = (per if spec.shards_params else num_params) * param_bytes
+    moved = params * fraction if params_offload else 0.0
     return MemoryEstimate(
-        params=(per if spec.shards_params else num_params) * param_bytes,
+        params=params - moved,
         grads=(per if spec.grads == "unit" else num_params) * grad_bytes,
         opt_state=opt - off,
-        host=off if offload == "host" else 0.0,
+        host=(off if offload == "host" else 0.0) + moved,
         disk=off if offload == "disk" else 0.0,
     )
 
@@ -102,7 +110,9 @@ class MemoryReport(NamedTuple):
         `memory_reserved` of that device: what a step really needs, gradients, gathered
         units and communication buffers included. None off CUDA.
       host, disk: the part of `opt_state` (masters and optimizer state) offloaded to
-        host memory or to disk (`shard_state(offload=)`); 0 without offload.
+        host memory or to disk (`shard_state(offload=)`), and in `host` the parameter
+        shards held there beside their masters (`Offload(params=True)`); 0 without
+        offload.
     """
 
     params: int
@@ -143,12 +153,11 @@ def memory_report(state: ShardedState) -> MemoryReport:
     # Stage 3's trainable shards under mixed precision are the masters (one storage):
     # counted once, as masters; `params` is then what only the parameters hold.
     params = tree_nbytes((state.params, state.opt_state, state.master)) - opt
-    device = device_of(state.params)
+    device = compute_device(state)
     off = offloaded_bytes(state)
     tier = None if state.offload is None else state.offload.offload.to
-    report = MemoryReport(
-        params, opt, device, host=off if tier == "host" else 0, disk=off if tier == "disk" else 0
-    )
+    host = (off if tier == "host" else 0) + offloaded_param_bytes(state)
+    report = MemoryReport(params, opt, device, host=host, disk=off if tier == "disk" else 0)
     if device is None or device.type != "cuda":
         return report
     return report._replace(

@@ -102,6 +102,4 @@ def chain(*parts: Any) -> Optimizer:
         return update
 
     inplace = run(optimizer.update_) if optimizer.update_ is not None else None
-    return Optimizer(
-        init, run(optimizer.update), inplace, optimizer.whole_tensors, optimizer.fused
-    )
+    return Optimizer(init, run(optimizer.update), inplace, optimizer.whole_tensors, optimizer.fused)

@@ -94,16 +94,18 @@ def test_a_step_makes_every_tensor_where_the_parameters_are(stage: int, tmp_path
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage, params", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_an_offloaded_step_makes_every_tensor_where_it_says(
-    stage: int, tier: str, tmp_path: Any
+    stage: int, params: bool, tier: str, tmp_path: Any
 ) -> None:
-    """The CPU standing in for a GPU, meta for torch's default: the offloaded update makes
-    no tensor without naming its device (the host's, or the parameters')."""
+    """The CPU standing in for a GPU, meta for torch's default: the offloaded update (and
+    with `params`, the gathers from host shards) makes no tensor without naming its
+    device (the host's, or the parameters')."""
     case = make_case()
     want = torch_reference(case)
-    offload = fzero.Offload(tier, 0.7, str(tmp_path / "spill") if tier == "disk" else None)
+    directory = str(tmp_path / "spill") if tier == "disk" else None
+    offload = fzero.Offload(tier, 0.7, directory, params=params)
     ckpt = str(tmp_path / "ckpt")
     for params, devices, scale in run(2, train_on_meta_default, case, stage, ckpt, offload):
         assert devices == {"cpu"}

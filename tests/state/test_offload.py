@@ -96,8 +96,29 @@ def train(
 
 @settings(max_examples=12)
 @example(  # a rank that owns no tensor: it still joins the clipping norm's all-reduce
-    n=3, stage=1, layout="tensor", tier="host", fraction=1.0, accumulate=None, frozen="layers.1.b"
+    n=3,
+    stage=1,
+    layout="tensor",
+    tier="host",
+    fraction=1.0,
+    accumulate=None,
+    frozen="layers.1.b",
+    params=False,
 )
+@example(  # the parameter shards on the host too: there, they are the masters
+    n=2,
+    stage=3,
+    layout="flat",
+    tier="host",
+    fraction=0.5,
+    accumulate="sharded",
+    frozen="shift",
+    params=True,
+)
+@example(  # ... and beside a state on disk, a copy on the host
+    n=3, stage=3, layout="tensor", tier="disk", fraction=1.0, accumulate="local",
+    frozen="layers.1.b", params=True,
+)  # fmt: skip
 @given(
     n=st.integers(1, 3),
     stage=st.sampled_from([1, 2, 3]),
@@ -106,6 +127,7 @@ def train(
     fraction=st.sampled_from([1.0, 0.5, 0.2]),
     accumulate=st.sampled_from([None, "sharded", "local"]),
     frozen=st.sampled_from(["layers.1.b", "shift"]),
+    params=st.booleans(),
 )
 def test_offloaded_training_is_the_device_training_and_torchs(
     tmp_path_factory: Any,
@@ -116,21 +138,31 @@ def test_offloaded_training_is_the_device_training_and_torchs(
     fraction: float,
     accumulate: str | None,
     frozen: str,
+    params: bool,
 ) -> None:
-    """Float64, clipping first in the chain, a frozen leaf, AdamW with decay: the masters
-    after 3 steps equal torch.optim's (1e-10) and, bitwise, fzero's without offload."""
+    """Float64, clipping first in the chain, a frozen leaf, AdamW with decay, the
+    parameter shards on the host too or not (stage 3): the masters after 3 steps equal
+    torch.optim's (1e-10) and, bitwise, fzero's without offload."""
     directory = str(tmp_path_factory.mktemp("offload")) if tier == "disk" else None
-    offload = fzero.Offload(tier, fraction, directory)
+    params_off = params and stage == 3
+    offload = fzero.Offload(tier, fraction, directory, params=params_off)
     params = make_params(DIMS, torch.float64, 5)
     xs, ys = batches(3, n, 2)
     want = torch_reference(params, xs, ys, frozen)
     plain = run(n, train, params, xs, ys, stage, layout, None, accumulate, frozen)
     got = run(n, train, params, xs, ys, stage, layout, offload, accumulate, frozen)
-    for (masters, report), (same, _) in zip(got, plain):
+    for (masters, report), (same, before) in zip(got, plain):
         fzero.assert_trees_close(masters, same, rtol=0, atol=0)
         fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
         assert report.host + report.disk > 0
         assert (report.disk > 0) == (tier == "disk")
+        # On the host tier the host shards are the masters: the state holds fewer bytes
+        # (a rank owning a tensor of an offloaded bucket: every rank at 2, with "flat").
+        if params_off and tier == "host" and (n == 2 or layout == "flat"):
+            assert report.params < before.params
+    # Beside a disk state they are a copy on the host (some rank owns a tensor of them).
+    if params_off and tier == "disk":
+        assert any(report.host > 0 for _, report in got)
     moved = fzero._core._tree.max_abs_diff(got[0][0], params)
     assert moved > 1e-3
     frozen_leaf = dict(
@@ -209,17 +241,59 @@ def train_mixed(
     return fzero.master_params(state, mesh), state.step, fzero.gather_params(state.params, mesh)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+def train_params_apart(mesh: fzero.Mesh, xs: Any, ys: Any, tier: str, directory: Any) -> Any:
+    """Stage 3, `Offload(params=True)`, its compute device stood in for by "cpu:0": a
+    torch.device unequal to the host shards' "cpu", so every gather copies its host shard
+    over, and every gradient is taken for a storage-free stand-in leaf "there" (the paths
+    a GPU takes; on the CPU the copies are real copies)."""
+    import dataclasses
+
+    opt = optimizer()
+    kw: dict[str, Any] = dict(stage=3, units=LAYER_UNITS)
+    offload = fzero.Offload(tier, 1.0, directory, params=True)
+    params = make_params(DIMS, torch.float64, 5)
+    state = fzero.shard_state(params, opt, mesh, offload=offload, frozen=["shift"], **kw)
+    apart = dataclasses.replace(state.offload, device=torch.device("cpu", 0))
+    state = dataclasses.replace(state, offload=apart)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, **kw)
+    n = xs.shape[1] // mesh.size
+    for t in range(xs.shape[0]):
+        rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
+        state, _ = step(state, (xs[t, rows], ys[t, rows]))
+    assert state.offload.device == torch.device("cpu", 0)
+    return fzero.master_params(state, mesh)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_parameter_shards_apart_from_the_device_train_as_torch(tier: str, tmp_path: Path) -> None:
+    """The host shards gathered through copies to the compute device, gradients for
+    stand-in leaves there: torch.optim's training (float64, clipping), bitwise the
+    state on the device."""
+    n = 2
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(3, n, 2)
+    want = torch_reference(params, xs, ys, frozen="shift")
+    plain = run(n, train, params, xs, ys, 3, "flat", None, None, "shift")
+    directory = str(tmp_path) if tier == "disk" else None
+    for got, (same, _) in zip(run(n, train_params_apart, xs, ys, tier, directory), plain):
+        fzero.assert_trees_close(got, same, rtol=0, atol=0)
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert fzero._core._tree.max_abs_diff(got, params) > 1e-3
+
+
+@pytest.mark.parametrize("stage, params", [(1, False), (2, False), (3, False), (3, True)])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_mixed_precision_with_a_skipped_step_offloaded(
-    stage: int, tier: str, tmp_path: Path
+    stage: int, params: bool, tier: str, tmp_path: Path
 ) -> None:
-    """fp16 compute over fp32 masters offloaded, an inf on one rank at step 1: the step is
-    skipped everywhere, and the masters equal torch's GradScaler loop bitwise."""
+    """fp16 compute over fp32 masters offloaded (at stage 3 also with the parameter shards
+    on the host, in fp16), an inf on one rank at step 1: the step is skipped everywhere,
+    and the masters equal torch's GradScaler loop bitwise."""
     xs, ys = data(2, 5, inf_at=(1, 1))
     ref = reference(xs, ys, FP16, FP32, scale=True)
     assert ref["skipped"] == [False, True, False, False, False]
-    offload = fzero.Offload(tier, 0.6, str(tmp_path) if tier == "disk" else None)
+    directory = str(tmp_path) if tier == "disk" else None
+    offload = fzero.Offload(tier, 0.6, directory, params=params)
     for masters, steps, params in run(2, train_mixed, xs, ys, stage, offload):
         assert steps == 4
         for k, m in ref["masters"].items():
@@ -289,6 +363,13 @@ def bad(mesh: fzero.Mesh, what: str, path: str) -> Any:
     opt = fzero.optim.adam(lr=0.1)
     if what == "stage 0":
         return fzero.shard_state(params, opt, mesh, stage=0, offload=fzero.Offload())
+    if what == "params at stage 2":
+        return fzero.shard_state(params, opt, mesh, stage=2, offload=fzero.Offload(params=True))
+    if what == "params compiled":
+        state = fzero.shard_state(params, opt, mesh, stage=3, offload=fzero.Offload(params=True))
+        step = fzero.sharded_step(mlp_loss, opt, mesh, stage=3, compile="aot_eager")
+        x = torch.randn(2, DIMS[0], dtype=torch.float64)
+        return step(state, (x, torch.randn(2, DIMS[-1], dtype=torch.float64)))
     if what == "pure step":
         state = fzero.shard_state(
             params, opt, mesh, stage=1, offload=fzero.Offload("disk", 1.0, path)
@@ -310,6 +391,12 @@ def test_bad_offloads_are_refused_on_every_rank(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="one of"):
         fzero.Offload("nvme")
     raised_together(outcomes(2, bad, "stage 0", ""), ValueError, "offload needs stage 1, 2 or 3")
+    raised_together(
+        outcomes(2, bad, "params at stage 2", ""), ValueError, "Offload(params=True) needs stage 3"
+    )
+    raised_together(
+        outcomes(2, bad, "params compiled", ""), ValueError, "does not yet compile", "params=True"
+    )
     raised_together(
         outcomes(2, bad, "pure step", str(tmp_path)), ValueError, "donate=False", "in place"
     )
