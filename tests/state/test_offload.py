@@ -319,8 +319,9 @@ def test_a_compiled_mixed_precision_step_offloaded_skips_as_torch() -> None:
 def save_offloaded_then_resume(
     mesh: fzero.Mesh, path: str, directory: str, params: Any, xs: Any, ys: Any
 ) -> Any:
-    """Two steps offloaded to disk at stage 3, a checkpoint, then one step from it loaded
-    at stage 2 offloaded to the host, and one more loaded with no offload at stage 1."""
+    """Two steps offloaded to disk at stage 3 (the parameter shards on the host), a
+    checkpoint, then one step from it loaded at stage 2 offloaded to the host, and one
+    more loaded with no offload at stage 1."""
     opt = optimizer()
     n = xs.shape[1] // mesh.size
     rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
@@ -331,7 +332,7 @@ def save_offloaded_then_resume(
         stage=3,
         units=LAYER_UNITS,
         frozen=["shift"],
-        offload=fzero.Offload("disk", 1.0, directory),
+        offload=fzero.Offload("disk", 1.0, directory, params=True),
     )
     step3 = fzero.sharded_step(mlp_loss, opt, mesh, stage=3)
     for t in range(2):
@@ -567,30 +568,47 @@ def test_a_run_killed_mid_update_resumes_from_its_last_checkpoint(tmp_path: Path
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def offloaded_report(mesh: fzero.Mesh, stage: int, tier: str, directory: str) -> Any:
+def offloaded_report(
+    mesh: fzero.Mesh, stage: int, tier: str, directory: str, params_off: bool = False
+) -> Any:
     params = make_params([64, 64, 64], torch.float64, 1)
-    offload = fzero.Offload(tier, 1.0, directory if tier == "disk" else None)
-    state = fzero.shard_state(params, fzero.optim.adam(), mesh, stage=stage, offload=offload)
-    return fzero.memory_report(state)
+    prec = fzero.Precision(param_dtype=torch.float32) if params_off else None
+    where = directory if tier == "disk" else None
+    offload = fzero.Offload(tier, 1.0, where, params=params_off)
+    opt = fzero.optim.adam()
+    return fzero.memory_report(
+        fzero.shard_state(params, opt, mesh, stage=stage, precision=prec, offload=offload)
+    )
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage, params", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_memory_report_and_estimate_agree_on_what_leaves_the_device(
-    stage: int, tier: str, tmp_path: Path
+    stage: int, params: bool, tier: str, tmp_path: Path
 ) -> None:
     """Float64 Adam offloaded: 24 bytes a parameter (master, two moments) leave the
-    device; it keeps the parameters (replicated, or its shard at stage 3)."""
+    device; it keeps the parameters (replicated, or its shard at stage 3), or with
+    `params` (fp32 compute) nothing, its fp32 shards on the host too."""
     psi = 2 * 64 * 64 + 2 * 64 + 2
     n = 2
+    param_bytes = 4 if params else 8
     want = fzero.estimate_memory(
-        psi, n, stage, param_bytes=8, grad_bytes=8, optim_bytes=24, offload=tier
+        psi,
+        n,
+        stage,
+        param_bytes=param_bytes,
+        grad_bytes=8,
+        optim_bytes=24,
+        offload=tier,
+        params_offload=params,
     )
-    for report in run(n, offloaded_report, stage, tier, str(tmp_path)):
+    for report in run(n, offloaded_report, stage, tier, str(tmp_path), params):
         off = report.host + report.disk
-        assert off == pytest.approx(want.host + want.disk, abs=24 * n)  # padding
+        assert off == pytest.approx(want.host + want.disk, abs=(24 + param_bytes) * n)  # padding
         assert (report.disk > 0) == (tier == "disk")
-        assert report.on_device == pytest.approx(want.params, abs=8 * n)
+        assert report.on_device == pytest.approx(want.params, abs=param_bytes * n)
+        if params:  # nothing but the optimizer's step count (8 bytes) stays
+            assert report.on_device == 8
 
 
 def big_params() -> dict[str, torch.Tensor]:
@@ -727,14 +745,17 @@ def export_and_forward(mesh: fzero.Mesh, offload: Any, path: str) -> Any:
     return exported, loss
 
 
-def test_exports_and_forwards_read_an_offloaded_state_as_any_other(tmp_path: Path) -> None:
-    """fp32 compute over float64 masters, half of them on disk: the consolidated torch
-    export (weights and AdamW's state), the safetensors file and an evaluation equal the
-    on-device state's, bitwise."""
+@pytest.mark.parametrize("params", [False, True])
+def test_exports_and_forwards_read_an_offloaded_state_as_any_other(
+    params: bool, tmp_path: Path
+) -> None:
+    """fp32 compute over float64 masters, half of them on disk (and their parameter
+    shards on the host, or not): the consolidated torch export (weights and AdamW's
+    state), the safetensors file and an evaluation equal the on-device state's, bitwise."""
     import safetensors.torch
 
     plain = run(2, export_and_forward, None, str(tmp_path / "a.safetensors"))[0]
-    offload = fzero.Offload("disk", 0.5, str(tmp_path / "spill"))
+    offload = fzero.Offload("disk", 0.5, str(tmp_path / "spill"), params=params)
     got = run(2, export_and_forward, offload, str(tmp_path / "b.safetensors"))[0]
     fzero.assert_trees_close(got[0], plain[0], rtol=0, atol=0)
     assert torch.equal(got[1], plain[1])

@@ -183,3 +183,10 @@ def test_estimate_prints_the_offload_arithmetic(capsys: pytest.CaptureFixture[st
     assert "70 GB + 42 GB" in capsys.readouterr().out  # half of the 84 GB stays: 28 + 42
     line = _error_line(capsys, [*argv, "--offload-fraction", "0"])
     assert "(0, 1]" in line
+    # ZeRO-Infinity's parameter offload: stage 3's bf16 shards on the host too (2 + 12
+    # bytes a parameter there); stages 1-2 keep replicas and are printed as before.
+    assert main([*argv, "--offload-params"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line[:10].strip() == "1").split()
+    assert " ".join(row[1:]) == "- 28 GB + 84 GB 28 GB + 84 GB 14 GB + 98 GB"
+    assert "the parameter shards on the host too" in out
