@@ -309,12 +309,13 @@ def train_offloaded(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> A
     return state
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage, params", [(1, False), (2, False), (3, False), (3, True)])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_offloaded_stages_match_torch_on_nccl(
-    nccl_mesh: fzero.Mesh, stage: int, tier: str, tmp_path: Any, monkeypatch: Any
+    nccl_mesh: fzero.Mesh, stage: int, params: bool, tier: str, tmp_path: Any, monkeypatch: Any
 ) -> None:
-    """The masters and moments on the host (pinned) or on disk, the parameters and the
+    """The masters and moments on the host (pinned) or on disk, the parameters (with
+    `params`, their stage-3 shards on the host too, copied over for each gather) and the
     gradients on the GPU (reduced there: NCCL cannot reduce host memory, and a stage 1-2
     gradient once followed its master to the host): the same training as torch's on the
     GPU (float64)."""
@@ -322,7 +323,8 @@ def test_offloaded_stages_match_torch_on_nccl(
 
     case = make_case()
     want = on_cpu(reference(case))
-    offload = fzero.Offload(tier, 1.0, str(tmp_path) if tier == "disk" else None)
+    directory = str(tmp_path) if tier == "disk" else None
+    offload = fzero.Offload(tier, 1.0, directory, params=params)
     placed: list[str] = []
     born = _reductions.Reductions.__init__
 
@@ -333,9 +335,12 @@ def test_offloaded_stages_match_torch_on_nccl(
     monkeypatch.setattr(_reductions.Reductions, "__init__", spy)
     state = train_offloaded(nccl_mesh, case, stage, offload)
     assert placed and set(placed) == {"cuda"}, placed
-    assert devices(state.params) == {"cuda"} and devices(state.master) == {"cpu"}
+    assert devices(state.params) == {"cpu" if params else "cuda"}
+    assert devices(state.master) == {"cpu"}
     if tier == "host":
         assert all(x.is_pinned() for x in state.master.buffers if x.numel())
+    if params:
+        assert all(x.is_pinned() for x in state.params.buffers if x.numel())
     got = on_cpu(fzero.master_params(state, nccl_mesh))
     fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
     assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
@@ -351,6 +356,18 @@ def test_an_offloaded_bf16_stage_3_state_holds_2_bytes_a_parameter_on_the_gpu(
     held, psi, state = bf16_stage_3_held(nccl_mesh, opt, fzero.Offload("host"))
     assert 2 * psi <= held <= 2 * psi + 64 * 1024, (held, psi)
     assert fzero.memory_report(state).host >= 12 * psi
+
+
+def test_a_bf16_stage_3_state_with_its_parameters_on_the_host_holds_nothing_on_the_gpu(
+    nccl_mesh: fzero.Mesh,
+) -> None:
+    """`Offload(params=True)`: the masters, moments and bf16 parameter shards on the host
+    (pinned), so between steps the caching allocator holds nothing of the state on the
+    GPU (2 bytes a parameter with the shards there); 14 bytes a parameter on the host."""
+    opt = fzero.optim.adamw(lr=1e-2)
+    held, psi, state = bf16_stage_3_held(nccl_mesh, opt, fzero.Offload("host", params=True))
+    assert held <= 64 * 1024, (held, psi)
+    assert fzero.memory_report(state).host >= 14 * psi
 
 
 def train_overlapped(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> Any:
