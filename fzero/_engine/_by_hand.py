@@ -156,15 +156,15 @@ def gather_params(params: PyTree, mesh: Mesh, *, unit: UnitSpec | None = None) -
             f"shards of rank {params.rank} of {layout.world_size} cannot be gathered on "
             f"rank {mesh.rank} (shard {mesh.shard_rank} of {mesh.shard_size})"
         )
-    bufs = _carried(params.buffers, mesh)
     if members is None:
         entry = Entry("", tuple(range(len(layout.buckets))))
-        return layout.unflatten(enter(Now(layout, mesh), entry, bufs))
+        return layout.unflatten(enter(Now(layout, mesh), entry, _carried(params.buffers, mesh)))
     if members not in layout.members:
         raise ValueError(f"{unit!r} is not a unit of the layout (units: {list(layout.specs)})")
     name = name_of(members)
     entry = Entry(name, layout.unit_buckets(name))
-    fulls = enter(Now(layout, mesh), entry, tuple(bufs[i] for i in entry.buckets))
+    bufs = _carried(tuple(params.buffers[i] for i in entry.buckets), mesh)
+    fulls = enter(Now(layout, mesh), entry, bufs)
     views = layout.unflatten_unit(name, fulls)
     leaves = [views.get(p) for p in layout.paths]
     return _parts(tree_unflatten(layout.treedef, leaves), unit, members)

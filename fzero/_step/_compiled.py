@@ -70,7 +70,7 @@ from ._loss import BufferThread
 from ._loss_weights import Weighed
 from ._options import GATHER_BURST
 from ._sync import StepSync
-from ._traced_hooks import TracedHooks, check_loss, ghosts, unhooked_use
+from ._traced_hooks import TracedHooks, check_loss, ghost_beside_tensors, ghosts, unhooked_use
 
 
 class CompiledLoss:
@@ -159,9 +159,9 @@ class CompiledLoss:
             with hooks, quiet(self.pieces):
                 return self.compiled(leaves, fulls, batch, buffers)
         except torch._dynamo.exc.TorchRuntimeError as exc:
-            if self.hooks is None or "meta" not in str(exc):
+            if self.hooks is None or not ghost_beside_tensors(exc):
                 raise
-            raise ValueError(unhooked_use(self.rank)) from exc  # a ghost beside real tensors
+            raise ValueError(unhooked_use(self.rank)) from exc
         except torch._dynamo.exc.Unsupported as exc:
             raised = raised_in_trace(exc)
             if raised is not None:  # the loss's (or fzero.gathered's) own error, as itself
@@ -179,6 +179,9 @@ class CompiledLoss:
                 "before using the unit's parameters, or leave just_in_time off so that the "
                 "units enter before the loss (the line is in the traceback above)"
             ) from exc
+        finally:
+            if self.hooks is not None:  # set in the trace, cleared there unless it raised
+                self.hooks.enter_unit = None
 
     def _in_pieces(self, exc: BaseException) -> None:
         """The loss breaks dynamo's graph (`exc`, a trace that ran nothing): compiled

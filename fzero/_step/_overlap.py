@@ -199,7 +199,9 @@ class Overlap:
             assert self.stream is not None
             self.stream.wait_stream(self.back)
             for k in self.taken:  # made on the return stream, used on the step's
-                self.streamer.delivered[k].record_stream(self.stream)
+                value = self.streamer.delivered[k]
+                if value.device.type == "cuda":  # `Offload(params=True)`: the host's
+                    value.record_stream(self.stream)
 
     def abort(self) -> list[int]:
         """The step failed: stops the host thread as soon as it can (a bucket being

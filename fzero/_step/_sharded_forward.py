@@ -138,14 +138,20 @@ def sharded_forward(
         buffers = None if state.buffers is None else copied(state.buffers)
         with collector_paused(), torch.no_grad():
             out, _, called = compiled(leaves, fulls, batch, buffers)
-        if compiled.hooks is not None:
-            check_loss(out, mesh.rank)
+        error = None
+        try:
+            if compiled.hooks is not None:
+                check_loss(out, mesh.rank)
+        except ValueError as exc:  # every rank raises it with the check, where one runs
+            error = exc
         if compiled.jit and stage.shards_params and mesh.size > 1:  # alike on every rank
             # The units `fn` entered, in order, the same on every rank (the gathers pair
             # up by order), or every rank raises: the eager forward's call check.
             check = CallCheck(mesh)
-            check.after_forward(list(called))
+            check.after_forward(list(called), error=error)
             check.finish()
+        if error is not None:
+            raise error
         if local is None:  # gathered in the graph: nothing of the state's to alias
             return out
         return _unaliased(out, local)

@@ -26,7 +26,7 @@ from .._core import Shards, device_of
 from .._state import Placement, piece_buckets
 from ..optim import Optimizer
 from ..optim._context import ShardContext, UnitByUnit, shard_context
-from ..optim._fused import backend_for
+from ..optim._fused import FUSED_DTYPES, backend_for
 from ..optim._pieces import assemble, by_piece, pieces_spec, select, walk
 
 
@@ -226,8 +226,8 @@ def _blockable(
     p = pieces[j]
     if optimizer.update_ is None or optimizer.whole_tensors is not None:
         return False
-    if backend_for(optimizer.fused) is not None:
-        return False
+    if backend_for(optimizer.fused) is not None and p.dtype in FUSED_DTYPES:
+        return False  # one kernel (a 16-bit piece keeps the unfused ops, and blocks)
     if p.device.type != "cpu" or p.numel() <= BLOCK:
         return False
     if not (p.is_contiguous() and g[idx.index(j)].is_contiguous()):

@@ -74,6 +74,13 @@ def check_loss(out: Any, rank: int) -> None:
         raise bad_loss(ValueError(unhooked_use(rank)))
 
 
+def ghost_beside_tensors(exc: BaseException) -> bool:
+    """Whether a trace failed on a meta operand beside tensors of another device (fake
+    tensors' device check), the mark of a ghost used outside its submodule."""
+    said = str(exc)
+    return "meta" in said and ("device" in said.lower() or "Device" in said)
+
+
 def unhooked_use(rank: int) -> str:
     """What a ghost used outside its submodule's forward means, for the error."""
     return (

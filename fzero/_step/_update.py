@@ -140,7 +140,9 @@ def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.T
         if state.offload.device is not None:  # `Offload(params=True)`: a host shard
             if state.offload.spill is None and held.dtype == master.dtype:
                 return master  # the host tier without Precision: the shard is the master
-            return held.copy_(master) if donate else master.to(held.dtype, copy=True)
+            if donate:
+                return held.copy_(master)
+            return _cast_for(master, held.dtype, state.offload.device)  # pinned for a GPU
         value = _cast_for(master, held.dtype, held.device)
         if donate:
             return held.copy_(value, non_blocking=value.is_pinned())

@@ -62,6 +62,8 @@ def estimate_memory(
       fraction: the offloaded share, in (0, 1].
       params_offload: stage 3 with `offload`: that share of the parameter shards on the
         host too (`Offload(params=True)`; the device keeps none of them between gathers).
+        Under `Precision` the host keeps them beside the masters, in the compute dtype;
+        without it (the host tier) they are the masters: `param_bytes=0` then.
 
     Returns:
       A MemoryEstimate: `.total` sums what stays on the device; `host` or `disk` what

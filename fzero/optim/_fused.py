@@ -10,7 +10,7 @@ Its rounding is not the seven ops': the step is a product subtracted where torch
 `addcdiv` multiplies by its value, and the compiler writes `lerp` its own way. The
 values agree with the unfused update to a few ulps (tested: float64 to 1e-12 of
 torch.optim, float32 within 4 ulps of the largest parameter); fp32 and fp64 leaves only
-(`_FUSED_DTYPES`).
+(`FUSED_DTYPES`).
 
 Only what varies per step is a tensor argument (the scalars, worked out in Python floats
 as the unfused ops take them, then one tensor of the leaf's dtype); the optimizer's
@@ -59,7 +59,7 @@ def backend_for(fused: bool | None) -> str | None:
 # would be tensors, which round in its dtype (beta2 = 0.999 is 1.0 in bf16) and, in
 # float32, are rounded to bf16 first by a backend running the traced ops as eager kernels
 # on a GPU; inductor on the CPU moved bf16 leaves away from the unfused update (measured).
-_FUSED_DTYPES = (torch.float32, torch.float64)
+FUSED_DTYPES = (torch.float32, torch.float64)
 
 
 def split(
@@ -86,7 +86,7 @@ def split(
         state = [c[i] for c in written if c[i] is not None]
         return (
             p.numel() > 0
-            and p.dtype in _FUSED_DTYPES
+            and p.dtype in FUSED_DTYPES
             and all(x.is_contiguous() for x in (p, *state))
         )
 

@@ -241,14 +241,32 @@ def train_mixed(
     return fzero.master_params(state, mesh), state.step, fzero.gather_params(state.params, mesh)
 
 
-def train_params_apart(mesh: fzero.Mesh, xs: Any, ys: Any, tier: str, directory: Any) -> Any:
+def train_params_apart(
+    mesh: fzero.Mesh, xs: Any, ys: Any, tier: str, directory: Any, clip: bool
+) -> Any:
     """Stage 3, `Offload(params=True)`, its compute device stood in for by "cpu:0": a
     torch.device unequal to the host shards' "cpu", so every gather copies its host shard
     over, and every gradient is taken for a storage-free stand-in leaf "there" (the paths
-    a GPU takes; on the CPU the copies are real copies)."""
+    a GPU takes; on the CPU the copies are real copies). Returns the masters and how many
+    stand-in leaves and host-shard gathers the steps made."""
     import dataclasses
 
-    opt = optimizer()
+    from fzero._engine import _engine, _gatherer
+
+    counts = {"stand-ins": 0, "copied gathers": 0}
+    leaf, gather = _engine._leaf, _gatherer.Gatherer._gather
+
+    def spy_leaf(x: torch.Tensor, device: Any) -> torch.Tensor:
+        out = leaf(x, device)
+        counts["stand-ins"] += out.numel() > 1 and not any(out.stride())
+        return out
+
+    def spy_gather(self: Any, i: int, *args: Any) -> Any:
+        counts["copied gathers"] += self.shards[i].device != self.device
+        return gather(self, i, *args)
+
+    _engine._leaf, _gatherer.Gatherer._gather = spy_leaf, spy_gather  # type: ignore[method-assign]
+    opt = optimizer(clip=clip)
     kw: dict[str, Any] = dict(stage=3, units=LAYER_UNITS)
     offload = fzero.Offload(tier, 1.0, directory, params=True)
     params = make_params(DIMS, torch.float64, 5)
@@ -261,24 +279,32 @@ def train_params_apart(mesh: fzero.Mesh, xs: Any, ys: Any, tier: str, directory:
         rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
         state, _ = step(state, (xs[t, rows], ys[t, rows]))
     assert state.offload.device == torch.device("cpu", 0)
-    return fzero.master_params(state, mesh)
+    return fzero.master_params(state, mesh), counts
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_parameter_shards_apart_from_the_device_train_as_torch(tier: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("clip", [True, False])
+def test_parameter_shards_apart_from_the_device_train_as_torch(
+    tier: str, clip: bool, tmp_path: Path
+) -> None:
     """The host shards gathered through copies to the compute device, gradients for
-    stand-in leaves there: torch.optim's training (float64, clipping), bitwise the
+    stand-in leaves there (both counted), clipping after the backward or without it the
+    host thread stepping buckets during it: torch.optim's training (float64), bitwise the
     state on the device."""
-    n = 2
+    n, steps = 2, 3
     params = make_params(DIMS, torch.float64, 5)
-    xs, ys = batches(3, n, 2)
-    want = torch_reference(params, xs, ys, frozen="shift")
-    plain = run(n, train, params, xs, ys, 3, "flat", None, None, "shift")
+    xs, ys = batches(steps, n, 2)
+    want = torch_reference(params, xs, ys, frozen="shift", clip=clip)
+    plain = run(n, train, params, xs, ys, 3, "flat", None, None, "shift", None, clip)
     directory = str(tmp_path) if tier == "disk" else None
-    for got, (same, _) in zip(run(n, train_params_apart, xs, ys, tier, directory), plain):
-        fzero.assert_trees_close(got, same, rtol=0, atol=0)
-        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
-        assert fzero._core._tree.max_abs_diff(got, params) > 1e-3
+    got = run(n, train_params_apart, xs, ys, tier, directory, clip)
+    for (masters, counts), (same, _) in zip(got, plain):
+        fzero.assert_trees_close(masters, same, rtol=0, atol=0)
+        fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
+        assert fzero._core._tree.max_abs_diff(masters, params) > 1e-3
+        # Three trainable units' buckets a step (the frozen leaf's is on the device).
+        assert counts["stand-ins"] == 3 * steps, counts
+        assert counts["copied gathers"] >= 3 * steps, counts
 
 
 @pytest.mark.parametrize("stage, params", [(1, False), (2, False), (3, False), (3, True)])
