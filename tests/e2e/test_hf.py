@@ -119,8 +119,9 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
     def fn(mesh: fzero.Mesh) -> Any:
         m = fzero.init.deferred(make, cfg, dtype=F64, seed=5)
         adamw = fzero.optim.adamw(1e-2, weight_decay=0.1)
+        units = fzero.units.auto(m)
         state = fzero.shard_state(
-            dict(m.named_parameters()), adamw, mesh, stage=3, units=fzero.units.auto(m),
+            dict(m.named_parameters()), adamw, mesh, stage=3, units=units,
             buffers=dict(m.named_buffers()), init=fzero.init.from_module(m),
         )  # fmt: skip
         mine = data[:, mesh.rank * per_rank : (mesh.rank + 1) * per_rank]
@@ -134,6 +135,13 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
             for k in range(steps):
                 state, _ = step(state, mine[k])
         said = [str(w.message) for w in seen if "fzero" in str(w.message)]
+        if compile:  # the blocks entered by their traced hooks, not before the loss
+            import gc
+
+            from fzero._step._compiled import CompiledLoss
+
+            (loss,) = [o for o in gc.get_objects() if type(o) is CompiledLoss]
+            assert loss.hooks is not None and set(loss.hooks.hooked) == set(units), units
         params = fzero.gather_params(state.params, mesh)
         return {k: v.detach().clone() for k, v in params.items()}, said
 
