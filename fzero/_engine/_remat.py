@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,29 +38,67 @@ def remat(module: nn.Module) -> Callable[..., Any]:
     """
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        # The forward binds what is bound now; the recompute keeps only what the step
-        # would save of it (inside a resharding stage-3 step, handles to a unit's
-        # parameters rather than the tensors, which the backward gathers again).
-        engine = ACTIVE.get()
-        now: list[Any] | None = _bindings(module)
-        hold = (lambda v: v) if engine is None else engine.hold
-        later = [(sub, slot, k, hold(v)) for sub, slot, k, v in now]
-
-        def run(*a: Any, **kw: Any) -> Any:
-            if now is not None:
-                bound = now
-            else:  # the recompute, inside the backward
-                fetch = (lambda v: v) if engine is None else engine.fetch
-                bound = [(sub, slot, k, fetch(v)) for sub, slot, k, v in later]
-            with _bind(module, bound):
-                return module(*a, **kw)
-
-        try:
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
-        finally:
-            now = None
+        return rebound(_non_reentrant, module, module, *args, **kwargs)
 
     return call
+
+
+def _non_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def rebound(
+    checkpointer: Callable[..., Any],
+    module: nn.Module,
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """`checkpointer(fn, *args, **kwargs)` (torch's checkpoint, or one that calls it), its
+    recompute run with `module`'s parameters and buffers bound to what they were when the
+    forward ran."""
+    # The forward binds what is bound now; the recompute keeps only what the step would
+    # save of it (inside a resharding stage-3 step, handles to a unit's parameters
+    # rather than the tensors, which the backward gathers again).
+    engine = ACTIVE.get()
+    now: list[Any] | None = _bindings(module)
+    hold = (lambda v: v) if engine is None else engine.hold
+    later = [(sub, slot, k, hold(v)) for sub, slot, k, v in now]
+
+    def run(*a: Any, **kw: Any) -> Any:
+        if now is not None:
+            bound = now
+        else:  # the recompute, inside the backward
+            fetch = (lambda v: v) if engine is None else engine.fetch
+            bound = [(sub, slot, k, fetch(v)) for sub, slot, k, v in later]
+        with _bind(module, bound):
+            return fn(*a, **kw)
+
+    try:
+        return checkpointer(run, *args, **kwargs)
+    finally:
+        now = None
+
+
+@contextlib.contextmanager
+def layers_rebound(module: nn.Module | None) -> Iterator[None]:
+    """Within the block, layers that checkpoint their own forward (Hugging Face's
+    `gradient_checkpointing_enable()` gives each a `_gradient_checkpointing_func`, which
+    torch's checkpoint runs again inside the backward, after `functional_call` has put the
+    module's own, stale parameters back: silently wrong gradients, or meta ones from a
+    deferred model) checkpoint as `remat` does, recomputing with the forward's
+    parameters."""
+    swapped = []
+    for sub in () if module is None else module.modules():
+        own = vars(sub).get("_gradient_checkpointing_func")
+        if own is not None and getattr(sub, "gradient_checkpointing", False) is True:
+            swapped.append((sub, own))  # its own kept inside: its kwargs, its offload
+            sub._gradient_checkpointing_func = functools.partial(rebound, own, sub)
+    try:
+        yield
+    finally:
+        for sub, own in swapped:
+            sub._gradient_checkpointing_func = own
 
 
 def _bindings(module: nn.Module) -> list[tuple[nn.Module, str, str, Any]]:

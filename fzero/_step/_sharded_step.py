@@ -21,7 +21,7 @@ from torch import nn
 from .. import _comm
 from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure
 from .._core import LossFn, UnitSpec, differentiating
-from .._engine import Context, UnitLedger, context, differentiates_by_leaf
+from .._engine import Context, UnitLedger, context, differentiates_by_leaf, layers_rebound
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
 from ._body import body
@@ -178,7 +178,12 @@ def sharded_step(
             # Compiled, no gradient is handed over during the backward (it is the graph's).
             overlap = compiled is None and _may_overlap(o, cache, state, ctx)
             thread = cache.host_thread() if overlap else None
-            out = body(fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled)
+            # Eagerly, a layer's own checkpoint (Hugging Face's) recomputes with the
+            # forward's parameters; a compiled graph recomputes with its own values.
+            with layers_rebound(o.module if compiled is None else None):
+                out = body(
+                    fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled
+                )
         except RuntimeError as exc:
             if isinstance(exc, PeerError) or not is_peer_failure(exc):
                 raise

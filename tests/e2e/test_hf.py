@@ -155,6 +155,55 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(stage: int) -> None:
+    """`activation_checkpointing_enable()` (once `gradient_checkpointing_enable`) on a deferred Llama, module= hooks: each layer's
+    own checkpoint runs its recompute inside the backward, after functional_call has put
+    the module's parameters back (meta here; stale on an eager model, silently wrong
+    before). The step rebinds the forward's parameters for it: torch.optim.AdamW's
+    training on one process (float64), every leaf moved."""
+    world, per_rank, steps = 2, 2, 3
+    make, cfg, _ = config("llama")
+    data = lm_batch("llama", steps, world * per_rank)
+    model = eager("llama", 5, F64)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for k in range(steps):
+        loss = model(input_ids=data[k], labels=data[k]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    want = {k: v.detach() for k, v in model.named_parameters()}
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        m = fzero.init.deferred(make, cfg, dtype=F64, seed=5)
+        m.activation_checkpointing_enable()
+        m.train()
+        adamw = fzero.optim.adamw(1e-2, weight_decay=0.1)
+        state = fzero.shard_state(
+            dict(m.named_parameters()), adamw, mesh, stage=stage, units=fzero.units.auto(m),
+            buffers=dict(m.named_buffers()), init=fzero.init.from_module(m),
+        )  # fmt: skip
+        mine = data[:, mesh.rank * per_rank : (mesh.rank + 1) * per_rank]
+
+        def loss_fn(params: Any, bufs: Any, batch: torch.Tensor) -> Any:
+            kw = {"input_ids": batch, "labels": batch}
+            return functional_call(m, (params, bufs), (), kw).loss, bufs
+
+        step = fzero.sharded_step(loss_fn, adamw, mesh, stage=stage, module=m)
+        with warnings.catch_warnings():  # transformers turns its KV cache off, and says so
+            warnings.simplefilter("ignore")
+            for k in range(steps):
+                state, _ = step(state, mine[k])
+        assert all(layer.gradient_checkpointing for layer in m.model.layers)
+        return {k: v.detach().clone() for k, v in fzero.gather_params(state.params, mesh).items()}
+
+    for got in run(world, fn):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert all(not torch.equal(got[k], start[k]) for k in want)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_a_multi_file_pretrained_checkpoint_loads_into_shards(name: str, tmp_path: Path) -> None:
     model = eager(name, 3)
