@@ -26,6 +26,7 @@ from ._callcheck import CallCheck as CallCheck
 from ._context import Context as Context
 from ._context import context as context
 from ._engine import Engine as Engine
+from ._engine import stand_in as stand_in
 from ._gathered import gathered as gathered
 from ._hooks import Members as Members
 from ._hooks import ModuleHooks as ModuleHooks

@@ -40,13 +40,19 @@ from ._reductions import LocalSums, Reductions, Watch
 from ._source import ParamSource, Replica
 
 
+def stand_in(shape: torch.Size, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A storage-free tensor of `shape` (a zero expanded): an autograd leaf that only
+    receives a gradient, the tensor it stands for being read elsewhere."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
 def _leaf(x: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """The autograd leaf a bucket's gradient is for: `x` itself, or for a shard held away
-    from the compute `device` (on the host) a storage-free stand-in there of its shape
-    and dtype, so the gradient is the device's (the gather reads the shard itself)."""
+    from the compute `device` (on the host) its stand-in there, so the gradient is the
+    device's (the gather reads the shard itself)."""
     if device is None or x.device == device:
         return x.detach()
-    return torch.zeros((), dtype=x.dtype, device=device).expand(x.shape)
+    return stand_in(x.shape, x.dtype, device)
 
 
 class Pass(NamedTuple):

@@ -31,6 +31,7 @@ from ._offload import check_offload as check_offload
 from ._offload import compute_device as compute_device
 from ._offload import offloaded_bytes as offloaded_bytes
 from ._offload import offloaded_param_bytes as offloaded_param_bytes
+from ._offload import params_apart as params_apart
 from ._offload import piece_buckets as piece_buckets
 from ._offload import place as place
 from ._precision import Precision as Precision

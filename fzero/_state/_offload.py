@@ -229,7 +229,8 @@ def place(state: Any, offload: Offload, mesh: Mesh, optimizer: Optimizer | None 
     if spec.shards_params:  # what is gathered, in the compute dtype: on the device, or
         # with `params` on the host (the master itself where it is in that dtype)
         bufs = list(params.buffers)
-        device = next((b.device for b in bufs if b.numel()), bufs[0].device if bufs else None)
+        if offload.params:  # where the shards compute, recorded before they leave it
+            device = next((b.device for b in bufs if b.numel()), bufs[0].device)
         for k in buckets:
             m, dtype = new_master[k], lay.buckets[k].dtype
             if offload.params:  # a disk master is paged out after its update: copied
@@ -238,7 +239,6 @@ def place(state: Any, offload: Offload, mesh: Mesh, optimizer: Optimizer | None 
             elif bufs[k] is master.buffers[k] or bufs[k].dtype != dtype:
                 bufs[k] = master.buffers[k].to(dtype, copy=True)
         params = Shards(tuple(bufs), lay, rank)
-        device = device if offload.params else None
     placement = Placement(offload, buckets, spill, regions, device)
     placement.release_all()
     return dataclasses.replace(
@@ -255,20 +255,23 @@ def _pinned(x: torch.Tensor, pin: bool) -> torch.Tensor:
     return x.pin_memory() if pin else x
 
 
+def params_apart(state: Any) -> torch.device | None:
+    """With `Offload(params=True)`, the device the host-held parameter shards are copied
+    to for each gather; None where every shard is where it computes."""
+    return None if state.offload is None else state.offload.device
+
+
 def compute_device(state: Any) -> torch.device | None:
-    """Where a state's parameters compute: their own device, or with `Offload(params=True)`
-    the device their offloaded shards are copied to for each gather."""
-    placement = state.offload
-    if placement is not None and placement.device is not None:
-        return placement.device
-    return device_of(state.params)
+    """Where a state's parameters compute: their own device, or the one their host-held
+    shards are gathered on (`params_apart`)."""
+    return params_apart(state) or device_of(state.params)
 
 
 def offloaded_param_bytes(state: Any) -> int:
     """Bytes of parameter shards a state holds on the host beside its masters
     (`Offload(params=True)` under `Precision`; without it the shards are the masters)."""
     placement = state.offload
-    if placement is None or placement.device is None:
+    if params_apart(state) is None:
         return 0
     masters = {m.untyped_storage().data_ptr() for m in state.master.buffers if m.numel()}
     return sum(

@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import _comm
 from .._comm import Mesh
-from .._state import ShardedState
+from .._state import ShardedState, params_apart
 
 
 def check(o: Any, state: ShardedState) -> None:
@@ -16,7 +16,7 @@ def check(o: Any, state: ShardedState) -> None:
         "quantize=": o.quantize is not None,
         "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
         "ledger=": o.ledger is not None,
-        "Offload(params=True)": state.offload is not None and state.offload.device is not None,
+        "Offload(params=True)": params_apart(state) is not None,
     }
     said = [what for what, bad in refused.items() if bad]
     if said:

@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as fc
 
 from .._comm import Mesh
 from .._core import ShardLayout, Stage
-from .._engine import own_slices
+from .._engine import own_slices, stand_in
 from .._state import Precision, ShardedState
 
 
@@ -251,8 +251,5 @@ def entry_inputs(
     assert local is not None
     lay = state.layout
     mine = own_slices(local, lay, mesh.shard_rank) if compiled.stage.shards_optimizer else local
-    held = [
-        torch.zeros((), dtype=d, device=x.device).expand(x.shape)
-        for x, d in zip(mine, compiled.reduce)
-    ]
+    held = [stand_in(x.shape, d, x.device) for x, d in zip(mine, compiled.reduce)]
     return held, [x.detach() for x in local]

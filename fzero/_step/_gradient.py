@@ -8,7 +8,7 @@ import torch
 
 from .._core import LossFn, Shards, sparse_gradient, tree_flatten, tree_map, value_and_grad
 from .._engine import Context, Engine, LocalSums, Watch
-from .._state import ShardedState
+from .._state import ShardedState, params_apart
 from ._sync import StepSync
 
 
@@ -83,7 +83,7 @@ def mean_grad(
             sums=sums,
             final=last,
             watch=tell if watch is not None and not s.all_reduce else None,
-            device=None if state.offload is None else state.offload.device,
+            device=params_apart(state),
         )
         _, grads, order = engine.value_and_grad(loss_fn, mb)
         # Every exchange a micro-batch started ends in it: a disagreement raises on every

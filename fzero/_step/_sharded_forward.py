@@ -30,7 +30,7 @@ from .._engine import (
     full_buckets,
     plan,
 )
-from .._state import ShardedState
+from .._state import ShardedState, params_apart
 from ._cache import StepCache
 from ._compile_checks import agree_present
 from ._compiled import CompiledLoss
@@ -100,7 +100,7 @@ def sharded_forward(
     def _compiled_forward(state: ShardedState, batch: Any) -> Any:
         refused = {
             "ledger=": ledger is not None,
-            "Offload(params=True)": state.offload is not None and state.offload.device is not None,
+            "Offload(params=True)": params_apart(state) is not None,
         }
         said = [what for what, bad in refused.items() if bad]
         if said:
@@ -223,7 +223,7 @@ class Forwarder:
         held = local if local is not None else state.params.buffers
         # A forward keeps no buffers from one call to the next: a fresh pool each call.
         ctx = dataclasses.replace(ctx, pool=Pool())
-        device = None if state.offload is None else state.offload.device
+        device = params_apart(state)
         return Engine(ctx, held, CallCheck(mesh), local=local, order=order, device=device)
 
     def _context(self, stage: Stage, state: ShardedState) -> Context:

@@ -30,7 +30,8 @@ Enter = Callable[[str], dict[str, torch.Tensor]]
 
 class TracedHooks:
     """The engine side of `ModuleHooks` for a compiled loss: `enter` adds a unit's entry
-    to the graph being traced (`bind` says how, for one call); `leave` has nothing to do
+    to the graph being traced (through `enter_unit`, which the compiled loss sets for
+    the length of its trace); `leave` has nothing to do
     (the compiler frees the unit's full parameters after their last use, or recomputes
     them for the backward)."""
 

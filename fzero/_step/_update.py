@@ -21,7 +21,7 @@ from .._core import (
     tree_map,
 )
 from .._engine import gather_params_into
-from .._state import held_shards, unscale_
+from .._state import held_shards, params_apart, unscale_
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from ..optim._context import ShardContext, shard_context
@@ -137,12 +137,13 @@ def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.T
     memory to a GPU)."""
     if stage_of(state.stage).shards_params:
         held = state.params.buffers[k]
-        if state.offload.device is not None:  # `Offload(params=True)`: a host shard
+        apart = params_apart(state)
+        if apart is not None:  # `Offload(params=True)`: a host shard
             if state.offload.spill is None and held.dtype == master.dtype:
                 return master  # the host tier without Precision: the shard is the master
             if donate:
                 return held.copy_(master)
-            return _cast_for(master, held.dtype, state.offload.device)  # pinned for a GPU
+            return _cast_for(master, held.dtype, apart)  # pinned for a GPU
         value = _cast_for(master, held.dtype, held.device)
         if donate:
             return held.copy_(value, non_blocking=value.is_pinned())

@@ -82,6 +82,24 @@ def lm_batch(name: str, steps: int, n: int) -> torch.Tensor:
     return torch.randint(61, (steps, n, 7), generator=torch.Generator().manual_seed(1))
 
 
+def batch_kwargs(name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": x} if name == "bert" else {"input_ids": x, "labels": x}
+
+
+def torch_trained(name: str, data: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The reference: `eager(name, 5)` in float64 trained by torch.optim.AdamW on one
+    process, a step per `data[k]` (the whole batch); its parameters before and after."""
+    model = eager(name, 5, F64)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for batch in data:
+        loss = loss_of(name, model(**batch_kwargs(name, batch)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return start, {k: v.detach() for k, v in model.named_parameters()}
+
+
 def loss_of(name: str, out: Any) -> torch.Tensor:
     if name == "bert":  # the encoder and its pooler
         return out.pooler_output.square().mean() + out.last_hidden_state.square().mean()
@@ -101,20 +119,7 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
     world, per_rank, steps = 2, 2, 3
     make, cfg, _ = config(name)
     data = lm_batch(name, steps, world * per_rank)
-    kwargs = (
-        (lambda x: {"input_ids": x})
-        if name == "bert"
-        else (lambda x: {"input_ids": x, "labels": x})
-    )
-    model = eager(name, 5, F64)
-    start = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for k in range(steps):
-        loss = loss_of(name, model(**kwargs(data[k])))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    want = {k: v.detach() for k, v in model.named_parameters()}
+    start, want = torch_trained(name, data)
 
     def fn(mesh: fzero.Mesh) -> Any:
         m = fzero.init.deferred(make, cfg, dtype=F64, seed=5)
@@ -127,7 +132,8 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
         mine = data[:, mesh.rank * per_rank : (mesh.rank + 1) * per_rank]
 
         def loss_fn(params: Any, bufs: Any, batch: torch.Tensor) -> Any:
-            return loss_of(name, functional_call(m, (params, bufs), (), kwargs(batch))), bufs
+            out = functional_call(m, (params, bufs), (), batch_kwargs(name, batch))
+            return loss_of(name, out), bufs
 
         step = fzero.sharded_step(loss_fn, adamw, mesh, stage=3, module=m, compile=compile)
         with warnings.catch_warnings(record=True) as seen:
@@ -157,23 +163,16 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
 def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(stage: int) -> None:
-    """`activation_checkpointing_enable()` (once `gradient_checkpointing_enable`) on a deferred Llama, module= hooks: each layer's
-    own checkpoint runs its recompute inside the backward, after functional_call has put
-    the module's parameters back (meta here; stale on an eager model, silently wrong
-    before). The step rebinds the forward's parameters for it: torch.optim.AdamW's
-    training on one process (float64), every leaf moved."""
+    """`activation_checkpointing_enable()` (once `gradient_checkpointing_enable`) on a
+    deferred Llama, module= hooks: each layer's own checkpoint runs its recompute inside
+    the backward, after functional_call has put the module's parameters back (meta
+    here; stale on an eager model, silently wrong before). The step rebinds the
+    forward's parameters for it: torch.optim.AdamW's training on one process (float64),
+    every leaf moved."""
     world, per_rank, steps = 2, 2, 3
     make, cfg, _ = config("llama")
     data = lm_batch("llama", steps, world * per_rank)
-    model = eager("llama", 5, F64)
-    start = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    for k in range(steps):
-        loss = model(input_ids=data[k], labels=data[k]).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    want = {k: v.detach() for k, v in model.named_parameters()}
+    start, want = torch_trained("llama", data)
 
     def fn(mesh: fzero.Mesh) -> Any:
         m = fzero.init.deferred(make, cfg, dtype=F64, seed=5)
@@ -244,11 +243,6 @@ def test_a_pretrained_checkpoint_without_missing_names_the_buffer(tmp_path: Path
 def test_export_pretrained_loads_strictly_with_from_pretrained(name: str, tmp_path: Path) -> None:
     make, cfg, units = config(name)
     data = lm_batch(name, 1, 4)[0]
-    kwargs = (
-        (lambda x: {"input_ids": x})
-        if name == "bert"
-        else (lambda x: {"input_ids": x, "labels": x})
-    )
 
     def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
         m = fzero.init.deferred(make, cfg, seed=2)
@@ -259,7 +253,8 @@ def test_export_pretrained_loads_strictly_with_from_pretrained(name: str, tmp_pa
         )  # fmt: skip
 
         def loss_fn(params: Any, bufs: Any, batch: torch.Tensor) -> Any:
-            return loss_of(name, functional_call(m, (params, bufs), (), kwargs(batch))), bufs
+            out = functional_call(m, (params, bufs), (), batch_kwargs(name, batch))
+            return loss_of(name, out), bufs
 
         step = fzero.sharded_step(loss_fn, adamw, mesh, stage=3, module=m)
         state, _ = step(state, data[2 * mesh.rank : 2 * mesh.rank + 2])  # trained a step
