@@ -34,6 +34,7 @@ from ._failure import check_alive as check_alive
 from ._failure import collective as collective
 from ._failure import is_agreed as is_agreed
 from ._failure import together as together
+from ._gloo import ALL_TO_ALL_MAX_BYTES as ALL_TO_ALL_MAX_BYTES
 from ._groups import backend_for as backend_for
 from ._groups import destroy_process_group as destroy_process_group
 from ._groups import init_process_group as init_process_group
@@ -45,3 +46,5 @@ from ._ledger import comm_ledger as comm_ledger
 from ._mesh import Mesh as Mesh
 from ._mesh import ProcessGroupMesh as ProcessGroupMesh
 from ._quant import QuantizedComm as QuantizedComm
+from ._quant import dequantize as dequantize
+from ._quant import quantize as quantize

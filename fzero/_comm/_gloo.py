@@ -42,7 +42,7 @@ _tags: dict[Any, int] = {}
 # Reductions of at most this many bytes run as one all-to-all, larger ones as point-to-point
 # messages; both move the reduce-scatter's volume ([Note: gloo's paths]). The bound also
 # caps the all-to-all's extra buffer (the whole buffer, received) per reduction in flight.
-_ALL_TO_ALL_MAX_BYTES = 8 << 20
+ALL_TO_ALL_MAX_BYTES = 8 << 20
 
 
 def _reduce_scatter_gloo(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> Any:
@@ -55,7 +55,7 @@ def _reduce_scatter_gloo(full: torch.Tensor, out: torch.Tensor, axis: Axis) -> A
         # memory: a device buffer (simulated ranks sharing a GPU) goes through the host.
         host = torch.empty(out.shape, dtype=out.dtype, device="cpu")
         return _CastOnWait(_reduce_scatter_gloo(full.cpu(), host, axis), host, out)
-    if axis.twin is not None and full.numel() * full.element_size() <= _ALL_TO_ALL_MAX_BYTES:
+    if axis.twin is not None and full.numel() * full.element_size() <= ALL_TO_ALL_MAX_BYTES:
         # On the twin group: a collective on the shard group itself would pair with a
         # peer's re-gather started in its place (see `Axis.twin`).
         got = torch.empty_like(full)

@@ -21,7 +21,8 @@ from .._engine import Context, full_buckets, local_shard, own_slices
 from .._state import ShardedState, compute_device
 from ..optim import Optimizer
 from ..optim._fused import compiled_updates
-from ._compiled import CompiledLoss, compiled_grad
+from ._compiled import CompiledLoss
+from ._compiled_grad import compiled_grad
 from ._gradient import mean_grad
 from ._loss_weights import Weighed
 from ._options import StepOptions

@@ -24,17 +24,22 @@ the eager engine's hooks are traced too: a hooked unit enters where its submodul
 (`_traced_hooks`).
 
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
-(`bursts`; 4 MiB by default at stage 3, where a burst's gather is waited for before
-the units it enters compute: smaller bursts let compute follow sooner, while tiny units
-still share one). Each rank's gradient is divided by the ranks in the reduce dtype
-before the collective sums it, as the eager engine's is (an fp16 sum could overflow
-where the mean does not); the values agree with eager to rounding, not bitwise. The
+(`bursts`; 4 MiB by default at stages 1-3: a burst's reduction runs beside the rest of
+the backward, and at stage 3 its gather is waited for before the units it enters
+compute, so smaller bursts let both follow sooner, while tiny units still share one).
+How each burst's bytes travel (as they are, as gloo's all-to-all, or as ZeRO++'s int8
+blocks): `_traced_comm`. Each rank's gradient is divided by the ranks in the reduce
+dtype before the collective sums it, as the eager engine's is (an fp16 sum could
+overflow where the mean does not); the values agree with eager to rounding, not
+bitwise (quantized, to the int8 blocks' error: the graph cuts its blocks per burst,
+the eager engine per collective it issues). The
 update, the loss weights' exchange and the gather after the update are the eager step's
 (`_body`), but fzero's optimizers run their arithmetic fused, one compiled kernel per
 flat piece (`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch,
 each run reducing its own (eager `accumulate="sharded"`); "local" accumulation runs a
-graph without collectives and reduces the sum after the last (`_local`). What this
-slice compiles, and what it refuses: `_compile_checks`.
+graph without collectives and reduces the sum after the last (`_local`). The step's
+gradient from it, per micro-batch: `_compiled_grad`. What this slice compiles, and what
+it refuses: `_compile_checks`.
 """
 
 from __future__ import annotations
@@ -49,10 +54,10 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .._comm import Mesh
-from .._core import NAMESPACE, LossFn, ShardLayout, Shards, Stage, is_bad_loss, spec_of
+from .._comm import Mesh, QuantizedComm
+from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
-from .._state import Precision, ShardedState
+from .._state import Precision
 from ._dynamo import compile_loss, graph_break, own_code, quiet, raised_in_trace
 from ._entries import (
     AllReduce,
@@ -60,17 +65,12 @@ from ._entries import (
     Scatter,
     bursts,
     comm_dtypes,
-    entry_axes,
-    entry_inputs,
     gathered,
     jit_bursts,
 )
-from ._local import local_leaves, reduce_sums
-from ._loss import BufferThread
-from ._loss_weights import Weighed
-from ._options import GATHER_BURST
-from ._sync import StepSync
-from ._traced_hooks import TracedHooks, check_loss, ghost_beside_tensors, ghosts, unhooked_use
+from ._options import GRAPH_BURST
+from ._traced_comm import entry_axes, sent_finite
+from ._traced_hooks import TracedHooks, ghost_beside_tensors, ghosts, unhooked_use
 
 
 class CompiledLoss:
@@ -95,6 +95,8 @@ class CompiledLoss:
         they are, and the graph has no collective.
       hooked: the units `module=`'s hooks enter, with their submodules
         (`hookable_units`): each enters the graph where its submodule runs.
+      quant: ZeRO++'s int8 traffic (`sharded_step(quantize=...)`), if any: stage 3's
+        gathers (qwZ) and the reductions of stages 1-3 (qgZ), `_traced_comm`.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class CompiledLoss:
         reshard: bool = True,
         local: bool = False,
         hooked: Mapping[str, Members] | None = None,
+        quant: QuantizedComm | None = None,
     ) -> None:
         self.loss_fn, self.layout, self.stage, self.rank = loss_fn, layout, stage, mesh.rank
         hooked = hooked or {}
@@ -117,7 +120,8 @@ class CompiledLoss:
         self.hooks = TracedHooks(hooked) if hooked else None
         self.ghosts = ghosts(layout, hooked)
         self.travel, self.reduce = comm_dtypes(precision, layout)
-        self.axes, self.burst_bytes, self.local = entry_axes(mesh, stage), burst_bytes, local
+        self.axes, self.burst_bytes = entry_axes(mesh, stage, quant), burst_bytes
+        self.local = local
         self.reshard = reshard and stage.shards_params and not local
         later = {i for u in jit for i in layout.unit_buckets(u)}
         upfront = [i for i in range(len(layout.buckets)) if i not in later]
@@ -132,7 +136,7 @@ class CompiledLoss:
         # enter where the loss asks for their memory's sake, and a larger burst of them
         # holds that many units' full gradients until the last is done (a stage-2 step of
         # 4 MB units held 1.06 B with 25 MiB bursts, measured; tiny units still share one).
-        jit_cap = min(burst_bytes, GATHER_BURST)
+        jit_cap = min(burst_bytes, GRAPH_BURST)
         for members in jit_bursts(layout, ordered, jit_cap, self.reduce):
             among = [i for u in members for i in layout.unit_buckets(u)]
             self.jit_runs.append(bursts(layout, burst_bytes, self.reduce, among))
@@ -199,30 +203,32 @@ class CompiledLoss:
 
     def _loss(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any
-    ) -> tuple[Any, torch.Tensor, tuple[str, ...]]:
+    ) -> tuple[Any, torch.Tensor, tuple[str, ...], Any]:
         """The loss (`loss_fn(params, buffers, batch)` where `buffers` is not None: the
         state's buffers, a copy its in-place updates go to); an anchor: zero,
         differentiable in every trainable entry, whose backward runs the graph's
         collectives where the loss has no gradient (a pair of weight 0 whose total is a
-        constant), so that this rank still joins them; and the just-in-time units the
+        constant), so that this rank still joins them; the just-in-time units the
         loss entered, in order (a constant of the trace, which the ranks compare before
-        any backward)."""
+        any backward); and with qwZ, `(units, finite)`: per quantized gather its units
+        and whether every block arrived finite (`sent_finite`), else None."""
         lay = self.layout
         views: list[Any] = [None] * len(lay.paths)
         # Per trainable entry, a scalar of its outputs for the anchor, taken as it enters
         # (the outputs themselves kept to the loss's end would keep every unit's full
         # parameters alive through the forward).
         entries: list[torch.Tensor] = []
+        sent: list[tuple[tuple[str, ...], torch.Tensor]] = []  # qwZ: per gather, finite?
         called: list[str] = []
         entered: dict[int, dict[str, torch.Tensor]] = {}  # per burst, its leaves' views
         enters: dict[str, Any] = {}  # per just-in-time unit, what enters it
         for run in self.runs:
-            for i, flat in zip(run, self._enter(run, leaves, fulls, entries)):
+            for i, flat in zip(run, self._enter(run, leaves, fulls, entries, sent)):
                 for s in lay.buckets[i].slots:
                     views[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
         for unit, (_, slots, spec) in self.jit.items():
             enter = functools.partial(
-                self._enter_unit, unit, leaves, fulls, entries, called, entered
+                self._enter_unit, unit, leaves, fulls, entries, sent, called, entered
             )
             enters[unit] = enter
             for index, path in slots:
@@ -241,7 +247,10 @@ class CompiledLoss:
         anchor = torch.zeros(())
         for e in entries:
             anchor = anchor + e
-        return out, anchor * 0, tuple(called)
+        finite = None
+        if sent:
+            finite = tuple(units for units, _ in sent), torch.stack([ok for _, ok in sent])
+        return out, anchor * 0, tuple(called), finite
 
     def _enter_unit(
         self,
@@ -249,6 +258,7 @@ class CompiledLoss:
         leaves: list[torch.Tensor],
         fulls: list[Any],
         entries: list[torch.Tensor],
+        sent: list[tuple[tuple[str, ...], torch.Tensor]],
         called: list[str],
         entered: dict[int, dict[str, torch.Tensor]],
     ) -> dict[str, torch.Tensor]:
@@ -262,7 +272,8 @@ class CompiledLoss:
         if views is None:
             views = entered[burst] = {}
             for run in self.jit_runs[burst]:
-                for i, flat in zip(run, self._enter(run, leaves, fulls, entries, self.reshard)):
+                out = self._enter(run, leaves, fulls, entries, sent, self.reshard)
+                for i, flat in zip(run, out):
                     for s in lay.buckets[i].slots:
                         views[s.path] = flat[s.offset : s.offset + s.numel].view(s.shape)
         return {path: views[path] for _, path in slots}
@@ -273,6 +284,7 @@ class CompiledLoss:
         leaves: list[torch.Tensor],
         fulls: list[Any],
         entries: list[torch.Tensor],
+        sent: list[tuple[tuple[str, ...], torch.Tensor]],
         recompute: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """One run of buckets entered as one collective: each bucket's full buffer."""
@@ -289,10 +301,13 @@ class CompiledLoss:
         elif self.stage.shards_params:  # the all-gather of every rank's shards
             travel, reduce = self.travel[run[0]], self.reduce[run[0]]
             if bare:
-                return gathered(a.group, a.rows, travel, b.dtype, shards)
+                out = gathered(a, travel, b.dtype, shards)
+                sent_finite(sent, a, self.layout, run, out)
+                return out
             enter = functools.partial(Gather.apply, a, travel, b.dtype, reduce)
             # Resharding: not saved for the backward, but gathered again there.
             out = checkpoint(enter, *shards, use_reentrant=False) if recompute else enter(*shards)
+            sent_finite(sent, a, self.layout, run, out)
         elif bare:
             return tuple(fulls[i] for i in run)
         elif self.stage.shards_optimizer:
@@ -301,86 +316,3 @@ class CompiledLoss:
             out = AllReduce.apply(a, *shards, *[fulls[i] for i in run])
         entries.append(sum(x.reshape(-1)[:1].sum() for x in out))
         return out
-
-
-def compiled_grad(
-    compiled: CompiledLoss,
-    loss_fn: LossFn,
-    weighed: Weighed,
-    micro: list[Any],
-    state: ShardedState,
-    local: tuple[torch.Tensor, ...] | None,
-    sync: StepSync,
-    mesh: Mesh,
-) -> Any:
-    """This rank's part of the mean gradient over the ranks and micro-batches, shaped as
-    `mean_grad`'s (the trainable tree at stage 0, this rank's `Shards` otherwise): a
-    compiled forward and its backward per micro-batch, each reducing in the graph (as
-    eager `accumulate="sharded"`; with `compiled.local`, none reducing, their full sum
-    reduced after the last, `_local`), their sum divided by the micro-batch count.
-    `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any."""
-    lay, stage = state.layout, compiled.stage
-    if compiled.local:  # the full buffers, their gradients summed here, reduced after
-        leaves, fulls = local_leaves(compiled, state, local), []
-    else:
-        held, fulls = entry_inputs(compiled, state, local, mesh)
-        leaves = [x.requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
-    anchor, calls = [], []
-
-    def run(_: Any, mb: Any, buffers: Any = None) -> Any:
-        out, zero, called = compiled(leaves, fulls, mb, buffers)
-        anchor.append(zero)
-        calls.append(list(called))
-        if compiled.hooks is not None:  # refused as a loss: every rank raises it at the check
-            check_loss(out, compiled.rank)
-        return out
-
-    # With buffers the graph takes them from the step's `BufferThread` (which keeps each
-    # micro-batch's new ones for the next) and returns `(loss, new_buffers)`.
-    threaded = weighed.loss_fn
-    if isinstance(threaded, BufferThread):
-        threaded.loss_fn = lambda _, buffers, mb: run(None, mb, buffers)
-    else:
-        weighed.loss_fn = run
-    trainable = [x for x, b in zip(leaves, lay.buckets) if not b.frozen]
-    sums: list[torch.Tensor | None] = [None] * len(leaves)
-    for j, mb in enumerate(micro):
-        total, error = None, None
-        try:
-            total = loss_fn(None, mb)
-        except Exception as exc:  # refused after the graph's forward: every rank raises it
-            if not is_bad_loss(exc):
-                raise
-            error = exc
-        # Waited for before the first backward: the graph's collectives cannot look for a
-        # peer's failure, so a rank whose loss was refused must not leave the others
-        # inside them. A middle micro-batch's refusal travels with the last check (the
-        # state is untouched until then); its backward joins with zero gradients.
-        # The units a loss entered are the graph's collectives: where they could differ
-        # between ranks (a rank-dependent branch), every rank compares them first.
-        compare = bool(compiled.jit) and mesh.size > 1  # alike on every rank
-        check = sync.check(j)
-        check.after_forward((calls[j] if len(calls) > j else []) if compare else None, error=error)
-        check.finish()
-        out = total if total is not None and total.requires_grad else anchor[-1]
-        got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
-        for i, (x, b) in enumerate(zip(leaves, lay.buckets)):
-            if b.frozen:
-                continue
-            g = next(got)
-            g = torch.zeros_like(x) if g is None else g
-            acc = sums[i]
-            if compiled.local:  # summed in the dtype the reduction will run in, owned
-                g = g.to(compiled.reduce[i], copy=acc is None)
-            sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
-    n = len(micro)
-    if compiled.local:
-        return reduce_sums(compiled, sums, leaves, state, mesh, n)
-    grads = [
-        x.new_empty(0) if b.frozen else (g.div_(n) if n > 1 else g)
-        for x, b, g in zip(leaves, lay.buckets, sums)
-    ]
-    if stage.shards_optimizer:
-        return Shards(tuple(grads), lay, mesh.shard_rank)
-    full = [f if b.frozen else g for f, g, b in zip(fulls, grads, lay.buckets)]
-    return lay.trainable(lay.unflatten(full))

@@ -5,32 +5,22 @@ Each takes a run of buckets (`bursts`) as one collective. The leaves that receiv
 gradients are in the reduce dtype, and each rank divides its share by the ranks before
 the collective sums it, as the eager engine and DDP do. On a 2-D mesh the shard axis
 gathers and reduce-scatters, and a reduced shard is then summed across the replicas
-(`Axes.across`), as the eager engine's hybrid sharding sums it.
+(`Axes.across`), as the eager engine's hybrid sharding sums it. On gloo a burst's
+reduce-scatter runs as an all-to-all, as the eager engine's does (`scattered`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as fc
 
 from .._comm import Mesh
-from .._core import ShardLayout, Stage
+from .._core import ShardLayout
 from .._engine import own_slices, stand_in
-from .._state import Precision, ShardedState
-
-
-class Axes(NamedTuple):
-    """Where an entry's collectives run: `group` of `rows` ranks gathers and reduces
-    (the shard axis; the world's at stage 0), `across` (None: no other) sums a reduced
-    shard over the replicas, and a gradient is the mean over `ranks` (every rank's)."""
-
-    group: Any
-    rows: int
-    across: Any
-    ranks: int
+from .._state import Precision, ShardedState, params_apart
+from ._traced_comm import Axes, all_reduce_sum, gather_rows, reduce_rows
 
 
 def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
@@ -41,12 +31,6 @@ def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
     return g / ranks if ranks > 1 else g
 
 
-# torch 2.13 renamed the tensor collectives `*_single` (the old names warn, eagerly); a
-# GPU image may predate that.
-_all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-_reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-
-
 def scattered(
     gs: Sequence[torch.Tensor], dtype: torch.dtype, axes: Axes, sizes: list[int]
 ) -> tuple[torch.Tensor, ...]:
@@ -54,8 +38,7 @@ def scattered(
     over every rank, in `dtype`: one reduce-scatter along the shard axis, of a table
     whose row r is rank r's slice of every bucket, then a sum across the replicas."""
     table = torch.cat([share(g, dtype, axes.ranks).reshape(axes.rows, -1) for g in gs], 1)
-    mine = _reduce_scatter(table.reshape(-1), "sum", 0, axes.group)
-    mine = mine if axes.across is None else fc.all_reduce(mine, "sum", axes.across)
+    mine = reduce_rows(table, axes)
     return mine.split(sizes)
 
 
@@ -65,7 +48,7 @@ def all_reduced(
     """The mean of the full gradients `gs` over the ranks, in `dtype`: one all-reduce of
     them side by side, each returned in its shape."""
     flat = torch.cat([share(g, dtype, axes.ranks).reshape(-1) for g in gs])
-    summed = fc.all_reduce(flat, "sum", axes.group)
+    summed = all_reduce_sum(flat, axes)
     return tuple(p.view_as(g) for p, g in zip(summed.split([g.numel() for g in gs]), gs))
 
 
@@ -110,12 +93,13 @@ class Scatter(torch.autograd.Function):
 
 
 def gathered(
-    group: Any, rows: int, travel: torch.dtype, compute: torch.dtype, shards: Any
+    axes: Axes, travel: torch.dtype, compute: torch.dtype, shards: Any
 ) -> tuple[torch.Tensor, ...]:
-    """The shards cast to `travel`, all-gathered as one collective, each bucket cut from
-    the rank-major table and cast to `compute`."""
+    """The shards cast to `travel`, all-gathered along the shard axis as one collective
+    (qwZ: as int8 blocks of the burst, `gather_rows`), each bucket cut from the rank-major
+    table and cast to `compute`."""
     flat = torch.cat([s.to(travel) for s in shards]) if len(shards) > 1 else shards[0]
-    table = _all_gather(flat.to(travel), 0, group).view(rows, -1)
+    table = gather_rows(flat.to(travel), axes)
     out, at = [], 0
     for s in shards:
         out.append(table[:, at : at + s.numel()].reshape(-1).to(compute))
@@ -136,7 +120,7 @@ class Gather(torch.autograd.Function):
         reduce: torch.dtype,
         *shards: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        return gathered(axes.group, axes.rows, travel, compute, shards)
+        return gathered(axes, travel, compute, shards)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -206,19 +190,6 @@ def jit_units(layout: ShardLayout) -> frozenset[str]:
     return frozenset(u for u in layout.units if u and layout.unit_buckets(u))
 
 
-def entry_axes(mesh: Mesh, stage: Stage) -> Axes:
-    """Where a compiled step's entries communicate: at stage 0 the world all-reduces;
-    otherwise the shard axis gathers and reduce-scatters, and on a 2-D mesh the replicas
-    sum the reduced shards. A gradient is the mean over every rank."""
-    world = torch.distributed.group.WORLD
-    if not (stage.shards_optimizer or stage.shards_params):
-        group = mesh.world.group
-        return Axes(world if group is None else group, mesh.size, None, mesh.size)
-    group = mesh.shard.group
-    across = mesh.replica.group if mesh.replicas > 1 else None
-    return Axes(world if group is None else group, mesh.shard_size, across, mesh.size)
-
-
 def comm_dtypes(
     precision: Precision | None, layout: ShardLayout
 ) -> tuple[list[torch.dtype], list[torch.dtype]]:
@@ -243,9 +214,13 @@ def entry_inputs(
     if compiled.stage.shards_params:
         # A shard narrower than the reduce dtype (an offloaded state's device copy, in the
         # parameter dtype, its master on the host) is upcast, exactly: a leaf of its own
-        # dtype would have autograd cast the reduced gradient down to it.
+        # dtype would have autograd cast the reduced gradient down to it. A host-held
+        # shard (`Offload(params=True)`) is copied to the device the graph computes on,
+        # every shard at the step's start (eagerly each unit's just before its gather):
+        # the device holds the shards for the step, and none of them between steps.
+        apart = params_apart(state)
         return [
-            x.detach().to(torch.promote_types(x.dtype, r))
+            x.detach().to(apart or x.device, torch.promote_types(x.dtype, r), non_blocking=True)
             for x, r in zip(state.params.buffers, compiled.reduce)
         ], []
     assert local is not None

@@ -36,7 +36,7 @@ def local_leaves(
             for run in bursts(lay, compiled.burst_bytes, compiled.reduce):
                 shards = [state.params.buffers[i] for i in run]
                 dtype = lay.buckets[run[0]].dtype
-                out = gathered(a.group, a.rows, compiled.travel[run[0]], dtype, shards)
+                out = gathered(a, compiled.travel[run[0]], dtype, shards)
                 for i, x in zip(run, out):
                     fulls[i] = plain(x)
     else:

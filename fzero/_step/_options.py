@@ -68,13 +68,15 @@ class StepOptions:
 
 
 # `reduce_bucket_bytes=None`'s bursts: DDP's bucket_cap_mb, but smaller where a compiled
-# stage 3 gathers in the graph, whose forward waits for each burst's gather before its
-# units compute: on the CPU the benchmark GPT's 2.6 MB units stepped 1.03-1.5 x faster
-# in 4 MiB bursts than in 25 MiB ones, and the deep model's 1.7 MB of tiny units still
-# share one (docs/design.md, [Note: compiled steps]). Where the graph only reduces
-# (stages 0-2), the larger bursts were 7 % faster.
+# step reduce-scatters in the graph (stages 1-3). At stage 3 the forward waits for each
+# burst's gather before its units compute: on the CPU the benchmark GPT's 2.6 MB units
+# stepped 1.03-1.5 x faster in 4 MiB bursts than in 25 MiB ones, and the deep model's
+# 1.7 MB of tiny units still share one. At stages 1-2 the GPT's whole 21 MB of gradients
+# was one burst, reduced after the backward with nothing left to overlap: 4 MiB bursts,
+# on gloo as all-to-alls, took it from 1.18-1.23 x DDP to 1.12-1.13 x (eager 1.09-1.13).
+# Stage 0's all-reduce gained nothing from them (docs/design.md, [Note: compiled steps]).
 EAGER_BURST = 25 * 2**20
-GATHER_BURST = 4 * 2**20
+GRAPH_BURST = 4 * 2**20
 
 
 def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
@@ -88,7 +90,7 @@ def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
         raise ValueError(f"accumulate must be None, 'local' or 'sharded', got {accumulate!r}")
     compile_ = options.get("compile", False)
     if bucket is None:
-        bucket = GATHER_BURST if compile_ and spec.shards_params else EAGER_BURST
+        bucket = GRAPH_BURST if compile_ and spec.shards_optimizer else EAGER_BURST
     if isinstance(bucket, bool) or not isinstance(bucket, int):
         raise TypeError(f"reduce_bucket_bytes must be an int, got {bucket!r}")
     if bucket < 0:

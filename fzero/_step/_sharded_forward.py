@@ -37,7 +37,7 @@ from ._compiled import CompiledLoss
 from ._config import check_module
 from ._entries import entry_inputs, jit_units
 from ._loss import copied
-from ._options import EAGER_BURST, GATHER_BURST, check_step_state
+from ._options import EAGER_BURST, GRAPH_BURST, check_step_state
 from ._sharded_step import collector_paused
 from ._traced_hooks import check_loss
 
@@ -115,7 +115,7 @@ def sharded_forward(
             agree_present([batch], mesh)
         elif batch is None:  # replicas: nothing to join
             return None
-        burst = GATHER_BURST if stage.shards_params else EAGER_BURST
+        burst = GRAPH_BURST if stage.shards_params else EAGER_BURST
         compiled = forwarder.cache.compiled(
             lay,
             (state.precision, stage),
@@ -137,7 +137,7 @@ def sharded_forward(
         # writes its statistics into what it is given).
         buffers = None if state.buffers is None else copied(state.buffers)
         with collector_paused(), torch.no_grad():
-            out, _, called = compiled(leaves, fulls, batch, buffers)
+            out, _, called, _ = compiled(leaves, fulls, batch, buffers)
         error = None
         try:
             if compiled.hooks is not None:

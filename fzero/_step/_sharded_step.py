@@ -90,8 +90,9 @@ def sharded_step(
       overlap_reduce: reduce a unit's gradient while the backward goes on.
       reduce_bucket_bytes: reduce gradients in bursts of about this many bytes (DDP's
         `bucket_cap_mb`, stages 0-1; compiled, every stage's collectives); 0: each unit as
-        soon as it is complete. None: 25 MiB, but 4 MiB compiled at stage 3, whose
-        forward waits for each burst's gather (`benchmarks/RESULTS-compiled.md`).
+        soon as it is complete. None: 25 MiB, but 4 MiB compiled at stages 1-3, whose
+        graph reduces a burst while the backward goes on and, at stage 3, whose forward
+        waits for each burst's gather (`benchmarks/RESULTS-compiled.md`).
       compile: trace the forward and backward with `torch.compile` as one graph, units
         entering through functional collectives (True: the inductor backend; a string:
         that backend). Units enter before the loss, where their submodule runs
@@ -99,7 +100,7 @@ def sharded_step(
         `fzero.gathered` (stage 3 recomputes such a gather for the backward unless
         `reshard_after_forward=False` or accumulating locally); one graph, or pieces
         where the loss breaks it (said once); 1-D and 2-D meshes, precision, loss
-        scaling, accumulation and offload, but no hpZ, quantize or ledger; fzero's
+        scaling, accumulation, offload and quantize, but no hpZ or ledger; fzero's
         optimizers then update through fused kernels (docs/training.md, "Compiled
         steps").
 
@@ -155,7 +156,6 @@ def sharded_step(
             fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
         compiled = None
         if o.compile is not None:
-            check_compiled(o, state)  # the state's: checked each step, as it may change
             agree_present(micro, mesh)
             compiled = cache.compiled(
                 state.layout,
@@ -172,6 +172,7 @@ def sharded_step(
                     o.reshard_after_forward,
                     o.accumulate == "local",
                     cache.hooked_units(state.layout, o.module),
+                    o.quantize,
                 ),
             )
         try:
@@ -258,7 +259,7 @@ def _first_step(
         if state.offload is not None:
             check_offload(state.offload.offload, state.stage, o.donate)
         if o.compile is not None:
-            check_compiled(o, state)
+            check_compiled(o)
         config = configuration(o, state, optimizer)
         config["micro-batches"] = str(len(micro))
     except Exception as exc:

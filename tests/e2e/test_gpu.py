@@ -297,13 +297,15 @@ def test_stage_3_bf16_state_allocates_12_bytes_a_parameter(nccl_mesh: fzero.Mesh
     assert 12 * psi <= held <= 12 * psi + 64 * 1024, (held, psi)
 
 
-def train_offloaded(mesh: fzero.Mesh, case: Case, stage: int, offload: Any) -> Any:
+def train_offloaded(
+    mesh: fzero.Mesh, case: Case, stage: int, offload: Any, compiled: bool = False
+) -> Any:
     opt = optimizer()
     units = ["layers.0", "layers.1", "layers.2"]
     state = fzero.shard_state(
         on_cuda(case.params), opt, mesh, stage=stage, units=units, offload=offload
     )
-    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units)
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, units=units, compile=compiled)
     for t in range(case.xs.shape[0]):
         state, _ = step(state, (case.xs[t].to(CUDA), case.ys[t].to(CUDA)))
     return state
@@ -410,6 +412,22 @@ def test_offloaded_buckets_step_during_the_backward_on_nccl(
     assert any(name.startswith(OFFLOAD_THREAD) for name in threads), threads
     assert not any(name.startswith(OFFLOAD_THREAD) for name in late_threads), late_threads
     fzero._core._tree.assert_trees_close(got, after, rtol=0, atol=0)
+    fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
+    assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
+
+
+def test_a_compiled_step_with_its_parameters_on_the_host_matches_torch_on_nccl(
+    nccl_mesh: fzero.Mesh,
+) -> None:
+    """`Offload(params=True)` compiled: the host-held shards enter the graph copied to
+    the GPU at the step's start, and stay on the host between steps (pinned): float64
+    against torch's on the GPU."""
+    case = make_case()
+    want = on_cpu(reference(case))
+    state = train_offloaded(nccl_mesh, case, 3, fzero.Offload("host", params=True), True)
+    assert devices(state.params) == {"cpu"}
+    assert all(x.is_pinned() for x in state.params.buffers if x.numel())
+    got = on_cpu(fzero.master_params(state, nccl_mesh))
     fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
     assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
 

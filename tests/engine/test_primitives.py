@@ -80,7 +80,7 @@ def test_reductions_in_flight_sum_every_rank_in_rank_order(
     def fn(mesh: fzero.Mesh) -> Any:
         from fzero import _comm
 
-        _comm._gloo._ALL_TO_ALL_MAX_BYTES = GLOO_PATHS[path]
+        _comm._gloo.ALL_TO_ALL_MAX_BYTES = GLOO_PATHS[path]
         fulls = _rank_buffers(mesh.rank, sizes, dtype)
         kept = [f.clone() for f in fulls]
         started = [_comm.reduce_scatter_async(f, mesh) for f in fulls]
@@ -113,7 +113,7 @@ def test_a_reduction_and_a_gather_pair_up_whichever_a_rank_starts_first(n: int, 
     def fn(mesh: fzero.Mesh) -> Any:
         from fzero import _comm
 
-        _comm._gloo._ALL_TO_ALL_MAX_BYTES = GLOO_PATHS[path]
+        _comm._gloo.ALL_TO_ALL_MAX_BYTES = GLOO_PATHS[path]
         full = torch.arange(4.0 * n, dtype=torch.float64) * (mesh.rank + 1)
         shard = torch.full((4,), 100.0 + mesh.rank, dtype=torch.float64)
         if mesh.rank == 0:

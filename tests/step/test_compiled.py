@@ -236,6 +236,37 @@ def test_inductor_compiles_the_step(stage: int) -> None:
         assert graphs >= 1
 
 
+def profiled_train(mesh: fzero.Mesh, bound: int, *args: Any) -> tuple[Any, set[str]]:
+    """`train` with the graph's all-to-all bound set to `bound` bytes, profiled: the
+    parameters and the gloo reductions the steps ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fzero._step._traced_comm.ALL_TO_ALL_MAX_BYTES = bound
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        params, _ = train(mesh, *args)
+    ran = {e.key for e in prof.key_averages() if "alltoall" in e.key or "reduce_scatter" in e.key}
+    return params, {"all_to_all" if "alltoall" in k else "reduce_scatter" for k in ran}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("stage", "path"), [(2, "all_to_all"), (3, "reduce_scatter")])
+def test_gloo_reductions_in_the_graph_run_as_all_to_alls_up_to_the_bound(
+    stage: int, path: str
+) -> None:
+    """On gloo a burst's reduce-scatter in the graph is an all-to-all whose rows each
+    rank sums (half the bytes of gloo's own, an all-reduce underneath) up to the eager
+    path's bound on its receive buffer, gloo's reduce-scatter beyond: either trains as
+    torch.optim does, float64, at 3 ranks (rows summed over more than a pair)."""
+    params = make_params(DIMS, torch.float64, 3)
+    data = make_data([[[2], [1], [2]], [[1], [2], [1]]], 3)
+    want = reference(params, data, "pair", "adamw")
+    bound = fzero._comm.ALL_TO_ALL_MAX_BYTES if path == "all_to_all" else 0
+    args = ("pair", stage, "flat", "aot_eager", (), 25 * 2**20, "adamw")
+    for rank, (p, ran) in enumerate(run(3, profiled_train, bound, params, data, *args)):
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12, what=f"rank {rank}")
+        assert ran == {path}, ran
+
+
 def refusing(mesh: fzero.Mesh, params: Any, data: list) -> Any:
     """Step 2: rank 1's weight is NaN (refused after the graph's forward), then step 3:
     rank 1's pair is (0, 0), a constant total of weight 0 (no gradient: it still joins
@@ -357,8 +388,8 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     step_kw: dict[str, Any] = {"units": UNITS, "compile": "aot_eager"}
     if what == "just in time":
         step_kw["just_in_time"] = True
-    if what == "quantized":
-        step_kw["quantize"] = fzero.QuantizedComm()
+    if what == "a unit ledger":
+        step_kw["ledger"] = fzero.UnitLedger()
     if what in ("a missing micro-batch", "uneven micro-batches"):
         step_kw["accumulate"] = "sharded"
     step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, **step_kw)
@@ -384,7 +415,7 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     [
         ("just in time", "had not entered (just_in_time=True"),
         ("no batch", "rank(s) [1] stepped without a batch"),
-        ("quantized", "does not yet compile a step with quantize="),
+        ("a unit ledger", "does not yet compile a step with ledger="),
         ("a missing micro-batch", "rank(s) [1] stepped without a batch or micro-batch"),
         ("uneven micro-batches", "different numbers of micro-batches ([2, 1], by rank)"),
     ],
@@ -399,13 +430,17 @@ def test_what_a_compiled_step_does_not_take_is_refused_on_every_rank(what: str, 
 
 @pytest.mark.parametrize(
     ("stage", "compiled", "burst"),
-    [(3, True, 4 * 2**20), (3, False, 25 * 2**20), (2, True, 25 * 2**20), (0, True, 25 * 2**20)],
-)
-def test_bursts_default_smaller_where_a_compiled_graph_gathers(
+    [
+        (3, True, 4 * 2**20), (3, False, 25 * 2**20), (2, True, 4 * 2**20),
+        (1, True, 4 * 2**20), (2, False, 25 * 2**20), (0, True, 25 * 2**20),
+    ],
+)  # fmt: skip
+def test_bursts_default_smaller_where_a_compiled_graph_reduce_scatters(
     stage: int, compiled: bool, burst: int
 ) -> None:
-    """`reduce_bucket_bytes=None`: DDP's 25 MiB, but 4 MiB where a compiled stage 3's
-    forward waits for each burst's gather; a number given is kept."""
+    """`reduce_bucket_bytes=None`: DDP's 25 MiB, but 4 MiB where a compiled graph
+    reduce-scatters (stages 1-3: its reductions run beside the backward, and a stage 3
+    forward waits for each burst's gather); a number given is kept."""
     from fzero._step._options import step_options
 
     kw: dict[str, Any] = dict(

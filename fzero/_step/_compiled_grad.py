@@ -1,0 +1,106 @@
+"""A compiled step's gradient: the compiled loss (`_compiled.CompiledLoss`) run forward
+and backward per micro-batch, with the checks every rank passes before any backward
+(a refused loss, the units entered, a quantized gather's blocks), summed over the
+micro-batches into this rank's part of the mean gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._comm import Mesh
+from .._core import LossFn, Shards, is_bad_loss
+from .._state import ShardedState
+from ._compiled import CompiledLoss
+from ._entries import entry_inputs
+from ._local import local_leaves, reduce_sums
+from ._loss import BufferThread
+from ._loss_weights import Weighed
+from ._sync import StepSync
+from ._traced_comm import check_sent
+from ._traced_hooks import check_loss
+
+
+def compiled_grad(
+    compiled: CompiledLoss,
+    loss_fn: LossFn,
+    weighed: Weighed,
+    micro: list[Any],
+    state: ShardedState,
+    local: tuple[torch.Tensor, ...] | None,
+    sync: StepSync,
+    mesh: Mesh,
+) -> Any:
+    """This rank's part of the mean gradient over the ranks and micro-batches, shaped as
+    `mean_grad`'s (the trainable tree at stage 0, this rank's `Shards` otherwise): a
+    compiled forward and its backward per micro-batch, each reducing in the graph (as
+    eager `accumulate="sharded"`; with `compiled.local`, none reducing, their full sum
+    reduced after the last, `_local`), their sum divided by the micro-batch count.
+    `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any."""
+    lay, stage = state.layout, compiled.stage
+    if compiled.local:  # the full buffers, their gradients summed here, reduced after
+        leaves, fulls = local_leaves(compiled, state, local), []
+    else:
+        held, fulls = entry_inputs(compiled, state, local, mesh)
+        leaves = [x.requires_grad_(not b.frozen) for x, b in zip(held, lay.buckets)]
+    anchor, calls = [], []
+
+    def run(_: Any, mb: Any, buffers: Any = None) -> Any:
+        out, zero, called, finite = compiled(leaves, fulls, mb, buffers)
+        anchor.append(zero)
+        calls.append(list(called))
+        check_sent(finite, compiled.rank)
+        if compiled.hooks is not None:  # refused as a loss: every rank raises it at the check
+            check_loss(out, compiled.rank)
+        return out
+
+    # With buffers the graph takes them from the step's `BufferThread` (which keeps each
+    # micro-batch's new ones for the next) and returns `(loss, new_buffers)`.
+    threaded = weighed.loss_fn
+    if isinstance(threaded, BufferThread):
+        threaded.loss_fn = lambda _, buffers, mb: run(None, mb, buffers)
+    else:
+        weighed.loss_fn = run
+    trainable = [x for x, b in zip(leaves, lay.buckets) if not b.frozen]
+    sums: list[torch.Tensor | None] = [None] * len(leaves)
+    for j, mb in enumerate(micro):
+        total, error = None, None
+        try:
+            total = loss_fn(None, mb)
+        except Exception as exc:  # refused after the graph's forward: every rank raises it
+            if not is_bad_loss(exc):
+                raise
+            error = exc
+        # Waited for before the first backward: the graph's collectives cannot look for a
+        # peer's failure, so a rank whose loss was refused must not leave the others
+        # inside them. A middle micro-batch's refusal travels with the last check (the
+        # state is untouched until then); its backward joins with zero gradients.
+        # The units a loss entered are the graph's collectives: where they could differ
+        # between ranks (a rank-dependent branch), every rank compares them first.
+        compare = bool(compiled.jit) and mesh.size > 1  # alike on every rank
+        check = sync.check(j)
+        check.after_forward((calls[j] if len(calls) > j else []) if compare else None, error=error)
+        check.finish()
+        out = total if total is not None and total.requires_grad else anchor[-1]
+        got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
+        for i, (x, b) in enumerate(zip(leaves, lay.buckets)):
+            if b.frozen:
+                continue
+            g = next(got)
+            g = torch.zeros_like(x) if g is None else g
+            acc = sums[i]
+            if compiled.local:  # summed in the dtype the reduction will run in, owned
+                g = g.to(compiled.reduce[i], copy=acc is None)
+            sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
+    n = len(micro)
+    if compiled.local:
+        return reduce_sums(compiled, sums, leaves, state, mesh, n)
+    grads = [
+        x.new_empty(0) if b.frozen else (g.div_(n) if n > 1 else g)
+        for x, b, g in zip(leaves, lay.buckets, sums)
+    ]
+    if stage.shards_optimizer:
+        return Shards(tuple(grads), lay, mesh.shard_rank)
+    full = [f if b.frozen else g for f, g, b in zip(fulls, grads, lay.buckets)]
+    return lay.trainable(lay.unflatten(full))

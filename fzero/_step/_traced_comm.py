@@ -1,0 +1,162 @@
+"""The collectives a compiled step's graph runs: traceable functional collectives over a
+burst's rank-major table, where they run (`Axes`) and how its bytes travel — as they
+are, as gloo's all-to-all, or as ZeRO++'s int8 blocks (qwZ, qgZ: the eager engine's
+`_comm.quantize` arithmetic, inside the graph; a quantized gather's blocks checked for
+inf or NaN after the forward, `check_sent`). `_entries` builds the units' entries from
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed._functional_collectives as fc
+
+from .._comm import ALL_TO_ALL_MAX_BYTES, Mesh, QuantizedComm, backend_for, dequantize, quantize
+from .._core import ShardLayout, Stage, bad_loss
+
+# torch 2.13 renamed the tensor collectives `*_single` (the old names warn, eagerly); a
+# GPU image may predate that.
+_all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+
+
+class Axes(NamedTuple):
+    """Where an entry's collectives run: `group` of `rows` ranks gathers and reduces
+    (the shard axis; the world's at stage 0), this rank its row `me`; `across` (None: no
+    other) sums a reduced shard over the `across_rows` replicas, this rank's group its
+    row `across_me` there; a gradient is the mean over `ranks` (every rank's).
+    `gloo`: `group` carries the step's tensors on gloo (reductions as all-to-alls).
+    `quant`: ZeRO++'s int8 traffic, if any (`sharded_step(quantize=...)`)."""
+
+    group: Any
+    rows: int
+    across: Any
+    ranks: int
+    gloo: bool = False
+    me: int = 0
+    across_rows: int = 1
+    across_me: int = 0
+    quant: QuantizedComm | None = None
+
+
+def entry_axes(mesh: Mesh, stage: Stage, quant: QuantizedComm | None = None) -> Axes:
+    """Where a compiled step's entries communicate: at stage 0 the world all-reduces;
+    otherwise the shard axis gathers and reduce-scatters, and on a 2-D mesh the replicas
+    sum the reduced shards. A gradient is the mean over every rank."""
+    world = torch.distributed.group.WORLD
+    if not (stage.shards_optimizer or stage.shards_params):
+        group = mesh.world.group
+        return Axes(world if group is None else group, mesh.size, None, mesh.size)
+    shard = world if mesh.shard.group is None else mesh.shard.group
+    across = mesh.replica.group if mesh.replicas > 1 else None
+    # Decided here, outside the trace: dynamo cannot call into a process group. Gloo's
+    # all-to-all takes host tensors only (a CUDA step on gloo keeps the reduce-scatter).
+    gloo = mesh.device.type == "cpu" and backend_for(shard, mesh.device) == "gloo"
+    return Axes(
+        shard, mesh.shard_size, across, mesh.size, gloo,
+        mesh.shard_rank, mesh.replicas, mesh.replica_rank, quant,
+    )  # fmt: skip
+
+
+def all_reduce_sum(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
+    """The sum of `flat` over `axes.group` (stage 0's reduction: not quantized)."""
+    return fc.all_reduce(flat, "sum", axes.group)
+
+
+def gather_rows(flat: torch.Tensor, axes: Axes, weights: bool = True) -> torch.Tensor:
+    """Every rank's 1-D `flat` along the shard axis, as the rank-major table `(rows, n)`
+    in `flat`'s dtype; with qwZ (`weights` and `axes.quant.weights`) it travels as int8
+    blocks and every rank, this one too, takes the dequantized values, as eagerly."""
+    q = axes.quant
+    if q is None or not (weights and q.weights) or not flat.is_floating_point():
+        return _all_gather(flat, 0, axes.group).view(axes.rows, -1)
+    codes, scales = quantize(flat, q.block)
+    codes = _all_gather(codes.reshape(-1), 0, axes.group).view(axes.rows, -1)
+    scales = _all_gather(scales.reshape(-1), 0, axes.group).view(axes.rows, -1)
+    return dequantize(codes, scales, q.block, flat.dtype)
+
+
+def reduce_rows(table: torch.Tensor, axes: Axes) -> torch.Tensor:
+    """This rank's slice of the sum over the shard axis of every rank's `table` (row r:
+    its part of rank r's slice), then summed across the replicas, in `table`'s dtype."""
+    mine = _scatter_sum(table, axes.group, axes.rows, axes.me, axes)
+    if axes.across is None:
+        return mine
+    if axes.quant is None or not axes.quant.grads:
+        return fc.all_reduce(mine, "sum", axes.across)
+    # qgZ across the groups, as the eager engine's: a quantized reduce-scatter, then a
+    # quantized all-gather whose values every replica (the owner too) takes.
+    n, r = mine.numel(), axes.across_rows
+    padded = torch.nn.functional.pad(mine, (0, -n % r)) if n % r else mine
+    part = _scatter_sum(padded.view(r, -1), axes.across, r, axes.across_me, axes)
+    q = axes.quant
+    codes, scales = quantize(part, q.block)
+    codes = _all_gather(codes.reshape(-1), 0, axes.across).view(r, -1)
+    scales = _all_gather(scales.reshape(-1), 0, axes.across).view(r, -1)
+    return dequantize(codes, scales, q.block, part.dtype).reshape(-1)[:n]
+
+
+def _scatter_sum(table: torch.Tensor, group: Any, rows: int, me: int, axes: Axes) -> torch.Tensor:
+    """Row r of `table` (`rows` rows) reduced to rank r of `group`: this rank's slice."""
+    if rows == 1:
+        return table.reshape(-1)
+    q = axes.quant
+    if q is not None and q.grads:
+        # qgZ: row r travels to rank r as int8 blocks (an all-to-all of the codes and one
+        # of the scales), which sums what arrives in float32, in rank order, its own row
+        # exact: the eager engine's `_reduce_scatter_quantized`.
+        codes, scales = quantize(table, q.block)
+        codes = fc.all_to_all_single(codes.reshape(-1), None, None, group).view(codes.shape)
+        scales = fc.all_to_all_single(scales.reshape(-1), None, None, group).view(scales.shape)
+        vals = dequantize(codes, scales, q.block, torch.float32)
+        vals = torch.cat([vals[:me], table[me : me + 1].float(), vals[me + 1 :]])
+        return vals.sum(0).to(table.dtype)
+    if axes.gloo and table.nbytes <= ALL_TO_ALL_MAX_BYTES:
+        # Gloo's reduce-scatter is an all-reduce underneath: twice the bytes, and on the
+        # CPU its time is the cores' the backward computes on. An all-to-all moves the
+        # reduce-scatter's volume; rank r receives every rank's row r and sums them left
+        # to right, as the eager engine's gloo path does ([Note: gloo's paths]). Its
+        # receive buffer is the burst's size, hence the eager path's bound on it.
+        got = fc.all_to_all_single(table.reshape(-1), None, None, group).view(rows, -1)
+        mine = got[0]
+        for row in got[1:]:
+            mine = mine + row
+        return mine
+    return _reduce_scatter(table.reshape(-1), "sum", 0, group)
+
+
+def sent_finite(
+    sent: list[tuple[tuple[str, ...], torch.Tensor]],
+    axes: Axes,
+    layout: ShardLayout,
+    run: list[int],
+    out: tuple[torch.Tensor, ...],
+) -> None:
+    """With qwZ, whether the gathered `out` of `run` arrived finite, with its units, for
+    after the forward (`check_sent`): int8 blocks cannot carry inf or NaN, which arrive
+    as NaN, and the eager engine raises for them where a gather lands."""
+    q = axes.quant
+    if q is None or not q.weights:
+        return
+    units = tuple(dict.fromkeys(layout.buckets[i].unit for i in run))
+    sent.append((units, torch.stack([torch.isfinite(x).all() for x in out]).all()))
+
+
+def check_sent(finite: Any, rank: int) -> None:
+    """A bad-loss ValueError (raised on every rank by the step's check) where a qwZ gather
+    arrived with inf or NaN: every rank gathered the same blocks, so every rank finds it."""
+    if finite is None:
+        return
+    units, ok = finite
+    bad = [u for u, good in zip(units, ok.tolist()) if not good]
+    if bad:
+        names = ", ".join(repr(u) for group in bad for u in group)
+        raise bad_loss(
+            ValueError(
+                f"rank {rank}: the parameters of unit(s) {names}: quantized communication "
+                "(QuantizedComm) met inf or NaN in the values sent; int8 blocks cannot carry "
+                "them. Find the overflow, or turn it off"
+            )
+        )
