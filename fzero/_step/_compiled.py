@@ -14,7 +14,7 @@ whole (docs/design.md, [Note: compiled steps]):
 - stage 0: the same with an all-reduce (`AllReduce`).
 
 On a 2-D mesh the shard axis carries these and the replicas sum each reduced shard
-(`_entries.Axes`). Units enter before the loss, or, with `just_in_time=True`, where the
+(`_traced_comm.Axes`). Units enter before the loss, or, with `just_in_time=True`, where the
 loss calls `fzero.gathered` (each an `Unentered` leaf until then), so the graph gathers
 a unit where the forward first needs it. A trainable just-in-time unit's gather is then
 checkpointed at stage 3 unless `reshard_after_forward=False`: the compiler recomputes it
@@ -58,7 +58,16 @@ from .._comm import Mesh, QuantizedComm
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
-from ._dynamo import compile_loss, graph_break, own_code, quiet, raised_in_trace
+from ._dynamo import (
+    batch_shapes,
+    compile_loss,
+    graph_break,
+    graphs_compiled,
+    own_code,
+    quiet,
+    raised_in_trace,
+    recompiled,
+)
 from ._entries import (
     AllReduce,
     Gather,
@@ -153,11 +162,22 @@ class CompiledLoss:
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.backend, self.pieces = backend, False
         self.compiled = compile_loss(own_code(self._loss), backend, fullgraph=True)
+        self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's, if any
 
     def __call__(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
     ) -> Any:
-        """The compiled `(loss_fn's output, anchor, units entered in the loss)`."""
+        """The compiled `(loss_fn's output, anchor, units entered in the loss, qwZ's
+        finite flags)`; a RuntimeWarning where a later call compiled again."""
+        before = graphs_compiled()
+        out = self._call(leaves, fulls, batch, buffers)
+        shapes = batch_shapes(batch)
+        if self.shapes is not None and graphs_compiled() > before:
+            warnings.warn(recompiled(self.rank, self.shapes, shapes), RuntimeWarning, stacklevel=2)
+        self.shapes = shapes
+        return out
+
+    def _call(self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any) -> Any:
         hooks = self.hooks.installed() if self.hooks is not None else contextlib.nullcontext()
         try:
             with hooks, quiet(self.pieces):
@@ -174,7 +194,7 @@ class CompiledLoss:
                 if self.pieces:
                     raise
                 self._in_pieces(exc)
-                return self(leaves, fulls, batch, buffers)
+                return self._call(leaves, fulls, batch, buffers)
             # Dynamo's own words name the line but not what the value was.
             raise ValueError(
                 f"rank {self.rank}: the compiled loss used a parameter of a just-in-time unit "
@@ -210,8 +230,8 @@ class CompiledLoss:
         collectives where the loss has no gradient (a pair of weight 0 whose total is a
         constant), so that this rank still joins them; the just-in-time units the
         loss entered, in order (a constant of the trace, which the ranks compare before
-        any backward); and with qwZ, `(units, finite)`: per quantized gather its units
-        and whether every block arrived finite (`sent_finite`), else None."""
+        any backward); and per qwZ gather, its units and whether its blocks arrived
+        finite (`sent_finite`)."""
         lay = self.layout
         views: list[Any] = [None] * len(lay.paths)
         # Per trainable entry, a scalar of its outputs for the anchor, taken as it enters
@@ -247,10 +267,7 @@ class CompiledLoss:
         anchor = torch.zeros(())
         for e in entries:
             anchor = anchor + e
-        finite = None
-        if sent:
-            finite = tuple(units for units, _ in sent), torch.stack([ok for _, ok in sent])
-        return out, anchor * 0, tuple(called), finite
+        return out, anchor * 0, tuple(called), tuple(sent)
 
     def _enter_unit(
         self,

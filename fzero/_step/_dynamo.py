@@ -1,6 +1,6 @@
 """Dynamo's side of compiled steps: a code object per compiled function, the exception
-a traced function raised, as itself, what broke a graph, and the warnings of torch's own
-that a compiled call silences."""
+a traced function raised, as itself, what broke a graph, what a recompile is said as,
+and the warnings of torch's own that a compiled call silences."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import optree
 import torch
+
+from .._core import NAMESPACE
 
 _INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
 # Seen with torch 2.11 on a GPU, not with 2.13: the filter (process-wide while it lasts)
@@ -111,3 +114,31 @@ def compile_loss(fn: Any, backend: str, fullgraph: bool) -> Any:
         options = {"reorder_for_compute_comm_overlap": bool(passes)}
         options["reorder_for_compute_comm_overlap_passes"] = passes
     return torch.compile(fn, fullgraph=fullgraph, backend=backend, options=options)
+
+
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shapes of a batch's tensors, in its tree's order."""
+    leaves = optree.tree_leaves(batch, none_is_leaf=False, namespace=NAMESPACE)
+    return [tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def recompiled(rank: int, before: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str:
+    """Says that a compiled step's loss was compiled again, and why as far as fzero sees."""
+    config = torch._dynamo.config
+    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
+    why = (
+        f"its batch's shapes changed, {before} -> {now}: after one such recompile "
+        "torch.compile marks the dimension dynamic"
+        if before != now
+        else "a guard of its graphs failed (a dtype, device or Python value the loss reads)"
+    )
+    return (
+        f"fzero: rank {rank}: the compiled step's loss was compiled again ({why}); a step "
+        f"function compiles at most {limit} graphs (torch._dynamo.config.recompile_limit), "
+        "past which it raises; TORCH_LOGS=recompiles names each guard that failed"
+    )

@@ -6,7 +6,7 @@ gradients are in the reduce dtype, and each rank divides its share by the ranks 
 the collective sums it, as the eager engine and DDP do. On a 2-D mesh the shard axis
 gathers and reduce-scatters, and a reduced shard is then summed across the replicas
 (`Axes.across`), as the eager engine's hybrid sharding sums it. On gloo a burst's
-reduce-scatter runs as an all-to-all, as the eager engine's does (`scattered`).
+reduce-scatter runs as an all-to-all, as the eager engine's does (`_traced_comm`).
 """
 
 from __future__ import annotations
@@ -98,6 +98,10 @@ def gathered(
     """The shards cast to `travel`, all-gathered along the shard axis as one collective
     (qwZ: as int8 blocks of the burst, `gather_rows`), each bucket cut from the rank-major
     table and cast to `compute`."""
+    if axes.quant is not None and axes.quant.weights:
+        # Quantized, a shard travels as its cast to the compute dtype, as the eager gather
+        # quantizes it (the gather dtype is then the int8 blocks').
+        travel = compute
     flat = torch.cat([s.to(travel) for s in shards]) if len(shards) > 1 else shards[0]
     table = gather_rows(flat.to(travel), axes)
     out, at = [], 0
@@ -220,7 +224,7 @@ def entry_inputs(
         # the device holds the shards for the step, and none of them between steps.
         apart = params_apart(state)
         return [
-            x.detach().to(apart or x.device, torch.promote_types(x.dtype, r), non_blocking=True)
+            computing(x, apart).detach().to(torch.promote_types(x.dtype, r))
             for x, r in zip(state.params.buffers, compiled.reduce)
         ], []
     assert local is not None
@@ -228,3 +232,12 @@ def entry_inputs(
     mine = own_slices(local, lay, mesh.shard_rank) if compiled.stage.shards_optimizer else local
     held = [stand_in(x.shape, d, x.device) for x, d in zip(mine, compiled.reduce)]
     return held, [x.detach() for x in local]
+
+
+def computing(shard: torch.Tensor, apart: torch.device | None) -> torch.Tensor:
+    """A stage-3 shard where the graph computes with it: a host-held one
+    (`Offload(params=True)`, `apart` its compute device) copied there, asynchronously
+    from pinned memory, as the eager gather copies it."""
+    if apart is None or shard.device == apart:
+        return shard
+    return shard.to(apart, non_blocking=shard.is_pinned())

@@ -20,25 +20,32 @@ import torch.distributed._functional_collectives as fc
 
 from .._comm import Mesh
 from .._core import Shards
-from .._state import ShardedState
-from ._entries import all_reduced, bursts, gathered, scattered
+from .._state import ShardedState, params_apart
+from ._entries import all_reduced, bursts, computing, gathered, scattered
+from ._traced_comm import check_sent, sent_finite
 
 
 def local_leaves(
     compiled: Any, state: ShardedState, local: tuple[torch.Tensor, ...] | None
 ) -> list[torch.Tensor]:
     """The graph's inputs: each bucket's full buffer, detached, requiring a gradient
-    where trainable (the replicas at stages 0-2; stage 3's shards gathered here)."""
+    where trainable (the replicas at stages 0-2; stage 3's shards gathered here, a
+    host-held one copied to its compute device first, a qwZ gather's blocks checked for
+    inf or NaN as the eager gather checks them)."""
     lay = state.layout
     if compiled.stage.shards_params:
         a, fulls = compiled.axes, [torch.empty(0)] * len(lay.buckets)
+        apart = params_apart(state)
+        sent: list[tuple[tuple[str, ...], torch.Tensor]] = []  # qwZ: per gather, finite?
         with torch.no_grad():
             for run in bursts(lay, compiled.burst_bytes, compiled.reduce):
-                shards = [state.params.buffers[i] for i in run]
+                shards = [computing(state.params.buffers[i], apart) for i in run]
                 dtype = lay.buckets[run[0]].dtype
                 out = gathered(a, compiled.travel[run[0]], dtype, shards)
+                sent_finite(sent, a, lay, run, out)
                 for i, x in zip(run, out):
                     fulls[i] = plain(x)
+        check_sent(sent, compiled.rank)  # the same blocks everywhere: every rank raises
     else:
         assert local is not None
         fulls = list(local)

@@ -51,8 +51,9 @@ def entry_axes(mesh: Mesh, stage: Stage, quant: QuantizedComm | None = None) -> 
         return Axes(world if group is None else group, mesh.size, None, mesh.size)
     shard = world if mesh.shard.group is None else mesh.shard.group
     across = mesh.replica.group if mesh.replicas > 1 else None
-    # Decided here, outside the trace: dynamo cannot call into a process group. Gloo's
-    # all-to-all takes host tensors only (a CUDA step on gloo keeps the reduce-scatter).
+    # Decided here, outside the trace: dynamo cannot call into a process group. Measured
+    # on the CPU only: a CUDA mesh on gloo (staged through the host) keeps the
+    # reduce-scatter.
     gloo = mesh.device.type == "cpu" and backend_for(shard, mesh.device) == "gloo"
     return Axes(
         shard, mesh.shard_size, across, mesh.size, gloo,
@@ -144,19 +145,16 @@ def sent_finite(
     sent.append((units, torch.stack([torch.isfinite(x).all() for x in out]).all()))
 
 
-def check_sent(finite: Any, rank: int) -> None:
+def check_sent(sent: Any, rank: int) -> None:
     """A bad-loss ValueError (raised on every rank by the step's check) where a qwZ gather
-    arrived with inf or NaN: every rank gathered the same blocks, so every rank finds it."""
-    if finite is None:
-        return
-    units, ok = finite
-    bad = [u for u, good in zip(units, ok.tolist()) if not good]
+    of `sent` (`sent_finite`'s pairs) arrived with inf or NaN: every rank gathered the
+    same blocks, so every rank finds it."""
+    bad = [u for units, ok in sent if not bool(ok) for u in units]
     if bad:
-        names = ", ".join(repr(u) for group in bad for u in group)
         raise bad_loss(
             ValueError(
-                f"rank {rank}: the parameters of unit(s) {names}: quantized communication "
-                "(QuantizedComm) met inf or NaN in the values sent; int8 blocks cannot carry "
-                "them. Find the overflow, or turn it off"
+                f"rank {rank}: the parameters of unit(s) {', '.join(map(repr, bad))}: "
+                "quantized communication (QuantizedComm) met inf or NaN in the values sent; "
+                "int8 blocks cannot carry them. Find the overflow, or turn it off"
             )
         )

@@ -108,7 +108,8 @@ def test_compiled_steps_quantized_collectives_within_the_same_bounds(
 ) -> None:
     """The same bounds for a compiled step's quantized collectives, traced whole
     (`fullgraph`) as they run inside its graph: the shard axis's gather (qwZ), and its
-    reduce-scatter then the exchange across the groups (qgZ), `_step._traced_comm`."""
+    reduce-scatter then the exchange across the groups (qgZ), `_step._traced_comm`; for
+    one tensor (one set of blocks) bitwise the eager collectives' values."""
     _collectives_within_bounds(shape, cases, compiled=True)
 
 
@@ -135,18 +136,19 @@ def _collectives_within_bounds(shape: Any, cases: Any, compiled: bool) -> None:
         out = []
         for kind, m, block, seed in cases:
             k = mesh.shard_size
+
+            def gather(x: torch.Tensor, block: int = block) -> torch.Tensor:
+                return _comm.all_gather(x, mesh, quant=block)
+
+            def reduce(full: torch.Tensor, block: int = block) -> torch.Tensor:
+                part, work = _comm.reduce_scatter_async(full, mesh, quant=block)
+                if work is not None:
+                    work.wait()
+                return part
+
+            eager = gather, reduce
             if compiled:
                 gather, reduce = _traced(mesh, block)
-            else:
-
-                def gather(x: torch.Tensor, block: int = block) -> torch.Tensor:
-                    return _comm.all_gather(x, mesh, quant=block)
-
-                def reduce(full: torch.Tensor, block: int = block) -> torch.Tensor:
-                    part, work = _comm.reduce_scatter_async(full, mesh, quant=block)
-                    if work is not None:
-                        work.wait()
-                    return part
 
             def shard_of(r: int, kind: str = kind, m: int = m, seed: int = seed) -> torch.Tensor:
                 return _values(kind, m, (seed * 131 + r) % 2**31)
@@ -158,6 +160,8 @@ def _collectives_within_bounds(shape: Any, cases: Any, compiled: bool) -> None:
             want = torch.cat([shard_of(j) for j in range(k)])
             bound = torch.cat([_block_bounds(shard_of(j), block) for j in range(k)])
             gather_ok = bool(((got.double() - want.double()).abs() <= bound).all())
+            if compiled:  # the eager collective's values, bitwise
+                gather_ok = gather_ok and torch.equal(got, eager[0](shard_of(mesh.shard_rank)))
             # Quantized indeed: a block of two or more ordinary values is not exact.
             if kind == "normal" and m >= 2 and block >= 2:
                 gather_ok = gather_ok and not torch.equal(got, want)
@@ -178,6 +182,8 @@ def _collectives_within_bounds(shape: Any, cases: Any, compiled: bool) -> None:
                 )
             bound = bound + SLACK * torch.stack(rows).abs().sum(0) * mesh.size
             reduce_ok = bool(((part.double() - exact).abs() <= bound).all())
+            if compiled:
+                reduce_ok = reduce_ok and torch.equal(part, eager[1](full_of(mesh.rank)))
             out.append((gather_ok, reduce_ok, part))
         return out
 
@@ -359,7 +365,7 @@ def _tiny(mesh: fzero.Mesh, stage: int, **kw: Any) -> tuple[Any, Any]:
 @pytest.mark.parametrize("compiled", [False, "aot_eager"])
 def test_nonfinite_values_fail_every_rank_or_skip_under_a_scaler(compiled: Any) -> None:
     """Eager, and compiled (the graph's gathers report their blocks' finiteness after
-    the forward, `_compiled.check_sent`; the gradients are checked after the graph)."""
+    the forward, `_traced_comm.check_sent`; the gradients are checked after the graph)."""
     q = fzero.QuantizedComm()
 
     def inf_weight(mesh: fzero.Mesh) -> None:

@@ -248,19 +248,35 @@ def train_mixed(
 
 
 def train_params_apart(
-    mesh: fzero.Mesh, xs: Any, ys: Any, tier: str, directory: Any, clip: bool
+    mesh: fzero.Mesh,
+    xs: Any,
+    ys: Any,
+    tier: str,
+    directory: Any,
+    clip: bool,
+    compiled: Any = False,
+    accumulate: str | None = None,
 ) -> Any:
     """Stage 3, `Offload(params=True)`, its compute device stood in for by "cpu:0": a
     torch.device unequal to the host shards' "cpu", so every gather copies its host shard
     over, and every gradient is taken for a storage-free stand-in leaf "there" (the paths
     a GPU takes; on the CPU the copies are real copies). Returns the masters and how many
-    stand-in leaves and host-shard gathers the steps made."""
+    stand-in leaves and host-shard gathers the steps made (`compiled`: how many shards
+    the graph's inputs were copied from, `accumulate` its micro-batches: each rank's
+    batch in two)."""
     import dataclasses
 
     from fzero._engine import _engine, _gatherer
+    from fzero._step import _entries, _local
 
-    counts = {"stand-ins": 0, "copied gathers": 0}
-    leaf, gather = _engine._leaf, _gatherer.Gatherer._gather
+    counts = {"stand-ins": 0, "copied gathers": 0, "copied shards": 0}
+    leaf, gather, computing = _engine._leaf, _gatherer.Gatherer._gather, _entries.computing
+
+    def spy_computing(shard: torch.Tensor, apart: Any) -> torch.Tensor:
+        counts["copied shards"] += apart is not None and shard.device != apart
+        return computing(shard, apart)
+
+    _entries.computing = _local.computing = spy_computing  # type: ignore[attr-defined]
 
     def spy_leaf(x: torch.Tensor, device: Any) -> torch.Tensor:
         out = leaf(x, device)
@@ -279,11 +295,14 @@ def train_params_apart(
     state = fzero.shard_state(params, opt, mesh, offload=offload, frozen=["shift"], **kw)
     apart = dataclasses.replace(state.offload, device=torch.device("cpu", 0))
     state = dataclasses.replace(state, offload=apart)
-    step = fzero.sharded_step(mlp_loss, opt, mesh, **kw)
+    step = fzero.sharded_step(mlp_loss, opt, mesh, compile=compiled, accumulate=accumulate, **kw)
     n = xs.shape[1] // mesh.size
     for t in range(xs.shape[0]):
         rows = slice(mesh.rank * n, (mesh.rank + 1) * n)
-        state, _ = step(state, (xs[t, rows], ys[t, rows]))
+        batch = (xs[t, rows], ys[t, rows])
+        if accumulate:
+            batch = [tuple(x[i : i + 1] for x in batch) for i in range(n)]
+        state, _ = step(state, batch)
     assert state.offload.device == torch.device("cpu", 0)
     return fzero.master_params(state, mesh), counts
 
@@ -311,6 +330,27 @@ def test_parameter_shards_apart_from_the_device_train_as_torch(
         # Three trainable units' buckets a step (the frozen leaf's is on the device).
         assert counts["stand-ins"] == 3 * steps, counts
         assert counts["copied gathers"] >= 3 * steps, counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("accumulate", [None, "local"])
+def test_a_compiled_step_computes_with_host_shards_copied_to_the_compute_device(
+    accumulate: str | None,
+) -> None:
+    """Compiled with `Offload(params=True)`, the compute device stood in for by "cpu:0":
+    every trainable host shard is copied "there" for the graph (`accumulate="local"`: for
+    the step's one gather before the graph), and training is torch.optim's (float64)."""
+    n, steps = 2, 3
+    params = make_params(DIMS, torch.float64, 5)
+    xs, ys = batches(steps, n, 2)
+    want = torch_reference(params, xs, ys, frozen="shift", clip=True)
+    args = (xs, ys, "host", None, True, "aot_eager", accumulate)
+    for masters, counts in run(n, train_params_apart, *args):
+        fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
+        assert fzero._core._tree.max_abs_diff(masters, params) > 1e-3
+        # Three trainable units' shards a step at least (the frozen leaf's is on the device).
+        assert counts["copied shards"] >= 3 * steps, counts
+        assert counts["stand-ins"] == counts["copied gathers"] == 0  # no eager engine
 
 
 @pytest.mark.parametrize("stage, params", [(1, False), (2, False), (3, False), (3, True)])

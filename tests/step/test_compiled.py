@@ -236,6 +236,35 @@ def test_inductor_compiles_the_step(stage: int) -> None:
         assert graphs >= 1
 
 
+def recompiling(mesh: fzero.Mesh, params: Any, sizes: list[int]) -> list[list[str]]:
+    """A compiled stage-3 step over batches of `sizes` sequences: per step, the
+    RuntimeWarnings it gave."""
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+    step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, units=UNITS, compile="aot_eager")
+    said = []
+    for t, n in enumerate(sizes):
+        batch = make_data([[[n]] * mesh.size], t)[0][mesh.rank][0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state, _ = step(state, batch)
+        said.append([str(w.message) for w in caught if w.category is RuntimeWarning])
+    return said
+
+
+@pytest.mark.multiprocess
+def test_a_recompiling_step_says_so_once_per_recompile() -> None:
+    """Bounded and visible: a new batch shape compiles the loss again and the step says
+    so, naming the shapes, on every rank; the same shapes again, or a third size once
+    torch.compile made the dimension dynamic, compile nothing and say nothing."""
+    params = make_params(DIMS, torch.float64, 2)
+    for said in run(2, recompiling, params, [2, 2, 3, 5, 3]):
+        assert said[:2] == [[], []] and said[3:] == [[], []], said
+        (message,) = said[2]
+        assert "compiled again" in message and "-> [(3, " in message, message
+        assert "at most" in message and "TORCH_LOGS=recompiles" in message
+
+
 def profiled_train(mesh: fzero.Mesh, bound: int, *args: Any) -> tuple[Any, set[str]]:
     """`train` with the graph's all-to-all bound set to `bound` bytes, profiled: the
     parameters and the gloo reductions the steps ran."""
