@@ -108,6 +108,13 @@ class CompiledLoss:
         gathers (qwZ) and the reductions of stages 1-3 (qgZ), `_traced_comm`.
     """
 
+    # Set once, in `__init__`, for the one layout this loss is compiled for: the trace's
+    # guards on them are dropped (`compile_loss`), those on `loss_fn` and `hooks` kept.
+    FIXED = (
+        "layout", "stage", "rank", "ghosts", "travel", "reduce", "axes", "burst_bytes",
+        "local", "reshard", "runs", "jit_runs", "jit", "index",
+    )  # fmt: skip
+
     def __init__(
         self,
         loss_fn: LossFn,
@@ -161,7 +168,7 @@ class CompiledLoss:
         # outside it).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.backend, self.pieces = backend, False
-        self.compiled = compile_loss(own_code(self._loss), backend, fullgraph=True)
+        self.compiled = compile_loss(own_code(self._loss), backend, True, self.FIXED)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's, if any
 
     def __call__(
@@ -219,7 +226,7 @@ class CompiledLoss:
             stacklevel=4,
         )
         self.pieces = True
-        self.compiled = compile_loss(own_code(self._loss), self.backend, fullgraph=False)
+        self.compiled = compile_loss(own_code(self._loss), self.backend, False, self.FIXED)
 
     def _loss(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any

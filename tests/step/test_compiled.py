@@ -861,3 +861,32 @@ def test_just_in_time_units_enter_in_bursts_up_to_the_cap() -> None:
         ("a", "b", "c", "d"),
         ("e",),
     ]
+
+
+def test_guards_on_a_compiled_losss_fixed_attributes_are_dropped_and_no_others() -> None:
+    """`compile_loss(..., fixed)`'s guard filter: a guard on a value under one of the
+    loss's fixed attributes (its layout, its bursts) is dropped; one on the user's loss,
+    on the loss's hooks, on the graph's inputs, or on an attribute whose name merely
+    starts like a fixed one, is kept."""
+    from types import SimpleNamespace
+
+    from fzero._step._compiled import CompiledLoss
+    from fzero._step._dynamo import _unfixed
+
+    roots = tuple(f"L['self'].{name}" for name in CompiledLoss.FIXED)
+    dropped = [
+        "L['self'].layout",
+        "L['self'].layout.buckets[3].slots[1].offset",
+        "L['self'].runs[0][2]",
+        "L['self'].jit['blocks.0']",
+    ]
+    kept = [
+        "L['self']",
+        "L['self'].loss_fn.__closure__[0].cell_contents",
+        "L['self'].hooks.enter_unit",
+        "L['self'].layouts",
+        "L['leaves'][0]",
+        "L['batch'][1]",
+    ]
+    entries = [SimpleNamespace(name=n) for n in dropped + kept]
+    assert _unfixed(roots, entries) == [False] * len(dropped) + [True] * len(kept)
