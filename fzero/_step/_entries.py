@@ -98,7 +98,7 @@ def gathered(
     """The shards cast to `travel`, all-gathered along the shard axis as one collective
     (qwZ: as int8 blocks of the burst, `gather_rows`), each bucket cut from the rank-major
     table and cast to `compute`."""
-    if axes.quant is not None and axes.quant.weights:
+    if axes.qw is not None:
         # Quantized, a shard travels as its cast to the compute dtype, as the eager gather
         # quantizes it (the gather dtype is then the int8 blocks').
         travel = compute

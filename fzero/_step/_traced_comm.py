@@ -40,6 +40,16 @@ class Axes(NamedTuple):
     across_me: int = 0
     quant: QuantizedComm | None = None
 
+    @property
+    def qw(self) -> int | None:
+        """qwZ's block: the gathers' (None: they travel as they are)."""
+        return self.quant.block if self.quant is not None and self.quant.weights else None
+
+    @property
+    def qg(self) -> int | None:
+        """qgZ's block: the reductions' (None: they travel as they are)."""
+        return self.quant.block if self.quant is not None and self.quant.grads else None
+
 
 def entry_axes(mesh: Mesh, stage: Stage, quant: QuantizedComm | None = None) -> Axes:
     """Where a compiled step's entries communicate: at stage 0 the world all-reduces;
@@ -66,17 +76,22 @@ def all_reduce_sum(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
     return fc.all_reduce(flat, "sum", axes.group)
 
 
-def gather_rows(flat: torch.Tensor, axes: Axes, weights: bool = True) -> torch.Tensor:
+def gather_rows(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
     """Every rank's 1-D `flat` along the shard axis, as the rank-major table `(rows, n)`
-    in `flat`'s dtype; with qwZ (`weights` and `axes.quant.weights`) it travels as int8
-    blocks and every rank, this one too, takes the dequantized values, as eagerly."""
-    q = axes.quant
-    if q is None or not (weights and q.weights) or not flat.is_floating_point():
+    in `flat`'s dtype; with qwZ as int8 blocks, every rank, this one too, taking the
+    dequantized values, as eagerly."""
+    if axes.qw is None or not flat.is_floating_point():
         return _all_gather(flat, 0, axes.group).view(axes.rows, -1)
-    codes, scales = quantize(flat, q.block)
-    codes = _all_gather(codes.reshape(-1), 0, axes.group).view(axes.rows, -1)
-    scales = _all_gather(scales.reshape(-1), 0, axes.group).view(axes.rows, -1)
-    return dequantize(codes, scales, q.block, flat.dtype)
+    return _gathered_quantized(flat, axes.group, axes.rows, axes.qw)
+
+
+def _gathered_quantized(flat: torch.Tensor, group: Any, rows: int, block: int) -> torch.Tensor:
+    """`flat` of every rank of `group` (`rows` ranks) as int8 blocks of `block` and their
+    scales, all-gathered; the rank-major table of the values they stand for."""
+    codes, scales = quantize(flat, block)
+    codes = _all_gather(codes.reshape(-1), 0, group).view(rows, -1)
+    scales = _all_gather(scales.reshape(-1), 0, group).view(rows, -1)
+    return dequantize(codes, scales, block, flat.dtype)
 
 
 def reduce_rows(table: torch.Tensor, axes: Axes) -> torch.Tensor:
@@ -85,33 +100,28 @@ def reduce_rows(table: torch.Tensor, axes: Axes) -> torch.Tensor:
     mine = _scatter_sum(table, axes.group, axes.rows, axes.me, axes)
     if axes.across is None:
         return mine
-    if axes.quant is None or not axes.quant.grads:
+    if axes.qg is None:
         return fc.all_reduce(mine, "sum", axes.across)
     # qgZ across the groups, as the eager engine's: a quantized reduce-scatter, then a
     # quantized all-gather whose values every replica (the owner too) takes.
     n, r = mine.numel(), axes.across_rows
     padded = torch.nn.functional.pad(mine, (0, -n % r)) if n % r else mine
     part = _scatter_sum(padded.view(r, -1), axes.across, r, axes.across_me, axes)
-    q = axes.quant
-    codes, scales = quantize(part, q.block)
-    codes = _all_gather(codes.reshape(-1), 0, axes.across).view(r, -1)
-    scales = _all_gather(scales.reshape(-1), 0, axes.across).view(r, -1)
-    return dequantize(codes, scales, q.block, part.dtype).reshape(-1)[:n]
+    return _gathered_quantized(part, axes.across, r, axes.qg).reshape(-1)[:n]
 
 
 def _scatter_sum(table: torch.Tensor, group: Any, rows: int, me: int, axes: Axes) -> torch.Tensor:
     """Row r of `table` (`rows` rows) reduced to rank r of `group`: this rank's slice."""
     if rows == 1:
         return table.reshape(-1)
-    q = axes.quant
-    if q is not None and q.grads:
+    if axes.qg is not None:
         # qgZ: row r travels to rank r as int8 blocks (an all-to-all of the codes and one
         # of the scales), which sums what arrives in float32, in rank order, its own row
         # exact: the eager engine's `_reduce_scatter_quantized`.
-        codes, scales = quantize(table, q.block)
+        codes, scales = quantize(table, axes.qg)
         codes = fc.all_to_all_single(codes.reshape(-1), None, None, group).view(codes.shape)
         scales = fc.all_to_all_single(scales.reshape(-1), None, None, group).view(scales.shape)
-        vals = dequantize(codes, scales, q.block, torch.float32)
+        vals = dequantize(codes, scales, axes.qg, torch.float32)
         vals = torch.cat([vals[:me], table[me : me + 1].float(), vals[me + 1 :]])
         return vals.sum(0).to(table.dtype)
     if axes.gloo and table.nbytes <= ALL_TO_ALL_MAX_BYTES:
@@ -138,8 +148,7 @@ def sent_finite(
     """With qwZ, whether the gathered `out` of `run` arrived finite, with its units, for
     after the forward (`check_sent`): int8 blocks cannot carry inf or NaN, which arrive
     as NaN, and the eager engine raises for them where a gather lands."""
-    q = axes.quant
-    if q is None or not q.weights:
+    if axes.qw is None:
         return
     units = tuple(dict.fromkeys(layout.buckets[i].unit for i in run))
     sent.append((units, torch.stack([torch.isfinite(x).all() for x in out]).all()))
@@ -149,7 +158,10 @@ def check_sent(sent: Any, rank: int) -> None:
     """A bad-loss ValueError (raised on every rank by the step's check) where a qwZ gather
     of `sent` (`sent_finite`'s pairs) arrived with inf or NaN: every rank gathered the
     same blocks, so every rank finds it."""
-    bad = [u for units, ok in sent if not bool(ok) for u in units]
+    if not sent:
+        return
+    finite = torch.stack([ok for _, ok in sent]).tolist()  # one host sync, not one a gather
+    bad = [u for (units, _), good in zip(sent, finite) if not good for u in units]
     if bad:
         raise bad_loss(
             ValueError(
