@@ -43,6 +43,7 @@ from ._groups import is_peer_failure as is_peer_failure
 from ._ledger import CommLedger as CommLedger
 from ._ledger import CommRecord as CommRecord
 from ._ledger import comm_ledger as comm_ledger
+from ._ledger import graph_ran as graph_ran
 from ._mesh import Mesh as Mesh
 from ._mesh import ProcessGroupMesh as ProcessGroupMesh
 from ._quant import QuantizedComm as QuantizedComm

@@ -138,6 +138,16 @@ def new_secondary(shard: Axis, k: int) -> Axis:
     return Axis("secondary", group, j, k)
 
 
+def new_secondary_peers(shard: Axis, k: int) -> Axis:
+    """The ranks at this rank's place in every group of `k` (`new_secondary`'s) of its
+    `shard` group, one from each: a compiled hpZ step gathers a unit over them first,
+    then over its group of k (collective over `shard`'s ranks, k already agreed)."""
+    g, j = divmod(shard.rank, k)
+    groups = shard.size // k
+    group = _new_group([shard.global_rank(h * k + j) for h in range(groups)], shard)
+    return Axis("shard", group, g, groups)
+
+
 # What gloo and NCCL say when a peer never arrives or has gone (their errors are plain
 # RuntimeErrors as often as torch.distributed.DistError).
 _PEER_GONE = (

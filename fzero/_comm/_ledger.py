@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -27,9 +28,22 @@ class CommRecord(NamedTuple):
 
 @dataclass
 class CommLedger:
-    """The collectives recorded while the ledger was open (see `comm_ledger`)."""
+    """The collectives recorded while the ledger was open (see `comm_ledger`).
+
+    `unrecorded` counts the runs of compiled graphs (`sharded_step(compile=...)`) inside
+    the block: their collectives (the units' gathers, the gradients' reductions) run in
+    the graph, past fzero's collective layer, and are not in `records`; `complete` says
+    whether there were none.
+    """
 
     records: list[CommRecord] = field(default_factory=list)
+    unrecorded: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether `records` holds every collective fzero ran in the block (no compiled
+        graph ran in it)."""
+        return self.unrecorded == 0
 
     @property
     def elements(self) -> int:
@@ -70,6 +84,7 @@ class CommLedger:
 
     def clear(self) -> None:
         self.records.clear()
+        self.unrecorded = 0
 
 
 # Ledgers open on this process. A list, not a context variable: autograd may run a
@@ -93,7 +108,9 @@ def comm_ledger() -> Iterator[CommLedger]:
     records `control` collectives of a few bytes: one int64 all-gather of a few words per
     rank (each rank's sums of its losses' weights and whether it had data;
     with just-in-time units also the check that every rank's forward called the same
-    units) and, on a GPU, the losses' total as one float64 all-reduce.
+    units) and, on a GPU, the losses' total as one float64 all-reduce. A compiled step's
+    graph runs its own collectives, which are not recorded: the ledger counts its runs
+    (`unrecorded`, `complete`) and warns as the block closes.
 
     Yields:
       A CommLedger; read `.records`, `.elements`, `.nbytes` or `.by_op()` during or after
@@ -107,6 +124,25 @@ def comm_ledger() -> Iterator[CommLedger]:
     finally:
         with _LOCK:
             _OPEN.remove(ledger)
+    if ledger.unrecorded:
+        # Not an error (the eager records are right), but the totals are not the step's.
+        warnings.warn(
+            f"fzero: comm_ledger: {ledger.unrecorded} run(s) of a compiled step's graph in "
+            "the block; the collectives inside it (units' gathers, gradients' reductions) "
+            "are not recorded, only the step's eager ones (ledger.complete is False)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def graph_ran() -> None:
+    """Counts a compiled graph's run, whose collectives are not recorded, in every open
+    ledger (called by a compiled step)."""
+    if not _OPEN:
+        return
+    with _LOCK:
+        for ledger in _OPEN:
+            ledger.unrecorded += 1
 
 
 def record(

@@ -73,6 +73,7 @@ class ProcessGroupMesh:
     replica: Axis = field(init=False, repr=False)
     control: Axis = field(init=False, repr=False)
     _secondary: dict[int, Axis] = field(init=False, repr=False)
+    _peers: dict[int, Axis] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
 
@@ -98,6 +99,7 @@ class ProcessGroupMesh:
         set_(self, "shard_size", s)
         set_(self, "world", world)
         set_(self, "_secondary", {})
+        set_(self, "_peers", {})
         if s == n:
             shard = Axis("shard", self.group, rank, n)
             set_(self, "replica", Axis("replica", None, 0, 1))
@@ -141,6 +143,21 @@ class ProcessGroupMesh:
             else:
                 self._secondary[k] = _groups.new_secondary(self.shard, k)
         return self._secondary[k]
+
+    def secondary_peers(self, k: int) -> Axis:
+        """The axis of the ranks at this rank's place in each group of k of its shard
+        group (`secondary(k)`'s groups), one rank from each: a compiled hpZ step gathers
+        a unit along it, then along `secondary(k)`, so that the backward's gather is the
+        second alone. Made on first use, collectively, after `secondary(k)`."""
+        if k not in self._peers:
+            self.secondary(k)  # agrees on k first
+            if k == 1:
+                self._peers[k] = self.shard
+            elif k == self.shard_size:
+                self._peers[k] = Axis("shard", None, 0, 1)
+            else:
+                self._peers[k] = _groups.new_secondary_peers(self.shard, k)
+        return self._peers[k]
 
 
 # The protocol the rest of fzero relies on: `.rank`, `.size`, `.group` and the axes.

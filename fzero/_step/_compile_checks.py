@@ -13,7 +13,6 @@ def check(o: Any) -> None:
     """What this slice of compiled steps takes (`o`: the step's options, checked on its
     first step, every rank's error agreed); a ValueError naming what it does not."""
     refused = {
-        "reshard_after_forward=k (hpZ)": not isinstance(o.reshard, bool),
         "ledger=": o.ledger is not None,
     }
     said = [what for what, bad in refused.items() if bad]

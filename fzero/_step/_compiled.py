@@ -19,7 +19,8 @@ loss calls `fzero.gathered` (each an `Unentered` leaf until then), so the graph 
 a unit where the forward first needs it. A trainable just-in-time unit's gather is then
 checkpointed at stage 3 unless `reshard_after_forward=False`: the compiler recomputes it
 for the backward instead of keeping the full parameters from the forward (JAX's remat
-policy; eager frees them after the unit's forward and gathers again). With `module=`
+policy; eager frees them after the unit's forward and gathers again; with hpZ the
+recompute gathers inside the group of k from the 1/k kept, `_entries.Regather`). With `module=`
 the eager engine's hooks are traced too: a hooked unit enters where its submodule runs
 (`_traced_hooks`).
 
@@ -52,9 +53,8 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from .._comm import Mesh, QuantizedComm
+from .._comm import Mesh, QuantizedComm, graph_ran
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
@@ -70,15 +70,15 @@ from ._dynamo import (
 )
 from ._entries import (
     AllReduce,
-    Gather,
     Scatter,
     bursts,
     comm_dtypes,
+    entered_gather,
     gathered,
     jit_bursts,
 )
 from ._options import GRAPH_BURST
-from ._traced_comm import entry_axes, sent_finite
+from ._traced_comm import entry_axes, hpz_axes, sent_finite
 from ._traced_hooks import TracedHooks, ghost_beside_tensors, ghosts, unhooked_use
 
 
@@ -99,7 +99,9 @@ class CompiledLoss:
       reshard: at stage 3, a just-in-time unit's gather is recomputed for its backward
         rather than its full parameters kept from the forward (the compiler's remat,
         where eager frees them after the unit's forward and gathers again); not with
-        `local`, which gathers the whole model once for the step.
+        `local`, which gathers the whole model once for the step. An int k is hpZ's:
+        the gather runs over the ranks at this rank's place in every group of k, then
+        inside its group, and the backward recomputes the second alone (`Regather`).
       local: local accumulation (`_local`): the leaves are the full buffers, entered as
         they are, and the graph has no collective.
       hooked: the units `module=`'s hooks enter, with their submodules
@@ -112,7 +114,7 @@ class CompiledLoss:
     # guards on them are dropped (`compile_loss`), those on `loss_fn` and `hooks` kept.
     FIXED = (
         "layout", "stage", "rank", "ghosts", "travel", "reduce", "axes", "burst_bytes",
-        "local", "reshard", "runs", "jit_runs", "jit", "index",
+        "local", "reshard", "hpz", "runs", "jit_runs", "jit", "index",
     )  # fmt: skip
 
     def __init__(
@@ -125,7 +127,7 @@ class CompiledLoss:
         burst_bytes: int,
         precision: Precision | None = None,
         jit: frozenset[str] = frozenset(),
-        reshard: bool = True,
+        reshard: bool | int = True,
         local: bool = False,
         hooked: Mapping[str, Members] | None = None,
         quant: QuantizedComm | None = None,
@@ -138,7 +140,8 @@ class CompiledLoss:
         self.travel, self.reduce = comm_dtypes(precision, layout)
         self.axes, self.burst_bytes = entry_axes(mesh, stage, quant), burst_bytes
         self.local = local
-        self.reshard = reshard and stage.shards_params and not local
+        self.reshard = bool(reshard) and stage.shards_params and not local
+        self.hpz = hpz_axes(mesh, reshard, self.axes) if self.reshard else None
         later = {i for u in jit for i in layout.unit_buckets(u)}
         upfront = [i for i in range(len(layout.buckets)) if i not in later]
         self.runs = bursts(layout, burst_bytes, self.reduce, upfront)
@@ -186,6 +189,7 @@ class CompiledLoss:
 
     def _call(self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any) -> Any:
         hooks = self.hooks.installed() if self.hooks is not None else contextlib.nullcontext()
+        graph_ran()  # an open comm_ledger does not see the graph's collectives: says so
         try:
             with hooks, quiet(self.pieces):
                 return self.compiled(leaves, fulls, batch, buffers)
@@ -328,9 +332,7 @@ class CompiledLoss:
                 out = gathered(a, travel, b.dtype, shards)
                 sent_finite(sent, a, self.layout, run, out)
                 return out
-            enter = functools.partial(Gather.apply, a, travel, b.dtype, reduce)
-            # Resharding: not saved for the backward, but gathered again there.
-            out = checkpoint(enter, *shards, use_reentrant=False) if recompute else enter(*shards)
+            out = entered_gather(a, self.hpz, travel, b.dtype, reduce, shards, recompute)
             sent_finite(sent, a, self.layout, run, out)
         elif bare:
             return tuple(fulls[i] for i in run)

@@ -7,20 +7,24 @@ the collective sums it, as the eager engine and DDP do. On a 2-D mesh the shard 
 gathers and reduce-scatters, and a reduced shard is then summed across the replicas
 (`Axes.across`), as the eager engine's hybrid sharding sums it. On gloo a burst's
 reduce-scatter runs as an all-to-all, as the eager engine's does (`_traced_comm`).
+Stage 3's entry of a resharded unit is checkpointed (`entered_gather`); with hpZ its
+gather is cut in two so that the recompute is the in-group half (`Regather`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .._comm import Mesh
 from .._core import ShardLayout
 from .._engine import own_slices, stand_in
 from .._state import Precision, ShardedState, params_apart
-from ._traced_comm import Axes, all_reduce_sum, gather_rows, reduce_rows
+from ._traced_comm import Axes, Hpz, all_reduce_sum, gather_rows, reduce_rows
 
 
 def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
@@ -134,6 +138,77 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
         return (None, None, None, None, *scattered(gs, ctx.reduce, ctx.axes, ctx.sizes))
+
+
+def peer_rows(hpz: Hpz, travel: torch.dtype, compute: torch.dtype, shards: Any) -> torch.Tensor:
+    """hpZ's first gather, outside the graph's autograd: the shards (cast to `travel`,
+    qwZ's int8 blocks where `gathered`'s would be) of the ranks at this rank's place in
+    every group of k, as the table `(groups, n)`; what the backward keeps of a unit (1/k
+    of it) to gather it again inside the group (`Regather`)."""
+    if hpz.peers.qw is not None:
+        travel = compute
+    flat = torch.cat([s.detach().to(travel) for s in shards])
+    return gather_rows(flat, hpz.peers)
+
+
+class Regather(torch.autograd.Function):
+    """hpZ's stage-3 entry of a resharded unit, checkpointed: the full buckets gathered
+    from `peer_rows`' table inside the group of k, cast to the compute dtype (the
+    forward's gather and, recomputed, the backward's, never crossing groups); their
+    gradients reduce-scattered to the shards over the whole shard axis as `Gather`'s
+    are (the shards are inputs for that alone: the forward reads only the table)."""
+
+    @staticmethod
+    def forward(
+        hpz: Hpz,
+        axes: Axes,
+        compute: torch.dtype,
+        reduce: torch.dtype,
+        table: torch.Tensor,
+        *shards: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        k, groups = hpz.within.rows, table.shape[0]
+        got = gather_rows(table.reshape(-1), hpz.within).view(k, groups, -1)
+        # `got[m, h]` is the shard of the axis's rank h * k + m (h: its group of k, m: its
+        # place there): taken group-major, it is the rank-major table `Gather`'s is.
+        out, at = [], 0
+        for s in shards:
+            cols = got[:, :, at : at + s.numel()].transpose(0, 1)
+            out.append(cols.reshape(-1).to(compute))
+            at += s.numel()
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.axes, ctx.reduce = inputs[1], inputs[3]
+        ctx.sizes = [s.numel() for s in inputs[5:]]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
+        return (None,) * 5 + scattered(gs, ctx.reduce, ctx.axes, ctx.sizes)
+
+
+def entered_gather(
+    axes: Axes,
+    hpz: Hpz | None,
+    travel: torch.dtype,
+    compute: torch.dtype,
+    reduce: torch.dtype,
+    shards: list[torch.Tensor],
+    recompute: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Stage 3's entry of a run of buckets (`shards`): `Gather`; where resharded
+    (`recompute`), checkpointed, so that the compiler gathers it again for the backward
+    rather than keep the full buffers from the forward; with hpZ, `peer_rows` (kept:
+    1/k of the unit) then a checkpointed `Regather` inside the group of k."""
+    if not recompute:
+        return Gather.apply(axes, travel, compute, reduce, *shards)
+    if hpz is None:
+        enter = functools.partial(Gather.apply, axes, travel, compute, reduce)
+        return checkpoint(enter, *shards, use_reentrant=False)
+    table = peer_rows(hpz, travel, compute, shards)
+    enter = functools.partial(Regather.apply, hpz, axes, compute, reduce)
+    return checkpoint(enter, table, *shards, use_reentrant=False)
 
 
 def bursts(

@@ -98,9 +98,10 @@ def sharded_step(
         that backend). Units enter before the loss, where their submodule runs
         (`module=`'s hooks, traced) or, with `just_in_time`, where it calls
         `fzero.gathered` (stage 3 recomputes such a gather for the backward unless
-        `reshard_after_forward=False` or accumulating locally); one graph, or pieces
-        where the loss breaks it (said once); 1-D and 2-D meshes, precision, loss
-        scaling, accumulation, offload and quantize, but no hpZ or ledger; fzero's
+        `reshard_after_forward=False` or accumulating locally; with hpZ's k, from the
+        1/k the forward kept); one graph, or pieces where the loss breaks it (said
+        once); 1-D and 2-D meshes, precision, loss scaling, accumulation, offload,
+        quantize and hpZ, but no ledger; fzero's
         optimizers then update through fused kernels (docs/training.md, "Compiled
         steps").
 
@@ -169,7 +170,7 @@ def sharded_step(
                     o.reduce_bucket_bytes,
                     state.precision,
                     jit_units(state.layout) if o.just_in_time else frozenset(),
-                    o.reshard_after_forward,
+                    o.reshard,
                     o.accumulate == "local",
                     cache.hooked_units(state.layout, o.module),
                     o.quantize,

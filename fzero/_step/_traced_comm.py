@@ -71,6 +71,31 @@ def entry_axes(mesh: Mesh, stage: Stage, quant: QuantizedComm | None = None) -> 
     )  # fmt: skip
 
 
+class Hpz(NamedTuple):
+    """hpZ's two gathers of a resharded unit (`reshard_after_forward=k`): `peers`, the
+    ranks at this rank's place in every group of k (qwZ's int8 blocks, if any, travel
+    there, the only axis crossing groups), then `within`, its group of k: the
+    backward's recompute is that second gather alone, from what the first gave."""
+
+    peers: Axes
+    within: Axes
+
+
+def hpz_axes(mesh: Mesh, k: int | bool, axes: Axes) -> Hpz | None:
+    """A stage-3 step's hpZ axes for groups of `k` (`reshard_after_forward`; None where
+    it is a bool), made collectively on first use (`Mesh.secondary_peers`)."""
+    if isinstance(k, bool):
+        return None
+    world = torch.distributed.group.WORLD
+    peers, within = mesh.secondary_peers(k), mesh.secondary(k)
+    return Hpz(
+        Axes(world if peers.group is None else peers.group, peers.size, None, axes.ranks,
+             axes.gloo, peers.rank, quant=axes.quant),
+        Axes(world if within.group is None else within.group, within.size, None, axes.ranks,
+             axes.gloo, within.rank),
+    )  # fmt: skip
+
+
 def all_reduce_sum(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
     """The sum of `flat` over `axes.group` (stage 0's reduction: not quantized)."""
     return fc.all_reduce(flat, "sum", axes.group)
@@ -81,7 +106,12 @@ def gather_rows(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
     in `flat`'s dtype; with qwZ as int8 blocks, every rank, this one too, taking the
     dequantized values, as eagerly."""
     if axes.qw is None or not flat.is_floating_point():
+        if axes.rows == 1:  # a gather of one (hpZ's peers, groups of the whole axis)
+            return flat.view(1, -1)
         return _all_gather(flat, 0, axes.group).view(axes.rows, -1)
+    if axes.rows == 1:
+        codes, scales = quantize(flat, axes.qw)
+        return dequantize(codes.view(1, -1), scales.view(1, -1), axes.qw, flat.dtype)
     return _gathered_quantized(flat, axes.group, axes.rows, axes.qw)
 
 

@@ -404,7 +404,12 @@ def test_stage_3_holds_each_trainable_shard_once_at_full_precision(donate: bool)
 
 
 def train_stage3_bf16(
-    mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, frozen: list[str], hpz: int | None
+    mesh: fzero.Mesh,
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    frozen: list[str],
+    hpz: int | None,
+    compile: str | None = None,
 ) -> Any:
     torch.manual_seed(0)
     model = Net()
@@ -422,6 +427,7 @@ def train_stage3_bf16(
         units=UNITS,
         module=model,
         reshard_after_forward=True if hpz is None else hpz,
+        compile=compile or False,
     )
     for t in range(xs.shape[0]):
         state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
@@ -430,19 +436,24 @@ def train_stage3_bf16(
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("frozen", "hpz"), [(["layers.2.bias", "head.weight"], None), ([], 2), (["head"], 2)]
-)
+    ("frozen", "hpz", "compile"),
+    [
+        (["layers.2.bias", "head.weight"], None, None), ([], 2, None), (["head"], 2, None),
+        (["head"], 2, "aot_eager"),
+    ],
+)  # fmt: skip
 def test_stage_3_masters_as_shards_with_frozen_leaves_and_hpz(
-    frozen: list[str], hpz: int | None
+    frozen: list[str], hpz: int | None, compile: str | None
 ) -> None:
     """4 ranks, stage 3, bfloat16 compute over float32 masters that are the shards: frozen
     leaves (held in bfloat16, no master) stay bitwise their cast, and with hpZ the
-    backward's gathers (from slices of the forward's bfloat16 buffers) change nothing;
-    against torch on one process."""
+    backward's gathers (from slices of the forward's bfloat16 buffers; compiled, from
+    the bfloat16 rows of the first of its two gathers) change nothing; against torch on
+    one process."""
     xs, ys = data(4, 3)
     names = tuple(k for k in Net().state_dict() if k.startswith(tuple(frozen)))
     ref = reference(xs, ys, BF16, FP32, scale=False, frozen=names)
-    for masters, params in fzero.simulate(4, train_stage3_bf16, xs, ys, frozen, hpz):
+    for masters, params in fzero.simulate(4, train_stage3_bf16, xs, ys, frozen, hpz, compile):
         for k, m in ref["masters"].items():
             # 4 float32 gradients summed in another order than autograd's: not bitwise.
             torch.testing.assert_close(masters[k], m, rtol=1e-5, atol=1e-6, msg=k)

@@ -265,6 +265,40 @@ def test_a_recompiling_step_says_so_once_per_recompile() -> None:
         assert "at most" in message and "TORCH_LOGS=recompiles" in message
 
 
+def ledgered(mesh: fzero.Mesh, params: Any, backend: str | bool) -> tuple[Any, ...]:
+    """Two stage-2 steps inside a comm_ledger: its records' data bytes, whether it says
+    it is complete, its count of graph runs, and the RuntimeWarnings as it closed."""
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=2, units=UNITS)
+    step = fzero.sharded_step(pair_loss, opt, mesh, stage=2, units=UNITS, compile=backend)
+    batch = make_data([[[2]] * mesh.size], 0)[0][mesh.rank][0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fzero.comm_ledger() as ledger:
+            for _ in range(2):
+                state, _ = step(state, batch)
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    data = sum(r.nbytes for r in ledger.data)
+    return data, ledger.complete, ledger.unrecorded, said
+
+
+@pytest.mark.multiprocess
+def test_a_comm_ledger_says_a_compiled_graphs_collectives_are_not_in_it() -> None:
+    """A compiled graph's collectives run past fzero's collective layer: a ledger open
+    around compiled steps holds only their eager collectives (the gather after the
+    update: half an eager step's data, whose reduce-scatter it also records), counts the
+    graph's runs and warns as it closes; around eager steps it is complete and quiet."""
+    params = make_params(DIMS, torch.float64, 2)
+    for (eager, *rest), (compiled, *crest) in zip(
+        run(2, ledgered, params, False), run(2, ledgered, params, "aot_eager")
+    ):
+        assert rest == [True, 0, []], rest
+        complete, graphs, (said,) = crest
+        assert not complete and graphs == 2
+        assert "2 run(s) of a compiled step's graph" in said and "not recorded" in said
+        assert compiled > 0 and 2 * compiled == eager, (compiled, eager)
+
+
 def profiled_train(mesh: fzero.Mesh, bound: int, *args: Any) -> tuple[Any, set[str]]:
     """`train` with the graph's all-to-all bound set to `bound` bytes, profiled: the
     parameters and the gloo reductions the steps ran."""

@@ -158,6 +158,68 @@ def test_hpz_with_a_unit_of_several_submodules_matches_torch_optim() -> None:
         assert axes["secondary"] > 0, axes
 
 
+def _compiled_hpz(mesh: fzero.Mesh, model: nn.Module, xs: Any, ys: Any, how: str, k: int) -> Any:
+    """Compiled stage 3 with hpZ's groups of `k`, a unit a burst: the parameters, and
+    the all-gathers of the steps after the first, profiled: per (elements sent, ranks
+    gathering), how many ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = {n: v.detach().clone() for n, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+    kw: dict[str, Any] = {"module": model} if how == "module" else {"just_in_time": True}
+    loss = _module_loss(model) if how == "module" else _pure_loss
+    step = fzero.sharded_step(
+        loss, opt, mesh, stage=3, reshard_after_forward=k, compile="aot_eager",
+        reduce_bucket_bytes=0, **kw,
+    )  # fmt: skip
+    m = xs.shape[1] // mesh.size
+    rows = slice(mesh.rank * m, (mesh.rank + 1) * m)
+    state, _ = step(state, (xs[0, rows], ys[0, rows]))  # compiles: not profiled
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for t in range(1, xs.shape[0]):
+            state, _ = step(state, (xs[t, rows], ys[t, rows]))
+    gathers: dict[tuple[int, int], int] = {}
+    for e in prof.events():
+        if e.name == "_c10d_functional::all_gather_into_tensor":
+            key = (e.input_shapes[0][0], e.concrete_inputs[1])  # (elements, group size)
+            gathers[key] = gathers.get(key, 0) + 1
+    return fzero.gather_params(state.params, mesh), gathers
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["module", "pure"])
+@pytest.mark.parametrize(("n", "s", "k"), [(4, 4, 2), (4, 2, 2)])
+def test_compiled_hpz_matches_torch_optim_and_gathers_again_inside_the_group(
+    n: int, s: int, k: int, how: str
+) -> None:
+    """Compiled, a resharded unit is gathered over the ranks at this rank's place in
+    every group of k, then inside the group, and the backward recomputes the second
+    gather alone, from the 1/k the first gave (profiled, independent of fzero's
+    ledger): per step, each unit's gather across groups once (none where a group is the
+    whole shard axis), inside the group twice, once where its backward needs no weight
+    (the first layer: its input takes no gradient); no gather over all S ranks. Float64,
+    against torch.optim."""
+    model = _model(n * s + k, (5, 12, 9, 3))  # no unit's shard the size of another's 1/k
+    start = {name: v.detach().clone() for name, v in model.named_parameters()}
+    xs, ys = _data(n + k, n)
+    ref = _reference(start, xs, ys)
+    groups = s // k
+    for params, gathers in fzero.Simulation(n, collective_timeout=30, shard_size=s).run(
+        _compiled_hpz, model, xs, ys, how, k
+    ):
+        _check(params, ref, start)
+        steps = STEPS - 1
+        want: dict[tuple[int, int], int] = {}
+        for unit, (a, b) in zip(UNITS, [(5, 12), (12, 9), (9, 3)]):
+            shard = -(-(a * b + b) // s)  # a unit a bucket, padded to the S ranks
+            if groups > 1:
+                want[shard, groups] = want.get((shard, groups), 0) + steps
+            again = 1 if unit == "0" else 2
+            want[shard * groups, k] = want.get((shard * groups, k), 0) + again * steps
+        assert gathers == want, (gathers, want)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_hsdp_with_hpz_inside_the_group() -> None:
