@@ -188,8 +188,10 @@ def _compiled_hpz(mesh: fzero.Mesh, model: nn.Module, xs: Any, ys: Any, how: str
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("how", ["module", "pure"])
-@pytest.mark.parametrize(("n", "s", "k"), [(4, 4, 2), (4, 2, 2)])
+@pytest.mark.parametrize(
+    ("n", "s", "k", "how"),
+    [(4, 4, 2, "module"), (4, 4, 2, "pure"), (4, 2, 2, "module"), (8, 4, 2, "pure")],
+)
 def test_compiled_hpz_matches_torch_optim_and_gathers_again_inside_the_group(
     n: int, s: int, k: int, how: str
 ) -> None:
@@ -198,8 +200,9 @@ def test_compiled_hpz_matches_torch_optim_and_gathers_again_inside_the_group(
     gather alone, from the 1/k the first gave (profiled, independent of fzero's
     ledger): per step, each unit's gather across groups once (none where a group is the
     whole shard axis), inside the group twice, once where its backward needs no weight
-    (the first layer: its input takes no gradient); no gather over all S ranks. Float64,
-    against torch.optim."""
+    (the first layer: its input takes no gradient); no gather over all S ranks. 1-D and
+    2-D meshes (groups of k the whole shard axis; two groups in each of two replicas).
+    Float64, against torch.optim."""
     model = _model(n * s + k, (5, 12, 9, 3))  # no unit's shard the size of another's 1/k
     start = {name: v.detach().clone() for name, v in model.named_parameters()}
     xs, ys = _data(n + k, n)
