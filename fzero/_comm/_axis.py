@@ -11,8 +11,9 @@ class Axis(NamedTuple):
     """One axis of a mesh: a process group and this rank's place in it.
 
     Attributes:
-      name: "world", "shard", "replica", "control" or "secondary" (hpZ's in-group
-        copy); the communication ledger files bytes under it.
+      name: "world", "shard" (also a part of it: a compiled hpZ step's gather across
+        the groups of k), "replica", "control" or "secondary" (hpZ's in-group copy);
+        the communication ledger files bytes under it.
       group: the process group (None: the default group).
       rank: this rank's index along the axis.
       size: the number of ranks along it.

@@ -30,10 +30,10 @@ class CommRecord(NamedTuple):
 class CommLedger:
     """The collectives recorded while the ledger was open (see `comm_ledger`).
 
-    `unrecorded` counts the runs of compiled graphs (`sharded_step(compile=...)`) inside
-    the block: their collectives (the units' gathers, the gradients' reductions) run in
-    the graph, past fzero's collective layer, and are not in `records`; `complete` says
-    whether there were none.
+    `unrecorded` counts the runs of compiled graphs with collectives in them inside the
+    block (`sharded_step` or `sharded_forward` with `compile=...`): those collectives
+    (the units' gathers, the gradients' reductions) run in the graph, past fzero's
+    collective layer, and are not in `records`; `complete` says whether there were none.
     """
 
     records: list[CommRecord] = field(default_factory=list)
@@ -109,8 +109,8 @@ def comm_ledger() -> Iterator[CommLedger]:
     rank (each rank's sums of its losses' weights and whether it had data;
     with just-in-time units also the check that every rank's forward called the same
     units) and, on a GPU, the losses' total as one float64 all-reduce. A compiled step's
-    graph runs its own collectives, which are not recorded: the ledger counts its runs
-    (`unrecorded`, `complete`) and warns as the block closes.
+    or forward's graph runs its own collectives, which are not recorded: the ledger
+    counts its runs (`unrecorded`, `complete`) and warns as the block closes.
 
     Yields:
       A CommLedger; read `.records`, `.elements`, `.nbytes` or `.by_op()` during or after
@@ -127,9 +127,10 @@ def comm_ledger() -> Iterator[CommLedger]:
     if ledger.unrecorded:
         # Not an error (the eager records are right), but the totals are not the step's.
         warnings.warn(
-            f"fzero: comm_ledger: {ledger.unrecorded} run(s) of a compiled step's graph in "
-            "the block; the collectives inside it (units' gathers, gradients' reductions) "
-            "are not recorded, only the step's eager ones (ledger.complete is False)",
+            f"fzero: comm_ledger: {ledger.unrecorded} run(s) of a compiled step's or "
+            "forward's graph in the block; the collectives inside it (units' gathers, "
+            "gradients' reductions) are not recorded, only the eager ones around it "
+            "(ledger.complete is False)",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -137,7 +138,7 @@ def comm_ledger() -> Iterator[CommLedger]:
 
 def graph_ran() -> None:
     """Counts a compiled graph's run, whose collectives are not recorded, in every open
-    ledger (called by a compiled step)."""
+    ledger (called by a compiled step or forward whose graph has collectives)."""
     if not _OPEN:
         return
     with _LOCK:

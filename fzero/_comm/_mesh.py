@@ -150,7 +150,7 @@ class ProcessGroupMesh:
         a unit along it, then along `secondary(k)`, so that the backward's gather is the
         second alone. Made on first use, collectively, after `secondary(k)`."""
         if k not in self._peers:
-            self.secondary(k)  # agrees on k first
+            self.secondary(k)  # made first, in one order on every rank (k agreed there)
             if k == 1:
                 self._peers[k] = self.shard
             elif k == self.shard_size:

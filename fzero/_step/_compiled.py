@@ -20,9 +20,9 @@ a unit where the forward first needs it. A trainable just-in-time unit's gather 
 checkpointed at stage 3 unless `reshard_after_forward=False`: the compiler recomputes it
 for the backward instead of keeping the full parameters from the forward (JAX's remat
 policy; eager frees them after the unit's forward and gathers again; with hpZ the
-recompute gathers inside the group of k from the 1/k kept, `_entries.Regather`). With `module=`
-the eager engine's hooks are traced too: a hooked unit enters where its submodule runs
-(`_traced_hooks`).
+recompute gathers inside the group of k from the 1/k kept, `_entries.Regather`). With
+`module=` the eager engine's hooks are traced too: a hooked unit enters where its
+submodule runs (`_traced_hooks`).
 
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
 (`bursts`; 4 MiB by default at stages 1-3: a burst's reduction runs beside the rest of
@@ -139,9 +139,11 @@ class CompiledLoss:
         self.ghosts = ghosts(layout, hooked)
         self.travel, self.reduce = comm_dtypes(precision, layout)
         self.axes, self.burst_bytes = entry_axes(mesh, stage, quant), burst_bytes
-        self.local = local
+        self.local, self.size = local, mesh.size
+        self.trainable = not all(b.frozen for b in layout.buckets)
         self.reshard = bool(reshard) and stage.shards_params and not local
-        self.hpz = hpz_axes(mesh, reshard, self.axes) if self.reshard else None
+        # hpZ's peers are a process group of their own: made where a unit reshards.
+        self.hpz = hpz_axes(mesh, reshard, self.axes) if self.reshard and jit else None
         later = {i for u in jit for i in layout.unit_buckets(u)}
         upfront = [i for i in range(len(layout.buckets)) if i not in later]
         self.runs = bursts(layout, burst_bytes, self.reduce, upfront)
@@ -181,15 +183,24 @@ class CompiledLoss:
         finite flags)`; a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         out = self._call(leaves, fulls, batch, buffers)
+        if self._communicates():  # an open comm_ledger cannot see them: it says so
+            graph_ran()
         shapes = batch_shapes(batch)
         if self.shapes is not None and graphs_compiled() > before:
             warnings.warn(recompiled(self.rank, self.shapes, shapes), RuntimeWarning, stacklevel=2)
         self.shapes = shapes
         return out
 
+    def _communicates(self) -> bool:
+        """Whether this call's graph runs collectives: stage 3's gathers; at stages 0-2
+        the reductions of a trainable unit's gradient, under autograd (not a forward's
+        bare reads, nor local accumulation's graph, nor a world of one rank)."""
+        if self.local or self.size == 1:
+            return False
+        return self.stage.shards_params or (self.trainable and torch.is_grad_enabled())
+
     def _call(self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any) -> Any:
         hooks = self.hooks.installed() if self.hooks is not None else contextlib.nullcontext()
-        graph_ran()  # an open comm_ledger does not see the graph's collectives: says so
         try:
             with hooks, quiet(self.pieces):
                 return self.compiled(leaves, fulls, batch, buffers)

@@ -24,7 +24,15 @@ from .._comm import Mesh
 from .._core import ShardLayout
 from .._engine import own_slices, stand_in
 from .._state import Precision, ShardedState, params_apart
-from ._traced_comm import Axes, Hpz, all_reduce_sum, gather_rows, reduce_rows
+from ._traced_comm import (
+    Axes,
+    Hpz,
+    all_reduce_sum,
+    gather_rows,
+    group_gather,
+    peer_gather,
+    reduce_rows,
+)
 
 
 def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
@@ -140,23 +148,26 @@ class Gather(torch.autograd.Function):
         return (None, None, None, None, *scattered(gs, ctx.reduce, ctx.axes, ctx.sizes))
 
 
-def peer_rows(hpz: Hpz, travel: torch.dtype, compute: torch.dtype, shards: Any) -> torch.Tensor:
-    """hpZ's first gather, outside the graph's autograd: the shards (cast to `travel`,
-    qwZ's int8 blocks where `gathered`'s would be) of the ranks at this rank's place in
-    every group of k, as the table `(groups, n)`; what the backward keeps of a unit (1/k
-    of it) to gather it again inside the group (`Regather`)."""
+def peer_rows(
+    hpz: Hpz, travel: torch.dtype, compute: torch.dtype, shards: Any
+) -> tuple[torch.Tensor, ...]:
+    """hpZ's first gather, outside the graph's autograd (`peer_gather`): the shards, cast
+    to `travel` (qwZ: to `compute`, then int8 blocks, as `gathered`'s), of the ranks at
+    this rank's place in every group of k; what the backward keeps of a unit (1/k of
+    it) to gather it again inside the group (`Regather`)."""
     if hpz.peers.qw is not None:
         travel = compute
-    flat = torch.cat([s.detach().to(travel) for s in shards])
-    return gather_rows(flat, hpz.peers)
+    flat = torch.cat([s.detach().to(travel) for s in shards])  # a fresh, detached copy
+    return peer_gather(flat, hpz)
 
 
 class Regather(torch.autograd.Function):
     """hpZ's stage-3 entry of a resharded unit, checkpointed: the full buckets gathered
-    from `peer_rows`' table inside the group of k, cast to the compute dtype (the
-    forward's gather and, recomputed, the backward's, never crossing groups); their
-    gradients reduce-scattered to the shards over the whole shard axis as `Gather`'s
-    are (the shards are inputs for that alone: the forward reads only the table)."""
+    from `peer_rows`' rows inside the group of k and cast to the compute dtype (the
+    forward's gather and, recomputed, the backward's, never crossing groups; qwZ's
+    blocks travel as int8 both times); their gradients reduce-scattered to the shards
+    over the whole shard axis as `Gather`'s are (the shards are inputs for that alone:
+    the forward reads only the rows)."""
 
     @staticmethod
     def forward(
@@ -164,13 +175,12 @@ class Regather(torch.autograd.Function):
         axes: Axes,
         compute: torch.dtype,
         reduce: torch.dtype,
-        table: torch.Tensor,
-        *shards: torch.Tensor,
+        *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        k, groups = hpz.within.rows, table.shape[0]
-        got = gather_rows(table.reshape(-1), hpz.within).view(k, groups, -1)
-        # `got[m, h]` is the shard of the axis's rank h * k + m (h: its group of k, m: its
-        # place there): taken group-major, it is the rank-major table `Gather`'s is.
+        kept, shards = tensors[: hpz.kept], tensors[hpz.kept :]
+        got = group_gather(kept, hpz, compute)
+        # `got[m, h]` is the shard axis's rank h * k + m: taken group-major, it is the
+        # rank-major table `Gather` cuts.
         out, at = [], 0
         for s in shards:
             cols = got[:, :, at : at + s.numel()].transpose(0, 1)
@@ -180,12 +190,12 @@ class Regather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.axes, ctx.reduce = inputs[1], inputs[3]
-        ctx.sizes = [s.numel() for s in inputs[5:]]
+        ctx.axes, ctx.reduce, ctx.kept = inputs[1], inputs[3], inputs[0].kept
+        ctx.sizes = [s.numel() for s in inputs[4 + ctx.kept :]]
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        return (None,) * 5 + scattered(gs, ctx.reduce, ctx.axes, ctx.sizes)
+        return (None,) * (4 + ctx.kept) + scattered(gs, ctx.reduce, ctx.axes, ctx.sizes)
 
 
 def entered_gather(
@@ -206,9 +216,9 @@ def entered_gather(
     if hpz is None:
         enter = functools.partial(Gather.apply, axes, travel, compute, reduce)
         return checkpoint(enter, *shards, use_reentrant=False)
-    table = peer_rows(hpz, travel, compute, shards)
+    kept = peer_rows(hpz, travel, compute, shards)
     enter = functools.partial(Regather.apply, hpz, axes, compute, reduce)
-    return checkpoint(enter, table, *shards, use_reentrant=False)
+    return checkpoint(enter, *kept, *shards, use_reentrant=False)
 
 
 def bursts(

@@ -101,9 +101,8 @@ def sharded_step(
         `reshard_after_forward=False` or accumulating locally; with hpZ's k, from the
         1/k the forward kept); one graph, or pieces where the loss breaks it (said
         once); 1-D and 2-D meshes, precision, loss scaling, accumulation, offload,
-        quantize and hpZ, but no ledger; fzero's
-        optimizers then update through fused kernels (docs/training.md, "Compiled
-        steps").
+        quantize and hpZ, but no `ledger=`; fzero's optimizers then update through
+        fused kernels (docs/training.md, "Compiled steps").
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its

@@ -73,12 +73,17 @@ def entry_axes(mesh: Mesh, stage: Stage, quant: QuantizedComm | None = None) -> 
 
 class Hpz(NamedTuple):
     """hpZ's two gathers of a resharded unit (`reshard_after_forward=k`): `peers`, the
-    ranks at this rank's place in every group of k (qwZ's int8 blocks, if any, travel
-    there, the only axis crossing groups), then `within`, its group of k: the
-    backward's recompute is that second gather alone, from what the first gave."""
+    ranks at this rank's place in every group of k (the only gather crossing groups),
+    then `within`, its group of k: the backward's recompute is that second gather
+    alone, from the rows the first gave (`peer_gather`, `group_gather`)."""
 
     peers: Axes
     within: Axes
+
+    @property
+    def kept(self) -> int:
+        """How many tensors the first gather gives: its table, or qwZ's codes and scales."""
+        return 1 if self.peers.qw is None else 2
 
 
 def hpz_axes(mesh: Mesh, k: int | bool, axes: Axes) -> Hpz | None:
@@ -96,22 +101,49 @@ def hpz_axes(mesh: Mesh, k: int | bool, axes: Axes) -> Hpz | None:
     )  # fmt: skip
 
 
+def peer_gather(flat: torch.Tensor, hpz: Hpz) -> tuple[torch.Tensor, ...]:
+    """hpZ's first gather: every peer's 1-D `flat` (`Hpz.peers`), as the table
+    `(groups, n)`, or with qwZ as the int8 codes and float32 scales of its blocks,
+    gathered as they are (each rank's values quantized once, as a gather along the whole
+    axis quantizes them); 1/k of the unit, what the backward keeps of it."""
+    p = hpz.peers
+    if p.qw is None:
+        return (gather_rows(flat, p),)
+    codes, scales = quantize(flat, p.qw)
+    if p.rows == 1:
+        return codes, scales
+    codes = _all_gather(codes.reshape(-1), 0, p.group).view(p.rows, -1)
+    return codes, _all_gather(scales.reshape(-1), 0, p.group).view(p.rows, -1)
+
+
+def group_gather(kept: tuple[torch.Tensor, ...], hpz: Hpz, dtype: torch.dtype) -> torch.Tensor:
+    """hpZ's second gather: `peer_gather`'s rows of every rank of the group of k
+    (`Hpz.within`, as they are: qwZ's blocks still int8, then dequantized to `dtype`),
+    as `(k, groups, n)`, where `[m, h]` is the row of the shard axis's rank h * k + m."""
+    w, groups = hpz.within, kept[0].shape[0]
+    if w.rows == 1:
+        # No peer: the rows themselves, copied where they would come out as they are
+        # (an entry's output must not be a view of what went in).
+        got = list(kept) if len(kept) == 2 else [kept[0].clone()]
+    else:
+        got = [_all_gather(x.reshape(-1), 0, w.group).view(w.rows * groups, -1) for x in kept]
+    table = got[0] if len(got) == 1 else dequantize(got[0], got[1], hpz.peers.qw, dtype)
+    return table.view(w.rows, groups, -1)
+
+
 def all_reduce_sum(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
     """The sum of `flat` over `axes.group` (stage 0's reduction: not quantized)."""
     return fc.all_reduce(flat, "sum", axes.group)
 
 
 def gather_rows(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
-    """Every rank's 1-D `flat` along the shard axis, as the rank-major table `(rows, n)`
-    in `flat`'s dtype; with qwZ as int8 blocks, every rank, this one too, taking the
-    dequantized values, as eagerly."""
+    """Every rank's 1-D `flat` along `axes` (the shard axis; hpZ's peers), as the
+    rank-major table `(rows, n)` in `flat`'s dtype; with qwZ as int8 blocks, every rank,
+    this one too, taking the dequantized values, as eagerly."""
     if axes.qw is None or not flat.is_floating_point():
-        if axes.rows == 1:  # a gather of one (hpZ's peers, groups of the whole axis)
+        if axes.rows == 1:  # hpZ's peers where a group of k is the whole shard axis
             return flat.view(1, -1)
         return _all_gather(flat, 0, axes.group).view(axes.rows, -1)
-    if axes.rows == 1:
-        codes, scales = quantize(flat, axes.qw)
-        return dequantize(codes.view(1, -1), scales.view(1, -1), axes.qw, flat.dtype)
     return _gathered_quantized(flat, axes.group, axes.rows, axes.qw)
 
 

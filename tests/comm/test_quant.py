@@ -261,12 +261,16 @@ def test_gpt_with_qwz_and_qgz_trains_like_fp32() -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_compiled_gpt_with_quantized_comm_trains_like_fp32(stage: int) -> None:
-    """A compiled step's int8 traffic (qgZ; at stage 3 qwZ too, with hpZ's copy inside
-    the pairs) on a 2 x 2 mesh, units entered where their blocks run (`module=`'s hooks,
-    traced): 80 steps of the GPT-like decoder end within 3 % of one process training in
-    float32 with torch.optim.AdamW."""
+@pytest.mark.parametrize(("stage", "shard_size", "hpz"), [(2, 2, True), (3, 2, True), (3, 4, 2)])
+def test_a_compiled_gpt_with_quantized_comm_trains_like_fp32(
+    stage: int, shard_size: int, hpz: bool | int
+) -> None:
+    """A compiled step's int8 traffic (qgZ; at stage 3 qwZ too) on a 2 x 2 mesh, or at
+    stage 3 on 4 ranks with hpZ's groups of 2 (the blocks gathered across the groups,
+    then inside them as int8 again), units entered where their blocks run (`module=`'s
+    hooks, traced): 80 steps of the GPT-like decoder end within 3 % of one process
+    training in float32 with torch.optim.AdamW. At stage 3 every gather in the graph
+    sends int8 codes beside their float32 scales (profiled), inside hpZ's groups too."""
     steps, batch = 80, 8
     model, start, data, loss, ref = _gpt_trained_by_torch(steps, batch)
     units = ["tok", "pos", "blocks.0", "blocks.1", "head"]
@@ -279,11 +283,11 @@ def test_a_compiled_gpt_with_quantized_comm_trains_like_fp32(stage: int) -> None
         state = fzero.shard_state(dict(start), o, mesh, stage=stage, units=units)
         step = fzero.sharded_step(
             loss, o, mesh, stage=stage, module=model, quantize=q, compile="aot_eager",
-            reshard_after_forward=2 if stage == 3 else True,
+            reshard_after_forward=hpz,
         )  # fmt: skip
         m = batch // mesh.size
         losses = []
-        prof = profile(activities=[ProfilerActivity.CPU])  # the last step's
+        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)  # the last step's
         for t in range(steps):
             if t == steps - 1:
                 prof.start()
@@ -291,14 +295,23 @@ def test_a_compiled_gpt_with_quantized_comm_trains_like_fp32(stage: int) -> None
             losses.append(out.item())
         prof.stop()
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        # The graph's gathers, by the dtype they send.
+        sent: dict[str, int] = {}
+        for e in prof.events():
+            if e.name == "_c10d_functional::all_gather_into_tensor":
+                sent[e.input_dtypes[0]] = sent.get(e.input_dtypes[0], 0) + 1
         # int8 codes are rounded: nothing else in the step rounds.
-        return losses, graphs, any("round" in e.key for e in prof.key_averages())
+        return losses, graphs, any("round" in e.key for e in prof.key_averages()), sent
 
-    out = fzero.Simulation(4, collective_timeout=60, timeout=900, shard_size=2).run(fn)
-    for _, graphs, rounded in out:
+    sim = fzero.Simulation(4, collective_timeout=60, timeout=900, shard_size=shard_size)
+    out = sim.run(fn)
+    for _, graphs, rounded, sent in out:
         assert graphs >= 1  # compiled, not stepped eagerly
         assert rounded  # quantized inside the step (at stage 2, only the graph's qgZ)
-    mean = [sum(ls[t] for ls, _, _ in out) / 4 for t in range(steps)]
+        if stage == 3:  # every gather of parameters as int8 codes beside their scales
+            assert set(sent) == {"signed char", "float"}, sent
+            assert sent["signed char"] == sent["float"], sent
+    mean = [sum(ls[t] for ls, *_ in out) / 4 for t in range(steps)]
     final, want = sum(mean[-10:]) / 10, sum(ref[-10:]) / 10
     assert want < 0.7 * ref[0]  # it learned
     assert abs(final - want) <= 0.03 * want, (final, want)

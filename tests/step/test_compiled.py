@@ -265,21 +265,39 @@ def test_a_recompiling_step_says_so_once_per_recompile() -> None:
         assert "at most" in message and "TORCH_LOGS=recompiles" in message
 
 
-def ledgered(mesh: fzero.Mesh, params: Any, backend: str | bool) -> tuple[Any, ...]:
-    """Two stage-2 steps inside a comm_ledger: its records' data bytes, whether it says
-    it is complete, its count of graph runs, and the RuntimeWarnings as it closed."""
+def ledgered(mesh: fzero.Mesh, params: Any, backend: str | bool, how: str) -> tuple[Any, ...]:
+    """Two calls inside a comm_ledger (`how`: "step" at stage 2; "local" accumulation;
+    "broken", a loss that breaks the graph; "forward" at stage 3, "replicas" at stage
+    1, compiled forwards): its records' data bytes, whether it says it is complete, its
+    count of graph runs, the RuntimeWarnings as it closed, and the count after clear()."""
+    stage = {"forward": 3, "replicas": 1}.get(how, 2)
     opt = fzero.optim.sgd(lr=0.1)
-    state = fzero.shard_state(params, opt, mesh, stage=2, units=UNITS)
-    step = fzero.sharded_step(pair_loss, opt, mesh, stage=2, units=UNITS, compile=backend)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
     batch = make_data([[[2]] * mesh.size], 0)[0][mesh.rank][0]
+
+    def broken(p: Any, b: Any) -> Any:
+        torch._dynamo.graph_break()
+        return pair_loss(p, b)
+
+    if how in ("forward", "replicas"):
+        forward = fzero.sharded_forward(plain_predict, mesh, compile=backend)
+        call = functools.partial(forward, state, batch[0])
+    else:
+        step = fzero.sharded_step(
+            broken if how == "broken" else pair_loss, opt, mesh, stage=stage, units=UNITS,
+            compile=backend, accumulate="local" if how == "local" else None, donate=False,
+        )  # fmt: skip
+        call = functools.partial(step, state, [batch] if how == "local" else batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with fzero.comm_ledger() as ledger:
             for _ in range(2):
-                state, _ = step(state, batch)
-    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+                call()
+    said = [str(w.message) for w in caught if "comm_ledger" in str(w.message)]
     data = sum(r.nbytes for r in ledger.data)
-    return data, ledger.complete, ledger.unrecorded, said
+    out = (data, ledger.complete, ledger.unrecorded, said)
+    ledger.clear()
+    return (*out, ledger.unrecorded)
 
 
 @pytest.mark.multiprocess
@@ -287,16 +305,25 @@ def test_a_comm_ledger_says_a_compiled_graphs_collectives_are_not_in_it() -> Non
     """A compiled graph's collectives run past fzero's collective layer: a ledger open
     around compiled steps holds only their eager collectives (the gather after the
     update: half an eager step's data, whose reduce-scatter it also records), counts the
-    graph's runs and warns as it closes; around eager steps it is complete and quiet."""
+    graph's runs (once a call where the loss breaks the graph) and warns as it closes;
+    around eager steps, and around graphs without collectives (local accumulation's, a
+    stage-1 forward's reads), it is complete and quiet."""
     params = make_params(DIMS, torch.float64, 2)
+
+    eager_runs = run(2, ledgered, params, False, "step")
     for (eager, *rest), (compiled, *crest) in zip(
-        run(2, ledgered, params, False), run(2, ledgered, params, "aot_eager")
+        eager_runs, run(2, ledgered, params, "aot_eager", "step")
     ):
-        assert rest == [True, 0, []], rest
-        complete, graphs, (said,) = crest
-        assert not complete and graphs == 2
-        assert "2 run(s) of a compiled step's graph" in said and "not recorded" in said
+        assert rest == [True, 0, [], 0], rest
+        complete, graphs, (said,), cleared = crest
+        assert not complete and graphs == 2 and cleared == 0
+        assert "2 run(s) of a compiled step's or forward's graph" in said, said
         assert compiled > 0 and 2 * compiled == eager, (compiled, eager)
+    for how, runs in [("broken", 2), ("forward", 2), ("local", 0), ("replicas", 0)]:
+        for rank, (_, complete, graphs, said, _) in enumerate(
+            run(2, ledgered, params, "aot_eager", how)
+        ):
+            assert (complete, graphs, len(said)) == (runs == 0, runs, int(runs > 0)), (how, rank)
 
 
 def profiled_train(mesh: fzero.Mesh, bound: int, *args: Any) -> tuple[Any, set[str]]:
