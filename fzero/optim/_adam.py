@@ -1,6 +1,7 @@
 """Adam and AdamW, bitwise-equal to ``torch.optim.Adam``/``AdamW`` with ``foreach=False``
 (on the CPU, where it is tested): large leaves op by op, small ones a group at a time;
-fused (`_fused`), large leaves one compiled kernel each."""
+fused (`_fused`), large leaves one compiled kernel each, a tree's small ones a group a
+call of torch's own fused list kernel."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ._base import (
     zero_count,
     zeros_like_tree,
 )
-from ._fused import backend_for, make_adam, run, split
+from ._fused import backend_for, listed, make_adam, run, split, step_tensor
 
 
 class AdamState(NamedTuple):
@@ -98,6 +99,25 @@ def _adam(
             columns = [g_l, mu_l, nu_l, nu_max_l]
             key = (amsgrad, decoupled, maximize)
             run(make_adam, key, step_scalars, backend, fast, leaves, columns, decay)
+            lists, groups = listed(groups, leaves)
+            fused_list = torch._fused_adamw_ if decoupled else torch._fused_adam_
+            for idx in lists:
+                at = [leaves[i] for i in idx]
+                fused_list(
+                    at,
+                    [g_l[i] for i in idx],
+                    [mu_l[i] for i in idx],
+                    [nu_l[i] for i in idx],
+                    [nu_max_l[i] for i in idx] if amsgrad else [],
+                    [step_tensor(step, at[0])] * len(idx),
+                    lr=step_lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=weight_decay if decay[idx[0]] else 0.0,
+                    eps=eps,
+                    amsgrad=amsgrad,
+                    maximize=maximize,
+                )
         scratch = _Scratch([nu_l[i] for i in large], [[nu_l[i] for i in g] for g in groups])
 
         def one(
@@ -230,9 +250,11 @@ def adam(
         bools like the parameters (True = decay); None decays everything. Resolved per
         element under sharding, so it works on flat shards too.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
-        (`torch.compile`; one pass over memory instead of seven), agreeing with the
-        unfused ops to a few ulps rather than bitwise. None: fused inside a compiled step
-        (`sharded_step(compile=...)`, with its backend), unfused otherwise.
+        (`torch.compile`; one pass over memory instead of seven), the small fp32 and
+        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`,
+        agreeing with the unfused ops to a few ulps rather than bitwise. None: fused
+        inside a compiled step (`sharded_step(compile=...)`, with its backend), unfused
+        otherwise.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`AdamState`.
@@ -269,9 +291,11 @@ def adamw(
         bools like the parameters (True = decay); None decays everything. Resolved per
         element under sharding, so it works on flat shards too.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
-        (`torch.compile`; one pass over memory instead of seven), agreeing with the
-        unfused ops to a few ulps rather than bitwise. None: fused inside a compiled step
-        (`sharded_step(compile=...)`, with its backend), unfused otherwise.
+        (`torch.compile`; one pass over memory instead of seven), the small fp32 and
+        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`,
+        agreeing with the unfused ops to a few ulps rather than bitwise. None: fused
+        inside a compiled step (`sharded_step(compile=...)`, with its backend), unfused
+        otherwise.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`AdamState`.
