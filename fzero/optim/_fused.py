@@ -130,10 +130,11 @@ def run(
 
 def listed(groups: list[list[int]], leaves: list[torch.Tensor]) -> tuple[list, list]:
     """Which of `grouped`'s groups (a tree's small leaves: stage 0's, or an optimizer
-    called on its own) run as torch's own fused list kernel (`_fused_adam_`): one call
-    a group, where a compiled kernel would cost some 40 us a leaf and the list ops a
-    pass per op (measured on the deep benchmark model's 400 leaves: 0.6 ms against some
-    7 ms a step). Of fp32 and fp64 leaves on the CPU or a GPU; `(listed, the rest)`."""
+    called on its own) run as torch's own fused list kernel (`_fused_adam(w)_`,
+    `_fused_sgd_`): one call a group, where a compiled kernel would cost some 40 us a
+    leaf and the list ops a pass per op (Adam over the deep benchmark model's 400
+    leaves: 0.6 ms against some 7 ms a step). Of fp32 and fp64 leaves on the CPU or a
+    GPU; `(listed, the rest)`."""
     ok = [
         g for g in groups
         if leaves[g[0]].dtype in FUSED_DTYPES and leaves[g[0]].device.type in ("cpu", "cuda")

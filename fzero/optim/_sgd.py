@@ -1,6 +1,7 @@
 """Stochastic gradient descent, bitwise-equal to ``torch.optim.SGD(foreach=False)`` (on the
 CPU, where it is tested): large leaves op by op, small ones a group at a time; fused
-(`_fused`), large leaves one compiled kernel each."""
+(`_fused`), large leaves one compiled kernel each, a tree's small ones a group a call of
+torch's own fused list kernel."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ._base import (
     zero_count,
     zeros_like_tree,
 )
-from ._fused import backend_for, make_sgd, run, split
+from ._fused import backend_for, listed, make_sgd, run, split
 
 
 class SgdState(NamedTuple):
@@ -63,8 +64,9 @@ def sgd(
       mask: where weight decay applies (a predicate on parameter paths or a pytree of
         bools like the parameters); None decays everything.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
-        (`torch.compile`), agreeing with the unfused ops to a few ulps rather than
-        bitwise. None: fused inside a compiled step (`sharded_step(compile=...)`, with
+        (`torch.compile`), the small fp32 and fp64 leaves of a tree a group at a time
+        through torch's `_fused_sgd_`, agreeing with the unfused ops to a few ulps
+        rather than bitwise. None: fused inside a compiled step (`sharded_step(compile=...)`, with
         its backend), unfused otherwise.
 
     Returns:
@@ -104,6 +106,20 @@ def sgd(
             key = (nesterov, maximize, momentum != 0)
             columns = [grad_leaves, buf_leaves]
             run(make_sgd, key, step_scalars, backend, fast, leaves, columns, decay)
+            lists, groups = listed(groups, leaves)
+            for idx in lists:  # a tree's small leaves: torch's fused list kernel (`listed`)
+                torch._fused_sgd_(
+                    [leaves[i] for i in idx],
+                    [grad_leaves[i] for i in idx],
+                    [buf_leaves[i] for i in idx] if momentum != 0 else [],
+                    weight_decay=weight_decay if decay[idx[0]] else 0.0,
+                    momentum=momentum,
+                    lr=step_lr,
+                    dampening=dampening,
+                    nesterov=nesterov,
+                    maximize=maximize,
+                    is_first_step=count == 0,
+                )
         for idx in groups:  # the same ops, each one list op over the group (`grouped`)
             ps, d_ps = [leaves[i] for i in idx], [grad_leaves[i] for i in idx]
             d_ps = torch._foreach_neg(d_ps) if maximize else d_ps

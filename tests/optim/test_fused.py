@@ -185,6 +185,9 @@ def test_a_compiled_step_runs_its_update_as_fused_kernels() -> None:
         (optim.adamw, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.33)),
         (optim.adam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
         (optim.adam, torch.optim.Adam, dict(lr=0.01, maximize=True)),
+        (optim.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.1)),
+        (optim.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+        (optim.sgd, torch.optim.SGD, dict(lr=0.05, weight_decay=0.1)),
     ],
 )
 def test_a_trees_small_leaves_run_torchs_fused_list_kernel(
@@ -195,7 +198,8 @@ def test_a_trees_small_leaves_run_torchs_fused_list_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fused, a tree's small leaves (stage 0's, where a kernel a leaf costs more than it
-    saves) go to torch's `_fused_adam(w)_`, one call per group of one decay flag, no
+    saves) go to torch's `_fused_adam(w)_` or `_fused_sgd_` (momentum seeded on the
+    first step as torch's loop seeds it), one call per group of one decay flag, no
     compiled kernel: within 1e-12 of torch's loop in float64, 1 ulp of the largest
     parameter in float32, parameters moved."""
     g = torch.Generator().manual_seed(1)
@@ -213,7 +217,7 @@ def test_a_trees_small_leaves_run_torchs_fused_list_kernel(
         **{**hyper, "weight_decay": decay},
     )
     calls: list[int] = []
-    name = "_fused_adamw_" if factory is optim.adamw else "_fused_adam_"
+    name = {optim.adamw: "_fused_adamw_", optim.adam: "_fused_adam_"}.get(factory, "_fused_sgd_")
     kernel = getattr(torch, name)
 
     def counted(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
