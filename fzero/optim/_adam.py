@@ -99,7 +99,7 @@ def _adam(
             columns = [g_l, mu_l, nu_l, nu_max_l]
             key = (amsgrad, decoupled, maximize)
             run(make_adam, key, step_scalars, backend, fast, leaves, columns, decay)
-            lists, groups = listed(groups, leaves)
+            lists, groups = listed(groups, leaves, columns)
             fused_list = torch._fused_adamw_ if decoupled else torch._fused_adam_
             for idx in lists:
                 at = [leaves[i] for i in idx]

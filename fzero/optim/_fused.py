@@ -128,17 +128,27 @@ def run(
         kernel(make, backend, (*key, decay_kind(d)), p)(*flat, s)
 
 
-def listed(groups: list[list[int]], leaves: list[torch.Tensor]) -> tuple[list, list]:
+def listed(
+    groups: list[list[int]], leaves: list[torch.Tensor], columns: list[list[Any]]
+) -> tuple[list, list]:
     """Which of `grouped`'s groups (a tree's small leaves: stage 0's, or an optimizer
     called on its own) run as torch's own fused list kernel (`_fused_adam(w)_`,
     `_fused_sgd_`): one call a group, where a compiled kernel would cost some 40 us a
     leaf and the list ops a pass per op (Adam over the deep benchmark model's 400
     leaves: 0.6 ms against some 7 ms a step). Of fp32 and fp64 leaves on the CPU or a
-    GPU; `(listed, the rest)`."""
-    ok = [
-        g for g in groups
-        if leaves[g[0]].dtype in FUSED_DTYPES and leaves[g[0]].device.type in ("cpu", "cuda")
-    ]  # fmt: skip
+    GPU whose tensors (`columns`: per leaf, the gradient and state beside it) are all
+    contiguous: torch's kernel walks each as flat memory, and a transposed leaf beside a
+    contiguous gradient came out wrong (found here). `(listed, the rest)`."""
+
+    def fits(i: int) -> bool:
+        p = leaves[i]
+        return (
+            p.dtype in FUSED_DTYPES
+            and p.device.type in ("cpu", "cuda")
+            and all(x.is_contiguous() for x in (p, *(c[i] for c in columns if c[i] is not None)))
+        )
+
+    ok = [g for g in groups if all(fits(i) for i in g)]
     return ok, [g for g in groups if g not in ok]
 
 

@@ -106,7 +106,7 @@ def sgd(
             key = (nesterov, maximize, momentum != 0)
             columns = [grad_leaves, buf_leaves]
             run(make_sgd, key, step_scalars, backend, fast, leaves, columns, decay)
-            lists, groups = listed(groups, leaves)
+            lists, groups = listed(groups, leaves, columns)
             for idx in lists:  # a tree's small leaves: torch's fused list kernel (`listed`)
                 torch._fused_sgd_(
                     [leaves[i] for i in idx],

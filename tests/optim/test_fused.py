@@ -243,3 +243,36 @@ def test_a_trees_small_leaves_run_torchs_fused_list_kernel(
         else:
             bound = torch.finfo(dtype).eps * max(v.abs().max().item() for v in tw.values())
             assert (params[k] - tw[k]).abs().max().item() <= bound, k
+
+
+def test_a_group_with_a_transposed_leaf_keeps_the_list_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's fused list kernel walks each tensor as flat memory: a leaf whose strides
+    differ from its gradient's (a transposed view beside a contiguous gradient) would
+    come out wrong there, so its group keeps the list ops: bitwise torch's loop."""
+    g = torch.Generator().manual_seed(2)
+    start = {"a": torch.randn(5, 7, generator=g).t(), "b": torch.randn(3, generator=g)}
+    opt = optim.adam(lr=0.1, fused=True)
+    ref_p = {k: v.clone() for k, v in start.items()}
+    ref = torch.optim.Adam(list(ref_p.values()), lr=0.1, foreach=False)
+    calls: list[int] = []
+    kernel = torch._fused_adam_
+
+    def counted(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        calls.append(len(params))
+        kernel(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adam_", counted)
+    params = {k: v.clone() for k, v in start.items()}  # clone keeps the transposed strides
+    assert not params["a"].is_contiguous()
+    state = opt.init(params)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in start.items()}  # contiguous
+        params, state = opt.update_(grads, state, params)
+        for k in ref_p:
+            ref_p[k].grad = grads[k]
+        ref.step()
+    assert calls == []
+    for k in start:
+        assert torch.equal(params[k], ref_p[k]) and not torch.equal(params[k], start[k]), k
