@@ -73,6 +73,7 @@ from ._entries import (
     Scatter,
     bursts,
     comm_dtypes,
+    cuts,
     entered_gather,
     gathered,
     jit_bursts,
@@ -114,7 +115,7 @@ class CompiledLoss:
     # guards on them are dropped (`compile_loss`), those on `loss_fn` and `hooks` kept.
     FIXED = (
         "layout", "stage", "rank", "ghosts", "travel", "reduce", "axes", "burst_bytes",
-        "local", "reshard", "hpz", "runs", "jit_runs", "jit", "index",
+        "local", "reshard", "hpz", "cuts", "runs", "jit_runs", "jit", "index",
     )  # fmt: skip
 
     def __init__(
@@ -172,6 +173,7 @@ class CompiledLoss:
         # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
         # outside it).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
+        self.cuts = [cuts(b) for b in layout.buckets]
         self.backend, self.pieces = backend, False
         self.compiled = compile_loss(own_code(self._loss), backend, True, self.FIXED)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's, if any
@@ -266,8 +268,9 @@ class CompiledLoss:
         enters: dict[str, Any] = {}  # per just-in-time unit, what enters it
         for run in self.runs:
             for i, flat in zip(run, self._enter(run, leaves, fulls, entries, sent)):
+                cut = self._cut(i, flat)
                 for s in lay.buckets[i].slots:
-                    views[s.index] = flat[s.offset : s.offset + s.numel].view(s.shape)
+                    views[s.index] = cut[s.index]
         for unit, (_, slots, spec) in self.jit.items():
             enter = functools.partial(
                 self._enter_unit, unit, leaves, fulls, entries, sent, called, entered
@@ -313,9 +316,30 @@ class CompiledLoss:
             for run in self.jit_runs[burst]:
                 out = self._enter(run, leaves, fulls, entries, sent, self.reshard)
                 for i, flat in zip(run, out):
+                    # A checkpointed gather (resharding) keeps the slices: the partitioner
+                    # recomputes views for the backward, and a split's pieces it saves.
+                    resharded = self.reshard and not self.layout.buckets[i].frozen
+                    cut = self._cut(i, flat, sliced=resharded)
                     for s in lay.buckets[i].slots:
-                        views[s.path] = flat[s.offset : s.offset + s.numel].view(s.shape)
+                        views[s.path] = cut[s.index]
         return {path: views[path] for _, path in slots}
+
+    def _cut(self, i: int, flat: torch.Tensor, sliced: bool = False) -> dict[int, torch.Tensor]:
+        """Bucket i's leaves, by tree index, as views of its full buffer `flat`, cut by one
+        `split` (`cuts`): its backward is one `cat` of their gradients, where a slice a
+        leaf has autograd scatter each into a zero-filled buffer of the bucket's size and
+        sum those (the GPT's stage 0: 102 such scatters in the backward graph, some 10
+        ms a step of its own kernels against DDP's, profiled). `sliced`: slices (a
+        resharded gather's, below)."""
+        if sliced:
+            # AOTAutograd's partitioner recomputes a checkpointed gather's views for the
+            # backward, but saves a split's pieces: the full parameters, kept (measured
+            # by the profiled re-gathers of tests/step/test_hybrid.py).
+            lay = self.layout.buckets[i]
+            return {s.index: flat[s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots}
+        sizes, where = self.cuts[i]
+        pieces = flat.split(sizes)
+        return {index: pieces[k].view(shape) for index, k, shape in where}
 
     def _enter(
         self,
@@ -351,5 +375,8 @@ class CompiledLoss:
             out = Scatter.apply(a, *shards, *[fulls[i] for i in run])
         else:
             out = AllReduce.apply(a, *shards, *[fulls[i] for i in run])
-        entries.append(sum(x.reshape(-1)[:1].sum() for x in out))
+        # One output's first element: enough to run the entry's backward (autograd hands
+        # it zeros for the others), and the slice's backward writes a buffer of that
+        # output's size, so one, not one per output.
+        entries.append(out[0].reshape(-1)[:1].sum())
         return out

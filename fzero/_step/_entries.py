@@ -21,7 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .._comm import Mesh
-from .._core import ShardLayout
+from .._core import Bucket, ShardLayout
 from .._engine import own_slices, stand_in
 from .._state import Precision, ShardedState, params_apart
 from ._traced_comm import (
@@ -219,6 +219,24 @@ def entered_gather(
     kept = peer_rows(hpz, travel, compute, shards)
     enter = functools.partial(Regather.apply, hpz, axes, compute, reduce)
     return checkpoint(enter, *kept, *shards, use_reentrant=False)
+
+
+def cuts(bucket: Bucket) -> tuple[tuple[int, ...], tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """How a bucket's full buffer splits into its leaves (`CompiledLoss._cut`): the
+    sizes of one `split` of it, the gaps and padding between the leaves pieces of their
+    own, and per leaf `(tree index, its piece, its shape)`."""
+    sizes: list[int] = []
+    where = []
+    at = 0
+    for s in sorted(bucket.slots, key=lambda s: s.offset):
+        if s.offset > at:
+            sizes.append(s.offset - at)
+        where.append((s.index, len(sizes), s.shape))
+        sizes.append(s.numel)
+        at = s.offset + s.numel
+    if bucket.full_numel > at:
+        sizes.append(bucket.full_numel - at)
+    return tuple(sizes), tuple(where)
 
 
 def bursts(
