@@ -78,7 +78,9 @@ def _rows_of(slots: tuple[Slot, ...], n: int, total: int) -> tuple[Row, ...]:
         if s.offset > cursor:
             pieces.append((cursor, s.offset, -1, cursor))
         pieces.append((s.offset, s.offset + s.numel, k, s.offset))
-        cursor = s.offset + s.numel
+        # Not back: a zero-size leaf may share its offset with the leaf before it (the
+        # "tensor" layout's placement puts it first in a rank's segment at equal loads).
+        cursor = max(cursor, s.offset + s.numel)
     if total > cursor:
         pieces.append((cursor, total, -1, cursor))
     rows: list[Row] = []

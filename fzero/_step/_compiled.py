@@ -338,7 +338,7 @@ class CompiledLoss:
             lay = self.layout.buckets[i]
             return {s.index: flat[s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots}
         sizes, where = self.cuts[i]
-        pieces = flat.split(sizes)
+        pieces = flat.split(sizes) if sizes else ()
         return {index: pieces[k].view(shape) for index, k, shape in where}
 
     def _enter(

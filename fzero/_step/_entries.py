@@ -222,21 +222,19 @@ def entered_gather(
 
 
 def cuts(bucket: Bucket) -> tuple[tuple[int, ...], tuple[tuple[int, int, tuple[int, ...]], ...]]:
-    """How a bucket's full buffer splits into its leaves (`CompiledLoss._cut`): the
-    sizes of one `split` of it, the gaps and padding between the leaves pieces of their
-    own, and per leaf `(tree index, its piece, its shape)`."""
-    sizes: list[int] = []
-    where = []
-    at = 0
-    for s in sorted(bucket.slots, key=lambda s: s.offset):
-        if s.offset > at:
-            sizes.append(s.offset - at)
-        where.append((s.index, len(sizes), s.shape))
-        sizes.append(s.numel)
-        at = s.offset + s.numel
-    if bucket.full_numel > at:
-        sizes.append(bucket.full_numel - at)
-    return tuple(sizes), tuple(where)
+    """How a bucket's full buffer splits into its leaves (`CompiledLoss._cut`), as the
+    eager engine's `cut` splits it (one row, `Bucket.rows`): the sizes of one `split`
+    (padding and gaps pieces of their own), and per leaf `(tree index, its piece, its
+    shape)`. Worked out before the trace: dynamo cannot trace the bucket's cached
+    properties on their first use."""
+    rows = bucket.rows(bucket.full_numel, bucket.full_numel)
+    if not rows:
+        return (), ()
+    slots = bucket.ordered
+    where = tuple(
+        (slots[k].index, j, slots[k].shape) for j, (k, _, _) in enumerate(rows[0].owners) if k >= 0
+    )
+    return rows[0].sizes, where
 
 
 def bursts(

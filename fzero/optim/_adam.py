@@ -251,10 +251,10 @@ def adam(
         element under sharding, so it works on flat shards too.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
         (`torch.compile`; one pass over memory instead of seven), the small fp32 and
-        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`,
-        agreeing with the unfused ops to a few ulps rather than bitwise. None: fused
-        inside a compiled step (`sharded_step(compile=...)`, with its backend), unfused
-        otherwise.
+        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`
+        (contiguous, on the CPU or a GPU; others keep the list ops), agreeing with
+        the unfused ops to a few ulps rather than bitwise. None: fused inside a compiled
+        step (`sharded_step(compile=...)`, with its backend), unfused otherwise.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`AdamState`.
@@ -292,10 +292,10 @@ def adamw(
         element under sharding, so it works on flat shards too.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
         (`torch.compile`; one pass over memory instead of seven), the small fp32 and
-        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`,
-        agreeing with the unfused ops to a few ulps rather than bitwise. None: fused
-        inside a compiled step (`sharded_step(compile=...)`, with its backend), unfused
-        otherwise.
+        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`
+        (contiguous, on the CPU or a GPU; others keep the list ops), agreeing with
+        the unfused ops to a few ulps rather than bitwise. None: fused inside a compiled
+        step (`sharded_step(compile=...)`, with its backend), unfused otherwise.
 
     Returns:
       An :class:`Optimizer` whose state is an :class:`AdamState`.

@@ -231,7 +231,8 @@ def grouped(leaves: list[torch.Tensor], decay: list[Any]) -> tuple[list[list[int
 
     Elementwise optimizers update each group with torch's list ops (`torch._foreach_*`):
     on the CPU they run the single-tensor kernels leaf by leaf, so the values are bitwise
-    those of the loop, without a Python call per leaf and op.
+    those of the loop, without a Python call per leaf and op. Fused (`fused=True`, a
+    compiled step), a group goes to torch's fused list kernel instead (`_fused.listed`).
 
     Args:
       leaves: the parameter leaves.

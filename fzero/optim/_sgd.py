@@ -65,7 +65,8 @@ def sgd(
         bools like the parameters); None decays everything.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
         (`torch.compile`), the small fp32 and fp64 leaves of a tree a group at a time
-        through torch's `_fused_sgd_`, agreeing with the unfused ops to a few ulps
+        through torch's `_fused_sgd_` (contiguous, on the CPU or a GPU; others keep the
+        list ops), agreeing with the unfused ops to a few ulps
         rather than bitwise. None: fused inside a compiled step (`sharded_step(compile=...)`, with
         its backend), unfused otherwise.
 
@@ -118,7 +119,7 @@ def sgd(
                     dampening=dampening,
                     nesterov=nesterov,
                     maximize=maximize,
-                    is_first_step=count == 0,
+                    is_first_step=count == 0 and momentum != 0,  # torch's: no buffer, no flag
                 )
         for idx in groups:  # the same ops, each one list op over the group (`grouped`)
             ps, d_ps = [leaves[i] for i in idx], [grad_leaves[i] for i in idx]

@@ -3,12 +3,18 @@
 from typing import Any
 
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fzero
 from fzero._core._layout import build_layout
 from fzero._core._tree import tree_flatten
+from fzero._step._entries import cuts
+
+# A zero-size leaf at the offset another leaf starts at: once each rank took a 0-d leaf
+# (equal loads), the "tensor" layout's greedy placement puts it in rank 0's segment,
+# after its leaf, where rank 1's begins.
+EQUAL_LOADS = {"a": torch.randn(()), "b": torch.randn(()), "c": torch.randn(0)}
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 
@@ -29,6 +35,7 @@ def trees(draw: Any) -> dict[str, Any]:
     return out
 
 
+@example(EQUAL_LOADS, 2, "tensor")
 @given(trees(), st.integers(1, 8), st.sampled_from(["flat", "tensor"]))
 def test_shards_concatenate_to_the_flat_buffer_and_back(tree: dict, n: int, kind: str) -> None:
     layout = build_layout(tree, n, kind)
@@ -38,6 +45,24 @@ def test_shards_concatenate_to_the_flat_buffer_and_back(tree: dict, n: int, kind
         assert all(s.numel() == bucket.shard_numel for s in shards)
         assert torch.equal(torch.cat(shards), flats[b])
     fzero.assert_trees_close(layout.unflatten(flats), tree, rtol=0, atol=0)
+
+
+@example(EQUAL_LOADS, 2, "tensor")
+@given(trees(), st.integers(1, 8), st.sampled_from(["flat", "tensor"]))
+def test_a_compiled_steps_cut_gives_every_leaf_from_one_split(
+    tree: dict, n: int, kind: str
+) -> None:
+    """`_step._entries.cuts`: one split of a bucket's full buffer covers it exactly (its
+    padding and gaps pieces of their own) and hands out every leaf."""
+    layout = build_layout(tree, n, kind)
+    leaves = tree_flatten(tree)[0]
+    for bucket, flat in zip(layout.buckets, layout.flatten(tree)):
+        sizes, where = cuts(bucket)
+        assert sum(sizes) == bucket.full_numel == flat.numel()
+        pieces = flat.split(sizes) if sizes else ()
+        assert sorted(i for i, _, _ in where) == sorted(s.index for s in bucket.slots)
+        for index, k, shape in where:
+            assert torch.equal(pieces[k].view(shape), leaves[index])
 
 
 @given(trees(), st.integers(1, 8))
