@@ -71,11 +71,11 @@ from ._dynamo import (
 from ._entries import (
     AllReduce,
     Scatter,
+    bare_gather,
     bursts,
     comm_dtypes,
     cuts,
     entered_gather,
-    gathered,
     jit_bursts,
 )
 from ._options import GRAPH_BURST
@@ -318,7 +318,7 @@ class CompiledLoss:
                 for i, flat in zip(run, out):
                     # A checkpointed gather (resharding) keeps the slices: the partitioner
                     # recomputes views for the backward, and a split's pieces it saves.
-                    resharded = self.reshard and not self.layout.buckets[i].frozen
+                    resharded = self.reshard and torch.is_grad_enabled()
                     cut = self._cut(i, flat, sliced=resharded)
                     for s in lay.buckets[i].slots:
                         views[s.path] = cut[s.index]
@@ -364,7 +364,7 @@ class CompiledLoss:
         elif self.stage.shards_params:  # the all-gather of every rank's shards
             travel, reduce = self.travel[run[0]], self.reduce[run[0]]
             if bare:
-                out = gathered(a, travel, b.dtype, shards)
+                out = bare_gather(a, self.hpz, travel, b.dtype, shards, recompute)
                 sent_finite(sent, a, self.layout, run, out)
                 return out
             out = entered_gather(a, self.hpz, travel, b.dtype, reduce, shards, recompute)

@@ -161,6 +161,21 @@ def peer_rows(
     return peer_gather(flat, hpz)
 
 
+def regathered(
+    hpz: Hpz, compute: torch.dtype, kept: Sequence[torch.Tensor], sizes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """hpZ's second gather (`group_gather`) of `peer_rows`' rows, each bucket (of
+    `sizes` elements a rank) cut from it in the compute dtype."""
+    got = group_gather(tuple(kept), hpz, compute)
+    # `got[m, h]` is the shard axis's rank h * k + m: taken group-major, it is the
+    # rank-major table `Gather` cuts.
+    out, at = [], 0
+    for n in sizes:
+        out.append(got[:, :, at : at + n].transpose(0, 1).reshape(-1).to(compute))
+        at += n
+    return tuple(out)
+
+
 class Regather(torch.autograd.Function):
     """hpZ's stage-3 entry of a resharded unit, checkpointed: the full buckets gathered
     from `peer_rows`' rows inside the group of k and cast to the compute dtype (the
@@ -178,15 +193,7 @@ class Regather(torch.autograd.Function):
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         kept, shards = tensors[: hpz.kept], tensors[hpz.kept :]
-        got = group_gather(kept, hpz, compute)
-        # `got[m, h]` is the shard axis's rank h * k + m: taken group-major, it is the
-        # rank-major table `Gather` cuts.
-        out, at = [], 0
-        for s in shards:
-            cols = got[:, :, at : at + s.numel()].transpose(0, 1)
-            out.append(cols.reshape(-1).to(compute))
-            at += s.numel()
-        return tuple(out)
+        return regathered(hpz, compute, kept, [s.numel() for s in shards])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -196,6 +203,29 @@ class Regather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
         return (None,) * (4 + ctx.kept) + scattered(gs, ctx.reduce, ctx.axes, ctx.sizes)
+
+
+def bare_gather(
+    axes: Axes,
+    hpz: Hpz | None,
+    travel: torch.dtype,
+    compute: torch.dtype,
+    shards: list[torch.Tensor],
+    recompute: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Stage 3's gather of a run with no gradient of its own (frozen, or under no_grad):
+    `gathered`. Resharded under autograd, checkpointed: an earlier unit's backward
+    through this one needs its parameters, gathered again for it as eagerly rather than
+    kept from the forward (a frozen base model's, LoRA's); with hpZ from the rows of the
+    first of its two gathers, inside the group."""
+    if not (recompute and torch.is_grad_enabled()):
+        return gathered(axes, travel, compute, shards)
+    if hpz is None:
+        again = functools.partial(gathered, axes, travel, compute)
+        return checkpoint(lambda *s: again(s), *shards, use_reentrant=False)
+    kept = peer_rows(hpz, travel, compute, shards)
+    sizes = [s.numel() for s in shards]
+    return checkpoint(lambda *k: regathered(hpz, compute, k, sizes), *kept, use_reentrant=False)
 
 
 def entered_gather(

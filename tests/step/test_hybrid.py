@@ -158,15 +158,23 @@ def test_hpz_with_a_unit_of_several_submodules_matches_torch_optim() -> None:
         assert axes["secondary"] > 0, axes
 
 
-def _compiled_hpz(mesh: fzero.Mesh, model: nn.Module, xs: Any, ys: Any, how: str, k: int) -> Any:
-    """Compiled stage 3 with hpZ's groups of `k`, a unit a burst: the parameters, and
-    the all-gathers of the steps after the first, profiled: per (elements sent, ranks
-    gathering), how many ran."""
+def _compiled_hpz(
+    mesh: fzero.Mesh,
+    model: nn.Module,
+    xs: Any,
+    ys: Any,
+    how: str,
+    k: int | bool,
+    frozen: list[str] | None = None,
+) -> Any:
+    """Compiled stage 3 with hpZ's groups of `k` (True: resharding, no hpZ), a unit a
+    burst: the parameters, and the all-gathers of the steps after the first, profiled:
+    per (elements sent, ranks gathering), how many ran."""
     from torch.profiler import ProfilerActivity, profile
 
     params = {n: v.detach().clone() for n, v in model.named_parameters()}
     opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
-    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS, frozen=frozen)
     kw: dict[str, Any] = {"module": model} if how == "module" else {"just_in_time": True}
     loss = _module_loss(model) if how == "module" else _pure_loss
     step = fzero.sharded_step(
@@ -227,6 +235,36 @@ def test_compiled_hpz_matches_torch_optim_and_gathers_again_inside_the_group(
                 again = 1 if unit == "0" else 2
                 want[shard * groups, k] = want.get((shard * groups, k), 0) + again * steps
         assert gathers == want, (gathers, want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("k", [True, 2])
+def test_a_compiled_frozen_unit_is_gathered_again_for_the_backward(k: bool | int) -> None:
+    """A frozen middle unit has no gradient of its own, but the first unit's gradient
+    flows through it: compiled at stage 3 its parameters are gathered again for the
+    backward (with hpZ inside the group, from the 1/k kept), not kept from the forward
+    as they were (a frozen base model held whole, LoRA's case): profiled, the frozen
+    unit's gather runs twice a step. Float64, against torch.optim training the others."""
+    model = _model(13, (5, 12, 9, 3))
+    start = {name: v.detach().clone() for name, v in model.named_parameters()}
+    xs, ys = _data(14, 4)
+    ts = {name: v.clone().requires_grad_(not name.startswith("2.")) for name, v in start.items()}
+    opt = torch.optim.Adam(
+        [v for v in ts.values() if v.requires_grad], lr=0.01, weight_decay=0.01, foreach=False
+    )
+    for t in range(STEPS):
+        opt.zero_grad()
+        _pure_loss(ts, (xs[t], ys[t])).backward()
+        opt.step()
+    frozen = ["2.weight", "2.bias"]
+    for params, gathers in run(4, _compiled_hpz, model, xs, ys, "pure", k, frozen):
+        fzero.assert_trees_close(params, {n: v.detach() for n, v in ts.items()}, rtol=1e-10)
+        assert torch.equal(params["2.weight"], start["2.weight"])
+        assert (params["0.weight"] - start["0.weight"]).abs().max() > 1e-3
+        inside = 4 if k is True else k
+        # The frozen unit (12 x 9 + 9 = 117 elements, 30 a rank) inside its group.
+        rows = 30 * (4 // inside)
+        assert gathers[rows, inside] == 2 * (STEPS - 1), gathers
 
 
 @pytest.mark.slow
