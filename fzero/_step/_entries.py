@@ -110,16 +110,26 @@ def gathered(
     """The shards cast to `travel`, all-gathered along the shard axis as one collective
     (qwZ: as int8 blocks of the burst, `gather_rows`), each bucket cut from the rank-major
     table and cast to `compute`."""
-    if axes.qw is not None:
-        # Quantized, a shard travels as its cast to the compute dtype, as the eager gather
-        # quantizes it (the gather dtype is then the int8 blocks').
-        travel = compute
+    travel = travelling(axes, travel, compute)
     flat = torch.cat([s.to(travel) for s in shards]) if len(shards) > 1 else shards[0]
     table = gather_rows(flat.to(travel), axes)
+    return columns(table, [s.numel() for s in shards], compute)
+
+
+def travelling(axes: Axes, travel: torch.dtype, compute: torch.dtype) -> torch.dtype:
+    """The dtype shards are gathered in: `travel`; quantized (qwZ), their cast to the
+    compute dtype, as the eager gather quantizes it (the blocks are then int8)."""
+    return compute if axes.qw is not None else travel
+
+
+def columns(table: torch.Tensor, sizes: list[int], compute: torch.dtype) -> tuple:
+    """Each bucket's full buffer from a gathered `table` whose last dimension holds every
+    bucket's shard side by side (`sizes` elements each) and whose other dimensions run
+    over the ranks in rank order: its columns, read in that order, cast to `compute`."""
     out, at = [], 0
-    for s in shards:
-        out.append(table[:, at : at + s.numel()].reshape(-1).to(compute))
-        at += s.numel()
+    for n in sizes:
+        out.append(table[..., at : at + n].reshape(-1).to(compute))
+        at += n
     return tuple(out)
 
 
@@ -155,8 +165,7 @@ def peer_rows(
     to `travel` (qwZ: to `compute`, then int8 blocks, as `gathered`'s), of the ranks at
     this rank's place in every group of k; what the backward keeps of a unit (1/k of
     it) to gather it again inside the group (`Regather`)."""
-    if hpz.peers.qw is not None:
-        travel = compute
+    travel = travelling(hpz.peers, travel, compute)
     flat = torch.cat([s.detach().to(travel) for s in shards])  # a fresh, detached copy
     return peer_gather(flat, hpz)
 
@@ -167,13 +176,8 @@ def regathered(
     """hpZ's second gather (`group_gather`) of `peer_rows`' rows, each bucket (of
     `sizes` elements a rank) cut from it in the compute dtype."""
     got = group_gather(tuple(kept), hpz, compute)
-    # `got[m, h]` is the shard axis's rank h * k + m: taken group-major, it is the
-    # rank-major table `Gather` cuts.
-    out, at = [], 0
-    for n in sizes:
-        out.append(got[:, :, at : at + n].transpose(0, 1).reshape(-1).to(compute))
-        at += n
-    return tuple(out)
+    # `got[m, h]` is the shard axis's rank h * k + m: taken group-major, in rank order.
+    return columns(got.transpose(0, 1), sizes, compute)
 
 
 class Regather(torch.autograd.Function):

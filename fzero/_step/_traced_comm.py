@@ -109,11 +109,7 @@ def peer_gather(flat: torch.Tensor, hpz: Hpz) -> tuple[torch.Tensor, ...]:
     p = hpz.peers
     if p.qw is None:
         return (gather_rows(flat, p),)
-    codes, scales = quantize(flat, p.qw)
-    if p.rows == 1:
-        return codes, scales
-    codes = _all_gather(codes.reshape(-1), 0, p.group).view(p.rows, -1)
-    return codes, _all_gather(scales.reshape(-1), 0, p.group).view(p.rows, -1)
+    return _gathered_codes(flat, p.group, p.rows, p.qw)
 
 
 def group_gather(kept: tuple[torch.Tensor, ...], hpz: Hpz, dtype: torch.dtype) -> torch.Tensor:
@@ -150,10 +146,20 @@ def gather_rows(flat: torch.Tensor, axes: Axes) -> torch.Tensor:
 def _gathered_quantized(flat: torch.Tensor, group: Any, rows: int, block: int) -> torch.Tensor:
     """`flat` of every rank of `group` (`rows` ranks) as int8 blocks of `block` and their
     scales, all-gathered; the rank-major table of the values they stand for."""
-    codes, scales = quantize(flat, block)
-    codes = _all_gather(codes.reshape(-1), 0, group).view(rows, -1)
-    scales = _all_gather(scales.reshape(-1), 0, group).view(rows, -1)
+    codes, scales = _gathered_codes(flat, group, rows, block)
     return dequantize(codes, scales, block, flat.dtype)
+
+
+def _gathered_codes(
+    flat: torch.Tensor, group: Any, rows: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flat`'s int8 codes and float32 scales (`quantize`) of every rank of `group` (`rows`
+    ranks; one: this rank's, nothing sent), each as its rank-major table."""
+    codes, scales = quantize(flat, block)
+    if rows == 1:
+        return codes, scales
+    codes = _all_gather(codes.reshape(-1), 0, group).view(rows, -1)
+    return codes, _all_gather(scales.reshape(-1), 0, group).view(rows, -1)
 
 
 def reduce_rows(table: torch.Tensor, axes: Axes) -> torch.Tensor:
