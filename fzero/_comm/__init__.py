@@ -27,12 +27,14 @@ from ._collectives import reduce_scatter_async as reduce_scatter_async
 from ._collectives import reduce_scatter_mean as reduce_scatter_mean
 from ._control import all_gather_ints_async as all_gather_ints_async
 from ._control import all_gather_object as all_gather_object
+from ._control import barrier as barrier
 from ._failure import PeerError as PeerError
 from ._failure import agreed as agreed
 from ._failure import agreement as agreement
 from ._failure import check_alive as check_alive
 from ._failure import collective as collective
 from ._failure import is_agreed as is_agreed
+from ._failure import published as published
 from ._failure import together as together
 from ._gloo import ALL_TO_ALL_MAX_BYTES as ALL_TO_ALL_MAX_BYTES
 from ._groups import backend_for as backend_for

@@ -38,6 +38,13 @@ def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[li
     return wait
 
 
+def barrier(mesh: Mesh) -> None:
+    """Returns once every rank has called it: one small all-gather on the control axis,
+    whose wait looks for a peer's failure, so a rank that failed before calling it (a
+    compiled loss's trace that raised) ends its peers' wait at once."""
+    all_gather_ints_async([0], mesh)()
+
+
 def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (small metadata only; on the control
     axis, from the CPU)."""

@@ -112,10 +112,13 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
     the call, which may be left pending, so its own later calls raise it at once."""
     global _failed
     call = _calls[-1] if _calls else 0
+    # A KeyError's str() is its argument's repr: the peers' KeyError, made from the
+    # message, would quote it again.
+    keyed = isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str)
     record = {
         "rank": rank,
         "where": where,
-        "message": str(exc),
+        "message": exc.args[0] if keyed else str(exc),
         "type": _builtin_base(exc),
         "call": call,
     }
@@ -182,6 +185,14 @@ def peer_error(record: dict[str, Any]) -> PeerError:
     exc.rank = int(record["rank"])
     _note(exc, f"fzero: rank {exc.rank} failed inside {record['where']}; this rank raises it too")
     return exc
+
+
+def published() -> PeerError | None:
+    """A peer's published failure as this rank's `PeerError`, if there is one: for a wait
+    that could not look for it (a compiled graph's collectives wait inside the graph)
+    and ended in a timeout or a closed connection instead."""
+    record = failed()
+    return None if record is None else peer_error(record)
 
 
 def _peer_class(name: str) -> type[PeerError]:

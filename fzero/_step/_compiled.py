@@ -54,7 +54,7 @@ from typing import Any
 import optree
 import torch
 
-from .._comm import Mesh, QuantizedComm, graph_ran
+from .._comm import Mesh, QuantizedComm, barrier, graph_ran
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
@@ -175,7 +175,12 @@ class CompiledLoss:
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.cuts = [cuts(b) for b in layout.buckets]
         self.backend, self.pieces = backend, False
-        self.compiled = compile_loss(own_code(self._loss), backend, True, self.FIXED)
+        # Stage 3's graph gathers in its forward: every rank's trace must have succeeded
+        # before any runs it (`compile_loss`'s `before_run`). At stages 0-2 the forward
+        # has no collective, and the backward's follow the checks after it.
+        gathers = stage.shards_params and not local and mesh.size > 1
+        self.before_run = functools.partial(barrier, mesh) if gathers else None
+        self.compiled = self._compile(fullgraph=True)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's, if any
 
     def __call__(
@@ -243,7 +248,12 @@ class CompiledLoss:
             stacklevel=4,
         )
         self.pieces = True
-        self.compiled = compile_loss(own_code(self._loss), self.backend, False, self.FIXED)
+        self.compiled = self._compile(fullgraph=False)
+
+    def _compile(self, fullgraph: bool) -> Any:
+        return compile_loss(
+            own_code(self._loss), self.backend, fullgraph, self.FIXED, self.before_run
+        )
 
     def _loss(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any

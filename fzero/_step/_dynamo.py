@@ -10,7 +10,7 @@ import contextlib
 import functools
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -103,10 +103,17 @@ OVERLAP = {
 }
 
 
-def compile_loss(fn: Any, backend: str, fullgraph: bool, fixed: tuple[str, ...] = ()) -> Any:
+def compile_loss(
+    fn: Any,
+    backend: str,
+    fullgraph: bool,
+    fixed: tuple[str, ...] = (),
+    before_run: Callable[[], None] | None = None,
+) -> Any:
     """`torch.compile(fn)` for a compiled step: inductor with its overlap passes
     (`OVERLAP`, those this torch has), another backend as it is. `fixed`: attributes of
     `fn`'s `self` that never change after it is made, whose guards are dropped.
+    `before_run`: called before each run of a compiled graph, after its trace (`_arriving`).
 
     Dynamo guards every Python value the trace reads: a step's layout (each slot's
     offset, size and shape, read to cut the flat buffers) came to some 7,000 guards for
@@ -118,14 +125,65 @@ def compile_loss(fn: Any, backend: str, fullgraph: bool, fixed: tuple[str, ...] 
     if fixed and hasattr(torch._dynamo.types, "GuardFilterEntry"):  # torch >= 2.8
         roots = tuple(f"L['self'].{name}" for name in fixed)
         options["guard_filter_fn"] = functools.partial(_unfixed, roots)
+    patches: dict[str, Any] = {}
     if backend == "inductor":
         import torch._inductor.comms as comms  # inductor's, loaded only where it compiles
 
         wanted = OVERLAP["reorder_for_compute_comm_overlap_passes"]
         passes = [p for p in wanted if hasattr(comms, p)]
-        options["reorder_for_compute_comm_overlap"] = bool(passes)
-        options["reorder_for_compute_comm_overlap_passes"] = passes
-    return torch.compile(fn, fullgraph=fullgraph, backend=backend, options=options or None)
+        patches["reorder_for_compute_comm_overlap"] = bool(passes)
+        patches["reorder_for_compute_comm_overlap_passes"] = passes
+    if before_run is None:
+        options.update(patches)
+        return torch.compile(fn, fullgraph=fullgraph, backend=backend, options=options or None)
+    arriving = functools.partial(_arriving, backend, patches, before_run)
+    return torch.compile(fn, fullgraph=fullgraph, backend=arriving, options=options or None)
+
+
+def _arriving(
+    backend: str, patches: dict[str, Any], before_run: Callable[[], None], gm: Any, inputs: Any
+) -> Any:
+    """A torch.compile backend: `backend`'s compiled graph (inductor's with config
+    `patches`), run after `before_run()` returns.
+
+    Why: a graph's collectives wait inside the graph, where a peer's published failure
+    cannot be looked for. A rank whose trace raises (the user's loss, a shape that does
+    not fit) never runs the graph; its peers, running theirs, would wait in its first
+    collective until the process group's timeout. Dynamo calls its backend after a
+    trace succeeds and before the graph first runs, and every run goes through what the
+    backend returns: so `before_run` (a barrier whose wait does look) stands between
+    every rank's trace and any rank's first collective."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    if patches:
+        graph = lookup_backend(backend)(gm, inputs, config_patches=patches)
+    else:
+        graph = lookup_backend(backend)(gm, inputs)
+    if not _collects(gm):  # a piece of a loss that breaks the graph, without a gather
+        return graph
+
+    def run(*args: Any) -> Any:
+        before_run()
+        return graph(*args)
+
+    return run
+
+
+def _collects(gm: Any) -> bool:
+    """Whether dynamo's graph `gm` (with its autograd.Functions' bodies, submodules of
+    it) runs a collective: a functional collective of `torch.distributed`."""
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            op = node.target
+            if isinstance(op, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and (
+                str(op).split(".", 1)[0] in _COLLECTIVES  # "_c10d_functional.all_gather_..."
+            ):
+                return True
+    return False
+
+
+_COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d")
 
 
 def _unfixed(roots: tuple[str, ...], entries: Any) -> list[bool]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import _comm
-from .._comm import Mesh
+from .._comm import Mesh, PeerError, is_peer_failure, published
 from .._core import PyTree, Stage, stage_of, tree_map
 from .._engine import (
     CallCheck,
@@ -132,7 +132,17 @@ def sharded_forward(
         # writes its statistics into what it is given).
         buffers = None if state.buffers is None else copied(state.buffers)
         with collector_paused(), torch.no_grad():
-            out, _, called, _ = compiled(leaves, fulls, batch, buffers)
+            try:
+                out, _, called, _ = compiled(leaves, fulls, batch, buffers)
+            except RuntimeError as exc:
+                if isinstance(exc, PeerError) or not is_peer_failure(exc):
+                    raise
+                # The graph's gathers wait where a peer's published failure cannot be
+                # seen: it is what ended the wait, if there is one.
+                peer = published()
+                if peer is None:
+                    raise
+                raise peer from exc
         error = None
         try:
             if compiled.hooks is not None:

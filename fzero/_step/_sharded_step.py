@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import _comm
-from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure
+from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure, published
 from .._core import LossFn, UnitSpec, differentiating
 from .._engine import Context, UnitLedger, context, differentiates_by_leaf, layers_rebound
 from .._state import ShardedState, check_offload, mark_consumed
@@ -188,6 +188,11 @@ def sharded_step(
         except RuntimeError as exc:
             if isinstance(exc, PeerError) or not is_peer_failure(exc):
                 raise
+            # A compiled graph's collectives wait inside the graph, where a peer's
+            # published failure cannot be seen: it is what ended the wait, if there is one.
+            peer = published()
+            if peer is not None:
+                raise peer from exc
             raise _stalled(exc, state, mesh) from exc
         cache.pool.reclaim()
         cache.micro, cache.order = len(micro), out.order

@@ -1,0 +1,128 @@
+"""Faults in compiled steps: one rank's error raised on every rank, though a compiled
+graph's collectives wait inside the graph, where no peer's failure can be looked for."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import fzero
+from tests.faults.harness import BOUND, _catching, outcomes, raised_together
+from tests.faults.test_step_faults import UNITS, batches, mine, setup
+
+# Every case starts rank processes and traces a small graph (aot_eager: no code is generated).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _raises_in_trace(
+    mesh: fzero.Mesh, stage: int, jit: bool, fault: str, pieces: bool = False
+) -> None:
+    """Rank 1's compiled loss raises while it is traced at the second step (its own
+    exception, or a batch whose shape does not fit the model): it never runs the graph,
+    whose collectives the other rank is about to run (stage 3's gathers). `pieces`: the
+    loss breaks the graph after entering unit a, and raises in the second piece."""
+    state, opt, net = setup(mesh, stage)
+    x, y = batches(mesh.size, 4)
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        xb, yb, t = batch
+        if jit:
+            a = fzero.gathered(p, "a")
+            if pieces:  # the rest is traced apart: its own graph, with b's gather
+                torch._dynamo.graph_break()
+        if fault == "raise" and mesh.rank == 1 and t == 1:
+            raise ValueError("rank 1's data loader handed a corrupt batch")
+        if jit:
+            b = fzero.gathered(p, "b")
+            p = {**{f"a.{k}": v for k, v in a.items()}, **{f"b.{k}": v for k, v in b.items()}}
+        return (functional_call(net, p, (xb,)) - yb).square().mean()
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=UNITS, just_in_time=jit, compile="aot_eager",
+        reduce_bucket_bytes=0 if pieces else None,  # b's gather apart from a's
+    )  # fmt: skip
+    with warnings.catch_warnings():  # "compiled in pieces", said once
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for t in range(3):
+            xb = mine(x[t], mesh.rank)
+            if fault == "shape" and mesh.rank == 1 and t == 1:
+                xb = xb[:, :3]  # a batch of 3 features for a model of 4
+            state, _ = step(state, (xb, mine(y[t], mesh.rank), t))
+
+
+@pytest.mark.parametrize(
+    "stage, jit, pieces",
+    [(0, False, False), (3, False, False), (3, True, False), (3, True, True)],
+    ids=["stage0", "stage3", "stage3-jit", "stage3-jit-in-pieces"],
+)
+def test_an_exception_in_one_ranks_compiled_loss_raises_on_every_rank_at_once(
+    stage: int, jit: bool, pieces: bool
+) -> None:
+    """Before this was guarded, rank 0 waited in the graph's first gather until the
+    process group's timeout at stage 3, then raised a timeout (measured: 22 s here)."""
+    outs = outcomes(2, _raises_in_trace, stage, jit, "raise", pieces)
+    raised_together(outs, ValueError, "corrupt batch")
+    assert [o.peer for o in outs] == [True, False]
+
+
+def test_a_batch_that_fails_one_ranks_trace_raises_on_every_rank_at_once() -> None:
+    outs = outcomes(2, _raises_in_trace, 3, False, "shape")
+    raised_together(outs, RuntimeError)
+    assert [o.peer for o in outs] == [True, False]
+
+
+def _raises_inside_the_graph(mesh: fzero.Mesh) -> None:
+    """Rank 1's graph raises as it runs (an index out of range, which no trace can see),
+    before a just-in-time gather that rank 0's graph then waits in: inside the graph,
+    where a peer's failure cannot be looked for, until the process group's timeout."""
+    state, opt, net = setup(mesh, 3)
+    x, y = batches(mesh.size, 4)
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        xb, yb, rows = batch
+        xb = xb[rows]
+        a, b = fzero.gathered(p, "a"), fzero.gathered(p, "b")
+        p = {**{f"a.{k}": v for k, v in a.items()}, **{f"b.{k}": v for k, v in b.items()}}
+        return (functional_call(net, p, (xb,)) - yb).square().mean()
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=3, units=UNITS, just_in_time=True, compile="aot_eager"
+    )
+    for t in range(2):
+        rows = torch.tensor([0, 1 if mesh.rank == 0 or t == 0 else 7])
+        state, _ = step(state, (mine(x[t], mesh.rank), mine(y[t], mesh.rank), rows))
+
+
+def test_a_rank_whose_graph_raises_mid_run_has_its_error_raised_by_the_rank_left_waiting() -> None:
+    """The waiting rank's collective ends at the process group's timeout (3 s here), or at
+    once where the failed rank's process exits (torchrun's case); either way it raises
+    the failed rank's error, not a timeout."""
+    sim = fzero.Simulation(2, collective_timeout=3.0, timeout=90)
+    outs = sim.run(_catching, _raises_inside_the_graph)
+    assert outs[1].isinstance(IndexError) and not outs[1].peer
+    assert outs[0].isinstance(IndexError) and outs[0].peer, outs[0].message
+    assert outs[0].message == outs[1].message
+    assert outs[0].at - outs[1].at < 3.0 + BOUND
+
+
+def _forward_raises_in_trace(mesh: fzero.Mesh) -> None:
+    """A compiled stage-3 forward whose function raises on rank 1 as it is traced."""
+    state, _, net = setup(mesh, 3)
+    x, _ = batches(mesh.size, 1)
+
+    def predict(p: Any, xb: torch.Tensor) -> torch.Tensor:
+        if mesh.rank == 1:
+            raise KeyError("rank 1 asked for a head the model does not have")
+        return functional_call(net, p, (xb,))
+
+    fzero.sharded_forward(predict, mesh, compile="aot_eager")(state, mine(x[0], mesh.rank))
+
+
+def test_an_exception_in_one_ranks_compiled_forward_raises_on_every_rank_at_once() -> None:
+    outs = outcomes(2, _forward_raises_in_trace)
+    raised_together(outs, KeyError, "a head the model does not have")
+    assert [o.peer for o in outs] == [True, False]
