@@ -112,13 +112,10 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
     the call, which may be left pending, so its own later calls raise it at once."""
     global _failed
     call = _calls[-1] if _calls else 0
-    # A KeyError's str() is its argument's repr: the peers' KeyError, made from the
-    # message, would quote it again.
-    keyed = isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str)
     record = {
         "rank": rank,
         "where": where,
-        "message": exc.args[0] if keyed else str(exc),
+        "message": str(exc),
         "type": _builtin_base(exc),
         "call": call,
     }
@@ -206,7 +203,12 @@ def _peer_class(name: str) -> type[PeerError]:
     attr = f"PeerError_{name}"
     if attr not in globals():
         try:
-            cls = type(attr, (base, PeerError), {"__module__": __name__})
+            # A KeyError's str() is its key's repr: the peer's, made from the message,
+            # says the message as it is.
+            body = {"__module__": __name__, "__str__": BaseException.__str__}
+            if not issubclass(base, KeyError):
+                del body["__str__"]
+            cls = type(attr, (base, PeerError), body)
         except TypeError:  # no consistent class order with it: a plain PeerError
             return PeerError
         cls.__doc__ = f"A peer's {name}, raised on this rank too (see `PeerError`)."

@@ -108,7 +108,8 @@ def comm_ledger() -> Iterator[CommLedger]:
     records `control` collectives of a few bytes: one int64 all-gather of a few words per
     rank (each rank's sums of its losses' weights and whether it had data;
     with just-in-time units also the check that every rank's forward called the same
-    units) and, on a GPU, the losses' total as one float64 all-reduce. A compiled step's
+    units) and, on a GPU, the losses' total as one float64 all-reduce; a compiled stage-3
+    loss one more a call, its barrier before the first gather. A compiled step's
     or forward's graph runs its own collectives, which are not recorded: the ledger
     counts its runs (`unrecorded`, `complete`) and warns as the block closes.
 

@@ -175,11 +175,11 @@ class CompiledLoss:
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.cuts = [cuts(b) for b in layout.buckets]
         self.backend, self.pieces = backend, False
-        # Stage 3's graph gathers in its forward: every rank's trace must have succeeded
-        # before any runs it (`compile_loss`'s `before_run`). At stages 0-2 the forward
-        # has no collective, and the backward's follow the checks after it.
+        # Stage 3's forward gathers: every rank's trace must have succeeded before any
+        # runs it (`_arrive`). At stages 0-2 the backward's collectives follow the checks.
         gathers = stage.shards_params and not local and mesh.size > 1
-        self.before_run = functools.partial(barrier, mesh) if gathers else None
+        self.barrier = functools.partial(barrier, mesh) if gathers else None
+        self.arrived = True  # this call's barrier is behind it (or there is none)
         self.compiled = self._compile(fullgraph=True)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's, if any
 
@@ -189,6 +189,7 @@ class CompiledLoss:
         """The compiled `(loss_fn's output, anchor, units entered in the loss, qwZ's
         finite flags)`; a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
+        self.arrived = self.barrier is None
         out = self._call(leaves, fulls, batch, buffers)
         if self._communicates():  # an open comm_ledger cannot see them: it says so
             graph_ran()
@@ -197,6 +198,18 @@ class CompiledLoss:
             warnings.warn(recompiled(self.rank, self.shapes, shapes), RuntimeWarning, stacklevel=2)
         self.shapes = shapes
         return out
+
+    def _arrive(self) -> None:
+        """This call's barrier (a polled all-gather on the control axis), once, before
+        its first gather: a compiled graph holding a collective calls it as it starts to
+        run (`compile_loss`'s `before_run`), an entry run eagerly as it starts. A rank
+        whose trace raised runs no graph, and its peers would otherwise wait in their
+        graph's unpolled first gather until the timeout; once a call, not a graph, so
+        that losses breaking the graph in different places still pair their collectives
+        (docs/design.md, [Note: failing together])."""
+        if not self.arrived:
+            self.arrived = True
+            self.barrier()
 
     def _communicates(self) -> bool:
         """Whether this call's graph runs collectives: stage 3's gathers; at stages 0-2
@@ -252,7 +265,11 @@ class CompiledLoss:
 
     def _compile(self, fullgraph: bool) -> Any:
         return compile_loss(
-            own_code(self._loss), self.backend, fullgraph, self.FIXED, self.before_run
+            own_code(self._loss),
+            self.backend,
+            fullgraph,
+            self.FIXED,
+            None if self.barrier is None else self._arrive,
         )
 
     def _loss(
@@ -336,11 +353,9 @@ class CompiledLoss:
 
     def _cut(self, i: int, flat: torch.Tensor, sliced: bool = False) -> dict[int, torch.Tensor]:
         """Bucket i's leaves, by tree index, as views of its full buffer `flat`, cut by one
-        `split` (`cuts`): its backward is one `cat` of their gradients, where a slice a
-        leaf has autograd scatter each into a zero-filled buffer of the bucket's size and
-        sum those (the GPT's stage 0: 102 such scatters in the backward graph, some 10
-        ms a step of its own kernels against DDP's, profiled). `sliced`: slices (a
-        resharded gather's, below)."""
+        `split` (`cuts`), whose backward is one `cat`: a slice a leaf has autograd scatter
+        each gradient into a zero-filled bucket-sized buffer and sum those (the GPT's stage
+        0: ~10 ms a step, profiled). `sliced`: slices (a resharded gather's, below)."""
         if sliced:
             # AOTAutograd's partitioner recomputes a checkpointed gather's views for the
             # backward, but saves a split's pieces: the full parameters, kept (measured
@@ -361,6 +376,8 @@ class CompiledLoss:
         recompute: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """One run of buckets entered as one collective: each bucket's full buffer."""
+        if not torch.compiler.is_compiling():  # run eagerly: this call's barrier first
+            self._arrive()
         b, shards = self.layout.buckets[run[0]], [leaves[i] for i in run]
         # Without a gradient to take (a frozen run; a forward under no_grad), the
         # entry's forward alone: dynamo inlines an autograd.Function's forward then,

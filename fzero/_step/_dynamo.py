@@ -113,7 +113,8 @@ def compile_loss(
     """`torch.compile(fn)` for a compiled step: inductor with its overlap passes
     (`OVERLAP`, those this torch has), another backend as it is. `fixed`: attributes of
     `fn`'s `self` that never change after it is made, whose guards are dropped.
-    `before_run`: called before each run of a compiled graph, after its trace (`_arriving`).
+    `before_run`: called before each run of a compiled graph that holds a collective,
+    after its trace (`_arriving`).
 
     Dynamo guards every Python value the trace reads: a step's layout (each slot's
     offset, size and shape, read to cut the flat buffers) came to some 7,000 guards for
@@ -144,22 +145,18 @@ def _arriving(
     backend: str, patches: dict[str, Any], before_run: Callable[[], None], gm: Any, inputs: Any
 ) -> Any:
     """A torch.compile backend: `backend`'s compiled graph (inductor's with config
-    `patches`), run after `before_run()` returns.
-
-    Why: a graph's collectives wait inside the graph, where a peer's published failure
-    cannot be looked for. A rank whose trace raises (the user's loss, a shape that does
-    not fit) never runs the graph; its peers, running theirs, would wait in its first
-    collective until the process group's timeout. Dynamo calls its backend after a
-    trace succeeds and before the graph first runs, and every run goes through what the
-    backend returns: so `before_run` (a barrier whose wait does look) stands between
-    every rank's trace and any rank's first collective."""
+    `patches`), run after `before_run()` returns where it holds a collective. Dynamo
+    calls its backend once a trace has succeeded, before the graph first runs, and runs
+    every call through what the backend returns: the one place between a trace and a
+    run (`CompiledLoss._arrive` says why a step needs one)."""
     from torch._dynamo.backends.registry import lookup_backend
 
+    collects = _collects(gm)  # before compiling: inductor's passes may change `gm`
     if patches:
         graph = lookup_backend(backend)(gm, inputs, config_patches=patches)
     else:
         graph = lookup_backend(backend)(gm, inputs)
-    if not _collects(gm):  # a piece of a loss that breaks the graph, without a gather
+    if not collects:  # a piece of a loss that breaks the graph, without a gather
         return graph
 
     def run(*args: Any) -> Any:
