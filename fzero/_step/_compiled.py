@@ -33,14 +33,12 @@ blocks): `_traced_comm`. Each rank's gradient is divided by the ranks in the red
 dtype before the collective sums it, as the eager engine's is (an fp16 sum could
 overflow where the mean does not); the values agree with eager to rounding, not
 bitwise (quantized, to the int8 blocks' error: the graph cuts its blocks per burst,
-the eager engine per collective it issues). The
-update, the loss weights' exchange and the gather after the update are the eager step's
-(`_body`), but fzero's optimizers run their arithmetic fused, one compiled kernel per
-flat piece (`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch,
-each run reducing its own (eager `accumulate="sharded"`); "local" accumulation runs a
-graph without collectives and reduces the sum after the last (`_local`). The step's
-gradient from it, per micro-batch: `_compiled_grad`. What this slice compiles, and what
-it refuses: `_compile_checks`.
+the eager engine per collective it issues). The update, the loss weights' exchange and
+the gather after the update are the eager step's (`_body`), fzero's optimizers fused
+(`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch, each run
+reducing its own (eager `accumulate="sharded"`); "local" accumulation runs a graph
+without collectives and reduces the sum after the last (`_local`). The gradient per
+micro-batch: `_compiled_grad`; what compiles, and what is refused: `_compile_checks`.
 """
 
 from __future__ import annotations
@@ -54,7 +52,8 @@ from typing import Any
 import optree
 import torch
 
-from .._comm import Mesh, QuantizedComm, barrier, graph_ran
+from .. import _comm
+from .._comm import Mesh, QuantizedComm, graph_ran
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
@@ -67,6 +66,7 @@ from ._dynamo import (
     quiet,
     raised_in_trace,
     recompiled,
+    unentered_use,
 )
 from ._entries import (
     AllReduce,
@@ -177,8 +177,7 @@ class CompiledLoss:
         self.backend, self.pieces = backend, False
         # Stage 3's forward gathers: every rank's trace must have succeeded before any
         # runs it (`_arrive`). At stages 0-2 the backward's collectives follow the checks.
-        gathers = stage.shards_params and not local and mesh.size > 1
-        self.barrier = functools.partial(barrier, mesh) if gathers else None
+        self.meets = mesh if stage.shards_params and not local and mesh.size > 1 else None
         self.arrived = True  # this call's barrier is behind it (or there is none)
         self.compiled = self._compile(fullgraph=True)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's, if any
@@ -189,7 +188,7 @@ class CompiledLoss:
         """The compiled `(loss_fn's output, anchor, units entered in the loss, qwZ's
         finite flags)`; a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
-        self.arrived = self.barrier is None
+        self.arrived = self.meets is None
         out = self._call(leaves, fulls, batch, buffers)
         if self._communicates():  # an open comm_ledger cannot see them: it says so
             graph_ran()
@@ -201,15 +200,13 @@ class CompiledLoss:
 
     def _arrive(self) -> None:
         """This call's barrier (a polled all-gather on the control axis), once, before
-        its first gather: a compiled graph holding a collective calls it as it starts to
-        run (`compile_loss`'s `before_run`), an entry run eagerly as it starts. A rank
-        whose trace raised runs no graph, and its peers would otherwise wait in their
-        graph's unpolled first gather until the timeout; once a call, not a graph, so
-        that losses breaking the graph in different places still pair their collectives
-        (docs/design.md, [Note: failing together])."""
-        if not self.arrived:
+        its first gather: called as a graph holding a collective starts to run
+        (`compile_loss`'s `before_run`), or by an entry run eagerly. A rank whose trace
+        raised runs no graph; without it, its peers would wait in their graph's unpolled
+        first gather until the timeout (docs/design.md, [Note: failing together])."""
+        if not self.arrived and self.meets is not None:
             self.arrived = True
-            self.barrier()
+            _comm.barrier(self.meets)
 
     def _communicates(self) -> bool:
         """Whether this call's graph runs collectives: stage 3's gathers; at stages 0-2
@@ -238,13 +235,7 @@ class CompiledLoss:
                 self._in_pieces(exc)
                 return self._call(leaves, fulls, batch, buffers)
             # Dynamo's own words name the line but not what the value was.
-            raise ValueError(
-                f"rank {self.rank}: the compiled loss used a parameter of a just-in-time unit "
-                "that it had not entered (just_in_time=True: every unit but the root enters "
-                "where the loss calls fzero.gathered(params, unit)); call fzero.gathered "
-                "before using the unit's parameters, or leave just_in_time off so that the "
-                "units enter before the loss (the line is in the traceback above)"
-            ) from exc
+            raise ValueError(unentered_use(self.rank)) from exc
         finally:
             if self.hooks is not None:  # set in the trace, cleared there unless it raised
                 self.hooks.enter_unit = None
@@ -269,7 +260,7 @@ class CompiledLoss:
             self.backend,
             fullgraph,
             self.FIXED,
-            None if self.barrier is None else self._arrive,
+            None if self.meets is None else self._arrive,
         )
 
     def _loss(

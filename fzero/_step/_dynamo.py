@@ -191,6 +191,17 @@ def _unfixed(roots: tuple[str, ...], entries: Any) -> list[bool]:
     ]
 
 
+def unentered_use(rank: int) -> str:
+    """The error for a compiled loss that used a just-in-time unit it had not entered."""
+    return (
+        f"rank {rank}: the compiled loss used a parameter of a just-in-time unit that it had "
+        "not entered (just_in_time=True: every unit but the root enters where the loss "
+        "calls fzero.gathered(params, unit)); call fzero.gathered before using the unit's "
+        "parameters, or leave just_in_time off so that the units enter before the loss "
+        "(the line is in the traceback above)"
+    )
+
+
 def graphs_compiled() -> int:
     """How many graphs dynamo has compiled in this process so far."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

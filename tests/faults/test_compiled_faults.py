@@ -170,3 +170,34 @@ def test_an_exception_in_one_ranks_compiled_forward_raises_on_every_rank_at_once
     outs = outcomes(2, _forward_raises_in_trace)
     raised_together(outs, KeyError, "a head the model does not have")
     assert [o.peer for o in outs] == [True, False]
+
+
+def _barriers(mesh: fzero.Mesh, stage: int, backend: Any) -> int:
+    """How many barriers two steps of two micro-batches each ran (`_comm.barrier` counted:
+    every collective fzero issues goes through that face)."""
+    state, opt, net = setup(mesh, stage)
+    x, y = batches(mesh.size, 4)
+    calls = []
+    real = fzero._comm.barrier
+    fzero._comm.barrier = lambda m: (calls.append(m.rank), real(m))[1]
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        xb, yb = batch
+        return (functional_call(net, p, (xb,)) - yb).square().mean()
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=UNITS, compile=backend, accumulate="sharded"
+    )
+    for t in (0, 1):
+        micro = [(mine(x[2 * t + k], mesh.rank), mine(y[2 * t + k], mesh.rank)) for k in (0, 1)]
+        state, _ = step(state, micro)
+    return len(calls)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_barrier_runs_once_a_compiled_stage_3_micro_batch(stage: int) -> None:
+    """Once per call of the compiled loss (a micro-batch) at stage 3, whose forward
+    graph gathers; never at stage 2, nor eagerly."""
+    for backend, want in [(False, 0), ("aot_eager", 4 if stage == 3 else 0)]:
+        for o in outcomes(2, _barriers, stage, backend):
+            assert o.error is None and o.value == want, (backend, o.message, o.value)
