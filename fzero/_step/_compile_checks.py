@@ -23,23 +23,27 @@ def check(o: Any) -> None:
         )
 
 
-def agree_present(micro: list[Any], mesh: Mesh) -> None:
+def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None:
     """Before a compiled forward, whose collectives run inside the graph: every rank has
     every micro-batch, as many as the others, or every rank raises (a rank without one
     cannot join the graph's collectives, and a peer waiting in them would wait for the
-    group's timeout)."""
-    mine = [len(micro), sum(mb is not None for mb in micro)]
+    group's timeout). `stands_in`: this rank's missing micro-batches are run on its last
+    batch instead, with zero gradients (`CompiledLoss.last`)."""
+    mine = [len(micro), sum(mb is not None for mb in micro), int(stands_in)]
     everyone = _comm.all_gather_ints_async(mine, mesh)()
-    absent = [r for r, (n, have) in enumerate(everyone) if have < n]
+    absent = [r for r, (n, have, stand) in enumerate(everyone) if have < n and not stand]
     if absent:
         raise _comm.agreed(
             ValueError(
-                f"rank(s) {absent} stepped without a batch or micro-batch (None); compiled, "
-                "a step or forward runs its collectives inside the graph and needs every one "
-                "on every rank: give each rank them all (with weight 0 where they should not "
-                "count)"
+                f"rank(s) {absent} stepped without a batch or micro-batch (None) before "
+                "any batch of their own; compiled, a step or forward runs its collectives "
+                "inside the graph and needs every one on every rank (a compiled step's rank "
+                "without data runs its last batch again with zero gradients, and these "
+                "have none yet; a forward's, or a state with buffers, cannot): give each "
+                "rank them all (with weight 0 where they should not count)"
             )
         )
+    everyone = [e[:2] for e in everyone]
     counts = [n for n, _ in everyone]
     if len(set(counts)) > 1:
         raise _comm.agreed(

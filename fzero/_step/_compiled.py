@@ -175,18 +175,18 @@ class CompiledLoss:
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.cuts = [cuts(b) for b in layout.buckets]
         self.backend, self.pieces = backend, False
-        # Stage 3's forward gathers: every rank's trace must have succeeded before any
-        # runs it (`_arrive`). At stages 0-2 the backward's collectives follow the checks.
+        # Stage 3's forward gathers after every rank's trace (`_arrive`); stages 0-2 have none.
         self.meets = mesh if stage.shards_params and not local and mesh.size > 1 else None
         self.arrived = True  # this call's barrier is behind it (or there is none)
         self.compiled = self._compile(fullgraph=True)
-        self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's, if any
+        self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's
+        self.last: Any = None  # that batch: a rank without data runs it again
 
     def __call__(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
     ) -> Any:
-        """The compiled `(loss_fn's output, anchor, units entered in the loss, qwZ's
-        finite flags)`; a RuntimeWarning where a later call compiled again."""
+        """The compiled `(loss_fn's output, anchor, units entered, qwZ's finite flags)`;
+        a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         self.arrived = self.meets is None
         out = self._call(leaves, fulls, batch, buffers)
@@ -195,7 +195,7 @@ class CompiledLoss:
         shapes = batch_shapes(batch)
         if self.shapes is not None and graphs_compiled() > before:
             warnings.warn(recompiled(self.rank, self.shapes, shapes), RuntimeWarning, stacklevel=2)
-        self.shapes = shapes
+        self.shapes, self.last = shapes, batch
         return out
 
     def _arrive(self) -> None:

@@ -67,7 +67,10 @@ def compiled_grad(
     for j, mb in enumerate(micro):
         total, error = None, None
         try:
-            total = loss_fn(None, mb)
+            if mb is None:  # no data: its last batch again, for the collectives alone
+                run(None, compiled.last)
+            else:
+                total = loss_fn(None, mb)
         except Exception as exc:  # refused after the graph's forward: every rank raises it
             if not is_bad_loss(exc):
                 raise
@@ -80,7 +83,8 @@ def compiled_grad(
         # between ranks (a rank-dependent branch), every rank compares them first.
         compare = bool(compiled.jit) and mesh.size > 1  # alike on every rank
         check = sync.check(j)
-        check.after_forward((calls[j] if len(calls) > j else []) if compare else None, error=error)
+        called = (calls[j] if len(calls) > j else []) if compare else None
+        check.after_forward(called, mb is not None, error=error)
         check.finish()
         out = total if total is not None and total.requires_grad else anchor[-1]
         got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())

@@ -156,7 +156,6 @@ def sharded_step(
             fn = ScaledLoss(fn, state.scaler.scale, mesh.rank)
         compiled = None
         if o.compile is not None:
-            agree_present(micro, mesh)
             compiled = cache.compiled(
                 state.layout,
                 state.precision,
@@ -175,6 +174,9 @@ def sharded_step(
                     o.quantize,
                 ),
             )
+            # A rank without data runs its last batch again, where there is no buffer
+            # whose new values it would have to keep from the others.
+            agree_present(micro, mesh, compiled.last is not None and state.buffers is None)
         try:
             # Compiled, no gradient is handed over during the backward (it is the graph's).
             overlap = compiled is None and _may_overlap(o, cache, state, ctx)

@@ -29,6 +29,7 @@ from tests.step.test_weights import (
     reference,
     scalar_loss,
 )
+from tests.step.test_weights import train as weights_train
 from tests.support import (
     errors_on_every_rank,
     make_optimizer,
@@ -472,6 +473,30 @@ def test_checkpoints_move_between_eager_and_compiled_steps(tmp_path: Path) -> No
         fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("stage", "accumulate"), [(0, None), (2, "sharded"), (3, None)])
+def test_a_rank_without_data_joins_a_compiled_step_with_zero_gradients(
+    stage: int, accumulate: str | None
+) -> None:
+    """Token-weighted losses; the last rank has no batch on the last step (None, or a
+    missing micro-batch): it runs its last batch through the graph again for the
+    collectives alone (zero gradients, no weight), and every rank ends where one process
+    on the tokens that were there does (just-in-time units at stage 3)."""
+    sizes = [[[2, 1], [1, 2]] for _ in range(3)]
+    sizes[-1][-1] = [0, 0] if accumulate is None else [1, 0]
+    if accumulate is None:
+        sizes = [[r[:1] for r in t] for t in sizes]
+    params = make_params(DIMS, torch.float64, 4)
+    data = make_data(sizes, seed=5)
+    want = reference(params, data, "pair", "adam")
+    runs = run(2, weights_train, params, data, "pair", "adam", stage, accumulate, stage == 3,
+               "aot_eager")  # fmt: skip
+    for got, losses, _ in runs:
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
+        assert losses == runs[0][1]
+    assert not torch.equal(runs[0][0]["layers"][0]["w"], params["layers"][0]["w"])
+
+
 def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     opt = fzero.optim.adamw(lr=0.01)
     state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
@@ -486,14 +511,13 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
     batch = make_data([[[1, 1], [1, 1]]], 0)[0][mesh.rank]
     if "accumulate" not in step_kw:
         batch = batch[0]
-    if what in ("no batch", "a missing micro-batch", "uneven micro-batches"):
+    if what == "no batch":  # at the first step: no batch of its own to run again
+        batch = None if mesh.rank == 1 else batch
+    elif what == "a missing micro-batch":
+        batch = [batch[0], None] if mesh.rank == 1 else batch
+    elif what == "uneven micro-batches":
         state, _ = step(state, batch)  # a first step with every batch everywhere
-        if what == "no batch":
-            batch = None if mesh.rank == 1 else batch
-        elif what == "a missing micro-batch":
-            batch = [batch[0], None] if mesh.rank == 1 else batch
-        else:
-            batch = batch[:1] if mesh.rank == 1 else batch
+        batch = batch[:1] if mesh.rank == 1 else batch
     with pytest.raises(ValueError) as caught:
         step(state, batch)
     return str(caught.value)

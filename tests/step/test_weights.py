@@ -111,8 +111,10 @@ def train(
     stage: int,
     accumulate: str | None,
     jit: bool,
+    compile: Any = False,
 ) -> tuple[Any, list[float], int]:
-    """fzero's parameters after every step, its losses, and how many warnings it gave."""
+    """fzero's parameters after every step, its losses, and how many warnings it gave
+    (`compile`: `sharded_step`'s)."""
     opt = make_optimizer(optimizer)
     units = UNITS if jit else None
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
@@ -122,7 +124,7 @@ def train(
         return base(p, batch, jit)
 
     step = fzero.sharded_step(
-        loss_fn, opt, mesh, stage=stage, accumulate=accumulate, just_in_time=jit
+        loss_fn, opt, mesh, stage=stage, accumulate=accumulate, just_in_time=jit, compile=compile
     )
     losses = []
     with warnings.catch_warnings(record=True) as caught:
