@@ -35,12 +35,13 @@ def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None
     if absent:
         raise _comm.agreed(
             ValueError(
-                f"rank(s) {absent} stepped without a batch or micro-batch (None) before "
-                "any batch of their own; compiled, a step or forward runs its collectives "
-                "inside the graph and needs every one on every rank (a compiled step's rank "
-                "without data runs its last batch again with zero gradients, and these "
-                "have none yet; a forward's, or a state with buffers, cannot): give each "
-                "rank them all (with weight 0 where they should not count)"
+                f"rank(s) {absent} stepped without a batch or micro-batch (None); "
+                "compiled, a step or forward runs its collectives inside the graph and "
+                "needs every one on every rank: a compiled step's rank without data runs "
+                "its last batch again with zero gradients, which it cannot before a batch "
+                "of its own in this step function (its first call, or the first after a "
+                "new layout or precision), with buffers in the state, or in a forward: "
+                "give each rank them all (with weight 0 where they should not count)"
             )
         )
     everyone = [e[:2] for e in everyone]

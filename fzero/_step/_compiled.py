@@ -180,7 +180,7 @@ class CompiledLoss:
         self.arrived = True  # this call's barrier is behind it (or there is none)
         self.compiled = self._compile(fullgraph=True)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's
-        self.last: Any = None  # that batch: a rank without data runs it again
+        self.last: Any = None  # a step's last batch (containers copied), for a rank without data
 
     def __call__(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
@@ -189,13 +189,14 @@ class CompiledLoss:
         a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         self.arrived = self.meets is None
+        kept = optree.tree_map(lambda x: x, batch, namespace=NAMESPACE)  # before a pop
         out = self._call(leaves, fulls, batch, buffers)
         if self._communicates():  # an open comm_ledger cannot see them: it says so
             graph_ran()
         shapes = batch_shapes(batch)
         if self.shapes is not None and graphs_compiled() > before:
             warnings.warn(recompiled(self.rank, self.shapes, shapes), RuntimeWarning, stacklevel=2)
-        self.shapes, self.last = shapes, batch
+        self.shapes, self.last = shapes, kept if torch.is_grad_enabled() else None
         return out
 
     def _arrive(self) -> None:
@@ -210,8 +211,7 @@ class CompiledLoss:
 
     def _communicates(self) -> bool:
         """Whether this call's graph runs collectives: stage 3's gathers; at stages 0-2
-        the reductions of a trainable unit's gradient, under autograd (not a forward's
-        bare reads, nor local accumulation's graph, nor a world of one rank)."""
+        a trainable unit's reductions, under autograd (not local accumulation's)."""
         if self.local or self.size == 1:
             return False
         return self.stage.shards_params or (self.trainable and torch.is_grad_enabled())
