@@ -348,9 +348,9 @@ def _finish(work: Any) -> None:
     try:
         work.wait()
     except RuntimeError as exc:
-        record = failed()
-        if record is not None:
-            raise peer_error(record) from exc
+        peer = published()
+        if peer is not None:
+            raise peer from exc
         raise
 
 

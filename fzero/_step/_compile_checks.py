@@ -44,8 +44,7 @@ def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None
                 "give each rank them all (with weight 0 where they should not count)"
             )
         )
-    everyone = [e[:2] for e in everyone]
-    counts = [n for n, _ in everyone]
+    counts = [e[0] for e in everyone]
     if len(set(counts)) > 1:
         raise _comm.agreed(
             ValueError(

@@ -189,14 +189,15 @@ class CompiledLoss:
         a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         self.arrived = self.meets is None
-        kept = optree.tree_map(lambda x: x, batch, namespace=NAMESPACE)  # before a pop
+        step = torch.is_grad_enabled()  # a step's batch is kept, its containers before a pop
+        kept = optree.tree_map(lambda x: x, batch, namespace=NAMESPACE) if step else None
         out = self._call(leaves, fulls, batch, buffers)
         if self._communicates():  # an open comm_ledger cannot see them: it says so
             graph_ran()
         shapes = batch_shapes(batch)
         if self.shapes is not None and graphs_compiled() > before:
             warnings.warn(recompiled(self.rank, self.shapes, shapes), RuntimeWarning, stacklevel=2)
-        self.shapes, self.last = shapes, kept if torch.is_grad_enabled() else None
+        self.shapes, self.last = shapes, kept
         return out
 
     def _arrive(self) -> None:
@@ -205,13 +206,12 @@ class CompiledLoss:
         (`compile_loss`'s `before_run`), or by an entry run eagerly. A rank whose trace
         raised runs no graph; without it, its peers would wait in their graph's unpolled
         first gather until the timeout (docs/design.md, [Note: failing together])."""
-        if not self.arrived and self.meets is not None:
+        if not self.arrived:  # False only where there is a barrier (`__call__`)
             self.arrived = True
             _comm.barrier(self.meets)
 
     def _communicates(self) -> bool:
-        """Whether this call's graph runs collectives: stage 3's gathers; at stages 0-2
-        a trainable unit's reductions, under autograd (not local accumulation's)."""
+        """Whether this call's graph runs collectives (stage 3's gathers, or reductions)."""
         if self.local or self.size == 1:
             return False
         return self.stage.shards_params or (self.trainable and torch.is_grad_enabled())
