@@ -27,8 +27,9 @@ def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None
     """Before a compiled forward, whose collectives run inside the graph: every rank has
     every micro-batch, as many as the others, or every rank raises (a rank without one
     cannot join the graph's collectives, and a peer waiting in them would wait for the
-    group's timeout). `stands_in`: this rank's missing micro-batches are run on its last
-    batch instead, with zero gradients (`CompiledLoss.last`)."""
+    group's timeout). `stands_in`: this rank's missing micro-batches are run on a batch
+    of its own instead, with zero gradients (`_compiled_grad.stand_in`), or need no graph
+    (local accumulation)."""
     mine = [len(micro), sum(mb is not None for mb in micro), int(stands_in)]
     everyone = _comm.all_gather_ints_async(mine, mesh)()
     absent = [r for r, (n, have, stand) in enumerate(everyone) if have < n and not stand]
@@ -38,10 +39,10 @@ def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None
                 f"rank(s) {absent} stepped without a batch or micro-batch (None); "
                 "compiled, a step or forward runs its collectives inside the graph and "
                 "needs every one on every rank: a compiled step's rank without data runs "
-                "its last batch again with zero gradients, which it cannot before a batch "
-                "of its own in this step function (its first call, or the first after a "
-                "new layout or precision), with buffers in the state, or in a forward: "
-                "give each rank them all (with weight 0 where they should not count)"
+                "a batch of its own again with zero gradients, which it cannot before it "
+                "had one in this step function (its first call, or the first after a new "
+                "layout or precision, with none at all), nor in a forward: give each rank "
+                "a batch (with weight 0 where it should not count)"
             )
         )
     counts = [e[0] for e in everyone]

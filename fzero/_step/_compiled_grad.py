@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 
 from .._comm import Mesh
-from .._core import LossFn, Shards, is_bad_loss
+from .._core import NAMESPACE, LossFn, Shards, is_bad_loss
 from .._state import ShardedState
 from ._compiled import CompiledLoss
 from ._entries import entry_inputs
 from ._local import local_leaves, reduce_sums
-from ._loss import BufferThread
+from ._loss import BufferThread, copied
 from ._loss_weights import Weighed
 from ._sync import StepSync
 from ._traced_comm import check_sent
@@ -67,10 +68,13 @@ def compiled_grad(
     for j, mb in enumerate(micro):
         total, error = None, None
         try:
-            if mb is None:  # no data: its last batch again, for the collectives alone
-                run(None, compiled.last)
-            else:
+            if mb is not None:
                 total = loss_fn(None, mb)
+            elif compiled.local:  # nothing in the graph to join: zero gradients, as eagerly
+                calls.append([])
+            else:  # a batch again, for the graph's collectives alone; what it gives is dropped
+                bufs = copied(threaded.buffers) if isinstance(threaded, BufferThread) else None
+                run(None, stand_in(compiled, micro), bufs)
         except Exception as exc:  # refused after the graph's forward: every rank raises it
             if not is_bad_loss(exc):
                 raise
@@ -86,6 +90,8 @@ def compiled_grad(
         called = (calls[j] if len(calls) > j else []) if compare else None
         check.after_forward(called, mb is not None, error=error)
         check.finish()
+        if mb is None and compiled.local:
+            continue
         out = total if total is not None and total.requires_grad else anchor[-1]
         got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
         for i, (x, b) in enumerate(zip(leaves, lay.buckets)):
@@ -98,7 +104,11 @@ def compiled_grad(
                 g = g.to(compiled.reduce[i], copy=acc is None)
             sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
     n = len(micro)
-    if compiled.local:
+    if compiled.local:  # a bucket no micro-batch reached (a rank without data) sums zeros
+        sums = [
+            torch.zeros_like(x, dtype=compiled.reduce[i]) if g is None and not b.frozen else g
+            for i, (x, g, b) in enumerate(zip(leaves, sums, lay.buckets))
+        ]
         return reduce_sums(compiled, sums, leaves, state, mesh, n)
     grads = [
         x.new_empty(0) if b.frozen else (g.div_(n) if n > 1 else g)
@@ -108,3 +118,22 @@ def compiled_grad(
         return Shards(tuple(grads), lay, mesh.shard_rank)
     full = [f if b.frozen else g for f, g, b in zip(fulls, grads, lay.buckets)]
     return lay.trainable(lay.unflatten(full))
+
+
+def stands_in(compiled: CompiledLoss, micro: list[Any]) -> bool:
+    """Whether this rank can join the graphs of the micro-batches it has no data for: with
+    local accumulation there is nothing in them to join; otherwise it needs a batch of its
+    own to run again (`stand_in`)."""
+    return compiled.local or compiled.last is not None or any(mb is not None for mb in micro)
+
+
+def stand_in(compiled: CompiledLoss, micro: list[Any]) -> Any:
+    """The batch a rank without data runs through the graph in a micro-batch's place: its
+    last (`CompiledLoss.last`), else one of this step's own, its containers copied (its
+    loss, which may pop from them, has yet to run on it). Its loss is not counted and its
+    gradients are zero (the anchor's); only the collectives matter, which depend on the
+    parameters, not on the batch."""
+    if compiled.last is not None:
+        return compiled.last
+    mine = next(mb for mb in micro if mb is not None)
+    return optree.tree_map(lambda x: x, mine, namespace=NAMESPACE)

@@ -29,6 +29,7 @@ from ._cache import StepCache
 from ._compile_checks import agree_present
 from ._compile_checks import check as check_compiled
 from ._compiled import CompiledLoss
+from ._compiled_grad import stands_in
 from ._config import agree, check_module, check_optimizer_state, configuration
 from ._entries import jit_units
 from ._loss import BufferThread, ScaledLoss, sync_buffers
@@ -174,9 +175,8 @@ def sharded_step(
                     o.quantize,
                 ),
             )
-            # A rank without data runs its last batch again, where there is no buffer
-            # whose new values it would have to keep from the others.
-            agree_present(micro, mesh, compiled.last is not None and state.buffers is None)
+            # A rank without data runs a batch of its own again (`stand_in`), if it has one.
+            agree_present(micro, mesh, stands_in(compiled, micro))
         try:
             # Compiled, no gradient is handed over during the backward (it is the graph's).
             overlap = compiled is None and _may_overlap(o, cache, state, ctx)

@@ -36,9 +36,13 @@ def loss_and_buffers(model: nn.Module, params: dict, buffers: dict, batch: tuple
     return ((out - y) ** 2).mean(), {k: state[k] for k in buffers}
 
 
-def reference(policy: str, n: int = N) -> tuple[dict, list[dict]]:
+def reference(
+    policy: str, n: int = N, absent: tuple[int, int] | None = None
+) -> tuple[dict, list[dict]]:
     """One process: each rank's micro-batch with its own batch statistics (DDP semantics),
-    the mean of their gradients, torch.optim.Adam, and the buffer policy applied by hand."""
+    the mean of their gradients, torch.optim.Adam, and the buffer policy applied by hand.
+    `absent`: (step, rank) where that rank has no data: the mean and the policy over the
+    others, its own statistics kept where they are its own ("local")."""
     model = make_model()
     xs, ys = data(n)
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
@@ -48,30 +52,35 @@ def reference(policy: str, n: int = N) -> tuple[dict, list[dict]]:
     for t in range(STEPS):
         opt.zero_grad()
         losses, new = [], []
-        for r in range(n):
+        ran = [r for r in range(n) if (t, r) != absent]
+        for r in ran:
             sl = slice(r * B, (r + 1) * B)
             # BatchNorm updates the statistics it is given in place: give each rank its own.
             mine = {k: v.clone() for k, v in per_rank[r].items()}
             loss, bufs = loss_and_buffers(model, params, mine, (xs[t, sl], ys[t, sl]))
             losses.append(loss)
             new.append(bufs)
-        (sum(losses) / n).backward()
+        (sum(losses) / len(ran)).backward()
         opt.step()
         for r in range(n):
             if policy == "broadcast":
                 per_rank[r] = dict(new[0])
             elif policy == "mean":
                 per_rank[r] = {
-                    k: (sum(b[k] for b in new) / n if v.is_floating_point() else new[0][k])
+                    k: (sum(b[k] for b in new) / len(ran) if v.is_floating_point() else new[0][k])
                     for k, v in new[0].items()
                 }
-            else:
-                per_rank[r] = new[r]
+            elif r in ran:
+                per_rank[r] = new[ran.index(r)]
     return {k: v.detach() for k, v in params.items()}, per_rank
 
 
 def train(
-    mesh: fzero.Mesh, stage: int, policy: str, compile: str | bool = False
+    mesh: fzero.Mesh,
+    stage: int,
+    policy: str,
+    compile: str | bool = False,
+    absent: tuple[int, int] | None = None,
 ) -> tuple[Any, dict]:
     model = make_model()
     xs, ys = data(mesh.size)
@@ -91,7 +100,7 @@ def train(
     )
     sl = slice(mesh.rank * B, (mesh.rank + 1) * B)
     for t in range(STEPS):
-        state, _ = step(state, (xs[t, sl], ys[t, sl]))
+        state, _ = step(state, None if (t, mesh.rank) == absent else (xs[t, sl], ys[t, sl]))
     return fzero.gather_params(state.params, mesh), state.buffers
 
 
@@ -143,6 +152,30 @@ def test_buffers_thread_through_a_compiled_step(stage: int) -> None:
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"rank {rank}")
         fzero.assert_trees_close(buffers, expected_buffers[rank], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("stage", "policy", "compile"),
+    [(0, "mean", False), (3, "broadcast", False), (2, "local", False), (0, "mean", "aot_eager"),
+     (3, "broadcast", "aot_eager"), (1, "local", "aot_eager")],
+)  # fmt: skip
+def test_a_rank_without_data_keeps_its_buffers_out(stage: int, policy: str, compile: Any) -> None:
+    """Rank 0 has no data on the second step: the gradient is the others' mean and the
+    buffers follow the policy over the ranks that ran (its own kept, "local"). Compiled,
+    it runs its last batch through the graph again for the collectives alone, on copies of
+    its buffers, whose new values it drops."""
+    absent = (1, 0)
+    expected, expected_buffers = reference(policy, absent=absent)
+    results = run(N, train, stage, policy, compile, absent)
+    for rank, (params, buffers) in enumerate(results):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"rank {rank}")
+        fzero.assert_trees_close(
+            buffers, expected_buffers[rank], rtol=1e-12, atol=1e-14, what=f"rank {rank}"
+        )
+    # The absence mattered: the whole world's mean would be other values.
+    everyone, _ = reference(policy)
+    assert fzero._core._tree.max_abs_diff(expected, everyone) > 1e-6
 
 
 @pytest.mark.multiprocess

@@ -474,24 +474,42 @@ def test_checkpoints_move_between_eager_and_compiled_steps(tmp_path: Path) -> No
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("stage", "accumulate"), [(0, None), (2, "sharded"), (3, None)])
+@pytest.mark.parametrize(
+    ("stage", "accumulate", "kind", "missing"),
+    [
+        (0, None, "pair", "last step"), (2, "sharded", "pair", "last step"),
+        (3, None, "scalar", "last step"), (2, "sharded", "pair", "first step, second"),
+        (3, "sharded", "scalar", "first step, first"), (1, "local", "pair", "first step, first"),
+    ],
+)  # fmt: skip
 def test_a_rank_without_data_joins_a_compiled_step_with_zero_gradients(
-    stage: int, accumulate: str | None
+    stage: int, accumulate: str | None, kind: str, missing: str
 ) -> None:
-    """Token-weighted losses; the last rank has no batch on the last step (None, or a
-    missing micro-batch): it runs its last batch through the graph again for the
-    collectives alone (zero gradients, no weight), and every rank ends where one process
-    on the tokens that were there does (just-in-time units at stage 3)."""
+    """The last rank has no batch (None) or misses a micro-batch, on the last step or on
+    the first, before or after the one it has: it runs a batch of its own (its last, or
+    this step's) through the graph again for the collectives alone (zero gradients, no
+    weight), or with local accumulation runs nothing for it; every rank ends where one
+    process on the data that was there does, and returns that process's loss where the
+    loss is token-weighted (a scalar loss: a rank's own mean, the others' without data;
+    just-in-time units at stage 3)."""
     sizes = [[[2, 2] if accumulate else [2] for _ in range(2)] for _ in range(3)]
-    sizes[-1][-1] = [2, 0] if accumulate else [0]
+    if missing == "last step":
+        sizes[-1][-1] = [2, 0] if accumulate else [0]
+    else:
+        sizes[0][-1] = [2, 0] if missing.endswith("second") else [0, 2]
     params = make_params(DIMS, torch.float64, 4)
     data = make_data(sizes, seed=5)
-    want = reference(params, data, "pair", "adam")
-    runs = run(2, weights_train, params, data, "pair", "adam", stage, accumulate, stage == 3,
+    losses: list[float] = []
+    want = reference(params, data, kind, "adam", losses=losses)
+    runs = run(2, weights_train, params, data, kind, "adam", stage, accumulate, stage == 3,
                "aot_eager")  # fmt: skip
-    for got, losses, warned in runs:
+    for rank, (got, returned, warned) in enumerate(runs):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
-        assert losses == runs[0][1] and warned == 0  # the replay compiled nothing again
+        if kind == "pair":  # every rank: the loss over all the data
+            torch.testing.assert_close(returned, losses, rtol=1e-10, atol=1e-12)
+        elif rank == 1 and missing == "last step":  # a scalar loss: no data, the others'
+            torch.testing.assert_close(returned[-1], losses[-1], rtol=1e-10, atol=1e-12)
+        assert warned == 0  # the replay compiled nothing again
     assert not torch.equal(runs[0][0]["layers"][0]["w"], params["layers"][0]["w"])
 
 
@@ -503,7 +521,7 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
         step_kw["just_in_time"] = True
     if what == "a unit ledger":
         step_kw["ledger"] = fzero.UnitLedger()
-    if what in ("a missing micro-batch", "uneven micro-batches"):
+    if what in ("no micro-batch", "uneven micro-batches"):
         step_kw["accumulate"] = "sharded"
     step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, **step_kw)
     batch = make_data([[[1, 1], [1, 1]]], 0)[0][mesh.rank]
@@ -511,8 +529,8 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
         batch = batch[0]
     if what == "no batch":  # at the first step: no batch of its own to run again
         batch = None if mesh.rank == 1 else batch
-    elif what == "a missing micro-batch":
-        batch = [batch[0], None] if mesh.rank == 1 else batch
+    elif what == "no micro-batch":  # at the first step: none of its own to run again
+        batch = [None, None] if mesh.rank == 1 else batch
     elif what == "uneven micro-batches":
         state, _ = step(state, batch)  # a first step with every batch everywhere
         batch = batch[:1] if mesh.rank == 1 else batch
@@ -528,7 +546,7 @@ def refused(mesh: fzero.Mesh, params: Any, what: str) -> str:
         ("just in time", "had not entered (just_in_time=True"),
         ("no batch", "rank(s) [1] stepped without a batch"),
         ("a unit ledger", "does not yet compile a step with ledger="),
-        ("a missing micro-batch", "rank(s) [1] stepped without a batch or micro-batch"),
+        ("no micro-batch", "rank(s) [1] stepped without a batch or micro-batch"),
         ("uneven micro-batches", "different numbers of micro-batches ([2, 1], by rank)"),
     ],
 )

@@ -72,12 +72,17 @@ def make_data(
 
 
 def reference(
-    params: Any, data: list, kind: str, optimizer: str, frozen: tuple[str, ...] = ()
+    params: Any,
+    data: list,
+    kind: str,
+    optimizer: str,
+    frozen: tuple[str, ...] = (),
+    losses: list[float] | None = None,
 ) -> Any:
     """One process, torch.optim: the loss over every rank's and micro-batch's data at once
     (pairs: sum of totals over sum of tokens; scalars: the mean over micro-batches that
-    had data). A step where nothing counts is skipped. Leaves under a `frozen` path
-    prefix are not trained."""
+    had data). A step where nothing counts is skipped (its loss 0). Leaves under a
+    `frozen` path prefix are not trained. `losses`, if given, gets each step's loss."""
     leaves, treedef = tree_flatten(params)
     paths = fzero._core._tree.leaf_paths(params)
     tensors = [
@@ -89,13 +94,13 @@ def reference(
         p = tree_unflatten(treedef, tensors)
         if kind == "pair":
             weight = sum(float(b[2].sum()) for b in batches)
-            if weight == 0:
-                continue
-            loss = sum(pair_loss(p, b)[0] for b in batches) / weight
+            loss = sum(pair_loss(p, b)[0] for b in batches) / weight if weight else None
         else:
-            if not batches:
-                continue
-            loss = sum(scalar_loss(p, b) for b in batches) / len(batches)
+            loss = sum(scalar_loss(p, b) for b in batches) / len(batches) if batches else None
+        if losses is not None:
+            losses.append(0.0 if loss is None else float(loss.detach()))
+        if loss is None:
+            continue
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -172,7 +177,8 @@ def uneven(draw: Any) -> dict[str, Any]:
 def test_uneven_work_trains_like_one_process_on_the_global_mean(c: dict[str, Any]) -> None:
     params = make_params(DIMS, torch.float64, c["seed"])
     data = make_data(c["sizes"], c["seed"])
-    expected = reference(params, data, c["kind"], c["optimizer"])
+    want_losses: list[float] = []
+    expected = reference(params, data, c["kind"], c["optimizer"], losses=want_losses)
     results = run(
         c["world"],
         train,
@@ -189,7 +195,10 @@ def test_uneven_work_trains_like_one_process_on_the_global_mean(c: dict[str, Any
     for rank, (got, losses, warned) in enumerate(results):
         fzero.assert_trees_close(got, expected, rtol=1e-10, atol=1e-12, what=f"rank {rank} {c}")
         assert warned == int(any(empty))
-        assert all(loss == loss for loss in losses)  # no NaN, even where nothing counted
+        if c["kind"] == "pair":  # every rank returns the loss over all the data (0: none)
+            torch.testing.assert_close(losses, want_losses, rtol=1e-10, atol=1e-12)
+        else:
+            assert all(loss == loss for loss in losses)  # a rank's own: no NaN, even without data
 
 
 def _weighs(step: list, kind: str) -> bool:
