@@ -52,6 +52,7 @@ def assert_stages_equivalent(
     rtol: float | None = None,
     atol: float | None = None,
     timeout: float | None = 600.0,
+    compile: bool | str = False,
 ) -> None:
     """Asserts every ZeRO stage trains `params` exactly like one process with `torch.optim`.
 
@@ -76,6 +77,9 @@ def assert_stages_equivalent(
         reduction orders of the reference differ by (docs/testing.md).
       timeout: seconds all stages together may take (None: no limit); a rank stuck in a
         collective fails after 60 s regardless.
+      compile: `sharded_step`'s: every stage's step traced by torch.compile (True:
+        inductor; a string: that backend, such as "aot_eager", the same graphs without
+        inductor's code generation, quicker to compile), each rank compiling its own.
 
     Raises:
       AssertionError: naming each failing stage with its first differing leaf, the
@@ -100,8 +104,9 @@ def assert_stages_equivalent(
     fz_opt = fzero_optimizer if fzero_optimizer is not None else optim.from_torch(cls, **kwargs)
     sim = Simulation(world_size, collective_timeout=60.0, timeout=timeout)
     per_rank = sim.run(
-        _train_stages, loss_fn, params, batches, fz_opt, tuple(stages), layout, units, module
-    )
+        _train_stages, loss_fn, params, batches, fz_opt, tuple(stages), layout, units, module,
+        compile,
+    )  # fmt: skip
     failures = []
     for i, stage in enumerate(stages):
         problem = _compare_stage(
@@ -113,8 +118,9 @@ def assert_stages_equivalent(
         if problem is not None:
             failures.append(problem)
     if failures:
+        how = f" compiled ({compile!r})" if compile else ""
         raise AssertionError(
-            f"{len(failures)} of {len(stages)} ZeRO stages on {world_size} ranks do not train "
+            f"{len(failures)} of {len(stages)} ZeRO stages{how} on {world_size} ranks do not train "
             f"like one process running torch.optim.{cls.__name__}({_kwargs_text(kwargs)}) on "
             "the concatenated batches:\n" + "\n".join(f"  {p}" for p in failures)
         )
@@ -262,20 +268,22 @@ def _train_stages(
     layout: str,
     units: Sequence[UnitSpec] | None,
     module: nn.Module | None,
+    compile: bool | str = False,
 ) -> list[tuple[PyTree, list[float]]]:
     """One rank's run of every stage in turn: (gathered params, losses) per stage."""
     out = []
     for stage in stage_list:
         try:
             state = shard_state(params, opt, mesh, stage=stage, layout=layout, units=units)
-            step = sharded_step(loss_fn, opt, mesh, stage=stage, module=module)
+            step = sharded_step(loss_fn, opt, mesh, stage=stage, module=module, compile=compile)
             losses = []
             for micro_batches in batches:
                 state, loss = step(state, micro_batches[mesh.rank])
                 losses.append(loss.item())
             full = tree_map(lambda x: x.detach().clone(), gather_params(state.params, mesh))
         except Exception as exc:
-            exc.add_note(f"while training ZeRO stage {stage} under fzero.testing")
+            how = f" compiled ({compile!r})" if compile else ""
+            exc.add_note(f"while training ZeRO stage {stage}{how} under fzero.testing")
             raise
         out.append((full, losses))
     return out

@@ -191,6 +191,35 @@ def test_passes_on_a_module_with_units_hooks_and_a_frozen_parameter() -> None:
     )
 
 
+@pytest.mark.multiprocess
+def test_checks_compiled_steps_and_fails_a_loss_that_compiles_to_other_values() -> None:
+    """`compile=`: every stage's step traced (module hooks, a frozen parameter) trains as
+    torch.optim does; a loss whose traced value differs from its eager one (twice the
+    loss where torch.compile traces it: plain SGD sees the scale) fails, naming the
+    compiled stages."""
+    torch.manual_seed(0)
+    model = Net().double()
+    params = dict(model.named_parameters())
+    batches = _mlp_batches([5, 2], 2, steps=2)
+    kw = {"units": fzero.units.by_module(model, nn.Linear), "module": model}
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(functional_call(model, p, (x,)), y)
+
+    def traced_twice(p: dict, batch: tuple) -> torch.Tensor:
+        return loss_fn(p, batch) * (2.0 if torch.compiler.is_compiling() else 1.0)
+
+    sgd = (torch.optim.SGD, {"lr": 0.1})
+    testing.assert_stages_equivalent(loss_fn, params, batches, sgd, compile="aot_eager", **kw)
+    testing.assert_stages_equivalent(traced_twice, params, batches, sgd, stages=[0, 3], **kw)
+    with pytest.raises(AssertionError) as caught:
+        testing.assert_stages_equivalent(
+            traced_twice, params, batches, sgd, stages=[0, 3], compile="aot_eager", **kw
+        )
+    assert "2 of 2 ZeRO stages compiled ('aot_eager') on 2 ranks" in str(caught.value)
+
+
 class _Conv(nn.Module):
     def __init__(self) -> None:
         super().__init__()
