@@ -25,11 +25,11 @@ def check(o: Any) -> None:
 
 def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None:
     """Before a compiled forward, whose collectives run inside the graph: every rank has
-    every micro-batch, as many as the others, or every rank raises (a rank without one
-    cannot join the graph's collectives, and a peer waiting in them would wait for the
-    group's timeout). `stands_in`: this rank's missing micro-batches are run on a batch
-    of its own instead, with zero gradients (`_compiled_grad.stand_in`), or need no graph
-    (local accumulation)."""
+    every micro-batch, as many as the others, or can stand in for the ones it lacks, or
+    every rank raises (a rank that cannot join the graph's collectives would leave a peer
+    waiting in them for the group's timeout). `stands_in`: this rank runs a batch of its
+    own in a missing one's place (a step's with zero gradients, `_compiled_grad.stand_in`),
+    or needs no graph for it (local accumulation)."""
     mine = [len(micro), sum(mb is not None for mb in micro), int(stands_in)]
     everyone = _comm.all_gather_ints_async(mine, mesh)()
     absent = [r for r, (n, have, stand) in enumerate(everyone) if have < n and not stand]
@@ -38,11 +38,11 @@ def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None
             ValueError(
                 f"rank(s) {absent} stepped without a batch or micro-batch (None); "
                 "compiled, a step or forward runs its collectives inside the graph and "
-                "needs every one on every rank: a compiled step's rank without data runs "
-                "a batch of its own again with zero gradients, which it cannot before it "
-                "had one in this step function (its first call, or the first after a new "
-                "layout or precision, with none at all), nor in a forward: give each rank "
-                "a batch (with weight 0 where it should not count)"
+                "needs every one on every rank: a rank without data runs a batch of its "
+                "own again (a step's with zero gradients), which it cannot before it had "
+                "one in this step or forward function (its first call, or the first after "
+                "a new layout or precision, with none at all): give each rank a batch "
+                "(with weight 0 where it should not count)"
             )
         )
     counts = [e[0] for e in everyone]

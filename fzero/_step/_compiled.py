@@ -180,7 +180,7 @@ class CompiledLoss:
         self.arrived = True  # this call's barrier is behind it (or there is none)
         self.compiled = self._compile(fullgraph=True)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's
-        self.last: Any = None  # a step's last batch (containers copied), for a rank without data
+        self.last: Any = None  # the batch a rank without data runs again (containers copied)
 
     def __call__(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
@@ -189,8 +189,8 @@ class CompiledLoss:
         a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         self.arrived = self.meets is None
-        step = torch.is_grad_enabled()  # a step's batch is kept, its containers before a pop
-        kept = optree.tree_map(lambda x: x, batch, namespace=NAMESPACE) if step else None
+        keep = torch.is_grad_enabled() or self.meets is not None  # a step's, a gathering forward's
+        kept = optree.tree_map(lambda x: x, batch, namespace=NAMESPACE) if keep else None
         out = self._call(leaves, fulls, batch, buffers)
         if self._communicates():  # an open comm_ledger cannot see them: it says so
             graph_ran()

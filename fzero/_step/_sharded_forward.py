@@ -77,8 +77,9 @@ def sharded_forward(
         enters.
       ledger: a UnitLedger recording live full-unit bytes (for tests and notebooks).
       compile: trace `fn` with its units' entry by `torch.compile`, as a compiled step's
-        forward (True: inductor; a string: that backend), no ledger. At stage 3
-        every rank needs a batch (the gathers run inside the graph); the units enter up
+        forward (True: inductor; a string: that backend), no ledger. At stage 3 the
+        gathers run inside the graph: a rank without data runs its last batch again for
+        them (and gets None), and needs one of its own first; the units enter up
         front (the whole model gathered for the call), where their submodule runs
         (`module=`'s hooks, traced), or, with `just_in_time=True`, where `fn` asks for
         them (`fzero.gathered`).
@@ -106,9 +107,7 @@ def sharded_forward(
         assert backend is not None
         check_step_state(state, state.stage, None, None, mesh)
         stage, lay = stage_of(state.stage), state.layout
-        if stage.shards_params:
-            agree_present([batch], mesh)
-        elif batch is None:  # replicas: nothing to join
+        if batch is None and not stage.shards_params:  # replicas: nothing to join
             return None
         burst = GRAPH_BURST if stage.shards_params else EAGER_BURST
         compiled = forwarder.cache.compiled(
@@ -126,6 +125,8 @@ def sharded_forward(
                 hooked=forwarder.hooked(state),
             ),
         )
+        if stage.shards_params:  # a rank without data runs its last batch for the gathers
+            agree_present([batch], mesh, compiled.last is not None)
         local = None if stage.shards_params else full_buckets(state.params, lay)
         leaves, fulls = entry_inputs(compiled, state, local, mesh)
         # Buffers: a copy (a forward never changes the state; BatchNorm in training mode
@@ -133,7 +134,8 @@ def sharded_forward(
         buffers = None if state.buffers is None else copied(state.buffers)
         with collector_paused(), torch.no_grad():
             try:
-                out, _, called, _ = compiled(leaves, fulls, batch, buffers)
+                ran = compiled.last if batch is None else batch
+                out, _, called, _ = compiled(leaves, fulls, ran, buffers)
             except RuntimeError as exc:
                 if isinstance(exc, PeerError) or not is_peer_failure(exc):
                     raise
@@ -157,6 +159,8 @@ def sharded_forward(
             check.finish()
         if error is not None:
             raise error
+        if batch is None:  # the last batch's output again: not this call's
+            return None
         if local is None:  # gathered in the graph: nothing of the state's to alias
             return out
         return _unaliased(out, local)

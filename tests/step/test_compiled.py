@@ -700,22 +700,34 @@ def test_a_compiled_forward_predicts_as_one_process(stage: int) -> None:
         assert torch.equal(w, before)
 
 
-def forward_without_a_batch(mesh: fzero.Mesh, params: Any) -> str:
+def forward_without_a_batch(mesh: fzero.Mesh, params: Any, x: torch.Tensor) -> tuple:
+    """Rank 1 without a batch: on its first call (refused on every rank), then after one
+    (its last batch run again for the gathers; None back), eager and compiled."""
     state = fzero.shard_state(params, fzero.optim.sgd(0.1), mesh, stage=3, units=["layers.0"])
     forward = fzero.sharded_forward(plain_predict, mesh, compile="aot_eager")
-    x = torch.zeros(2, 3, dtype=torch.float64)
+    eager = fzero.sharded_forward(plain_predict, mesh)
     with pytest.raises(ValueError) as caught:
         forward(state, None if mesh.rank == 1 else x)
-    return str(caught.value)
+    got = [forward(state, x[:2]), forward(state, None if mesh.rank == 1 else x)]
+    return str(caught.value), got, [eager(state, x[:2]), eager(state, None if mesh.rank else x)]
 
 
 @pytest.mark.multiprocess
-def test_a_compiled_stage_3_forward_without_a_batch_is_refused_on_every_rank() -> None:
-    """The gathers run inside the graph: a rank without a batch cannot join them, so every
-    rank raises the same error before any gather (none waits for the group's timeout)."""
+def test_a_compiled_stage_3_forward_takes_a_rank_without_data_after_its_first_batch() -> None:
+    """The gathers run inside the graph. A rank without a batch on its first call cannot
+    join them: every rank raises the same error before any gather (none waits for the
+    group's timeout). After a batch of its own, the rank runs that batch again for the
+    gathers and gets None, as eagerly; the others get one process's predictions."""
     params = make_params([3, 5, 2], torch.float64, 0)
-    for message in run(2, forward_without_a_batch, params):
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = plain_predict(params, x)
+    for rank, (message, got, eager) in enumerate(run(2, forward_without_a_batch, params, x)):
         assert "rank(s) [1] stepped without a batch" in message, message
+        torch.testing.assert_close(got[0], want[:2], rtol=1e-12, atol=1e-14)
+        if rank == 0:
+            torch.testing.assert_close(got[1], want, rtol=1e-12, atol=1e-14)
+        else:
+            assert got[1] is None and eager[1] is None
 
 
 def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
