@@ -13,6 +13,7 @@ import torch
 from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, Shards, is_bad_loss
 from .._state import ShardedState
+from ._aux import Aux
 from ._compiled import CompiledLoss
 from ._entries import entry_inputs
 from ._local import local_leaves, reduce_sums
@@ -56,13 +57,15 @@ def compiled_grad(
             check_loss(out, compiled.rank)
         return out
 
-    # With buffers the graph takes them from the step's `BufferThread` (which keeps each
-    # micro-batch's new ones for the next) and returns `(loss, new_buffers)`.
-    threaded = weighed.loss_fn
-    if isinstance(threaded, BufferThread):
-        threaded.loss_fn = lambda _, buffers, mb: run(None, mb, buffers)
-    else:
-        weighed.loss_fn = run
+    # The graph stands in for `loss_fn` under the step's wrappers: with buffers it takes
+    # them from the `BufferThread` (which keeps each micro-batch's new ones for the next)
+    # and returns `(loss, new_buffers)`; with `has_aux` its output goes to `Aux`.
+    threaded = inner = weighed.loss_fn
+    if not isinstance(inner, (BufferThread, Aux)):
+        inner = weighed
+    elif isinstance(inner.loss_fn, Aux):
+        inner = inner.loss_fn
+    inner.loss_fn = lambda *args: run(None, args[-1], args[1] if len(args) == 3 else None)
     trainable = [x for x, b in zip(leaves, lay.buckets) if not b.frozen]
     sums: list[torch.Tensor | None] = [None] * len(leaves)
     for j, mb in enumerate(micro):

@@ -49,6 +49,7 @@ def configuration(o: StepOptions, state: ShardedState, optimizer: Optimizer) -> 
         "reduce_bucket_bytes": repr(o.reduce_bucket_bytes),
         "buffer_sync": repr(o.buffer_sync),
         "compile": repr(o.compile),
+        "has_aux": repr(o.has_aux),
     }
 
 

@@ -36,6 +36,7 @@ class StepOptions:
     overlap_reduce: bool
     reduce_bucket_bytes: int
     compile: str | None = None  # torch.compile's backend; None: eager
+    has_aux: bool = False  # loss_fn returns (output, aux)
 
     def secondary(self) -> Axis | None:
         """hpZ's axis, where the backward gathers a resharded unit from (None without
@@ -119,7 +120,14 @@ def step_options(mesh: Mesh, stage: Any, **options: Any) -> StepOptions:
         overlap_reduce=options["overlap_reduce"],
         reduce_bucket_bytes=bucket,
         compile=("inductor" if compile_ is True else compile_) or None,
+        has_aux=_check_has_aux(options.get("has_aux", False)),
     )
+
+
+def _check_has_aux(has_aux: Any) -> bool:
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
+    return has_aux
 
 
 def _check_quantize(quantize: Any, stage: Stage) -> None:

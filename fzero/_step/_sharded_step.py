@@ -24,6 +24,7 @@ from .._core import LossFn, UnitSpec, differentiating
 from .._engine import Context, UnitLedger, context, differentiates_by_leaf, layers_rebound
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
+from ._aux import Aux
 from ._body import body
 from ._cache import StepCache
 from ._compile_checks import agree_present
@@ -37,7 +38,7 @@ from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
 from ._options import StepOptions, check_step_state, step_options
 
-Step = Callable[[ShardedState, Any], tuple[ShardedState, torch.Tensor]]
+Step = Callable[[ShardedState, Any], tuple[ShardedState, Any]]
 
 
 def sharded_step(
@@ -60,6 +61,7 @@ def sharded_step(
     overlap_reduce: bool = True,
     reduce_bucket_bytes: int | None = None,
     compile: bool | str = False,
+    has_aux: bool = False,
 ) -> Step:
     """A training step for ZeRO `stage`: `step(state, batch) -> (state, loss)`.
 
@@ -104,11 +106,15 @@ def sharded_step(
         once); 1-D and 2-D meshes, precision, loss scaling, accumulation, offload,
         quantize and hpZ, but no `ledger=`; fzero's optimizers then update through
         fused kernels (docs/training.md, "Compiled steps").
+      has_aux: `loss_fn` returns `(output, aux)`, `output` what it returns otherwise and
+        `aux` anything (metrics, logits), handed back detached, not differentiated.
 
     Returns:
       `step(state, batch) -> (new_state, loss)`, loss detached: this rank's mean over its
       micro-batches for scalar losses (a rank without data: the mean over the ranks that
-      had some, float64), the global weighted mean (float64) for pairs.
+      had some, float64), the global weighted mean (float64) for pairs. With `has_aux`,
+      `(new_state, (loss, aux))`: this rank's aux (None without data), with `accumulate`
+      a list of them, one per micro-batch.
     """
     o = step_options(
         mesh,
@@ -127,6 +133,7 @@ def sharded_step(
         overlap_reduce=overlap_reduce,
         reduce_bucket_bytes=reduce_bucket_bytes,
         compile=compile,
+        has_aux=has_aux,
     )
     cache = StepCache()
 
@@ -148,9 +155,11 @@ def sharded_step(
         if cache.order is None and cache.micro is None:
             _first_batches(ctx, cache, micro, mesh)
         fn: LossFn = loss_fn
-        threaded = None
+        threaded, aux = None, None
+        if o.has_aux:  # below the others: they see what loss_fn returns without aux
+            fn = aux = Aux(loss_fn, mesh.rank)
         if state.buffers is not None:
-            fn = threaded = BufferThread(loss_fn, state.buffers)
+            fn = threaded = BufferThread(fn, state.buffers)
         trainable = not all(b.frozen for b in state.layout.buckets)
         fn = weighed = Weighed(fn, mesh.rank, trainable)
         if state.scaler is not None:
@@ -204,6 +213,8 @@ def sharded_step(
         local = weighed.local_loss()
         # Scalar losses: this rank's mean, as always; pairs: the global weighted mean.
         loss = tally.loss() if tally.pairs or local is None else local
+        if aux is not None:
+            loss = (loss, aux.handed(micro, o.accumulate is not None))
         if tally.weight == 0:  # nothing counted anywhere: the state is returned as it was
             if not cache.warned:
                 cache.warned = True
