@@ -61,10 +61,11 @@ class Agreement(NamedTuple):
         if absent:
             raise _comm.agreed(
                 ValueError(
-                    f"rank(s) {absent} had no batch this step and repeated the units the step "
-                    f"called last time, but the others called different ones ({said}). A rank "
+                    f"rank(s) {absent} had no batch this step and repeated the units of a "
+                    "batch before (eagerly the step's last calls; compiled, a batch of its "
+                    f"own run again), but the others called different ones ({said}). A rank "
                     "without data can only follow a forward whose unit calls do not change "
-                    "from step to step; give it a batch (with weight 0) instead"
+                    "from batch to batch; give it a batch (with weight 0) instead"
                 )
             )
         raise _comm.agreed(

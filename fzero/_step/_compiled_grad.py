@@ -73,7 +73,7 @@ def compiled_grad(
         try:
             if mb is not None:
                 total = loss_fn(None, mb)
-            elif compiled.local:  # nothing in the graph to join: zero gradients, as eagerly
+            elif not collects(compiled):  # nothing to join: zero gradients, as eagerly
                 calls.append([])
             else:  # a batch again, for the graph's collectives alone; what it gives is dropped
                 bufs = copied(threaded.buffers) if isinstance(threaded, BufferThread) else None
@@ -88,12 +88,12 @@ def compiled_grad(
         # state is untouched until then); its backward joins with zero gradients.
         # The units a loss entered are the graph's collectives: where they could differ
         # between ranks (a rank-dependent branch), every rank compares them first.
-        compare = bool(compiled.jit) and mesh.size > 1  # alike on every rank
+        compare = bool(compiled.jit) and collects(compiled)  # alike on every rank
         check = sync.check(j)
         called = (calls[j] if len(calls) > j else []) if compare else None
         check.after_forward(called, mb is not None, error=error)
         check.finish()
-        if mb is None and compiled.local:
+        if mb is None and not collects(compiled):
             continue
         out = total if total is not None and total.requires_grad else anchor[-1]
         got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
@@ -107,11 +107,10 @@ def compiled_grad(
                 g = g.to(compiled.reduce[i], copy=acc is None)
             sums[i] = g if acc is None else acc.add_(g)  # owned: the first backward's
     n = len(micro)
-    if compiled.local:  # a bucket no micro-batch reached (a rank without data) sums zeros
-        sums = [
-            torch.zeros_like(x, dtype=compiled.reduce[i]) if g is None and not b.frozen else g
-            for i, (x, g, b) in enumerate(zip(leaves, sums, lay.buckets))
-        ]
+    for i, (x, b) in enumerate(zip(leaves, lay.buckets)):  # no micro-batch reached it: zeros
+        if sums[i] is None and not b.frozen:
+            sums[i] = torch.zeros_like(x, dtype=compiled.reduce[i] if compiled.local else None)
+    if compiled.local:
         return reduce_sums(compiled, sums, leaves, state, mesh, n)
     grads = [
         x.new_empty(0) if b.frozen else (g.div_(n) if n > 1 else g)
@@ -123,11 +122,19 @@ def compiled_grad(
     return lay.trainable(lay.unflatten(full))
 
 
+def collects(compiled: CompiledLoss) -> bool:
+    """Whether the step's graph runs collectives, which every rank must join (and whose
+    units, entered in order, pair up): not with local accumulation (reduced after the
+    graphs) nor on one rank."""
+    return not compiled.local and compiled.size > 1
+
+
 def stands_in(compiled: CompiledLoss, micro: list[Any]) -> bool:
-    """Whether this rank can join the graphs of the micro-batches it has no data for: with
-    local accumulation there is nothing in them to join; otherwise it needs a batch of its
-    own to run again (`stand_in`)."""
-    return compiled.local or compiled.last is not None or any(mb is not None for mb in micro)
+    """Whether this rank can join the graphs of the micro-batches it has no data for:
+    where they collect, it needs a batch of its own to run again (`stand_in`)."""
+    if not collects(compiled):
+        return True
+    return compiled.last is not None or any(mb is not None for mb in micro)
 
 
 def stand_in(compiled: CompiledLoss, micro: list[Any]) -> Any:

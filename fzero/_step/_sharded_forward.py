@@ -107,7 +107,7 @@ def sharded_forward(
         assert backend is not None
         check_step_state(state, state.stage, None, None, mesh)
         stage, lay = stage_of(state.stage), state.layout
-        if batch is None and not stage.shards_params:  # replicas: nothing to join
+        if batch is None and not (stage.shards_params and mesh.size > 1):  # nothing to join
             return None
         burst = GRAPH_BURST if stage.shards_params else EAGER_BURST
         compiled = forwarder.cache.compiled(

@@ -76,12 +76,16 @@ def train(
 def test_aux_comes_back_per_micro_batch_as_one_process_computes_it(
     stage: int, compile: Any, accumulate: Any
 ) -> None:
-    """Each rank's aux, per micro-batch (None where it had none: rank 1 misses one on the
-    last step), holds the per-sequence losses one process computes at the step's starting
-    parameters, detached, and the Python value as it was; training is torch.optim's."""
+    """Each rank's aux, per micro-batch (None where it had none: rank 1 misses the first
+    of the first step's two, or has no batch on the last step), holds the per-sequence
+    losses one process computes at the step's starting parameters, detached, and the
+    Python value as it was; training is torch.optim's."""
     m = 2 if accumulate else 1
     sizes = [[[2] * m, [1] * m], [[1] * m, [2] * m]]
-    sizes[-1][1][-1] = 0
+    if accumulate:  # compiled, it runs its other micro-batch again in the first's place
+        sizes[0][1][0] = 0
+    else:
+        sizes[-1][1][0] = 0
     params = make_params(DIMS, torch.float64, 6)
     data = make_data(sizes, seed=8)
     want_params, want = reference(params, data)
@@ -105,9 +109,10 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).double()
 
 
-def first_outputs(mesh: fzero.Mesh, xs: torch.Tensor, compile: Any) -> tuple[Any, dict]:
+def first_outputs(mesh: fzero.Mesh, xs: torch.Tensor, compile: Any) -> tuple[Any, dict, Any]:
     """A step whose loss has buffers (BatchNorm's statistics) and an aux, the model's
-    output: `((loss, new_buffers), aux)`."""
+    output: `((loss, new_buffers), aux)`; then a step where rank 1 has no batch (its aux
+    None, its buffers the broadcast ones)."""
     model = make_model()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.sgd(lr=0.1)
@@ -121,7 +126,9 @@ def first_outputs(mesh: fzero.Mesh, xs: torch.Tensor, compile: Any) -> tuple[Any
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=model, compile=compile,
                               has_aux=True)  # fmt: skip
     state, (_, out) = step(state, xs[mesh.rank])
-    return out, state.buffers
+    buffers = {k: v.clone() for k, v in state.buffers.items()}
+    _, (_, second) = step(state, None if mesh.rank == 1 else xs[mesh.rank])
+    return out, buffers, second
 
 
 @pytest.mark.multiprocess
@@ -130,7 +137,8 @@ def test_aux_beside_buffers(compile: Any) -> None:
     """With buffers the loss returns `((loss, new_buffers), aux)`: the aux is the model's
     output on the rank's batch at the starting parameters (BatchNorm's batch statistics),
     and the buffers move as one process's BatchNorm moves them on the rank-0 batch
-    (`buffer_sync="broadcast"`)."""
+    (`buffer_sync="broadcast"`). A rank without data next gets None (compiled, its
+    stand-in's aux is dropped)."""
     xs = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     model = make_model()
     want = [model(x) for x in xs]  # training mode: each rank's own batch statistics
@@ -139,10 +147,11 @@ def test_aux_beside_buffers(compile: Any) -> None:
     with torch.no_grad():  # BatchNorm writes rank 0's batch's statistics into `stats`
         functional_call(ref, {**dict(ref.named_parameters()), **stats}, (xs[0],))
     assert not torch.equal(stats["1.running_mean"], dict(ref.named_buffers())["1.running_mean"])
-    for rank, (out, buffers) in enumerate(run(2, first_outputs, xs, compile)):
+    for rank, (out, buffers, second) in enumerate(run(2, first_outputs, xs, compile)):
         assert not out.requires_grad
         torch.testing.assert_close(out, want[rank].detach(), rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(buffers["1.running_mean"], stats["1.running_mean"])
+        assert (second is None) == (rank == 1)
 
 
 @pytest.mark.multiprocess

@@ -35,6 +35,7 @@ from tests.support import (
     make_optimizer,
     make_params,
     make_torch_optimizer,
+    mlp_loss,
     run,
 )
 
@@ -480,20 +481,24 @@ def test_checkpoints_move_between_eager_and_compiled_steps(tmp_path: Path) -> No
         (0, None, "pair", "last step"), (2, "sharded", "pair", "last step"),
         (3, None, "scalar", "last step"), (2, "sharded", "pair", "first step, second"),
         (3, "sharded", "scalar", "first step, first"), (1, "local", "pair", "first step, first"),
+        (3, "local", "pair", "last step"), (3, "local", "scalar", "last step, none"),
     ],
 )  # fmt: skip
 def test_a_rank_without_data_joins_a_compiled_step_with_zero_gradients(
     stage: int, accumulate: str | None, kind: str, missing: str
 ) -> None:
     """The last rank has no batch (None) or misses a micro-batch, on the last step or on
-    the first, before or after the one it has: it runs a batch of its own (its last, or
-    this step's) through the graph again for the collectives alone (zero gradients, no
-    weight), or with local accumulation runs nothing for it; every rank ends where one
+    the first, before or after the one it has, or has none on the last: it runs a batch
+    of its own (its last, or this step's) through the graph again for the collectives
+    alone (zero gradients, no weight), or with local accumulation runs nothing for it
+    (nor compares the units it entered: just in time at stage 3); every rank ends where one
     process on the data that was there does, and returns that process's loss where the
     loss is token-weighted (a scalar loss: a rank's own mean, the others' without data;
     just-in-time units at stage 3)."""
     sizes = [[[2, 2] if accumulate else [2] for _ in range(2)] for _ in range(3)]
-    if missing == "last step":
+    if missing == "last step, none":
+        sizes[-1][-1] = [0, 0]
+    elif missing == "last step":
         sizes[-1][-1] = [2, 0] if accumulate else [0]
     else:
         sizes[0][-1] = [2, 0] if missing.endswith("second") else [0, 2]
@@ -507,7 +512,7 @@ def test_a_rank_without_data_joins_a_compiled_step_with_zero_gradients(
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12, what=f"stage {stage}")
         if kind == "pair":  # every rank: the loss over all the data
             torch.testing.assert_close(returned, losses, rtol=1e-10, atol=1e-12)
-        elif rank == 1 and missing == "last step":  # a scalar loss: no data, the others'
+        elif rank == 1 and missing.startswith("last step"):  # a scalar loss: no data, the others'
             torch.testing.assert_close(returned[-1], losses[-1], rtol=1e-10, atol=1e-12)
         assert warned == 0  # the replay compiled nothing again
     assert not torch.equal(runs[0][0]["layers"][0]["w"], params["layers"][0]["w"])
@@ -728,6 +733,25 @@ def test_a_compiled_stage_3_forward_takes_a_rank_without_data_after_its_first_ba
             torch.testing.assert_close(got[1], want, rtol=1e-12, atol=1e-14)
         else:
             assert got[1] is None and eager[1] is None
+
+
+def alone_without_data(mesh: fzero.Mesh, params: Any) -> tuple[Any, float, bool]:
+    state = fzero.shard_state(params, fzero.optim.sgd(0.1), mesh, stage=3, units=["layers.0"])
+    forward = fzero.sharded_forward(plain_predict, mesh, compile="aot_eager")
+    step = fzero.sharded_step(mlp_loss, fzero.optim.sgd(0.1), mesh, stage=3, compile="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nothing counted anywhere: said once
+        new, loss = step(state, None)
+    same = fzero.gather_params(new.params, mesh)["layers"][0]["w"]
+    return forward(state, None), float(loss), torch.equal(same, params["layers"][0]["w"])
+
+
+@pytest.mark.multiprocess
+def test_a_lone_rank_without_data_needs_no_graph() -> None:
+    """On one rank nothing is collected in the graph: a compiled stage-3 forward without a
+    batch returns None and a step without one changes nothing (loss 0), even first."""
+    params = make_params([3, 5, 2], torch.float64, 0)
+    assert run(1, alone_without_data, params) == [(None, 0.0, True)]
 
 
 def hybrid(mesh: fzero.Mesh, params: Any, data: list) -> list[Any]:
