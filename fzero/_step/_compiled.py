@@ -62,6 +62,7 @@ from ._dynamo import (
     compile_loss,
     graph_break,
     graphs_compiled,
+    in_pieces,
     own_code,
     quiet,
     raised_in_trace,
@@ -232,25 +233,24 @@ class CompiledLoss:
             if "Unentered" not in str(exc):
                 if self.pieces:
                     raise
-                self._in_pieces(exc)
+                self._in_pieces(f"breaks torch.compile's graph ({graph_break(exc)})")
                 return self._call(leaves, fulls, batch, buffers)
             # Dynamo's own words name the line but not what the value was.
             raise ValueError(unentered_use(self.rank)) from exc
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # a trace that ran nothing
+            if self.pieces:
+                raise
+            self._in_pieces("reached torch._dynamo.config.recompile_limit")
+            return self._call(leaves, fulls, batch, buffers)
         finally:
             if self.hooks is not None:  # set in the trace, cleared there unless it raised
                 self.hooks.enter_unit = None
 
-    def _in_pieces(self, exc: BaseException) -> None:
-        """The loss breaks dynamo's graph (`exc`, a trace that ran nothing): compiled
-        again without `fullgraph`, in pieces with eager Python between them, and said once."""
-        warnings.warn(
-            f"fzero: rank {self.rank}: the compiled loss breaks torch.compile's graph "
-            f"({graph_break(exc)}); it is compiled in pieces, with the code between them run "
-            "eagerly: the same training, less of it compiled (TORCH_LOGS=graph_breaks "
-            "lists every break)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    def _in_pieces(self, why: str) -> None:
+        """The loss breaks dynamo's graph, or its recompiles reached dynamo's limit (a trace
+        that ran nothing): compiled again without `fullgraph`, in pieces with eager Python
+        between them (a frame past its limit runs eagerly), and said once."""
+        warnings.warn(in_pieces(self.rank, why), RuntimeWarning, stacklevel=4)
         self.pieces = True
         self.compiled = self._compile(fullgraph=False)
 

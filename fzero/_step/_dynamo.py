@@ -226,5 +226,16 @@ def recompiled(rank: int, before: list[tuple[int, ...]], now: list[tuple[int, ..
     return (
         f"fzero: rank {rank}: the compiled step's loss was compiled again ({why}); a step "
         f"function compiles at most {limit} graphs (torch._dynamo.config.recompile_limit), "
-        "past which it raises; TORCH_LOGS=recompiles names each guard that failed"
+        "past which it is compiled in pieces, and past their limit runs eagerly; "
+        "TORCH_LOGS=recompiles names each guard that failed"
+    )
+
+
+def in_pieces(rank: int, why: str) -> str:
+    """Says that a compiled loss is compiled in pieces from now on, and `why`."""
+    return (
+        f"fzero: rank {rank}: the compiled loss {why}; it is compiled in pieces, with the "
+        "code between them run eagerly (and a piece past its own recompile limit too): "
+        "the same training, less of it compiled (TORCH_LOGS=graph_breaks lists every "
+        "break, TORCH_LOGS=recompiles every recompile)"
     )

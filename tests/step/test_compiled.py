@@ -267,6 +267,35 @@ def test_a_recompiling_step_says_so_once_per_recompile() -> None:
         assert "at most" in message and "TORCH_LOGS=recompiles" in message
 
 
+def past_the_limit(mesh: fzero.Mesh, params: Any, data: list) -> tuple[Any, list[str]]:
+    """A compiled stage-3 step over batches of five sizes, dynamo's recompile limit 2 and
+    no dynamic dimensions (each size a new graph): its parameters and what it said."""
+    torch._dynamo.config.recompile_limit = 2  # this rank's process alone
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+    step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, units=UNITS, compile="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for per_rank in data:
+            state, _ = step(state, per_rank[mesh.rank][0])
+    said = [str(w.message) for w in caught if "recompile_limit;" in str(w.message)]
+    return fzero.gather_params(state.params, mesh), said
+
+
+@pytest.mark.multiprocess
+def test_a_step_past_its_recompile_limit_goes_on_in_pieces() -> None:
+    """Past dynamo's recompile limit a fullgraph compile raises; the step says so once and
+    compiles the loss in pieces, whose frames run eagerly past their own limit: the run
+    goes on, training as torch.optim does on one process (float64)."""
+    params = make_params(DIMS, torch.float64, 3)
+    data = make_data([[[n], [n]] for n in (1, 2, 3, 4, 5)], seed=2)
+    want = reference(params, data, "pair", "sgd")
+    for got, said in run(2, past_the_limit, params, data):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert len(said) == 1 and "compiled in pieces" in said[0], said
+
+
 def ledgered(mesh: fzero.Mesh, params: Any, backend: str | bool, how: str) -> tuple[Any, ...]:
     """Two calls inside a comm_ledger (`how`: "step" at stage 2; "local" accumulation;
     "broken", a loss that breaks the graph; "forward" at stage 3, "replicas" at stage
