@@ -112,10 +112,10 @@ def run(
     Every tensor goes in flat (a view: `split` took contiguous ones), so the kernel sees
     one shape, of a dynamic length: dynamo specialises the number of dimensions and
     dimensions of size 0 or 1, and with the owned tensors of `layout="tensor"` in their
-    own shapes a kernel compiled once per shape reached its recompile limit (a hard
-    error under `fullgraph`). Flat, a 0-d leaf is a view of shape (1,) too: compiled
-    (torch 2.13, either backend), an in-place update of a 0-d input by a product with an
-    element of the scalars was lost, the input left as it was (found here).
+    own shapes a kernel compiled once per shape reached its recompile limit. Flat, a 0-d
+    leaf is a view of shape (1,) too: compiled (torch 2.13, either backend), an in-place
+    update of a 0-d input by a product with an element of the scalars was lost, the input
+    left as it was (found here).
     """
     made: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
     for i in fast:
@@ -173,10 +173,13 @@ def kernel(
     and device type), made once per process and key.
 
     Each key's function gets its own code object: dynamo caches compiled code per code
-    object and, under `fullgraph`, raises once one has compiled a few variants (its
-    recompile limit, 8), which distinct optimizers and dtypes in one process would
-    otherwise share. A key's kernel compiles twice at most: for flat tensors of one
-    element, and of a dynamic length (`run`).
+    object and counts its variants against its recompile limit (8), which distinct
+    optimizers and dtypes in one process would otherwise share. A key's kernel compiles
+    a few variants: flat tensors of one element, and of a dynamic length (`run`) whose
+    views start at offset 0, 1 or more of bases whose sizes relate one way or another
+    (dynamo specialises 0 and 1, and equal sizes): three or four measured over random
+    models. Not under `fullgraph`: past the limit a variant runs eagerly (the unfused
+    ops' rounding) instead of raising in the middle of a run.
     """
     full = (make.__qualname__, backend, *args, like.dtype, like.device.type)
     fn = _KERNELS.get(full)
@@ -185,7 +188,7 @@ def kernel(
         name = f"{body.__name__}_{len(_KERNELS)}"
         code = body.__code__.replace(co_name=name)  # co_qualname: Python >= 3.11 only
         fresh = types.FunctionType(code, body.__globals__, name, None, body.__closure__)
-        fn = _KERNELS[full] = torch.compile(fresh, backend=backend, dynamic=True, fullgraph=True)
+        fn = _KERNELS[full] = torch.compile(fresh, backend=backend, dynamic=True)
     return fn
 
 

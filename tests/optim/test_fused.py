@@ -276,3 +276,32 @@ def test_a_group_with_a_transposed_leaf_keeps_the_list_ops(
     assert calls == []
     for k in start:
         assert torch.equal(params[k], ref_p[k]) and not torch.equal(params[k], start[k]), k
+
+
+def test_a_kernel_past_its_recompile_limit_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo's limit at 1 and fresh kernels: a one-element piece and a longer one need two
+    variants of AdamW's kernel; the second runs eagerly instead of raising mid-run (no
+    `fullgraph`), and both step as torch's loop (float64, 1e-12), parameters moved."""
+    from fzero.optim import _fused
+
+    monkeypatch.setattr(_fused, "_KERNELS", {})
+    _, cls, hyper = CONFIGS["adamw"]
+    g = torch.Generator().manual_seed(1)
+    s, w, b = (torch.randn(n, generator=g, dtype=torch.float64) for n in (1, 300, 40))
+    # Decay everywhere: both pieces the same kernel (a mask would key a kernel of its own).
+    pieces, opt = (s.clone(), torch.cat([w, b])), optim.adamw(**hyper, fused=True)
+    state = opt.init(pieces)
+    ts, tw, tb = s.clone(), w.clone(), b.clone()
+    ref = cls([tw, tb, ts], foreach=False, **hyper)
+    segments = ((("s", 0, 1),), (("w", 0, 300), ("b", 300, 340)))
+    with torch._dynamo.config.patch(recompile_limit=1), fused_kernels() as calls:
+        for _ in range(3):
+            gs, gw, gb = (torch.randn(n, generator=g, dtype=torch.float64) for n in (1, 300, 40))
+            with shard_context(ShardContext(None, True, segments)):
+                pieces, state = opt.update_((gs, torch.cat([gw, gb])), state, pieces)
+            ts.grad, tw.grad, tb.grad = gs, gw, gb
+            ref.step()
+    assert sorted(calls) == [(1,)] * 3 + [(340,)] * 3  # each piece by its kernel, compiled or not
+    assert (pieces[1] - torch.cat([w, b])).abs().max() > 1e-3
+    torch.testing.assert_close(pieces[0], ts, rtol=0, atol=1e-12)
+    torch.testing.assert_close(pieces[1], torch.cat([tw, tb]), rtol=0, atol=1e-12)
