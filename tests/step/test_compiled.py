@@ -133,10 +133,12 @@ def cases(draw: Any) -> dict[str, Any]:
     world = draw(st.integers(1, 3))
     accumulate = draw(st.sampled_from([None, "sharded", "local"]))
     m = draw(st.integers(2, 3)) if accumulate else 1
-    # Every rank has every micro-batch (a compiled step needs them), of 1-2 sequences,
-    # and the last step's are another size (a new shape: the graph recompiles).
+    # Micro-batches of 1-2 sequences, every rank with all of them on the first step; on
+    # the second any may be missing (0: None; a rank without data runs a batch of its own
+    # again in the graph, or nothing); the last step's are another size (a new shape: the
+    # graph recompiles).
     sizes = [[[draw(st.integers(1, 2)) for _ in range(m)] for _ in range(world)]]
-    sizes.append([[draw(st.integers(1, 2)) for _ in range(m)] for _ in range(world)])
+    sizes.append([[draw(st.integers(0, 2)) for _ in range(m)] for _ in range(world)])
     sizes.append([[3] * m for _ in range(world)])
     return {
         "world": world,
@@ -186,6 +188,12 @@ def example_case(**kw: Any) -> dict[str, Any]:
     )
 )  # fmt: skip
 @example(c=example_case(stage=1, entry="module", layout="tensor", burst=0))
+@example(  # hooks traced; the second step: rank 0 misses a micro-batch, rank 1 has none
+    c=example_case(
+        stage=3, entry="module", accumulate="sharded",
+        sizes=[[[1, 2], [2, 1]], [[0, 2], [0, 0]], [[3, 3], [3, 3]]],
+    )
+)  # fmt: skip
 @example(c=example_case(stage=0, accumulate="sharded", sizes=[[[2, 1], [1, 2]]] * 2))
 @example(c=example_case(stage=1, accumulate="sharded", sizes=[[[1, 1], [2, 1]]] * 2))
 @example(  # local: full gradients summed, reduced once (stage 3: gathered once a step)
@@ -201,9 +209,10 @@ def example_case(**kw: Any) -> dict[str, Any]:
 @given(cases())
 def test_a_compiled_step_trains_like_one_process(c: dict[str, Any]) -> None:
     """Stages 0-3, flat and tensor layouts, 1-3 ranks, scalar losses and (total, weight)
-    pairs over uneven padding, one micro-batch or 2-3 accumulated ("sharded", or "local":
-    reduced once after the last), a frozen
-    unit or none, every bucket its own collective or all in one, units entering before
+    pairs over uneven padding, missing micro-batches on the second step (ranks without
+    data), one micro-batch or 2-3 accumulated ("sharded", or "local": reduced once
+    after the last), a frozen unit or none, every bucket its own collective or all in
+    one, units entering before
     the loss, where it calls fzero.gathered (just_in_time) or where their submodules run
     (module= hooks, traced): float64 AdamW and SGD
     (which, unlike Adam, sees a gradient's scale) equal to one-process torch.optim on the
