@@ -18,7 +18,13 @@ from torch.utils.checkpoint import checkpoint
 
 import fzero
 from fzero._core._tree import max_abs_diff, tree_flatten, tree_unflatten
-from tests.support import make_optimizer, make_params, make_torch_optimizer, run
+from tests.support import (
+    errors_on_every_rank,
+    make_optimizer,
+    make_params,
+    make_torch_optimizer,
+    run,
+)
 
 T, D_IN, D_OUT = 3, 3, 2  # tokens per sequence, feature sizes
 DIMS = [D_IN, 4, 4, D_OUT]
@@ -475,3 +481,18 @@ def bad_weights(mesh: fzero.Mesh, how: str) -> None:
 def test_bad_weights_fail_clearly(how: str, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         fzero.Simulation(2, collective_timeout=10, timeout=60).run(bad_weights, how)
+
+
+@pytest.mark.multiprocess
+def test_a_missing_first_micro_batch_on_a_first_just_in_time_step_raises_on_every_rank() -> None:
+    """Eagerly, a rank without data follows the units the step called last time; on the
+    first call a None micro-batch before the rank's first batch has none to follow:
+    every rank raises, saying what to do (after the one it has, it follows that one's)."""
+    params = make_params(DIMS, torch.float64, 1)
+    data = make_data([[[2, 2], [0, 2]]], seed=1)
+
+    def fn(mesh: fzero.Mesh) -> None:
+        train(mesh, params, data, "pair", "sgd", 3, "sharded", True)
+
+    for said in errors_on_every_rank(2, fn):
+        assert "a None micro-batch before the rank's first batch" in said, said
