@@ -175,3 +175,40 @@ def test_a_loss_without_its_aux_raises_on_every_rank() -> None:
     for said in errors_on_every_rank(2, fn):
         assert "rank 1: with has_aux=True loss_fn must return (output, aux)" in said, said
         assert "got Tensor" in said
+
+
+def parameters_as_aux(mesh: fzero.Mesh, params: Any, data: list, stage: int, compile: Any) -> list:
+    """Three donating steps whose aux is a parameter itself, as the loss received it."""
+    opt = fzero.optim.adam(lr=0.01)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS)
+
+    def loss_fn(p: Any, batch: tuple) -> tuple:
+        return pair_loss(p, batch), (p["layers"][0]["w"], p["scale"])
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=UNITS, compile=compile, has_aux=True
+    )
+    seen = []
+    for per_rank in data:
+        state, (_, aux) = step(state, per_rank[mesh.rank][0])
+        seen.append(aux)
+    return seen
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("stage", "compile"), [(0, False), (2, False), (3, False), (1, "aot_eager")]
+)
+def test_a_parameter_returned_as_aux_keeps_the_value_the_loss_saw(stage: int, compile: Any) -> None:
+    """A parameter handed back as it is shares the state's memory, which the next
+    updates overwrite in place (a donating step): it is copied, so each step's aux holds
+    the parameters one process had when that step began, after later steps too."""
+    params = make_params(DIMS, torch.float64, 2)
+    data = make_data([[[2], [1]], [[1], [2]], [[2], [2]]], seed=3)
+    starts = [reference(params, data[:t])[0] for t in range(len(data))]
+    for seen in run(2, parameters_as_aux, params, data, stage, compile):
+        for t, (w, scale) in enumerate(seen):
+            want = starts[t]
+            torch.testing.assert_close(w, want["layers"][0]["w"], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(scale, want["scale"], rtol=1e-10, atol=1e-12)
+    assert not torch.equal(starts[-1]["scale"], params["scale"])
