@@ -326,13 +326,15 @@ class Engine:
         theirs re-gathers (`ParamSource.end_backward`)."""
         self.params()
         if self.s.jit and self.last is None:
+            micro = what == "step"  # a step's micro-batch may be the missing one
             raise ValueError(
-                f"rank {self.mesh.rank}: {what}(state, None), or a None micro-batch "
-                f"before the rank's first batch, on the first call of a {what} function "
-                "with just-in-time units (module= or just_in_time=True): a rank without "
-                f"data enters the units the {what} called last time, and there was no last "
-                "time. Give every rank a batch on the first call (a missing micro-batch "
-                "may come after one it has)"
+                f"rank {self.mesh.rank}: {what}(state, None) on the first call of a "
+                f"{what} function with just-in-time units (module= or just_in_time="
+                "True)"
+                + (", or a None micro-batch before the rank's first batch" * micro)
+                + f": a rank without data enters the units the {what} called last time, "
+                "and there was no last time. Give every rank a batch on the first call"
+                + (" (a missing micro-batch may come after one it has)" * micro)
             )
         for unit in list(self.last or ()) if self.s.jit else ():
             self.enter(unit)
