@@ -51,6 +51,7 @@ from ._tree import tree_flatten as tree_flatten
 from ._tree import tree_map as tree_map
 from ._tree import tree_nbytes as tree_nbytes
 from ._tree import tree_unflatten as tree_unflatten
+from ._tree import unaliased as unaliased
 from ._unit_policies import auto as auto
 from ._unit_policies import by_module as by_module
 from ._unit_policies import by_size as by_size

@@ -31,6 +31,32 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
+def unaliased(tree: PyTree, *owners: PyTree) -> PyTree:
+    """`tree` with copies of its tensors that share memory with a tensor of `owners` (a
+    weight returned as it is, or a view of one): memory the owner reuses or updates in
+    place after the tree is handed back. Tensors that share none are returned as they are.
+    """
+    tensors = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    if not tensors:  # owners are not walked for a tree without tensors
+        return tree
+    owned = {
+        x.untyped_storage().data_ptr()
+        for owner in owners
+        for x in tree_flatten(owner)[0]
+        if isinstance(x, torch.Tensor)
+    }
+    if not owned:
+        return tree
+    return tree_map(
+        lambda x: (
+            x.clone()
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in owned
+            else x
+        ),
+        tree,
+    )
+
+
 def _entry_name(entry: Any) -> str:
     return str(entry)
 

@@ -29,6 +29,7 @@ from .._core import (
     subtree_of,
     tree_flatten,
     tree_unflatten,
+    unaliased,
 )
 from ._callcheck import CallCheck
 from ._context import Context
@@ -305,18 +306,7 @@ class Engine:
         """`out` with copies of its tensors that share memory with the parameters (a
         forward returning a weight, or a view of one): gathered ones are freed next, and
         replicas are the state's own buffers, which a donating step updates in place."""
-        refs = self.source.aliases(self.entries)
-        gathered = {t.untyped_storage().data_ptr() for t in refs}
-        if not gathered:
-            return out
-
-        def own(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in gathered:
-                return x.clone()
-            return x
-
-        leaves, treedef = tree_flatten(out)
-        return tree_unflatten(treedef, [own(x) for x in leaves])
+        return unaliased(out, self.source.aliases(self.entries))
 
     def _follow(self, what: str) -> None:
         """The forward of a rank without data: the units every rank enters before the

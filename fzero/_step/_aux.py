@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .._core import LossFn, PyTree, bad_loss, tree_flatten, tree_map
+from .._core import LossFn, PyTree, bad_loss, tree_map, unaliased
 
 
 class Aux:
@@ -15,10 +15,10 @@ class Aux:
     pass it: returns `output` (what `loss_fn` returns without `has_aux`: a scalar, a pair
     `(total, weight)`, or with buffers `(loss, new_buffers)`) and keeps `aux`, one per
     call, its tensors detached (they would otherwise hold the forward's graph) and copied
-    where they share memory with the state (`owned`: a parameter returned as it is, which
-    the step then updates in place)."""
+    where they share memory with the state (`owned`: its parameters and masters, which a
+    parameter returned as it is shares, and the step then updates in place)."""
 
-    def __init__(self, loss_fn: LossFn, rank: int, owned: frozenset[int] = frozenset()) -> None:
+    def __init__(self, loss_fn: LossFn, rank: int, owned: tuple[PyTree, ...] = ()) -> None:
         self.loss_fn, self.rank, self.owned = loss_fn, rank, owned
         self.kept: list[Any] = []
 
@@ -33,7 +33,7 @@ class Aux:
                 )
             )
         output, aux = out
-        self.kept.append(tree_map(self._detached, aux))
+        self.kept.append(tree_map(_detached, unaliased(aux, *self.owned)))
         return output
 
     def handed(self, micro: list[Any], accumulating: bool) -> Any:
@@ -43,15 +43,6 @@ class Aux:
         per = [None if mb is None else next(kept, None) for mb in micro]
         return per if accumulating else per[0]
 
-    def _detached(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        shared = x.untyped_storage().data_ptr() in self.owned
-        return x.detach().clone() if shared else x.detach()
 
-
-def storages(*trees: PyTree) -> frozenset[int]:
-    """Where the tensors of `trees` (the state's parameters, its masters) keep their
-    values: what an aux tensor must not share when the step hands it back."""
-    leaves = [x for t in trees if t is not None for x in tree_flatten(t)[0]]
-    return frozenset(x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor))
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x

@@ -11,7 +11,7 @@ engine all the same, so a parameter used outside its unit fails at every stage a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import _comm
 from .._comm import Mesh, PeerError, is_peer_failure, published
-from .._core import PyTree, Stage, stage_of, tree_map
+from .._core import PyTree, Stage, stage_of, unaliased
 from .._engine import (
     CallCheck,
     Context,
@@ -163,7 +163,7 @@ def sharded_forward(
             return None
         if local is None:  # gathered in the graph: nothing of the state's to alias
             return out
-        return _unaliased(out, local)
+        return unaliased(out, local)
 
     def _forward(state: ShardedState, batch: Any) -> Any:
         call: Callable[[PyTree, Any], Any] = fn
@@ -179,20 +179,6 @@ def sharded_forward(
         return out
 
     return forward
-
-
-def _unaliased(out: Any, buffers: Sequence[torch.Tensor]) -> Any:
-    """`out` with copies of its tensors that share memory with the state's `buffers` (a
-    forward returning a weight, or a view of one: a donating step updates it in place)."""
-    owned = {b.untyped_storage().data_ptr() for b in buffers}
-    return tree_map(
-        lambda x: (
-            x.clone()
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in owned
-            else x
-        ),
-        out,
-    )
 
 
 class Forwarder:

@@ -24,7 +24,7 @@ from .._core import LossFn, UnitSpec, differentiating
 from .._engine import Context, UnitLedger, context, differentiates_by_leaf, layers_rebound
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
-from ._aux import Aux, storages
+from ._aux import Aux
 from ._body import body
 from ._cache import StepCache
 from ._compile_checks import agree_present
@@ -157,7 +157,7 @@ def sharded_step(
         fn: LossFn = loss_fn
         threaded, aux = None, None
         if o.has_aux:  # below the others: they see what loss_fn returns without aux
-            fn = aux = Aux(loss_fn, mesh.rank, storages(state.params, state.master))
+            fn = aux = Aux(loss_fn, mesh.rank, (state.params, state.master))
         if state.buffers is not None:
             fn = threaded = BufferThread(fn, state.buffers)
         trainable = not all(b.frozen for b in state.layout.buckets)
