@@ -11,6 +11,7 @@ you trust, as with `torch.load(weights_only=False)`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -64,6 +65,13 @@ class DcpFiles:
         self._held = (name, value)
         return value
 
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The whole tensors `names`, read by one DCP load (many small ones: steps)."""
+        out = {n: torch.empty(self.entries[n].shape, dtype=self.entries[n].dtype) for n in names}
+        if out:
+            self._load(out)
+        return out
+
     def read(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of the flattened tensor `name` into `out` (converted): only the
         rows of its first dimension that hold them are read (DCP reads the parts of the
@@ -99,20 +107,32 @@ class DcpFiles:
 
 def _Rows(name: str, first: int, last: int, block: torch.Tensor) -> Any:
     """A DCP load planner reading rows [first, last) of tensor `name` into `block`."""
+    return _rows_planner()(name, first, block)
+
+
+@functools.cache
+def _rows_planner() -> type:
+    """The planner class, made once: a class made per read is a reference cycle (as every
+    class is), which would keep its read block alive until the cyclic collector ran, and
+    a rank's import then held many blocks at once."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class Rows(DefaultLoadPlanner):
+        def __init__(self, name: str, first: int, block: torch.Tensor) -> None:
+            super().__init__()
+            self.name, self.first, self.block = name, first, block
+
         def create_local_plan(self) -> LoadPlan:
             assert self.metadata is not None
-            offsets = torch.Size([first] + [0] * (block.dim() - 1))
-            chunk = ChunkStorageMetadata(offsets=offsets, sizes=block.shape)
-            md = self.metadata.state_dict_metadata[name]
-            return LoadPlan(create_read_items_for_chunk_list(name, md, [chunk]))
+            offsets = torch.Size([self.first] + [0] * (self.block.dim() - 1))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=self.block.shape)
+            md = self.metadata.state_dict_metadata[self.name]
+            return LoadPlan(create_read_items_for_chunk_list(self.name, md, [chunk]))
 
         def lookup_tensor(self, index: Any) -> torch.Tensor:
-            return block  # the read items' offsets are the block's own
+            return self.block  # the read items' offsets are the block's own
 
-    return Rows()
+    return Rows

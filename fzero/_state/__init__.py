@@ -43,4 +43,5 @@ from ._precision import to_mixed as to_mixed
 from ._shard_state import ShardedState as ShardedState
 from ._shard_state import frozen_leaves as frozen_leaves
 from ._shard_state import init_optimizer as init_optimizer
+from ._shard_state import replicate_buffers as replicate_buffers
 from ._shard_state import shard_state as shard_state

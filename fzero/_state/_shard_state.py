@@ -185,7 +185,7 @@ def shard_state(
             init, lay, optimizer, mesh, spec, buffers, precision, loss_scale, offload is None
         )
         return placed(state, offload, mesh, optimizer)
-    state_buffers = _replicate_buffers(buffers, mesh)
+    state_buffers = replicate_buffers(buffers, mesh, "shard_state")
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
     scaler = None if loss_scale is None else loss_scale.init(device_of(params))
@@ -336,7 +336,7 @@ def _from_init(
     master = None
     if precision is not None:  # the made values become the masters, as a loaded checkpoint's
         held, lay, master = to_mixed(held, lay, stage, precision, rank)
-    state_buffers = _replicate_buffers(buffers, mesh)
+    state_buffers = replicate_buffers(buffers, mesh, "shard_state")
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)
     scaler = None if loss_scale is None else loss_scale.init(device_of(flats))
@@ -345,8 +345,9 @@ def _from_init(
     )
 
 
-def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:
-    """Copies of `buffers` holding rank 0's values, after checking every rank has the same."""
+def replicate_buffers(buffers: PyTree, mesh: Mesh, what: str) -> PyTree:
+    """Copies of `buffers` holding rank 0's values, after checking every rank has the same
+    paths, shapes and dtypes (collective; `what` names the caller in the error)."""
     if buffers is None:
         return None
     from .._core import tree_map
@@ -359,7 +360,7 @@ def _replicate_buffers(buffers: PyTree, mesh: Mesh) -> PyTree:
     everyone = _comm.all_gather_object(spec, mesh)
     for rank, other in enumerate(everyone):
         if other != everyone[0]:
-            raise ValueError(f"shard_state: rank {rank}'s buffers differ from rank 0's")
+            raise ValueError(f"{what}: rank {rank}'s buffers differ from rank 0's")
     return tree_map(lambda x: _comm.broadcast_(x.detach().clone(), mesh), buffers)
 
 

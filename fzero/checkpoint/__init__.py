@@ -41,7 +41,7 @@ padded flat buckets, and it writes in place without an atomic switch.
 """
 
 from ._dcp import export_dcp as export_dcp
-from ._dcp import import_dcp as import_dcp
+from ._dcp_import import import_dcp as import_dcp
 from ._export import export_safetensors as export_safetensors
 from ._export import export_torch as export_torch
 from ._pretrained import export_pretrained as export_pretrained

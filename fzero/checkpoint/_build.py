@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
+from .._comm import Mesh
 from .._core import Bucket, ShardLayout, Shards, Stage
-from .._state import ShardedState
+from .._state import Offload, Precision, ShardedState, place
 from ..optim import Optimizer
+from ..optim._base import check_slices
+from ._extra import to_mixed
 from ._schema import (
     CheckpointError,
     Entry,
@@ -108,6 +112,47 @@ def build_state(
     target = optimizer.init(pieces_in)  # on the parameters' device
     opt_state = fill_state(src, layout, stage, rank, target, device)
     return ShardedState(params, opt_state, step, layout, stage.number)
+
+
+def resume(
+    src: Source,
+    layout: ShardLayout,
+    optimizer: Optimizer,
+    stage: Stage,
+    mesh: Mesh,
+    step: int,
+    device: torch.device,
+    what: str,
+    *,
+    precision: Precision | None = None,
+    offload: Offload | None = None,
+    extras: Callable[[ShardedState], ShardedState] | None = None,
+) -> ShardedState:
+    """This rank's state filled from `src`, as `shard_state` holds it with `precision` and
+    `offload`: what `checkpoint.load` and the imports build (not collective).
+
+    `extras` adds the buffers and the scaler to the full-precision state before the
+    masters are split off. Offloaded, the optimizer state is made where it goes (a file
+    on disk) and filled there a piece at a time, so the disk tier never holds it whole.
+    """
+    making = optimizer if offload is None else None
+    state = build_state(src, layout, making, stage, mesh.shard_rank, step, device)
+    if stage.shards_optimizer:  # after the state, whose misfit names the leaf
+        check_slices(optimizer, layout.kind, what)
+    if extras is not None:
+        state = extras(state)
+    if precision is not None:
+        state = to_mixed(state, precision, mesh)
+    if offload is not None:
+        state = place(state, offload, mesh, optimizer)
+        placement = state.offload
+        where = [x.device for x in state.master.pieces()]
+        opt_state = fill_state(
+            src, layout, stage, mesh.shard_rank, state.opt_state, device, placement.release, where
+        )
+        state = dataclasses.replace(state, opt_state=opt_state)
+        placement.release_all()
+    return state
 
 
 def fill_state(

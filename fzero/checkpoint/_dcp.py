@@ -15,16 +15,15 @@ from torch import nn
 
 from .. import _comm
 from .._comm import Mesh
-from .._core import DcpFiles, build_layout, fsync_dir, leaf_paths, tree_flatten
-from .._state import ShardedState, frozen_leaves
-from ..optim import Optimizer
+from .._core import fsync_dir, leaf_paths, tree_flatten
+from .._state import ShardedState
 from ._export import _names
 from ._extra import full_precision
 from ._save import check_state
-from ._schema import CheckpointError, agree
+from ._schema import agree
 from ._stream import export_torch as stream_torch
 from ._stream import gather_leaves
-from ._torch import import_torch, natural_order
+from ._torch import natural_order
 
 
 @_comm.collective("checkpoint.export_dcp")
@@ -289,74 +288,4 @@ def unit_bytes(lay: Any) -> int:
         (sum(lay.buckets[k].full_numel * lay.buckets[k].dtype.itemsize for k in lay.unit_buckets(u))
          for u in lay.units),
         default=1,
-    )  # fmt: skip
-
-
-@_comm.collective("checkpoint.import_dcp")
-def import_dcp(
-    directory: str | os.PathLike[str],
-    optimizer: Optimizer,
-    mesh: Mesh,
-    params_like: dict[str, torch.Tensor],
-    *,
-    stage: int,
-    optimizer_key: str = "optim",
-    layout: str = "flat",
-    units: Any = None,
-    frozen: Any = None,
-    device: Any = None,
-) -> ShardedState:
-    """Builds a ShardedState from a `torch.distributed.checkpoint` holding a model's weights
-    and its optimizer's state: an FSDP2 or torchtitan job's
-    `dcp.save({**model.state_dict(), "optim": get_optimizer_state_dict(model, opt)})`, or
-    `export_dcp(..., optimizer_key="optim")`. Training goes on where it stopped: Adam's
-    moments and step (torch.optim.Adam/AdamW for `fzero.optim.adam`/`adamw`), SGD's
-    momentum, a `from_torch` optimizer's state.
-
-    Collective. Every rank reads the weights and the state whole (through torch's DCP
-    reader) and keeps its shards, as `import_torch` does from the same dicts: a rank
-    holds the model and its optimizer state once while it imports.
-
-    Args:
-      directory: the DCP checkpoint.
-      optimizer: the fzero optimizer to continue with (hyper-parameters come from it).
-      mesh: the mesh.
-      params_like: the parameter tree, `dict(model.named_parameters())` (meta tensors
-        will do): its paths are the checkpoint's keys for the weights.
-      stage: the ZeRO stage (0-3).
-      optimizer_key: the key the optimizer state was saved under ("optim" above;
-        torchtitan: "optimizer").
-      layout, units, frozen, device: as in `import_torch`.
-
-    Returns:
-      This rank's ShardedState.
-    """
-    files = DcpFiles(os.fspath(directory))
-    try:
-        model_sd = {}
-        for path in params_like:
-            if path not in files.entries:
-                raise CheckpointError(
-                    f"import_dcp: {directory} has no weight {path!r} (it holds e.g. "
-                    f"{sorted(files.entries)[:3]})"
-                )
-            model_sd[path] = files.tensor(path).clone()
-        lay = build_layout(
-            model_sd, mesh.shard_size, layout, units, frozen_leaves(params_like, frozen)
-        )
-        trainable = [lay.paths[i] for i in natural_order(lay) if not lay.frozen[i]]
-        states: dict[int, dict[str, torch.Tensor]] = {}
-        for index, fqn in enumerate(trainable):
-            prefix = f"{optimizer_key}.state.{fqn}."
-            states[index] = {
-                name[len(prefix) :]: files.tensor(name).clone()
-                for name in files.entries
-                if name.startswith(prefix) and "." not in name[len(prefix) :]
-            }
-        optim_sd = {"state": states, "param_groups": [{"params": list(range(len(trainable)))}]}
-    finally:
-        files.close()
-    return import_torch(
-        model_sd, optim_sd, optimizer, mesh, stage=stage, params_like=params_like,
-        layout=layout, units=units, frozen=frozen, device=device,
     )  # fmt: skip

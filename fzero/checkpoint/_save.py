@@ -22,18 +22,16 @@ from .._core import (
     stage_of,
     tree_flatten,
 )
-from .._state import ShardedState, check_live, frozen_leaves, place
+from .._state import ShardedState, check_live, frozen_leaves
 from ..optim import Optimizer
-from ..optim._base import check_slices
 from . import _disk as disk
-from ._build import build_state, fill_state
+from ._build import resume
 from ._extra import (
     extra_metadata,
     extra_tensors,
     full_precision,
     load_buffers,
     load_scaler,
-    to_mixed,
 )
 from ._schema import (
     CheckpointError,
@@ -292,29 +290,16 @@ def load(
         src = disk.FileSource(directory, body)
         dev = mesh.device if device is None else torch.device(device)
         try:
-            rank = mesh.shard_rank
-            # Offloaded, the optimizer state is made where it goes (a disk file), then
-            # filled there from the checkpoint, a piece at a time.
-            making = optimizer if offload is None else None
-            state = build_state(src, lay, making, spec, rank, body["step"], dev)
-            if spec.shards_optimizer:  # after the state, whose misfit names the leaf
-                check_slices(optimizer, lay.kind, "checkpoint.load")
-            state = dataclasses.replace(
-                state,
-                buffers=load_buffers(src, body, buffers_like, dev),
-                scaler=load_scaler(src, body, loss_scale, dev),
-            )
-            if precision is not None:
-                state = to_mixed(state, precision, mesh)
-            if offload is not None:
-                state = place(state, offload, mesh, optimizer)
-                placement = state.offload
-                where = [x.device for x in state.master.pieces()]
-                opt_state = fill_state(
-                    src, lay, spec, rank, state.opt_state, dev, placement.release, where
-                )
-                state = dataclasses.replace(state, opt_state=opt_state)
-                placement.release_all()
+
+            def extras(state: ShardedState) -> ShardedState:
+                buffers = load_buffers(src, body, buffers_like, dev)
+                scaler = load_scaler(src, body, loss_scale, dev)
+                return dataclasses.replace(state, buffers=buffers, scaler=scaler)
+
+            state = resume(
+                src, lay, optimizer, spec, mesh, body["step"], dev, "checkpoint.load",
+                precision=precision, offload=offload, extras=extras,
+            )  # fmt: skip
         finally:
             src.close()
     except Exception as exc:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -20,9 +22,17 @@ from .._core import (
     tree_flatten,
     tree_unflatten,
 )
-from .._state import ShardedState, frozen_leaves
+from .._state import (
+    DynamicLossScale,
+    Offload,
+    Precision,
+    ShardedState,
+    cast_params,
+    frozen_leaves,
+    replicate_buffers,
+)
 from ..optim import Optimizer
-from ._build import build_state
+from ._build import resume
 from ._schema import CheckpointError, Key, Local, Schema, agree, merge, pieces_of, report, walk
 
 # fzero state -> torch.optim state keys, per optimizer state type.
@@ -104,6 +114,10 @@ def import_torch(
     frozen: Any = None,
     step: int | None = None,
     device: Any = None,
+    buffers: PyTree = None,
+    precision: Precision | None = None,
+    loss_scale: DynamicLossScale | None = None,
+    offload: Offload | None = None,
 ) -> ShardedState:
     """Builds a ShardedState from a plain model state dict and a torch.optim state dict.
 
@@ -113,7 +127,8 @@ def import_torch(
     built. Hyper-parameters come from `optimizer`, not from the param groups.
 
     Args:
-      model_state_dict: leaf path -> tensor, for exactly the leaves of the parameters.
+      model_state_dict: leaf path -> tensor, for exactly the leaves of the parameters
+        (and of `buffers`, if given without `params_like`).
       optim_state_dict: a `torch.optim` state dict (`state`, `param_groups`) of the
         optimizer `optimizer` stands for (torch.optim.Adam/AdamW for `fzero.optim.adam`/
         `adamw`, SGD for `sgd`, the wrapped class for `from_torch`).
@@ -129,6 +144,11 @@ def import_torch(
         SGD keeps none, so by default it is 1 if momentum buffers exist, else 0 (it only
         matters to learning-rate schedules).
       device: where the state is built (None: `mesh.device`).
+      buffers: the module's buffers, as `shard_state(buffers=)` takes them
+        (`dict(model.named_buffers())`): a buffer the state dict holds takes its value,
+        cast to the given buffer's dtype; the others (non-persistent ones) keep theirs.
+      precision, loss_scale, offload: as in `shard_state`: the state dict's values
+        become the fp32 masters under `precision`; the scaler starts afresh.
 
     Returns:
       This rank's ShardedState.
@@ -141,7 +161,8 @@ def import_torch(
         missing = [p for p in paths if p not in model_state_dict]
         # With params_like, further keys are allowed: a plain state_dict also holds buffers
         # and every name of a tied weight, which the parameter tree holds once.
-        extra = [] if params_like is not None else sorted(set(model_state_dict) - set(paths))
+        known = set(paths) | set(leaf_paths(buffers) if buffers is not None else ())
+        extra = [] if params_like is not None else sorted(set(model_state_dict) - known)
         if missing or extra:
             raise CheckpointError(
                 f"model_state_dict does not match the parameters: missing {missing[:5]}, "
@@ -157,24 +178,96 @@ def import_torch(
                 f"optim_state_dict has {len(ids)} parameters, the model {len(order)} trainable ones"
             )
         torch_states = {leaf: optim_state_dict["state"].get(i, {}) for i, leaf in zip(ids, order)}
-        src, count = _from_torch(optimizer, lay, leaves, torch_states, step)
+        saved = torch_states_of(optimizer, lay, leaves, torch_states, step)
+        src = DictSource(saved.schema, leaves, saved.per_leaf, saved.globals)
         dev = mesh.device if device is None else torch.device(device)
-        state = build_state(
-            src, lay, optimizer, spec, mesh.shard_rank, count if step is None else step, dev
-        )
+        read = lambda path: model_state_dict.get(path)  # noqa: E731
+        state = resume(
+            src, lay, optimizer, spec, mesh, saved.count if step is None else step, dev,
+            "checkpoint.import_torch", precision=precision, offload=offload,
+            extras=extras(buffers, read, loss_scale, dev),
+        )  # fmt: skip
     except Exception as exc:
         error = exc
     agree(error, None, mesh, "checkpoint.import_torch")
-    return state
+    assert state is not None
+    return replicated(state, precision, mesh, "checkpoint.import_torch")
 
 
-def _from_torch(
+def extras(
+    buffers: PyTree,
+    read: Callable[[str], torch.Tensor | None],
+    loss_scale: DynamicLossScale | None,
+    device: torch.device,
+) -> Callable[[ShardedState], ShardedState]:
+    """What an import adds to a state beside parameters and optimizer state: `buffers`
+    with the values `read(path)` finds for them, and a fresh scaler under `loss_scale`."""
+
+    def add(state: ShardedState) -> ShardedState:
+        out = None
+        if buffers is not None:
+            values = []
+            for path, given in zip(leaf_paths(buffers), tree_flatten(buffers)[0]):
+                if not isinstance(given, torch.Tensor):
+                    raise TypeError(
+                        f"buffers leaf {path!r} is a {type(given).__name__}, expected a tensor"
+                    )
+                found = read(path)
+                if found is None:
+                    if given.device.type == "meta":
+                        raise CheckpointError(
+                            f"buffer {path!r} is not in the checkpoint and is given on the "
+                            "meta device: give its value (a non-persistent buffer)"
+                        )
+                    found = given
+                elif tuple(found.shape) != tuple(given.shape):
+                    raise CheckpointError(
+                        f"buffer {path!r} is saved as {tuple(found.shape)}, the model's is "
+                        f"{tuple(given.shape)}"
+                    )
+                values.append(found.detach().to(device, given.dtype, copy=True))
+            out = tree_unflatten(tree_flatten(buffers)[1], values)
+        scaler = None if loss_scale is None else loss_scale.init(device)
+        return dataclasses.replace(state, buffers=out, scaler=scaler)
+
+    return add
+
+
+def replicated(
+    state: ShardedState, precision: Precision | None, mesh: Mesh, what: str
+) -> ShardedState:
+    """`state` with rank 0's buffers on every rank (as `shard_state` holds them), cast to
+    the precision's buffer dtype: collective, after every rank has built its state."""
+    if state.buffers is None:
+        return state
+    buffers = replicate_buffers(state.buffers, mesh, what)
+    if precision is not None:
+        buffers = cast_params(buffers, precision.buffer_dtype)
+    return dataclasses.replace(state, buffers=buffers)
+
+
+class TorchStates(NamedTuple):
+    """A torch.optim state seen by leaf: the schema, per leaf its entries' values (meta
+    tensors where only their shape and dtype were known), the globals, the step count and
+    each entry's torch name."""
+
+    schema: Schema
+    per_leaf: dict[int, dict[Key, torch.Tensor]]
+    globals: dict[str, torch.Tensor]
+    count: int
+    names: dict[Key, str]
+
+
+def torch_states_of(
     optimizer: Optimizer,
     lay: ShardLayout,
     leaves: list[torch.Tensor],
     states: dict[int, dict[str, Any]],
     step: int | None,
-) -> tuple[DictSource, int]:
+) -> TorchStates:
+    """torch.optim's per-parameter `states` (leaf -> {name: tensor}) as `optimizer`'s state
+    entries. Only 0-d values (steps) are read; of the others only shapes and dtypes, so
+    meta tensors stand for what a source reads later, range by range."""
     probe = optimizer.init(())  # the state's shape, without any parameter
     nodes: list[str] = []
     globals_: list[str] = []
@@ -182,9 +275,10 @@ def _from_torch(
     walk(probe, spec, lambda p, t: nodes.append(p), lambda p, t: globals_.append(p))
     kind = type(probe).__name__
     per_leaf: dict[int, dict[Key, torch.Tensor]] = {}
+    names: dict[Key, str] = {}
     count = 0
     if kind in ("AdamState", "SgdState"):
-        names = _ADAM if kind == "AdamState" else _SGD
+        table = _ADAM if kind == "AdamState" else _SGD
         steps = {float(s["step"]) for s in states.values() if "step" in s}
         if len(steps) > 1:
             raise CheckpointError(f"parameters are at different steps {sorted(steps)}")
@@ -193,10 +287,14 @@ def _from_torch(
         for i, st in states.items():
             per_leaf[i] = {}
             for node in nodes:
-                if st and names[node] not in st:
-                    raise CheckpointError(f"torch state of {lay.paths[i]!r} lacks {names[node]!r}")
-                value = st[names[node]] if st else torch.zeros_like(leaves[i])
+                if st and table[node] not in st:
+                    raise CheckpointError(f"torch state of {lay.paths[i]!r} lacks {table[node]!r}")
+                # Zeros for a parameter torch never stepped (meta where the leaf is: a
+                # source reads them as zeros; 0-d ones real, for the schema's scalars).
+                zeros = torch.zeros_like(leaves[i], device="cpu" if leaves[i].dim() == 0 else None)
+                value = st[table[node]] if st else zeros
                 per_leaf[i][node, ""] = value.detach().to(leaves[i].dtype)
+                names[node, ""] = table[node]
         glob = {"count": torch.tensor(count, dtype=torch.int64, device="cpu")}
     elif nodes == [""] and not globals_:
         for i, st in states.items():
@@ -204,13 +302,14 @@ def _from_torch(
             if bad:
                 raise CheckpointError(f"torch state of {lay.paths[i]!r} has non-tensor {bad}")
             per_leaf[i] = {("", k): v.detach() for k, v in st.items()}
+            names.update({("", k): k for k in st})
         glob = {}
     else:
-        raise CheckpointError(f"import_torch cannot map torch.optim state to a {kind}")
+        raise CheckpointError(f"importing cannot map torch.optim state to a {kind}")
     pieces = pieces_of(lay, STAGES[0], 0)  # torch.optim state: whole leaves, as stage 0
     occ: dict[Key, list[tuple[int, torch.Tensor]]] = {}
     for pi, p in enumerate(pieces):
         for key, value in per_leaf.get(p.leaf, {}).items():
             occ.setdefault(key, []).append((pi, value))
     schema = merge([report(Local(pieces, kind, nodes, occ, glob), lay)])
-    return DictSource(schema, leaves, per_leaf, glob), count
+    return TorchStates(schema, per_leaf, glob, count, names)

@@ -549,10 +549,18 @@ def test_export_loads_into_torch_and_trains_on_identically(
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("name", "n", "stage", "layout"),
-    [("adamw", 2, 3, "flat"), ("torch_rmsprop", 3, 1, "tensor"), ("nesterov", 2, 0, "flat")],
+    ("name", "n", "stage", "layout", "offload"),
+    [
+        ("adamw", 2, 3, "flat", None),
+        ("torch_rmsprop", 3, 1, "tensor", None),
+        ("nesterov", 2, 0, "flat", None),
+        ("adamw", 3, 2, "flat", "disk"),
+        ("torch_rmsprop", 2, 3, "flat", "host"),
+    ],
 )
-def test_import_from_torch_trains_on_like_torch(name: str, n: int, stage: int, layout: str) -> None:
+def test_import_from_torch_trains_on_like_torch(
+    name: str, n: int, stage: int, layout: str, offload: str | None, tmp_path: Path
+) -> None:
     net = make_net()
     opt = torch_optimizer(name, net.parameters())
     torch_steps(net, opt, 0, 2)
@@ -562,9 +570,12 @@ def test_import_from_torch_trains_on_like_torch(name: str, n: int, stage: int, l
     expected = {k: v.detach() for k, v in net.named_parameters()}
 
     def fz(mesh: fzero.Mesh) -> Any:
+        spill = str(tmp_path) if offload == "disk" else None
+        where = None if offload is None else fzero.Offload(offload, directory=spill)
         state = ck.import_torch(
-            model_sd, optim_sd, make_optimizer(name), mesh, stage=stage, layout=layout
-        )
+            model_sd, optim_sd, make_optimizer(name), mesh, stage=stage, layout=layout,
+            offload=where,
+        )  # fmt: skip
         back = ck.export_torch(state, None, mesh)
         state = net_steps(mesh, name, make_net(), state, 2, 5)
         return back, fzero.gather_params(state.params, mesh)

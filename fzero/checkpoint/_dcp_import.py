@@ -1,0 +1,227 @@
+"""import_dcp: an FSDP2 or torchtitan checkpoint read into this rank's shards, range by range."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .. import _comm
+from .._comm import Mesh
+from .._core import (
+    DcpFiles,
+    ShardLayout,
+    build_layout,
+    leaf_paths,
+    stage_of,
+    tree_flatten,
+    tree_unflatten,
+)
+from .._state import DynamicLossScale, Offload, Precision, ShardedState, frozen_leaves
+from ..optim import Optimizer
+from ._build import resume
+from ._schema import CheckpointError, Key, agree
+from ._torch import TorchStates, extras, natural_order, replicated, torch_states_of
+
+
+class DcpSource:
+    """A DCP checkpoint's weights and torch.optim state as a `Source` (see `_build`): every
+    read is a range of one saved tensor, so a rank reads about what it keeps.
+
+    Args:
+      files: the checkpoint.
+      paths: per leaf, its weight's key.
+      dtypes: per leaf, the dtype its weight is read in.
+      saved: the optimizer state seen by leaf (`torch_states_of`), its tensors meta
+        where they are read later.
+      prefix: per leaf, the keys' prefix of its optimizer state ("optim.state.<fqn>.").
+    """
+
+    def __init__(
+        self,
+        files: DcpFiles,
+        paths: list[str],
+        dtypes: list[torch.dtype],
+        saved: TorchStates,
+        prefix: dict[int, str],
+    ) -> None:
+        self.files, self.paths, self.dtypes = files, paths, dtypes
+        self.saved, self.prefix, self.schema = saved, prefix, saved.schema
+
+    def param(self, leaf: int, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=self.dtypes[leaf])
+        self.files.read(self.paths[leaf], lo, hi, out)
+        return out
+
+    def elem(self, entry: int, leaf: int, lo: int, hi: int) -> torch.Tensor:
+        key = self._key(entry)
+        like = self.saved.per_leaf[leaf][key]
+        out = torch.empty(hi - lo, dtype=like.dtype)
+        name = self._name(leaf, key)
+        if like.device.type != "meta":  # read already (a 0-d value)
+            out.copy_(like.reshape(-1)[lo:hi])
+        elif name not in self.files.entries:  # a parameter torch never stepped: zeros
+            out.zero_()
+        else:
+            self.files.read(name, lo, hi, out)
+        return out
+
+    def piece(self, entry: int, leaf: int) -> torch.Tensor | None:
+        key = self._key(entry)
+        like = self.saved.per_leaf.get(leaf, {}).get(key)
+        if like is None or like.device.type != "meta":
+            return like
+        return self.files.tensor(self._name(leaf, key)).to(like.dtype, copy=True)
+
+    def uniform(self, entry: int) -> torch.Tensor:
+        key = self._key(entry)
+        return next(d[key] for d in self.saved.per_leaf.values() if key in d)  # 0-d: read
+
+    def global_(self, path: str) -> torch.Tensor:
+        return self.saved.globals[path]
+
+    def _key(self, entry: int) -> Key:
+        e = self.schema.entries[entry]
+        return (e.node, e.sub)
+
+    def _name(self, leaf: int, key: Key) -> str:
+        return self.prefix[leaf] + self.saved.names[key]
+
+
+@_comm.collective("checkpoint.import_dcp")
+def import_dcp(
+    directory: str | os.PathLike[str],
+    optimizer: Optimizer,
+    mesh: Mesh,
+    params_like: dict[str, torch.Tensor],
+    *,
+    stage: int,
+    optimizer_key: str = "optim",
+    layout: str = "flat",
+    units: Any = None,
+    frozen: Any = None,
+    step: int | None = None,
+    device: Any = None,
+    buffers: Any = None,
+    precision: Precision | None = None,
+    loss_scale: DynamicLossScale | None = None,
+    offload: Offload | None = None,
+) -> ShardedState:
+    """Builds a ShardedState from a `torch.distributed.checkpoint` holding a model's weights
+    and its optimizer's state: an FSDP2 or torchtitan job's
+    `dcp.save({**model.state_dict(), "optim": get_optimizer_state_dict(model, opt)})`, or
+    `export_dcp(..., optimizer_key="optim")`. Training goes on where it stopped: Adam's
+    moments and step (torch.optim.Adam/AdamW for `fzero.optim.adam`/`adamw`), SGD's
+    momentum, a `from_torch` optimizer's state.
+
+    Collective. Each rank reads only the ranges it keeps: at stage 3 its slice of the
+    weights, at stages 1-3 its slice of the moments (DCP reads the saved chunks that
+    overlap them), so a model whose state fits the ranks only sharded imports as it
+    trains, and with `offload` the moments go to the host or to disk a unit at a time.
+
+    Args:
+      directory: the DCP checkpoint.
+      optimizer: the fzero optimizer to continue with (hyper-parameters come from it).
+      mesh: the mesh.
+      params_like: the parameter tree, `dict(model.named_parameters())` (meta tensors
+        will do): its paths are the checkpoint's keys for the weights, and its shapes
+        must be the saved ones. The weights keep the checkpoint's dtype.
+      stage: the ZeRO stage (0-3).
+      optimizer_key: the key the optimizer state was saved under ("optim" above;
+        torchtitan: "optimizer").
+      layout, units, frozen, step, device: as in `import_torch`.
+      buffers: the module's buffers (`dict(model.named_buffers())`): those the checkpoint
+        holds (persistent ones) take its values, the others keep theirs.
+      precision, loss_scale, offload: as in `shard_state`: the checkpoint's weights
+        become the masters under `precision` (FSDP2 keeps them in fp32 beside its
+        `MixedPrecisionPolicy`); the scaler starts afresh.
+
+    Returns:
+      This rank's ShardedState.
+
+    Raises:
+      CheckpointError: on every rank: a weight the checkpoint lacks or holds in another
+        shape, ranks that see different checkpoints, an optimizer state that does not fit.
+    """
+    spec = stage_of(stage)
+    where = f"checkpoint.import_dcp({os.fspath(directory)!r})"
+    error, state, files, digest = None, None, None, None
+    try:
+        files = DcpFiles(os.fspath(directory))
+        digest = files.digest()
+    except Exception as exc:
+        error = exc
+    try:
+        if len(set(agree(error, digest, mesh, where))) > 1:
+            raise CheckpointError(f"{where} failed: the ranks see different checkpoints")
+        assert files is not None
+        try:
+            lay, src, count = _source(files, optimizer, mesh, params_like, optimizer_key,
+                                      layout, units, frozen, step)  # fmt: skip
+            dev = mesh.device if device is None else torch.device(device)
+
+            def buffer(path: str) -> torch.Tensor | None:
+                return files.tensor(path).clone() if path in files.entries else None
+
+            state = resume(
+                src, lay, optimizer, spec, mesh, count, dev, "checkpoint.import_dcp",
+                precision=precision, offload=offload,
+                extras=extras(buffers, buffer, loss_scale, dev),
+            )  # fmt: skip
+        except Exception as exc:
+            error = exc
+        agree(error, None, mesh, where)
+    finally:
+        if files is not None:
+            files.close()
+    assert state is not None
+    return replicated(state, precision, mesh, "checkpoint.import_dcp")
+
+
+def _source(
+    files: DcpFiles,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    params_like: dict[str, torch.Tensor],
+    optimizer_key: str,
+    layout: str,
+    units: Any,
+    frozen: Any,
+    step: int | None,
+) -> tuple[ShardLayout, DcpSource, int]:
+    """The layout, the checkpoint as a source and the step count; only the 0-d values
+    (steps) are read here."""
+    paths = leaf_paths(params_like)
+    leaves = []
+    for path, given in zip(paths, tree_flatten(params_like)[0]):
+        if path not in files.entries:
+            raise CheckpointError(
+                f"{files.path} has no weight {path!r} (it holds e.g. {sorted(files.entries)[:3]})"
+            )
+        saved = files.entries[path]
+        shape = getattr(given, "shape", None)
+        if shape is not None and tuple(shape) != tuple(saved.shape):
+            raise CheckpointError(
+                f"weight {path!r} is saved as {tuple(saved.shape)}, the model's is {tuple(shape)}"
+            )
+        leaves.append(torch.empty(saved.shape, dtype=saved.dtype, device="meta"))
+    params = tree_unflatten(tree_flatten(params_like)[1], leaves)
+    lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves(params, frozen))
+    prefix: dict[int, str] = {}
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for i in (i for i in natural_order(lay) if not lay.frozen[i]):
+        prefix[i] = f"{optimizer_key}.state.{lay.paths[i]}."
+        subs = [n[len(prefix[i]) :] for n in files.entries if n.startswith(prefix[i])]
+        entries = {sub: files.entries[prefix[i] + sub] for sub in subs if "." not in sub}
+        states[i] = {
+            sub: torch.empty(e.shape, dtype=e.dtype, device="meta") for sub, e in entries.items()
+        }
+    # Every 0-d value (torch's per-parameter "step") in one read; the rest range by range.
+    small = [prefix[i] + sub for i, st in states.items() for sub, x in st.items() if x.dim() == 0]
+    read = files.tensors(small)
+    for i, st in states.items():
+        st.update({sub: read[prefix[i] + sub] for sub, x in st.items() if x.dim() == 0})
+    saved = torch_states_of(optimizer, lay, leaves, states, step)
+    src = DcpSource(files, paths, [x.dtype for x in leaves], saved, prefix)
+    return lay, src, saved.count if step is None else step
