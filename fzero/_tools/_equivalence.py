@@ -58,7 +58,9 @@ def assert_stages_equivalent(
 
     The reference runs here: plain autograd and `cls(params, **kwargs)`, its loss at step
     t the mean of `loss_fn` over the step's micro-batches (the loss on the concatenated
-    batch, for a mean loss over equal micro-batches). Each stage then runs on
+    batch, for a mean loss over equal micro-batches). A parameter the loss does not use
+    gets a zero gradient there, as fzero gives it (torch.optim would skip a `.grad` of
+    None; docs/training.md, "Unused parameters"). Each stage then runs on
     `fzero.simulate` with one rank per micro-batch; the parameters every rank gathers
     after the last step, and the per-step losses averaged over ranks, must match.
 
