@@ -100,22 +100,13 @@ class ShardLayout:
 
     def merge(self, tree: PyTree, trainable: PyTree) -> PyTree:
         """The leaves of `trainable` where trainable, those of `tree` where frozen."""
-        new = self.leaves(trainable)
-        return tree_unflatten(
-            self.treedef,
-            [old if f else n for old, n, f in zip(self.leaves(tree), new, self.frozen)],
-        )
+        pairs = zip(self.leaves(tree), self.leaves(trainable), self.frozen)
+        return tree_unflatten(self.treedef, [old if f else n for old, n, f in pairs])
 
     def fingerprint(self) -> tuple[Any, ...]:
         """Everything ranks must agree on, as plain picklable values."""
-        return (
-            self.kind,
-            self.world_size,
-            str(self.treedef),
-            tuple(zip(self.paths, self.shapes, map(str, self.dtypes))),
-            self.members,
-            self.frozen,
-        )
+        leaves = tuple(zip(self.paths, self.shapes, map(str, self.dtypes)))
+        return (self.kind, self.world_size, str(self.treedef), leaves, self.members, self.frozen)
 
     def leaves(self, tree: PyTree, what: str = "tree") -> list[Any]:
         """The leaves of `tree` in layout order, after checking its structure.
@@ -361,12 +352,17 @@ def check_leaves(paths: list[str], leaves: list[Any]) -> None:
         if not leaf.is_floating_point():
             raise TypeError(
                 f"params leaf {path!r} has dtype {leaf.dtype}, expected a floating-point dtype"
+                + (_COMPLEX if leaf.is_complex() else "")
             )
         if leaf.layout != torch.strided:
             raise TypeError(f"params leaf {path!r} has layout {leaf.layout}, expected dense")
         devices.add(leaf.device)
     if len(devices) > 1:
         raise ValueError(f"params leaves live on several devices {sorted(map(str, devices))}")
+
+
+# torch.optim steps a complex parameter as its real view, which fzero's flat buckets hold.
+_COMPLEX = ": hold it as torch.view_as_real(x) and torch.view_as_complex it in the loss"
 
 
 def _place_flat(

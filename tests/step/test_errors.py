@@ -66,12 +66,26 @@ def _batch() -> torch.Tensor:
             TypeError,
             r"'layers\.1\.b' has dtype torch\.bool",
         ),
+        (
+            _params(layers__1__w=torch.ones(3, 2, dtype=torch.complex64)),
+            TypeError,
+            r"'layers\.1\.w' has dtype torch\.complex64, expected a floating-point dtype: hold "
+            r"it as torch\.view_as_real\(x\)",
+        ),
         (_params(scale=1.0), TypeError, r"'scale' is a float, expected a floating-point"),
         (_params(layers__0__b=np.zeros(3)), TypeError, r"'layers\.0\.b' is a ndarray"),
         ({}, ValueError, r"params has no leaves"),
         ({"layers": [], "scale": None}, ValueError, r"params has no leaves"),
     ],
-    ids=["int-tensor", "bool-tensor", "python-float", "numpy-array", "empty-dict", "no-tensors"],
+    ids=[
+        "int-tensor",
+        "bool-tensor",
+        "complex-tensor",
+        "python-float",
+        "numpy-array",
+        "empty-dict",
+        "no-tensors",
+    ],
 )
 def test_params_must_be_a_pytree_of_floating_tensors(
     params: Any, error: type[Exception], match: str

@@ -121,3 +121,45 @@ def test_value_and_grad_under_no_grad_differentiates() -> None:
     expected = torch.autograd.grad(loss, tensors)
     assert torch.equal(value, loss.detach())
     fzero.assert_trees_close(grads, fzero._core._tree.tree_unflatten(treedef, list(expected)))
+
+
+def _spectral(params: Any, batch: Any) -> torch.Tensor:
+    """A Fourier layer (FNO's): a complex weight multiplies the input's spectrum. fzero
+    holds the weight as its real view; the loss views it back."""
+    x, y = batch
+    w = torch.view_as_complex(params["w"]) if params["w"].dtype != torch.complex128 else params["w"]
+    out = torch.fft.irfft(torch.fft.rfft(x) * w, n=x.shape[-1]) + params["b"]
+    return torch.nn.functional.mse_loss(out, y)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_complex_parameter_held_as_its_real_view_trains_as_torch_steps_it(stage: int) -> None:
+    """torch.optim steps a complex parameter as its real view: so does fzero, which
+    holds it that way (it refuses a complex leaf, saying so)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, dtype=torch.complex128, generator=g)
+    b = torch.randn(8, dtype=torch.float64, generator=g)
+    xs = torch.randn(3, 6, 8, dtype=torch.float64, generator=g)
+    ys = torch.randn(3, 6, 8, dtype=torch.float64, generator=g)
+    tensors = {"w": w.clone().requires_grad_(), "b": b.clone().requires_grad_()}
+    opt = torch.optim.AdamW(tensors.values(), lr=0.05, weight_decay=0.1, foreach=False)
+    for t in range(3):
+        opt.zero_grad()
+        _spectral(tensors, (xs[t], ys[t])).backward()
+        opt.step()
+    want = {"w": torch.view_as_real(tensors["w"].detach()), "b": tensors["b"].detach()}
+    assert not torch.equal(tensors["w"], w)
+
+    def train(mesh: fzero.Mesh) -> Any:
+        adamw = fzero.optim.adamw(lr=0.05, weight_decay=0.1)
+        params = {"w": torch.view_as_real(w).clone(), "b": b}
+        state = fzero.shard_state(params, adamw, mesh, stage=stage)
+        step = fzero.sharded_step(_spectral, adamw, mesh, stage=stage)
+        for t in range(3):
+            state, _ = step(state, (xs[t, 3 * mesh.rank : 3 * mesh.rank + 3],
+                                    ys[t, 3 * mesh.rank : 3 * mesh.rank + 3]))  # fmt: skip
+        return fzero.gather_params(state.params, mesh)
+
+    for got in run(2, train):
+        fzero.assert_trees_close(got, want, **tolerance(torch.float64), what=f"{stage=}")
