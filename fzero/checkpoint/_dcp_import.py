@@ -207,15 +207,23 @@ def _source(
             )
         leaves.append(torch.empty(saved.shape, dtype=saved.dtype, device="meta"))
     params = tree_unflatten(tree_flatten(params_like)[1], leaves)
-    lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves(params, frozen))
+    # Frozen as the model's parameters say (their requires_grad), not the meta stand-ins.
+    lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves(params_like, frozen))
+    # The optimizer state's entries by parameter, in one pass over the checkpoint's keys:
+    # "<key>.state.<fqn>.<name>" (FSDP2's get_optimizer_state_dict, flattened by DCP).
+    head = f"{optimizer_key}.state."
+    by_fqn: dict[str, dict[str, Any]] = {}
+    for name, e in files.entries.items():
+        if name.startswith(head) and "." in name[len(head) :]:
+            fqn, sub = name[len(head) :].rsplit(".", 1)
+            by_fqn.setdefault(fqn, {})[sub] = e
     prefix: dict[int, str] = {}
     states: dict[int, dict[str, torch.Tensor]] = {}
     for i in (i for i in natural_order(lay) if not lay.frozen[i]):
-        prefix[i] = f"{optimizer_key}.state.{lay.paths[i]}."
-        subs = [n[len(prefix[i]) :] for n in files.entries if n.startswith(prefix[i])]
-        entries = {sub: files.entries[prefix[i] + sub] for sub in subs if "." not in sub}
+        prefix[i] = f"{head}{lay.paths[i]}."
         states[i] = {
-            sub: torch.empty(e.shape, dtype=e.dtype, device="meta") for sub, e in entries.items()
+            sub: torch.empty(e.shape, dtype=e.dtype, device="meta")
+            for sub, e in by_fqn.get(lay.paths[i], {}).items()
         }
     # Every 0-d value (torch's per-parameter "step") in one read; the rest range by range.
     small = [prefix[i] + sub for i, st in states.items() for sub, x in st.items() if x.dim() == 0]

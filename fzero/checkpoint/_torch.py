@@ -157,16 +157,16 @@ def import_torch(
     error, state = None, None
     try:
         like = model_state_dict if params_like is None else params_like
+        if params_like is None and buffers is not None:  # the state dict less its buffers
+            named = set(leaf_paths(buffers))
+            like = {k: v for k, v in model_state_dict.items() if k not in named}
         paths = leaf_paths(like)
-        missing = [p for p in paths if p not in model_state_dict]
         # With params_like, further keys are allowed: a plain state_dict also holds buffers
         # and every name of a tied weight, which the parameter tree holds once.
-        known = set(paths) | set(leaf_paths(buffers) if buffers is not None else ())
-        extra = [] if params_like is not None else sorted(set(model_state_dict) - known)
-        if missing or extra:
+        missing = [p for p in paths if p not in model_state_dict]
+        if missing:
             raise CheckpointError(
-                f"model_state_dict does not match the parameters: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}"
+                f"model_state_dict does not match the parameters: missing {missing[:5]}"
             )
         leaves = [model_state_dict[p].detach() for p in paths]
         params = tree_unflatten(tree_flatten(like)[1], leaves)

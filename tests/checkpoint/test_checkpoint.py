@@ -701,3 +701,41 @@ def test_a_chain_over_two_pieces_saves_and_loads(tmp_path: Path) -> None:
     saved, loaded = run(1, chain_round_trip, str(tmp_path / "ckpt"))[0]
     fzero.assert_trees_close(loaded, saved, rtol=0, atol=0)
     assert float(saved[0].norm) > 0.1  # the clip's norm travelled, and clipping happened
+
+
+@pytest.mark.multiprocess
+def test_import_torch_takes_a_state_dict_with_buffers_whole() -> None:
+    """`model.state_dict()` as it is (BatchNorm's statistics and step counter beside the
+    weights) with `buffers=`: the buffers take its values and the rest are the
+    parameters; one more step trains as torch does."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5)).double()
+    x = torch.randn(2, 6, 4, dtype=torch.float64)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    net(x[0]).square().mean().backward()  # training mode: the statistics move
+    opt.step()
+    model_sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    optim_sd = copy.deepcopy(opt.state_dict())
+    net.eval()
+    opt.zero_grad()
+    net(x[1]).square().mean().backward()
+    opt.step()
+    want = {k: v.detach() for k, v in net.named_parameters()}
+
+    def fz(mesh: fzero.Mesh) -> Any:
+        adamw = fzero.optim.adamw(lr=0.05)
+        state = ck.import_torch(model_sd, optim_sd, adamw, mesh, stage=2,
+                                buffers=dict(net.named_buffers()))  # fmt: skip
+
+        def loss(p: Any, b: Any, batch: torch.Tensor) -> Any:
+            return torch.func.functional_call(net, (p, b), (batch,)).square().mean(), b
+
+        step = fzero.sharded_step(loss, adamw, mesh, stage=2)
+        buffers = dict(state.buffers)
+        state, _ = step(state, x[1, 3 * mesh.rank : 3 * mesh.rank + 3])
+        return buffers, fzero.gather_params(state.params, mesh)
+
+    for buffers, params in run(2, fz):
+        assert set(buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+        assert all(torch.equal(buffers[k], model_sd[k]) for k in buffers)
+        fzero.assert_trees_close(params, want, **TIGHT, what="after the import")

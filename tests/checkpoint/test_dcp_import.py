@@ -274,3 +274,56 @@ def fsdp2_other(mesh: fzero.Mesh, directory: str) -> None:
 
     torch.manual_seed(9)
     dcp.save(Net().state_dict(), checkpoint_id=directory)
+
+
+def frozen_bias(mesh: fzero.Mesh, directory: str) -> Any:
+    """torch steps a Linear whose bias is frozen and saves; fzero imports the model's own
+    parameters (the bias's requires_grad False) and steps on."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    x, y = data()
+    torch.manual_seed(1)
+    net = nn.Linear(5, 3, dtype=F64)
+    net.bias.requires_grad_(False)
+    if mesh.rank == 0:
+        opt = torch.optim.AdamW([net.weight], **HYPER)
+        torch.nn.functional.mse_loss(net(x[0]), y[0][:, :3]).backward()
+        opt.step()
+        sd = {**net.state_dict(), "optim": get_optimizer_state_dict(net, opt)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(sd, checkpoint_id=directory, no_dist=True)
+    fzero._comm.all_gather_object(None, mesh)  # a barrier: rank 0 has written it
+    adamw = fzero.optim.adamw(**HYPER)
+    state = fzero.checkpoint.import_dcp(directory, adamw, mesh, dict(net.named_parameters()),
+                                        stage=3)  # fmt: skip
+    step = fzero.sharded_step(
+        lambda p, b: torch.nn.functional.mse_loss(functional_call(net, p, (b[0],)), b[1]),
+        adamw, mesh, stage=3,
+    )  # fmt: skip
+    per = x.shape[1] // mesh.size
+    rows = slice(mesh.rank * per, (mesh.rank + 1) * per)
+    state, _ = step(state, (x[1, rows], y[1, rows, :3]))
+    return state.layout.frozen, fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_the_model_freezes_stays_frozen_through_the_import(tmp_path: Path) -> None:
+    """The frozen flags come from `params_like`'s requires_grad, as in `shard_state`: a
+    frozen bias (no optimizer state in the checkpoint) is not trained with zero moments."""
+    x, y = data()
+    torch.manual_seed(1)
+    net = nn.Linear(5, 3, dtype=F64)
+    net.bias.requires_grad_(False)
+    bias = net.bias.detach().clone()
+    opt = torch.optim.AdamW([net.weight], **HYPER)
+    for k in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x[k]), y[k][:, :3]).backward()
+        opt.step()
+    want = {k: v.detach() for k, v in net.named_parameters()}
+    for frozen, got in run(2, frozen_bias, str(tmp_path / "ckpt")):
+        assert frozen == (True, False)  # leaves in path order: bias, weight
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert torch.equal(got["bias"], bias)
