@@ -94,6 +94,7 @@ def value_and_grad(
     what: str = "loss_fn",
     rank: int | None = None,
     frozen: Sequence[bool] | None = None,
+    used: set[int] | None = None,
 ) -> tuple[torch.Tensor, PyTree | None]:
     """`fn(tree, *args)` and its gradient with respect to every leaf of `tree`.
 
@@ -107,6 +108,7 @@ def value_and_grad(
       what: the function's name, for error messages.
       rank: this rank, for error messages.
       frozen: per leaf, whether it is frozen: not differentiated, None in `grads`.
+      used: if given, the indices of the leaves `fn` used are added to it.
 
     Returns:
       `(value, grads)`: the detached value, and a tree like `tree` with zeros for leaves
@@ -122,8 +124,10 @@ def value_and_grad(
         live = [x for x, f in zip(inputs, frozen) if not f]
         found = iter(torch.autograd.grad(out, live, allow_unused=True))
     grads = []
-    for x, f in zip(inputs, frozen):
+    for i, (x, f) in enumerate(zip(inputs, frozen)):
         g = None if f else next(found)
+        if used is not None and g is not None:
+            used.add(i)
         grads.append(None if f else torch.zeros_like(x) if g is None else g)
     return out.detach(), tree_unflatten(treedef, grads)
 

@@ -55,6 +55,7 @@ def body(
     order: list[str] | None,
     overlap: ThreadPoolExecutor | None = None,
     compiled: CompiledLoss | None = None,
+    used: set[int] | None = None,
 ) -> Out:
     """One step of `o.stage` on `micro` (this rank's micro-batches); `weighed` is the
     loss under its wrappers (`loss_fn`), keeping what each call counts for; `order` the
@@ -62,7 +63,8 @@ def body(
     on which an offloaded state steps its host buckets during the backward (`_overlap`;
     None: not this step, where something needs the whole gradient first). `compiled`:
     the forward and backward as one compiled graph (`_compiled`), run for each
-    micro-batch."""
+    micro-batch. `used`: if given, the leaves a gradient reached here are added to it
+    (eager steps only)."""
     stage, mesh = o.stage, o.mesh
     local = None if stage.shards_params else full_buckets(state.params, state.layout)
     target = _own_part(stage, state, local, o)
@@ -79,7 +81,7 @@ def body(
             grads = compiled_grad(compiled, loss_fn, weighed, micro, state, local, sync, mesh)
         else:
             grads, order = mean_grad(
-                loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order, watch=early
+                loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order, early, used
             )
 
         # Weigh: what every rank's losses count for, agreed behind the backward.

@@ -26,6 +26,8 @@ class StepCache:
       micro: the micro-batches of the last step (accumulating), which a rank without
         data repeats.
       warned: a step with no weight anywhere was reported (once).
+      checked_use: the first eager step with weight somewhere has said which trainable
+        leaves no loss used (`_step._unused`).
       pool: the host buffers the step's collectives reuse (`_engine._pool`).
       looked: whether an offloaded update asked for the gradient's global norm (None:
         none ran yet). Once one ran without asking, offloaded buckets step while the
@@ -35,6 +37,7 @@ class StepCache:
     order: list[str] | None = None
     micro: int | None = None
     warned: bool = False
+    checked_use: bool = False
     looked: bool | None = None
     present: list[bool] = field(default_factory=list)  # first step: which ranks had data
     pool: Pool = field(default_factory=Pool)

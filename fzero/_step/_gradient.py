@@ -23,6 +23,7 @@ def mean_grad(
     accumulate: str | None,
     order: list[str] | None,
     watch: Watch | None = None,
+    used: set[int] | None = None,
 ) -> tuple[Any, list[str] | None]:
     """This rank's part of the mean gradient over every micro-batch and rank, shaped as
     what its optimizer updates.
@@ -40,6 +41,7 @@ def mean_grad(
       watch: told `(bucket, its part of the mean gradient)` as soon as that is final,
         during the last micro-batch's backward (stages 1-3); the values returned for the
         bucket are the tensor it was told.
+      used: if given, the leaves a gradient reached on this rank are added to it.
 
     Returns:
       `(grads, order)`: the trainable tree where the stage all-reduces, else this rank's
@@ -47,7 +49,7 @@ def mean_grad(
     """
     s, lay = ctx.schedule, ctx.layout
     if s.by_leaf:
-        grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate)
+        grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate, used)
         sync.check(len(micro) - 1).after_forward(None)  # the losses' weights travel alone
         return grads, order
     if s.all_reduce:  # every rank keeps the full mean gradient
@@ -86,6 +88,8 @@ def mean_grad(
             device=params_apart(state),
         )
         _, grads, order = engine.value_and_grad(loss_fn, mb)
+        if used is not None:
+            used.update(engine.used)
         # Every exchange a micro-batch started ends in it: a disagreement raises on every
         # rank together, before any rank goes on to the next micro-batch.
         check.finish()
@@ -107,6 +111,7 @@ def _by_leaf(
     state: ShardedState,
     reduce_dtype: torch.dtype | None,
     accumulate: str | None,
+    used: set[int] | None = None,
 ) -> Any:
     """Stage 0 on one rank (`Schedule.by_leaf`): gradients by leaf, the mean over every
     micro-batch.
@@ -128,7 +133,9 @@ def _by_leaf(
     for mb in micro:
         grads = None
         if mb is not None:
-            _, grads = value_and_grad(loss_fn, state.params, mb, rank=0, frozen=lay.frozen)
+            _, grads = value_and_grad(
+                loss_fn, state.params, mb, rank=0, frozen=lay.frozen, used=used
+            )
             # Refused here too, though one rank could apply them: as on any other mesh.
             for path, g in zip(lay.paths, tree_flatten(grads)[0] if grads is not None else []):
                 if g is not None and g.layout != torch.strided:

@@ -37,6 +37,7 @@ from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
 from ._options import StepOptions, check_step_state, step_options
+from ._unused import say_unused
 
 Step = Callable[[ShardedState, Any], tuple[ShardedState, Any]]
 
@@ -192,10 +193,14 @@ def sharded_step(
             thread = cache.host_thread() if overlap else None
             # Eagerly, a layer's own checkpoint (Hugging Face's) recomputes with the
             # forward's parameters; a compiled graph recomputes with its own values.
+            # Until one has weight somewhere, eager steps record which leaves a gradient
+            # reached (`_unused`).
+            used: set[int] | None = set() if compiled is None and not cache.checked_use else None
             with layers_rebound(o.module if compiled is None else None):
                 out = body(
-                    fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled
-                )
+                    fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled,
+                    used,
+                )  # fmt: skip
         except RuntimeError as exc:
             if isinstance(exc, PeerError) or not is_peer_failure(exc):
                 raise
@@ -207,6 +212,9 @@ def sharded_step(
             raise _stalled(exc, state, mesh) from exc
         cache.pool.reclaim()
         cache.micro, cache.order = len(micro), out.order
+        if used is not None and out.tally.weight != 0:
+            cache.checked_use = True
+            say_unused(used, state.layout, mesh)
         if out.looked is not None:
             cache.looked = bool(cache.looked) or out.looked
         tally = out.tally

@@ -1,0 +1,41 @@
+"""Trainable parameters no rank's loss used in a step function's first step, said once.
+
+torch.optim skips a parameter whose `.grad` is None; fzero's flat buckets give it a zero
+gradient (as FSDP's flat parameters and DeepSpeed do), so AdamW still decays it and
+momentum still moves it. A parameter the loss never uses (a pooler under a loss on the
+hidden states) is almost always meant to be frozen: saying so at the first step with
+data somewhere (before it, no gradient reached anything), when the ranks agree on the
+rest of their configuration, costs one small exchange once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .. import _comm
+from .._comm import Mesh
+from .._core import ShardLayout
+
+SHOWN = 8  # leaves named in the warning; the rest are counted
+
+
+def say_unused(used: set[int], layout: ShardLayout, mesh: Mesh) -> list[str]:
+    """Warns, on every rank, of the trainable leaves no rank's gradient reached (`used`:
+    those that this rank's did); collective. Returns their paths."""
+    mine = [i for i, f in enumerate(layout.frozen) if not f and i not in used]
+    everyone = _comm.all_gather_object(mine, mesh)
+    nowhere = sorted(set(mine).intersection(*map(set, everyone)))
+    paths = [layout.paths[i] for i in nowhere]
+    if paths:
+        more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
+        warnings.warn(
+            f"fzero: rank {mesh.rank}: no rank's loss used {len(paths)} trainable "
+            f"parameter(s) in this step function's first step with data: {paths[:SHOWN]}"
+            f"{more}. fzero steps them with a zero gradient (AdamW decays them, momentum "
+            "moves them) where "
+            "torch.optim would skip a .grad of None: freeze them (shard_state(frozen=...)) "
+            "if the loss never uses them. Said once",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return paths
