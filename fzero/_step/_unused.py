@@ -17,14 +17,20 @@ from .._comm import Mesh
 from .._core import ShardLayout
 
 SHOWN = 8  # leaves named in the warning; the rest are counted
+BITS = 62  # flags per int64 word (the sign bit left alone)
 
 
 def say_unused(used: set[int], layout: ShardLayout, mesh: Mesh) -> list[str]:
     """Warns, on every rank, of the trainable leaves no rank's gradient reached (`used`:
-    those that this rank's did); collective. Returns their paths."""
-    mine = [i for i, f in enumerate(layout.frozen) if not f and i not in used]
-    everyone = _comm.all_gather_object(mine, mesh)
-    nowhere = sorted(set(mine).intersection(*map(set, everyone)))
+    those that this rank's did); collective (one all-gather of a bit per leaf, on the
+    control axis). Returns their paths."""
+    n = len(layout.paths)
+    words = [0] * (n // BITS + 1)
+    for i in range(n):
+        if not layout.frozen[i] and i not in used:
+            words[i // BITS] |= 1 << (i % BITS)
+    everyone = _comm.all_gather_ints_async(words, mesh)()
+    nowhere = [i for i in range(n) if all(w[i // BITS] >> (i % BITS) & 1 for w in everyone)]
     paths = [layout.paths[i] for i in nowhere]
     if paths:
         more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
