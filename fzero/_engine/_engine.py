@@ -117,7 +117,9 @@ class Engine:
         self.entries: list[Entry] = []
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order
         self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf
-        self.used: set[int] = set()  # leaves a gradient reached (`fzero._step._unused`)
+        # Leaves a gradient reached, where the step asks (`fzero._step._unused`); None: not
+        # recorded (every step after the first with data).
+        self.used: set[int] | None = None
 
     # -- what a unit's node asks of the engine (`_entry.Runner`) -------------------------
     def open(self, entry: Entry, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -129,21 +131,21 @@ class Engine:
         return fulls
 
     def close(self, entry: Entry, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
-        if entry.twin is None:
-            self._mark(entry, grads)
+        if self.used is not None and entry.twin is None:
+            self._mark(entry, grads, self.used)
         return self.reductions.arrive(entry, grads)
 
-    def _mark(self, entry: Entry, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """Records the leaves a gradient reached (`used`): each leaf where the node hands
+    def _mark(self, entry: Entry, grads: tuple[torch.Tensor | None, ...], used: set[int]) -> None:
+        """Records in `used` the leaves a gradient reached: each leaf where the node hands
         out leaves, else every leaf of a bucket (whose gradient autograd zero-fills)."""
         lay = self.layout
         if self.leaf_grads:
-            pairs = zip(lay.unit_paths(entry.unit), grads, strict=True)
-            self.used.update(lay.path_index[p] for p, g in pairs if g is not None)
+            pairs = zip(lay.unit_paths(entry.unit), grads)
+            used.update(lay.path_index[p] for p, g in pairs if g is not None)
             return
         for i, g in zip(entry.buckets, grads):
             if g is not None:
-                self.used.update(s.index for s in lay.buckets[i].slots)
+                used.update(s.index for s in lay.buckets[i].slots)
 
     def _twin(self, unit: str) -> Entry | None:
         """The forward's latest entry of `unit` whose gradient is not reduced yet.

@@ -87,9 +87,9 @@ def mean_grad(
             watch=tell if watch is not None and not s.all_reduce else None,
             device=params_apart(state),
         )
-        _, grads, order = engine.value_and_grad(loss_fn, mb)
         if used is not None:
-            used.update(engine.used)
+            engine.used = used  # the leaves a gradient reaches, added as it does
+        _, grads, order = engine.value_and_grad(loss_fn, mb)
         # Every exchange a micro-batch started ends in it: a disagreement raises on every
         # rank together, before any rank goes on to the next micro-batch.
         check.finish()
