@@ -129,6 +129,7 @@ def resume(mesh: fzero.Mesh, directory: str, stage: int, options: dict[str, Any]
         (3, 2, {"units": ["a"]}),
         (1, 0, {}),
         (2, 3, {"offload": "host"}),
+        (4, 3, {"shard_size": 2, "offload": "disk"}),  # HSDP: two groups of two
     ],
 )
 def test_an_fsdp2_run_resumes_at_any_world_size_and_stage_as_torch(
@@ -136,7 +137,9 @@ def test_an_fsdp2_run_resumes_at_any_world_size_and_stage_as_torch(
 ) -> None:
     start, want = reference()
     options = {**options, "spill": str(tmp_path / "spill")}
-    for got, buffers in run(world, resume, fsdp2_checkpoint, stage, options):
+    shard_size = options.pop("shard_size", None)
+    sim = fzero.Simulation(world, collective_timeout=30, timeout=120, shard_size=shard_size)
+    for got, buffers in sim.run(resume, fsdp2_checkpoint, stage, options):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert all(not torch.equal(got[k], start[k]) for k in want)  # training moved them
         assert torch.equal(buffers["scale"], torch.full((3,), 2.0, dtype=F64))  # saved
