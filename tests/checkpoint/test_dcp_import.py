@@ -330,3 +330,48 @@ def test_a_parameter_the_model_freezes_stays_frozen_through_the_import(tmp_path:
         assert frozen == (True, False)  # leaves in path order: bias, weight
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert torch.equal(got["bias"], bias)
+
+
+def torchtitan_save_and_import(mesh: fzero.Mesh, directory: str) -> Any:
+    """FSDP2 steps once and saves as torchtitan does (the optimizer's state dict flattened,
+    under "optimizer"); fzero imports it; returns the imported moments (rank 0) and
+    FSDP2's own, whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = Net()
+    fully_shard(net, mesh=init_device_mesh("cpu", (mesh.size,)))
+    opt = torch.optim.AdamW(net.parameters(), **HYPER)
+    net(torch.randn(3, 5, dtype=F64)).sum().backward()
+    opt.step()
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    dcp.save({**net.state_dict(), "optimizer": get_optimizer_state_dict(net, opt, options=flat)},
+             checkpoint_id=directory)  # fmt: skip
+    theirs = {
+        k: {m: v.full_tensor() for m, v in s.items() if m != "step"}
+        for k, s in get_optimizer_state_dict(net, opt)["state"].items()
+    }
+    like = {k: torch.empty(v.shape, dtype=F64, device="meta") for k, v in net.named_parameters()}
+    state = fzero.checkpoint.import_dcp(directory, fzero.optim.adamw(**HYPER), mesh, like,
+                                        stage=3, optimizer_key="optimizer")  # fmt: skip
+    ours = fzero.checkpoint.export_torch(state, None, mesh)
+    return state.step, theirs, ours
+
+
+@pytest.mark.multiprocess
+def test_a_torchtitan_checkpoint_with_its_flattened_optimizer_state_imports(
+    tmp_path: Path,
+) -> None:
+    results = run(2, torchtitan_save_and_import, str(tmp_path / "ckpt"))
+    step, theirs, (_, optim_sd) = results[0]  # export_torch returns the dicts on rank 0
+    assert step == 1 and all(r[0] == 1 for r in results)
+    names = list(theirs)  # the parameters in the model's order, as export_torch numbers them
+    for i, name in enumerate(names):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim_sd["state"][i][moment], theirs[name][moment]), (name, moment)
