@@ -28,6 +28,8 @@ from ._collectives import reduce_scatter_mean as reduce_scatter_mean
 from ._control import all_gather_ints_async as all_gather_ints_async
 from ._control import all_gather_object as all_gather_object
 from ._control import barrier as barrier
+from ._control import pack_flags as pack_flags
+from ._control import unpack_flags as unpack_flags
 from ._failure import PeerError as PeerError
 from ._failure import agreed as agreed
 from ._failure import agreement as agreement

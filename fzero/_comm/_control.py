@@ -5,7 +5,7 @@ never waits for a GPU's queue, and every wait looks for a peer's failure (`_fail
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,21 @@ from ._failure import check_alive
 from ._failure import wait as _wait
 from ._ledger import record
 from ._mesh import Mesh
+
+BITS = 62  # flags per int64 word, clear of the sign bit
+
+
+def pack_flags(flags: Sequence[bool]) -> list[int]:
+    """Bools as int64 words, `BITS` to a word: a flag per leaf or unit in a few values."""
+    words = [0] * -(-len(flags) // BITS)
+    for k, f in enumerate(flags):
+        words[k // BITS] |= int(f) << (k % BITS)
+    return words
+
+
+def unpack_flags(words: Sequence[int], n: int) -> list[bool]:
+    """The `n` bools `pack_flags` packed into `words`."""
+    return [bool(words[k // BITS] >> (k % BITS) & 1) for k in range(n)]
 
 
 def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[list[int]]]:

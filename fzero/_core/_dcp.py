@@ -83,7 +83,7 @@ class DcpFiles:
         row = max(1, math.prod(e.shape[1:]))
         first, last = lo // row, -(-hi // row)
         block = torch.empty((last - first, *e.shape[1:]), dtype=e.dtype)
-        self._load({name: block}, _Rows(name, first, last, block))
+        self._load({name: block}, _rows_planner()(name, first, block))
         out.copy_(block.reshape(-1)[lo - first * row : hi - first * row])
 
     def _load(self, tensors: dict[str, torch.Tensor], planner: Any = None) -> None:
@@ -105,16 +105,12 @@ class DcpFiles:
         return h.hexdigest()
 
 
-def _Rows(name: str, first: int, last: int, block: torch.Tensor) -> Any:
-    """A DCP load planner reading rows [first, last) of tensor `name` into `block`."""
-    return _rows_planner()(name, first, block)
-
-
 @functools.cache
 def _rows_planner() -> type:
-    """The planner class, made once: a class made per read is a reference cycle (as every
-    class is), which would keep its read block alive until the cyclic collector ran, and
-    a rank's import then held many blocks at once."""
+    """The DCP load planner class whose `(name, first, block)` reads the rows of tensor
+    `name` from row `first` into `block`. Made once: a class made per read is a reference
+    cycle (as every class is), which would keep its read block alive until the cyclic
+    collector ran, and a rank's import then held many blocks at once."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan

@@ -51,8 +51,7 @@ class Agreement(NamedTuple):
             words = [0] * (cut - _HEADER)
             for e in everyone:
                 words = [a | b for a, b in zip(words, e[_HEADER:cut])]
-            flags = [bool(words[k // _BITS] >> (k % _BITS) & 1) for k in range(self.flags)]
-            return flags, carried
+            return _comm.unpack_flags(words, self.flags), carried
         calls = _comm.all_gather_object(self.called, mesh)
         said = "; ".join(
             f"rank {r}: {', '.join(map(repr, c)) or 'none'}" for r, c in enumerate(calls)
@@ -94,7 +93,6 @@ def _loss_errors(error: BaseException | None, mesh: Mesh) -> BaseException:
 # The header's words: how many units this rank called (-1: calls not compared), their
 # digest, whether it had a batch, its micro-batch count, whether its loss failed.
 _HEADER, _MICRO, _ERROR = 5, 3, 4
-_BITS = 62  # flags per int64 word, clear of the sign bit
 
 
 def start_agreement(
@@ -118,9 +116,7 @@ def start_agreement(
     names = "\0".join(called or ())
     digest = hashlib.blake2b(names.encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True)
-    words = [0] * -(-len(flags) // _BITS)
-    for k, f in enumerate(flags):
-        words[k // _BITS] |= int(f) << (k % _BITS)
+    words = _comm.pack_flags(flags)
     count = -1 if called is None else len(called)
     values = [count, h, int(present), micro, int(error is not None), *words, *carry]
     wait = _comm.all_gather_ints_async(values, mesh)

@@ -17,7 +17,6 @@ from .._comm import Mesh
 from .._core import ShardLayout
 
 SHOWN = 8  # leaves named in the warning; the rest are counted
-BITS = 62  # flags per int64 word (the sign bit left alone)
 
 
 def say_unused(used: set[int], layout: ShardLayout, mesh: Mesh) -> list[str]:
@@ -25,12 +24,9 @@ def say_unused(used: set[int], layout: ShardLayout, mesh: Mesh) -> list[str]:
     those that this rank's did); collective (one all-gather of a bit per leaf, on the
     control axis). Returns their paths."""
     n = len(layout.paths)
-    words = [0] * (n // BITS + 1)
-    for i in range(n):
-        if not layout.frozen[i] and i not in used:
-            words[i // BITS] |= 1 << (i % BITS)
-    everyone = _comm.all_gather_ints_async(words, mesh)()
-    nowhere = [i for i in range(n) if all(w[i // BITS] >> (i % BITS) & 1 for w in everyone)]
+    everyone = _comm.all_gather_ints_async(_comm.pack_flags([i in used for i in range(n)]), mesh)()
+    reached = [any(f) for f in zip(*(_comm.unpack_flags(w, n) for w in everyone))]
+    nowhere = [i for i in range(n) if not (layout.frozen[i] or reached[i])]
     paths = [layout.paths[i] for i in nowhere]
     if paths:
         more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""

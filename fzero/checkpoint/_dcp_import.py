@@ -162,7 +162,7 @@ def import_dcp(
             dev = mesh.device if device is None else torch.device(device)
 
             def buffer(path: str) -> torch.Tensor | None:
-                return files.tensor(path).clone() if path in files.entries else None
+                return files.tensor(path) if path in files.entries else None  # `extras` copies
 
             state = resume(
                 src, lay, optimizer, spec, mesh, count, dev, "checkpoint.import_dcp",
