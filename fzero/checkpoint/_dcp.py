@@ -19,11 +19,11 @@ from .._core import fsync_dir, leaf_paths, tree_flatten
 from .._state import ShardedState
 from ._export import _names
 from ._extra import full_precision
+from ._groups import Hyperparams, param_groups
 from ._save import check_state
 from ._schema import agree
 from ._stream import export_torch as stream_torch
 from ._stream import gather_leaves
-from ._torch import natural_order
 
 
 @_comm.collective("checkpoint.export_dcp")
@@ -34,7 +34,7 @@ def export_dcp(
     *,
     module: nn.Module | None = None,
     optimizer_key: str | None = None,
-    hyperparams: dict[str, Any] | None = None,
+    hyperparams: Hyperparams = None,
 ) -> None:
     """Writes the model's weights (and persistent buffers) as a `torch.distributed.checkpoint`
     directory, so that an FSDP2 or torchtitan job resumes from it:
@@ -65,7 +65,9 @@ def export_dcp(
         `from_torch` states (Adam's moments per parameter). None: weights only.
       hyperparams: the param group's hyper-parameters, all that the loading optimizer
         holds (DCP loads strictly), e.g. `torch.optim.AdamW([torch.zeros(1)], lr=1e-2,
-        weight_decay=0.1).defaults`.
+        weight_decay=0.1).defaults`; or, for an optimizer of several groups, its groups
+        with their parameters' names: `get_optimizer_state_dict(model, opt)["param_groups"]`
+        (as `export_torch`).
     """
     check_state(state, mesh, "checkpoint.export_dcp")
     directory = os.fspath(directory)
@@ -73,12 +75,12 @@ def export_dcp(
     full = full_precision(state, mesh)
     if optimizer_key is not None:
         writer = _Writer(directory) if mesh.rank == 0 else None
-        fqns = [
-            full.layout.paths[i] for i in natural_order(full.layout) if not full.layout.frozen[i]
-        ]
 
         def sink(skeleton: dict[str, Any]) -> _Sink:
             assert writer is not None
+            # torch's numbering of the trainable leaves (checked by `stream_torch` first)
+            order, _ = param_groups(hyperparams, full.layout, aliases, "checkpoint.export_dcp")
+            fqns = [full.layout.paths[i] for i in order]
             return _Sink(writer, skeleton, fqns, optimizer_key, unit_bytes(full.layout))
 
         try:

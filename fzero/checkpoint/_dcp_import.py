@@ -21,8 +21,9 @@ from .._core import (
 from .._state import DynamicLossScale, Offload, Precision, ShardedState, frozen_leaves
 from ..optim import Optimizer
 from ._build import resume
+from ._groups import natural_order
 from ._schema import CheckpointError, Key, agree
-from ._torch import TorchStates, extras, natural_order, replicated, torch_states_of
+from ._torch import TorchStates, extras, replicated, torch_states_of
 
 
 class DcpSource:

@@ -11,6 +11,7 @@ from .. import _comm
 from .._comm import Mesh
 from .._state import ShardedState
 from ._extra import full_precision
+from ._groups import Hyperparams
 from ._save import check_state
 from ._stream import export_safetensors as stream_safetensors
 from ._stream import export_torch as stream_torch
@@ -22,7 +23,7 @@ def export_torch(
     path: str | None,
     mesh: Mesh,
     *,
-    hyperparams: dict[str, Any] | None = None,
+    hyperparams: Hyperparams = None,
     module: nn.Module | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """Consolidates `state` into a plain model and torch.optim state dict, on rank 0.
@@ -38,7 +39,8 @@ def export_torch(
     `model.load_state_dict`. The optimizer dict is torch.optim's: `{"state": {i: {...}},
     "param_groups": [{**hyperparams, "params": [0, ..., k-1]}]}`, numbering the k trainable
     parameters in that order (frozen ones are left out, as from an optimizer built over
-    `[p for p in model.parameters() if p.requires_grad]`). `fzero.optim.adam`/`adamw` map
+    `[p for p in model.parameters() if p.requires_grad]`), or group after group where
+    `hyperparams` gives the groups. `fzero.optim.adam`/`adamw` map
     to `{"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}`, `sgd` to
     `{"momentum_buffer"}` (nothing before the first step, as torch), and `from_torch`
     states are already torch's.
@@ -51,7 +53,12 @@ def export_torch(
       hyperparams: the param group's hyper-parameters. fzero optimizers are closures that
         do not expose theirs, and torch's `Optimizer.load_state_dict` replaces a group's
         hyper-parameters by the saved ones, so pass the full set, e.g.
-        `torch.optim.AdamW([torch.zeros(1)], lr=1e-2, weight_decay=0.1).defaults`.
+        `torch.optim.AdamW([torch.zeros(1)], lr=1e-2, weight_decay=0.1).defaults`. Or
+        the loading optimizer's groups, a list of such dicts each with `"params"`: its
+        parameters' names in that optimizer's order (e.g. a decay group and one with
+        `weight_decay=0` for biases and norms, as an fzero optimizer's `mask=` trains
+        them); the parameters are then numbered group after group, as torch does. Every
+        trainable parameter in exactly one group.
       module: the model, so the model dict names what `module.state_dict()` does: every
         name of a tied parameter (e.g. both "tok.weight" and "head.weight"), and the
         state's buffers less the non-persistent ones, so `load_state_dict(strict=True)`

@@ -23,6 +23,7 @@ from .._core import (
     tree_flatten,
 )
 from .._state import ShardedState
+from ._groups import Hyperparams, natural_order, param_groups
 from ._schema import (
     CheckpointError,
     Local,
@@ -34,7 +35,7 @@ from ._schema import (
     merge,
     report,
 )
-from ._torch import _ADAM, _SGD, natural_order
+from ._torch import _ADAM, _SGD
 
 Spec = tuple[torch.dtype, tuple[int, ...]]
 
@@ -48,7 +49,7 @@ def export_torch(
     state: ShardedState,
     path: str | None,
     mesh: Mesh,
-    hyperparams: dict[str, Any] | None,
+    hyperparams: Hyperparams,
     aliases: dict[str, str] | None = None,
     transient: frozenset[str] = frozenset(),
     sink: Callable[[dict[str, Any]], Any] | None = None,
@@ -60,19 +61,20 @@ def export_torch(
     `write(id(tensor), 0, value)` for every tensor of the skeleton, then `commit()` (or
     `abort()`), as an `OffsetWriter` would."""
     lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
-    error, rep, local = None, None, None
+    error, rep, local, grouping = None, None, None, None
     try:
+        grouping = param_groups(hyperparams, lay, aliases, "checkpoint.export_torch")
         local = local_view(state.opt_state, lay, stage, mesh.shard_rank)
         rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
     except Exception as exc:
         error = exc
     # The first group's reports (ranks 0..S-1, in shard order): the others hold copies.
     schema = merge(agree(error, rep, mesh, "checkpoint.export_torch")[: mesh.shard_size])
-    assert local is not None
+    assert local is not None and grouping is not None
     pieces = _piece_values(local, schema, stage, mesh)
 
     def build(params: Any, elems: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        model_sd, optim_sd = _to_torch(lay, schema, local, params, elems, pieces, hyperparams)
+        model_sd, optim_sd = _to_torch(lay, schema, local, params, elems, pieces, grouping)
         if state.buffers is not None:  # a plain state_dict holds buffers too
             for name, buf in zip(leaf_paths(state.buffers), tree_flatten(state.buffers)[0]):
                 if name not in transient:
@@ -264,11 +266,10 @@ def _to_torch(
     params: dict[int, torch.Tensor],
     elems: dict[tuple[int, int], torch.Tensor],
     pieces: dict[tuple[int, str], torch.Tensor],
-    hyperparams: dict[str, Any] | None,
+    grouping: tuple[list[int], list[dict[str, Any]]],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    order = natural_order(lay)
-    trainable = [i for i in order if not lay.frozen[i]]
-    model = {lay.paths[i]: params[i] for i in order}
+    trainable, groups = grouping  # torch's numbering of the trainable leaves
+    model = {lay.paths[i]: params[i] for i in natural_order(lay)}
 
     def value(j: int, i: int) -> torch.Tensor:
         e = schema.entries[j]
@@ -300,8 +301,7 @@ def _to_torch(
                 f"torch.optim's format; this state is a {schema.kind}"
             )
         states[idx] = st
-    group = {**(hyperparams or {}), "params": list(range(len(trainable)))}
-    return model, {"state": states, "param_groups": [group]}
+    return model, {"state": states, "param_groups": groups}
 
 
 def export_safetensors(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -12,7 +12,6 @@ import torch
 from .. import _comm
 from .._comm import Mesh
 from .._core import (
-    NAMESPACE,
     STAGES,
     PyTree,
     ShardLayout,
@@ -33,37 +32,12 @@ from .._state import (
 )
 from ..optim import Optimizer
 from ._build import resume
+from ._groups import loaded_order
 from ._schema import CheckpointError, Key, Local, Schema, agree, merge, pieces_of, report, walk
 
 # fzero state -> torch.optim state keys, per optimizer state type.
 _ADAM = {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
 _SGD = {"momentum": "momentum_buffer"}
-
-
-def natural_order(layout: ShardLayout) -> list[int]:
-    """Leaf indices in the order the parameter tree was built (a module's parameter order).
-
-    optree flattens dicts in sorted key order ("layers.10" before "layers.2"), but a torch
-    optimizer numbers parameters in `model.parameters()` order, which is the insertion
-    order of `dict(model.named_parameters())`; unflattening the indices recovers it.
-    """
-    out: list[int] = []
-
-    def visit(node: Any) -> None:
-        if isinstance(node, int) and not isinstance(node, bool):
-            out.append(node)
-        elif isinstance(node, dict):
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                visit(value)
-        elif node is not None:
-            for value in optree.tree_flatten_one_level(node, namespace=NAMESPACE)[0]:
-                visit(value)
-
-    visit(tree_unflatten(layout.treedef, list(range(len(layout.paths)))))
-    return out
 
 
 class DictSource:
@@ -118,13 +92,19 @@ def import_torch(
     precision: Precision | None = None,
     loss_scale: DynamicLossScale | None = None,
     offload: Offload | None = None,
+    param_names: Sequence[Sequence[str]] | None = None,
 ) -> ShardedState:
     """Builds a ShardedState from a plain model state dict and a torch.optim state dict.
 
     Collective; every rank passes the same dicts (for example each `torch.load`s them
-    with `weights_only=True`). The reverse of `export_torch`: parameter i of the optimizer
-    dict (param groups concatenated) is the i-th trainable leaf in the order the tree was
-    built. Hyper-parameters come from `optimizer`, not from the param groups.
+    with `weights_only=True`). The reverse of `export_torch`: the optimizer dict's
+    parameters are matched to leaves by name where its param groups carry torch's
+    `"param_names"` (an optimizer built from `model.named_parameters()`, or an
+    `export_torch` given groups) or `param_names` is passed; a single group without
+    names numbers the trainable leaves in the order the tree was built. Several groups
+    without names are refused (a decay and a no-decay group list the parameters out of
+    the model's order). Hyper-parameters come from `optimizer`, not from the param
+    groups.
 
     Args:
       model_state_dict: leaf path -> tensor, for exactly the leaves of the parameters
@@ -149,6 +129,9 @@ def import_torch(
         cast to the given buffer's dtype; the others (non-persistent ones) keep theirs.
       precision, loss_scale, offload: as in `shard_state`: the state dict's values
         become the fp32 masters under `precision`; the scaler starts afresh.
+      param_names: each param group's parameter names, in the group's order, for a
+        state dict whose groups do not name them (e.g. `[[n for n, p in decay],
+        [n for n, p in no_decay]]`, as the torch optimizer was built).
 
     Returns:
       This rank's ShardedState.
@@ -171,13 +154,8 @@ def import_torch(
         leaves = [model_state_dict[p].detach() for p in paths]
         params = tree_unflatten(tree_flatten(like)[1], leaves)
         lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves(params, frozen))
-        order = [i for i in natural_order(lay) if not lay.frozen[i]]
-        ids = [i for g in optim_state_dict["param_groups"] for i in g["params"]]
-        if len(ids) != len(order):
-            raise CheckpointError(
-                f"optim_state_dict has {len(ids)} parameters, the model {len(order)} trainable ones"
-            )
-        torch_states = {leaf: optim_state_dict["state"].get(i, {}) for i, leaf in zip(ids, order)}
+        pairs = loaded_order(optim_state_dict, lay, param_names, "checkpoint.import_torch")
+        torch_states = {leaf: optim_state_dict["state"].get(i, {}) for i, leaf in pairs}
         saved = torch_states_of(optimizer, lay, leaves, torch_states, step)
         src = DictSource(saved.schema, leaves, saved.per_leaf, saved.globals)
         dev = mesh.device if device is None else torch.device(device)
