@@ -84,7 +84,8 @@ def export_dcp(
             return _Sink(writer, skeleton, fqns, optimizer_key, unit_bytes(full.layout))
 
         try:
-            stream_torch(full, directory, mesh, hyperparams, aliases, transient, sink)
+            stream_torch(full, directory, mesh, hyperparams, aliases, transient, sink,
+                         "checkpoint.export_dcp")  # fmt: skip
         except BaseException:
             if writer is not None:  # after a rename there is nothing left to remove
                 writer.abort()

@@ -53,23 +53,24 @@ def export_torch(
     aliases: dict[str, str] | None = None,
     transient: frozenset[str] = frozenset(),
     sink: Callable[[dict[str, Any]], Any] | None = None,
+    where: str = "checkpoint.export_torch",
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """See `fzero.checkpoint.export_torch`; `aliases` maps a tied name to its leaf's path,
     `transient` names buffers left out (non-persistent). With `sink`, rank 0 hands the
     skeleton (`{"model": ..., "optimizer": ...}`, storage-less tensors where values are
     gathered later) to `sink(skeleton)` instead of a torch file writer: the result gets
     `write(id(tensor), 0, value)` for every tensor of the skeleton, then `commit()` (or
-    `abort()`), as an `OffsetWriter` would."""
+    `abort()`), as an `OffsetWriter` would. `where` names the caller in errors."""
     lay, stage, rank = state.layout, stage_of(state.stage), mesh.rank
     error, rep, local, grouping = None, None, None, None
     try:
-        grouping = param_groups(hyperparams, lay, aliases, "checkpoint.export_torch")
+        grouping = param_groups(hyperparams, lay, aliases, where)
         local = local_view(state.opt_state, lay, stage, mesh.shard_rank)
         rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
     except Exception as exc:
         error = exc
     # The first group's reports (ranks 0..S-1, in shard order): the others hold copies.
-    schema = merge(agree(error, rep, mesh, "checkpoint.export_torch")[: mesh.shard_size])
+    schema = merge(agree(error, rep, mesh, where)[: mesh.shard_size])
     assert local is not None and grouping is not None
     pieces = _piece_values(local, schema, stage, mesh)
 
@@ -133,7 +134,7 @@ def export_torch(
         _gathering(writer, lambda: gather_leaves(state, local, schema, mesh, _none, _none))
     if error is not None and writer is not None:
         writer.abort()
-    agree(error, None, mesh, "checkpoint.export_torch")
+    agree(error, None, mesh, where)
     return out
 
 
