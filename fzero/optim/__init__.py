@@ -9,6 +9,7 @@ from ._base import OptState as OptState
 from ._base import Params as Params
 from ._base import ScalarOrSchedule as ScalarOrSchedule
 from ._base import Schedule as Schedule
+from ._groups import param_groups as param_groups
 from ._schedules import from_torch_scheduler as from_torch_scheduler
 from ._schedules import lambda_lr as lambda_lr
 from ._sgd import SgdState as SgdState

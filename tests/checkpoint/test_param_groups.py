@@ -210,14 +210,16 @@ def test_groups_that_cannot_be_matched_are_refused_on_every_rank() -> None:
 
         return fn
 
-    cases = {
-        unnamed: "2 param groups without names",
-        export([{"params": names[0]}, {"params": names[1] + names[0][:1]}]): "in param groups 0 and 1",
-        export([{"params": names[0]}]): "trainable parameter(s) in no param group",
-        export([{"params": names[0]}, {"params": [*names[1], "5.weight"]}]): "'5.weight' names no parameter",
-        export({"params": names[0], "lr": 0.1}): "pass a list of them",
-        export([{"lr": 0.1}]): "param group 0 names no parameters",
-    }  # fmt: skip
-    for fn, expected in cases.items():
+    twice = [{"params": names[0]}, {"params": names[1] + names[0][:1]}]
+    unknown = [{"params": names[0]}, {"params": [*names[1], "5.weight"]}]
+    cases = [
+        (unnamed, "2 param groups without names"),
+        (export(twice), "in param groups 0 and 1"),
+        (export([{"params": names[0]}]), "trainable parameter(s) in no param group"),
+        (export(unknown), "'5.weight' names no parameter"),
+        (export({"params": names[0], "lr": 0.1}), "pass a list of them"),
+        (export([{"lr": 0.1}]), "param group 0 names no parameters"),
+    ]
+    for fn, expected in cases:
         messages = errors_on_every_rank(WORLD, fn)
         assert len(set(messages)) == 1 and expected in messages[0], messages

@@ -1,0 +1,226 @@
+"""Param groups: torch.optim's per-group hyper-parameters (a learning rate for the head,
+layer-wise decay of the rate) as one optimizer over one state."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from .._core import leaf_paths
+from ._base import Grads, Optimizer, OptState, Params, from_inplace
+from ._context import ShardContext, current, shard_context
+
+Claim = Callable[[str], bool]
+
+
+def param_groups(
+    make: Callable[..., Optimizer], groups: Sequence[Mapping[str, Any]], **defaults: Any
+) -> Optimizer:
+    """torch.optim's param groups: each parameter stepped by its group's optimizer,
+    `make(**{**defaults, **group})`, as `torch.optim.AdamW([{"params": head, "lr": 1e-3},
+    {"params": body}], lr=1e-5)` steps each group with its own values.
+
+    The state is `make(**defaults)`'s over every parameter (one `AdamState`: the same
+    checkpoints, resharding and offload as without groups). Each update cuts the
+    parameters, gradients and the state's per-parameter tensors into each group's part
+    (views: on a flat shard, the runs of elements of one group's parameters) and runs
+    that group's optimizer on them in place, with the same ops and scalars as torch's
+    for that group, so the result is bitwise `make`'s on each part. Groups whose
+    parameters alternate inside a unit (a weight, a bias, a weight, ...) cut its shard
+    into many runs, an op per run: weight decay on and off belongs in `mask=`, which
+    needs no cutting.
+
+    Args:
+      make: an fzero optimizer factory whose update is elementwise (`fzero.optim.adam`,
+        `adamw`, `sgd`).
+      groups: each a dict whose `"params"` says which parameters it holds (a predicate on
+        parameter paths, or a list of paths) and whose other keys are `make`'s arguments
+        that differ from `defaults` (`lr` (a schedule too), `weight_decay`, `betas`,
+        `eps`, `mask`, ...). A parameter belongs to the first group that claims it;
+        every parameter the optimizer updates must be claimed by one.
+      **defaults: `make`'s arguments shared by the groups.
+
+    Returns:
+      An Optimizer over the whole parameter tree (or a rank's shard of it).
+
+    Raises:
+      ValueError: a group without "params", an argument `make` does not take, groups
+        whose states differ in structure (AMSGrad in one group only, SGD momentum in
+        one); at update time, a parameter no group claims.
+    """
+    known = inspect.signature(make).parameters
+    claims: list[Claim] = []
+    made: list[Optimizer] = []
+    for k, group in enumerate(groups):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise ValueError(f"param_groups: group {k} must be a dict with 'params'")
+        unknown = sorted(set(group) - {"params"} - set(known))
+        if unknown:
+            raise ValueError(f"param_groups: group {k} sets {unknown}, which {make.__name__} lacks")
+        claims.append(_claim(group["params"], k))
+        made.append(make(**{**defaults, **{n: v for n, v in group.items() if n != "params"}}))
+    if not made:
+        raise ValueError("param_groups: no groups")
+    whole = make(**defaults)
+    _check_structures(whole, made)
+    if any(opt.whole_tensors for opt in made) or any(opt.update_ is None for opt in made):
+        raise ValueError(
+            f"param_groups: {make.__name__} must update elementwise and in place "
+            "(fzero.optim.adam, adamw, sgd)"
+        )
+
+    @torch.no_grad()
+    def update_(grads: Grads, state: OptState, params: Params) -> tuple[Params, OptState]:
+        ctx = current()
+        parts = _parts(params, ctx, claims)
+        per_leaf = _per_leaf_fields(state, params)
+        p_leaves, g_leaves = optree.tree_leaves(params), optree.tree_leaves(grads)
+        paths = leaf_paths(params) if ctx is None or ctx.segments is None else None
+        new_globals = None
+        # A group with nothing here is skipped; with nothing at all (a unit of empty
+        # pieces on this rank) the first group still runs, to move the step count.
+        ran = [k for k in range(len(made)) if parts[k]] or [0]
+        for k in ran:
+            opt = made[k]
+
+            def cut(leaves: list[Any], part: list[Part] = parts[k]) -> Any:
+                views = [leaves[i][lo:hi] if sl else leaves[i] for i, lo, hi, sl in part]
+                if paths is None:
+                    return views  # pieces: their order is the segments'
+                return {paths[i]: v for (i, _, _, _), v in zip(part, views)}  # masks see paths
+
+            sub_p, sub_g = cut(p_leaves), cut(g_leaves)
+            sub_state, globals_ = _sub_state(state, per_leaf, cut)
+            nested = _nested(ctx, parts[k])
+            with shard_context(nested) if nested is not None else _no_context():
+                opt.update_(sub_g, sub_state, sub_p)
+            new_globals = new_globals or globals_
+        if new_globals is not None:  # the step count: once, as each group's moved it
+            for old, new in new_globals:
+                old.copy_(new)
+        return params, state
+
+    return Optimizer(whole.init, from_inplace(update_), update_, fused=whole.fused)
+
+
+def _claim(spec: Any, k: int) -> Claim:
+    if callable(spec):
+        return spec
+    if isinstance(spec, str) or not isinstance(spec, Sequence):
+        raise ValueError(
+            f"param_groups: group {k}'s 'params' must be a predicate on parameter paths or "
+            f"a list of paths, got {type(spec).__name__}"
+        )
+    names = frozenset(spec)
+    return names.__contains__
+
+
+def _check_structures(whole: Optimizer, made: list[Optimizer]) -> None:
+    """Every group's state has `whole`'s structure (tried on one small tensor)."""
+    probe = {"p": torch.zeros(2)}
+    want = optree.tree_structure(whole.init(probe), none_is_leaf=True)
+    for k, opt in enumerate(made):
+        if optree.tree_structure(opt.init(probe), none_is_leaf=True) != want:
+            raise ValueError(
+                f"param_groups: group {k}'s optimizer keeps a state of another structure than "
+                f"the defaults' (AMSGrad or momentum in some groups only): set it in defaults"
+            )
+
+
+Part = tuple[int, int, int, bool]  # (leaf, first element, end, sliced)
+
+
+def _parts(params: Params, ctx: ShardContext | None, claims: list[Claim]) -> list[list[Part]]:
+    """Per group, the parts of the leaves it updates: whole leaves of a tree, or runs of
+    one group's elements within each flat piece (its `segments`)."""
+    out: list[list[Part]] = [[] for _ in claims]
+    leaves = optree.tree_leaves(params)
+
+    def group_of(path: str) -> int:
+        for k, claim in enumerate(claims):
+            if claim(path):
+                return k
+        raise ValueError(f"param_groups: no group claims parameter {path!r}")
+
+    if ctx is None or ctx.segments is None:
+        for i, path in enumerate(leaf_paths(params)):
+            out[group_of(path)].append((i, 0, leaves[i].numel(), False))
+        return out
+    for i, (piece, segments) in enumerate(zip(leaves, ctx.segments, strict=True)):
+        runs: list[list[int]] = []  # [group, lo, hi]
+        for path, lo, hi in segments:
+            k = group_of(path)
+            if runs and runs[-1][0] == k and runs[-1][2] == lo:
+                runs[-1][2] = hi
+            else:
+                runs.append([k, lo, hi])
+        if len(runs) == 1 and runs[0][1] == 0 and runs[0][2] == piece.numel():
+            out[runs[0][0]].append((i, 0, piece.numel(), False))  # the whole piece
+            continue
+        for k, lo, hi in runs:
+            out[k].append((i, lo, hi, True))
+    return out
+
+
+def _per_leaf_fields(state: OptState, params: Params) -> list[bool]:
+    """Per node of the state's top level: whether it mirrors the parameters (a tensor per
+    leaf, as Adam's moments) rather than holding globals (the step count)."""
+    fields = state if isinstance(state, tuple) else (state,)
+    shape = optree.tree_structure(params)
+    out = []
+    for f in fields:
+        try:
+            mirrors = optree.tree_structure(f) == shape
+        except Exception:
+            mirrors = False
+        out.append(mirrors)
+    return out
+
+
+def _sub_state(
+    state: OptState, per_leaf: list[bool], cut: Callable[[list[Any]], Any]
+) -> tuple[OptState, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A group's state: the per-parameter tensors cut to its parts (views, written in
+    place), the globals copied (each group moves its own copy of the step count)."""
+    fields = state if isinstance(state, tuple) else (state,)
+    new, globals_ = [], []
+    for f, mirrors in zip(fields, per_leaf):
+        if mirrors:
+            new.append(cut(optree.tree_leaves(f)))
+        elif isinstance(f, torch.Tensor):
+            copy = f.clone()
+            globals_.append((f, copy))
+            new.append(copy)
+        else:
+            new.append(f)  # None (no AMSGrad maximum, no momentum)
+    if not isinstance(state, tuple):
+        return new[0], globals_
+    return (type(state)(*new) if hasattr(state, "_fields") else tuple(new)), globals_
+
+
+def _nested(ctx: ShardContext | None, parts: list[Part]) -> ShardContext | None:
+    """The context a group's update runs in: the same mesh, its parts as the pieces and
+    their segments (for path masks) cut to them."""
+    if ctx is None:
+        return None
+    if ctx.segments is None:
+        return ctx
+    segs = []
+    for i, lo, hi, _ in parts:
+        segs.append(
+            tuple((path, a - lo, b - lo) for path, a, b in ctx.segments[i] if a >= lo and b <= hi)
+        )
+    return dataclasses.replace(ctx, segments=tuple(segs))
+
+
+class _no_context:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
