@@ -43,70 +43,88 @@ def natural_order(layout: ShardLayout) -> list[int]:
 def param_groups(
     hyperparams: Hyperparams, lay: ShardLayout, aliases: Mapping[str, str] | None, where: str
 ) -> tuple[list[int], list[dict[str, Any]]]:
-    """`(order, groups)`: the trainable leaves in the numbering torch.optim gives them
-    (its groups' parameters, one group after the other), and the groups' hyper-parameters
-    with `"params"` as those numbers.
+    """`(order, groups)`: the leaves in the numbering torch.optim gives them (its groups'
+    parameters, one group after the other), and the groups' hyper-parameters with
+    `"params"` as those numbers. Frozen leaves have numbers only where a group lists
+    them (an optimizer built over every parameter); they have no state.
 
-    `hyperparams`: one group's hyper-parameters (a mapping; None: none), holding every
-    trainable leaf in the parameter tree's order; or a sequence of groups, each a mapping
-    whose `"params"` names its parameters (leaf paths, or a tied parameter's other
-    names) in the loading optimizer's order, as `get_optimizer_state_dict`'s
-    `param_groups` do (or numbers them, beside torch's own `"param_names"`, as a torch
-    optimizer built from named parameters does). Every trainable leaf must be in exactly
-    one group. Groups given so keep their other keys and gain `"param_names"` (the leaves'
-    paths), which `import_torch` reads back.
+    `hyperparams`: one group's hyper-parameters (a mapping; None: none; a `"params"` in
+    it is replaced), holding every trainable leaf in the parameter tree's order; or a
+    sequence of groups, each a mapping whose `"params"` names its parameters (leaf paths,
+    or a tied parameter's other names) in the loading optimizer's order, as
+    `get_optimizer_state_dict`'s `param_groups` do (or numbers them, beside torch's own
+    `"param_names"`, as a torch optimizer built from named parameters does). Every
+    trainable leaf must be in exactly one group. Groups given so keep their other keys
+    and gain `"param_names"` where they have none (the leaves' paths), which
+    `import_torch` reads back.
 
     Raises:
-      CheckpointError: a group without names, a name no trainable leaf has, a leaf in
-        two groups or in none.
+      CheckpointError: a group without names, a name no leaf has, a leaf in two groups,
+        a trainable leaf in none.
     """
     trainable = [i for i in natural_order(lay) if not lay.frozen[i]]
     if hyperparams is None or isinstance(hyperparams, Mapping):
-        if hyperparams is not None and "params" in hyperparams:
-            raise CheckpointError(
-                f"{where}: hyperparams is one group's hyper-parameters; to give groups, pass "
-                f"a list of them, each with its 'params'"
-            )
         return trainable, [{**(hyperparams or {}), "params": list(range(len(trainable)))}]
     if isinstance(hyperparams, str | bytes) or not isinstance(hyperparams, Sequence):
         raise CheckpointError(
             f"{where}: hyperparams must be a dict (one group) or a list of param groups, "
             f"got {type(hyperparams).__name__}"
         )
-    named = [group_names(group, g, where) for g, group in enumerate(hyperparams)]
+    named = []
+    for g, group in enumerate(hyperparams):
+        names = group_names(group)
+        if names is None:
+            raise CheckpointError(
+                f"{where}: param group {g} names no parameters: it needs 'params' as "
+                f"parameter names (get_optimizer_state_dict's param_groups) or torch's "
+                f"'param_names' (an optimizer built from model.named_parameters())"
+            )
+        named.append(names)
     order = leaves_of(named, lay, aliases, where)
     groups, start = [], 0
     for group, names in zip(hyperparams, named):
         ids = list(range(start, start + len(names)))
-        leaves = order[start : start + len(names)]
-        groups.append({**group, "params": ids, "param_names": [lay.paths[i] for i in leaves]})
+        paths = [lay.paths[i] for i in order[start : start + len(names)]]
+        groups.append({"param_names": paths, **group, "params": ids})
         start += len(names)
     return order, groups
 
 
-def group_names(group: Any, g: int, where: str) -> list[str]:
-    """Param group `g`'s parameter names: its `"params"` if names, else torch's own
-    `"param_names"` beside them."""
-    names = group.get("params") if isinstance(group, Mapping) else None
-    if isinstance(names, Sequence) and not all(isinstance(n, str) for n in names):
-        names = group.get("param_names", names)
-    if (
-        isinstance(names, str)
-        or not isinstance(names, Sequence)
-        or not all(isinstance(n, str) for n in names)
-    ):
-        raise CheckpointError(
-            f"{where}: param group {g} names no parameters: it needs 'params' as parameter "
-            f"names (get_optimizer_state_dict's param_groups) or torch's 'param_names' (an "
-            f"optimizer built from model.named_parameters())"
-        )
-    return list(names)
+def group_names(group: Any) -> list[str] | None:
+    """A param group's parameter names: its `"params"` if names (DCP's form), else
+    torch's own `"param_names"` beside them; None if it has neither."""
+    if not isinstance(group, Mapping):
+        return None
+    for key in ("params", "param_names"):
+        names = group.get(key)
+        if (
+            isinstance(names, Sequence)
+            and not isinstance(names, str)
+            and all(isinstance(n, str) for n in names)
+        ):
+            return list(names)
+    return None
+
+
+# Prefixes wrappers add to parameter names: DDP's module, torch.compile's module.
+_WRAPPERS = ("module.", "_orig_mod.")
+
+
+def _resolve(name: str, index: Mapping[str, int]) -> int | None:
+    """The leaf `name` names, through any wrappers' prefixes."""
+    while name not in index:
+        prefix = next((p for p in _WRAPPERS if name.startswith(p)), None)
+        if prefix is None:
+            return None
+        name = name[len(prefix) :]
+    return index[name]
 
 
 def leaves_of(
     named: list[list[str]], lay: ShardLayout, aliases: Mapping[str, str] | None, where: str
 ) -> list[int]:
-    """The trainable leaves the groups `named` name, group after group; each leaf once."""
+    """The leaves the groups `named` name, group after group; each leaf once, and every
+    trainable leaf (frozen ones only where named)."""
     index = dict(lay.path_index)
     for name, canonical in (aliases or {}).items():
         if canonical in lay.path_index:
@@ -115,10 +133,11 @@ def leaves_of(
     owner: dict[int, int] = {}
     for g, names in enumerate(named):
         for name in names:
-            leaf = index.get(name)
-            if leaf is None or lay.frozen[leaf]:
-                what = "is frozen" if leaf is not None else "names no parameter of the state"
-                raise CheckpointError(f"{where}: param group {g}'s {name!r} {what}")
+            leaf = _resolve(name, index)
+            if leaf is None:
+                raise CheckpointError(
+                    f"{where}: param group {g}'s {name!r} names no parameter of the state"
+                )
             if leaf in owner:
                 raise CheckpointError(
                     f"{where}: {lay.paths[leaf]!r} is in param groups {owner[leaf]} and {g}"
@@ -141,19 +160,30 @@ def loaded_order(
 ) -> list[tuple[Any, int]]:
     """`(torch's parameter id, leaf)` for each trainable leaf of a torch.optim state dict.
 
-    Which id is which leaf: by name where the groups say (torch's `"param_names"`, or
-    `param_names` given); one group without names numbers the leaves in the tree's order,
-    as `export_torch` writes them. Several groups without names are refused: a decay
-    group and a no-decay one number the parameters out of the model's order, and same-
-    shaped leaves (a norm's weight and bias) would swap their moments without a trace.
+    Which id is which leaf: by name where the groups say (`get_optimizer_state_dict`'s
+    names as ids, torch's `"param_names"`, or `param_names` given; a wrapper's prefix,
+    DDP's "module." or torch.compile's "_orig_mod.", is looked through); one group
+    numbers the trainable leaves in the tree's order where it has no names, or names the
+    tree does not hold (as `export_torch` writes them). Several groups without names are
+    refused: a decay group and a no-decay one number the parameters out of the model's
+    order, and same-shaped leaves (a norm's weight and bias) would swap their moments
+    without a trace.
     """
     groups = list(optim_state_dict["param_groups"])
     ids = [list(g["params"]) for g in groups]
-    if param_names is not None:
-        named = [list(n) for n in param_names]
-    elif all("param_names" in g for g in groups):
-        named = [list(g["param_names"]) for g in groups]
-    elif len(groups) == 1:
+    named = [list(n) for n in param_names] if param_names is not None else None
+    if named is None and all(group_names(g) is not None for g in groups):
+        named = [group_names(g) or [] for g in groups]
+        if len(groups) == 1 and any(_resolve(n, lay.path_index) is None for n in named[0]):
+            named = None  # names of another model's tree: numbered as before, by position
+    if named is None:
+        if len(groups) != 1:
+            raise CheckpointError(
+                f"{where}: optim_state_dict has {len(groups)} param groups without names, "
+                f"so which parameter is which cannot be told (their order is the "
+                f"optimizer's, not the model's); pass param_names=[[names of group 0], "
+                f"...], or build the torch optimizer from model.named_parameters()"
+            )
         order = [i for i in natural_order(lay) if not lay.frozen[i]]
         if len(ids[0]) != len(order):
             raise CheckpointError(
@@ -161,17 +191,11 @@ def loaded_order(
                 f"{len(order)} trainable ones"
             )
         return list(zip(ids[0], order))
-    else:
-        raise CheckpointError(
-            f"{where}: optim_state_dict has {len(groups)} param groups without names, so "
-            f"which parameter is which cannot be told (their order is the optimizer's, "
-            f"not the model's); pass param_names=[[names of group 0], ...], or build the "
-            f"torch optimizer from model.named_parameters()"
-        )
     if [len(n) for n in named] != [len(i) for i in ids]:
         raise CheckpointError(
             f"{where}: the param groups hold {[len(i) for i in ids]} parameters, their "
             f"names {[len(n) for n in named]}"
         )
     leaves = leaves_of(named, lay, None, where)
-    return list(zip([i for group in ids for i in group], leaves))
+    flat_ids = [i for group in ids for i in group]
+    return [(i, leaf) for i, leaf in zip(flat_ids, leaves) if not lay.frozen[leaf]]

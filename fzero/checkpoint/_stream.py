@@ -269,7 +269,7 @@ def _to_torch(
     pieces: dict[tuple[int, str], torch.Tensor],
     grouping: tuple[list[int], list[dict[str, Any]]],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    trainable, groups = grouping  # torch's numbering of the trainable leaves
+    numbered, groups = grouping  # torch's numbering of the leaves
     model = {lay.paths[i]: params[i] for i in natural_order(lay)}
 
     def value(j: int, i: int) -> torch.Tensor:
@@ -287,7 +287,9 @@ def _to_torch(
 
     count = int(local.globals["count"]) if "count" in local.globals else 0
     states: dict[int, dict[str, Any]] = {}
-    for idx, i in enumerate(trainable):
+    for idx, i in enumerate(numbered):
+        if lay.frozen[i]:  # numbered by a group that lists it; torch keeps no state for it
+            continue
         if schema.kind in ("AdamState", "SgdState"):
             names = _ADAM if schema.kind == "AdamState" else _SGD
             st = {names[e.node]: value(j, i) for j, e in enumerate(schema.entries) if count}

@@ -116,7 +116,8 @@ def import_torch(
       mesh: the mesh.
       stage: the ZeRO stage (0-3).
       params_like: the parameter tree (values ignored) when it is not the flat dict
-        `model_state_dict` itself (e.g. nested dicts and lists).
+        `model_state_dict` itself (e.g. nested dicts and lists); its leaves that do not
+        require grad, where others do, are frozen (`dict(model.named_parameters())`).
       layout: "flat" or "tensor", as in `shard_state`.
       units: as in `shard_state`.
       frozen: as in `shard_state`.
@@ -153,7 +154,10 @@ def import_torch(
             )
         leaves = [model_state_dict[p].detach() for p in paths]
         params = tree_unflatten(tree_flatten(like)[1], leaves)
-        lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves(params, frozen))
+        # Frozen from `params_like`'s requires_grad where given (the state dict's values
+        # are detached), as import_dcp and load read them.
+        flags = frozen_leaves(params if params_like is None else like, frozen)
+        lay = build_layout(params, mesh.shard_size, layout, units, flags)
         pairs = loaded_order(optim_state_dict, lay, param_names, "checkpoint.import_torch")
         torch_states = {leaf: optim_state_dict["state"].get(i, {}) for i, leaf in pairs}
         saved = torch_states_of(optimizer, lay, leaves, torch_states, step)
