@@ -4,11 +4,14 @@ in pieces mixing groups, against one-process torch.optim with the same groups.""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
 
@@ -261,3 +264,59 @@ def test_bad_groups_are_refused() -> None:
     params = {"a": torch.zeros(2), "b": torch.zeros(3)}
     with pytest.raises(ValueError, match="no group claims parameter 'b'"):
         opt.update({"a": torch.ones(2), "b": torch.ones(3)}, opt.init(params), params)
+
+
+@given(data=st.data())
+def test_any_cut_of_a_flat_shard_steps_each_group_as_torch(data: st.DataObject) -> None:
+    """Leaves of random sizes in random groups, laid end to end and cut into pieces at
+    random points (a rank's flat shards, some empty): two updates over the pieces are
+    bitwise torch's groups over the leaves."""
+    from fzero.optim._context import ShardContext, shard_context
+
+    sizes = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=6), label="sizes")
+    groups = data.draw(st.lists(st.integers(0, 2), min_size=len(sizes), max_size=len(sizes)))
+    total = sum(sizes)
+    cuts = sorted(data.draw(st.lists(st.integers(0, total), max_size=4), label="cuts"))
+    case = data.draw(st.sampled_from(sorted(CASES)), label="case")
+    cls, make, shared, own = CASES[case]
+    names = [f"p{i}" for i in range(len(sizes))]
+    gen = torch.Generator().manual_seed(len(sizes) * 31 + total)
+    values = [torch.randn(n, generator=gen, dtype=F64) for n in sizes]
+    grads = [[torch.randn(n, generator=gen, dtype=F64) for n in sizes] for _ in range(2)]
+
+    mine = [v.clone().requires_grad_() for v in values]
+    torch_groups = [
+        {"params": [mine[i] for i, g in enumerate(groups) if g == k], **own[k]}
+        for k in range(3)
+        if k in groups
+    ]
+    opt = cls(torch_groups, **shared, foreach=False)
+    fz = optim.param_groups(
+        make,
+        [{"params": [n for n, g in zip(names, groups) if g == k], **own[k]} for k in range(3)],
+        **shared,
+    )
+    bounds = [0, *cuts, total]
+    flat = torch.cat(values)
+    starts = list(itertools.accumulate(sizes, initial=0))
+
+    def cut(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t[a:b].clone() for a, b in itertools.pairwise(bounds))
+
+    segments = tuple(
+        tuple(
+            (names[i], max(a, starts[i]) - a, min(b, starts[i + 1]) - a)
+            for i in range(len(sizes))
+            if max(a, starts[i]) < min(b, starts[i + 1])
+        )
+        for a, b in itertools.pairwise(bounds)
+    )
+    pieces = cut(flat)
+    with shard_context(ShardContext(None, True, segments)):
+        state = fz.init(pieces)
+        for step in range(2):
+            for p, g in zip(mine, grads[step]):
+                p.grad = g.clone()
+            opt.step()
+            pieces, state = fz.update(cut(torch.cat(grads[step])), state, pieces)
+    assert torch.equal(torch.cat(pieces), torch.cat([p.detach() for p in mine]))
