@@ -53,21 +53,24 @@ def param_groups(
         whose states differ in structure (AMSGrad in one group only, SGD momentum in
         one); at update time, a parameter no group claims.
     """
-    known = inspect.signature(make).parameters
+    signature = inspect.signature(make).parameters
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
+    known = set(signature) if not anything else None
     claims: list[Claim] = []
     made: list[Optimizer] = []
     for k, group in enumerate(groups):
         if not isinstance(group, Mapping) or "params" not in group:
             raise ValueError(f"param_groups: group {k} must be a dict with 'params'")
-        unknown = sorted(set(group) - {"params"} - set(known))
+        unknown = [] if known is None else sorted(set(group) - {"params"} - known)
         if unknown:
-            raise ValueError(f"param_groups: group {k} sets {unknown}, which {make.__name__} lacks")
+            name = getattr(make, "__name__", "make")
+            raise ValueError(f"param_groups: group {k} sets {unknown}, which {name} lacks")
         claims.append(_claim(group["params"], k))
         made.append(make(**{**defaults, **{n: v for n, v in group.items() if n != "params"}}))
     if not made:
         raise ValueError("param_groups: no groups")
     whole = make(**defaults)
-    _check_structures(whole, made)
+    _check_structures(whole, made, getattr(make, "__name__", "make"))
     if any(opt.whole_tensors for opt in made) or any(opt.update_ is None for opt in made):
         raise ValueError(
             f"param_groups: {make.__name__} must update elementwise and in place "
@@ -120,10 +123,21 @@ def _claim(spec: Any, k: int) -> Claim:
     return names.__contains__
 
 
-def _check_structures(whole: Optimizer, made: list[Optimizer]) -> None:
-    """Every group's state has `whole`'s structure (tried on one small tensor)."""
+def _check_structures(whole: Optimizer, made: list[Optimizer], name: str) -> None:
+    """`whole`'s state is per-parameter tensors beside global ones, and every group's has
+    its structure (tried on one small tensor)."""
     probe = {"p": torch.zeros(2)}
-    want = optree.tree_structure(whole.init(probe), none_is_leaf=True)
+    state = whole.init(probe)
+    fields = state if isinstance(state, tuple) else (state,)
+    if not all(
+        mirrors or f is None or isinstance(f, torch.Tensor)
+        for f, mirrors in zip(fields, _per_leaf_fields(state, probe))
+    ):
+        raise ValueError(
+            f"param_groups: {name}'s state is not per-parameter tensors beside global ones "
+            f"(fzero.optim.adam, adamw, sgd); a from_torch optimizer keeps torch's own"
+        )
+    want = optree.tree_structure(state, none_is_leaf=True)
     for k, opt in enumerate(made):
         if optree.tree_structure(opt.init(probe), none_is_leaf=True) != want:
             raise ValueError(

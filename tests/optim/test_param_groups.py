@@ -260,6 +260,11 @@ def test_bad_groups_are_refused() -> None:
         optim.param_groups(optim.adamw, [{"params": lambda p: True, "momentum": 0.9}])
     with pytest.raises(ValueError, match="another structure"):
         optim.param_groups(optim.adam, [{"params": ["a"], "amsgrad": True}, {"params": ["b"]}])
+    def from_torch(**kw: Any) -> optim.Optimizer:
+        return optim.from_torch(torch.optim.AdamW, **kw)
+
+    with pytest.raises(ValueError, match="from_torch's state is not per-parameter tensors"):
+        optim.param_groups(from_torch, [{"params": ["a"], "lr": 0.1}])
     opt = optim.param_groups(optim.adamw, [{"params": ["a"], "lr": 0.1}])
     params = {"a": torch.zeros(2), "b": torch.zeros(3)}
     with pytest.raises(ValueError, match="no group claims parameter 'b'"):
