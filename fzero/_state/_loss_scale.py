@@ -67,12 +67,26 @@ class LossScaleState(NamedTuple):
 def unscale_(grads: list[torch.Tensor], scale: torch.Tensor, mesh: Mesh) -> bool:
     """Divides this rank's gradient pieces by `scale` in place; True if ANY rank found an
     inf or NaN (one all-reduce of one flag, so every rank takes the same branch)."""
-    # GradScaler multiplies by the float32 reciprocal computed in double: the same bits.
+    # GradScaler's own kernel, with its float32 reciprocal computed in double: the same
+    # bits as its unscale_, and one pass (multiplying, then a separate isfinite pass,
+    # took 20 times as long on the CPU: 10 ms against 0.5 for 5.3M fp32 elements).
     inv = scale.double().reciprocal().float()
-    bad = torch.zeros((), dtype=torch.float32, device=scale.device)
-    for g in grads:
-        if g.numel():
-            g.mul_(inv.to(g.dtype))
-            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+    bad = nonfinite_unscale_(grads, inv)
     # The step's one host sync: every rank must know whether to skip the update.
     return bool(_comm.all_reduce_sum(bad, mesh).item() > 0)
+
+
+def nonfinite_unscale_(tensors: list[torch.Tensor], inv: torch.Tensor) -> torch.Tensor:
+    """Multiplies `tensors` by `inv` (a float32 0-d tensor) in place, as GradScaler's
+    kernel does; a float32 0-d flag on `inv`'s device, 1 where any held an inf or NaN."""
+    bad = torch.zeros(1, dtype=torch.float32, device=inv.device)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for (_, device), group in by_kind.items():
+        found = bad if device == bad.device else torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.reshape(1).to(device))
+        if found is not bad:
+            bad = torch.maximum(bad, found.to(bad.device))
+    return bad.reshape(())

@@ -21,10 +21,10 @@ from .._core import (
     tree_map,
 )
 from .._engine import gather_params_into
-from .._state import held_shards, params_apart, unscale_
+from .._state import held_shards, nonfinite_unscale_, params_apart, unscale_
 from ..optim import Optimizer
 from ..optim._base import check_slices
-from ..optim._context import ShardContext, shard_context
+from ..optim._context import ShardContext, grads_owned, shard_context
 from ._streamed import Streamer
 
 
@@ -213,12 +213,14 @@ def apply_update(
     if state.scaler is not None and unscale_(leaves, state.scaler.scale, mesh):
         return target, state.opt_state, False, target
     if streamed is not None:
-        new, opt_state, delivered = streamed.finish(grads, overlapped)
+        with grads_owned():
+            new, opt_state, delivered = streamed.finish(grads, overlapped)
         bufs = tuple(delivered.get(k, x) for k, x in enumerate(new.buffers))
         return new, opt_state, True, Shards(bufs, new.layout, new.rank)
-    new, opt_state = sharded_update(
-        optimizer, target, grads, state.opt_state, donate=donate, mesh=mesh
-    )
+    with grads_owned():  # the step's own buffers, used once: transforms scale in place
+        new, opt_state = sharded_update(
+            optimizer, target, grads, state.opt_state, donate=donate, mesh=mesh
+        )
     return new, opt_state, True, new
 
 
@@ -285,13 +287,13 @@ def check_finite(grads: Any, mesh: Mesh, step: int) -> None:
     Int8 blocks carry inf or NaN as NaN to whichever rank owns them; that rank alone
     would see it, so the ranks compare (one small all-reduce and a host sync per step).
     """
-    if not isinstance(grads, Shards):
+    if not isinstance(grads, Shards) or not grads.buffers:
         return
-    # One flag for every buffer, so one host sync (below) rather than one per buffer.
-    bad = sum((~torch.isfinite(g)).any().double() for g in grads.buffers if g.numel())
-    flags = all_reduce_sum(
-        torch.as_tensor(bad, dtype=torch.float64).clamp(max=1).view(1), mesh, control=True
-    )
+    # One flag for every buffer, so one host sync (below) rather than one per buffer; a
+    # multiplication by one (GradScaler's kernel, one pass) finds it fastest.
+    one = torch.ones((), dtype=torch.float32, device=grads.buffers[0].device)
+    bad = nonfinite_unscale_(list(grads.buffers), one)
+    flags = all_reduce_sum(bad.double().view(1), mesh, control=True)
     if flags.item():
         raise ValueError(
             f"rank {mesh.rank}: step {step}: the gradients hold inf or NaN after the quantized "

@@ -87,8 +87,49 @@ def sum_of_squares(leaves: Any, device: torch.device | None) -> torch.Tensor:
     """The float64 sum of the leaves' squares, leaf after leaf, where the leaves are."""
     local = torch.zeros((), dtype=torch.float64, device=device)
     for g in leaves:
-        local = local + g.detach().double().pow(2).sum().to(local.device)
+        local = local + _squares(g.detach()).to(local.device)
     return local
+
+
+_CHUNK = 1 << 16  # elements: a float64 copy of a chunk stays in the CPU's cache
+
+
+def _squares(g: torch.Tensor) -> torch.Tensor:
+    """`g`'s sum of squares in float64. On the CPU a dot product per cache-sized chunk:
+    `g.double().pow(2).sum()` wrote two float64 copies of the tensor, 13 times slower
+    (37 against 2.9 ms for 5.3M fp32 elements, one thread); elsewhere one reduction that
+    casts as it reads (no copy of the gradient in device memory)."""
+    if g.is_complex():
+        g = torch.view_as_real(g)
+    if g.device.type != "cpu":
+        return torch.linalg.vector_norm(g, dtype=torch.float64).square()
+    flat = g.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in flat.split(_CHUNK):
+        c = chunk.double()
+        total += torch.dot(c, c)
+    return total
+
+
+_OWNED: ContextVar[bool] = ContextVar("fzero_grads_owned", default=False)
+
+
+@contextlib.contextmanager
+def grads_owned() -> Iterator[None]:
+    """Within the block, the gradients an update receives are its caller's scratch (a
+    step's reduced buffers, used once): a transformation may scale them in place rather
+    than copy them. A fresh copy of the gradient per step cost the benchmark GPT's
+    clipped step 6 ms of its 135 (allocation and first touch, `aten::mul`, profiled)."""
+    token = _OWNED.set(True)
+    try:
+        yield
+    finally:
+        _OWNED.reset(token)
+
+
+def owns_grads() -> bool:
+    """Whether the update being run may write into its gradients (`grads_owned`)."""
+    return _OWNED.get()
 
 
 def current() -> ShardContext | None:

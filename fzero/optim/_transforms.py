@@ -10,7 +10,7 @@ import torch
 
 from .._core import device_of
 from ._base import Grads, Optimizer, OptState, Params
-from ._context import current, global_sum, sum_of_squares
+from ._context import current, global_sum, owns_grads, sum_of_squares
 
 
 class GradientTransformation(NamedTuple):
@@ -62,8 +62,19 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             # read back to the host, so clipping costs no sync.
             norm = global_sum(sum_of_squares(leaves, device_of(grads))).sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        clipped = optree.tree_map(lambda g: g * coef.to(g.device, g.dtype), grads)
-        return clipped, ClipState(norm)
+        cast: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+        def like(g: torch.Tensor) -> torch.Tensor:
+            key = (g.device, g.dtype)
+            if key not in cast:
+                cast[key] = coef.to(g.device, g.dtype)
+            return cast[key]
+
+        if owns_grads():  # a step's own buffers: scaled where they are, the same values
+            for g in leaves:
+                g.mul_(like(g))
+            return grads, ClipState(norm)
+        return optree.tree_map(lambda g: g * like(g), grads), ClipState(norm)
 
     return GradientTransformation(init, update)
 

@@ -23,3 +23,15 @@ def test_the_script_times_both_ranks_of_the_checkout_it_is_given() -> None:
     assert Path(source) == ROOT, source
     ranks = re.findall(r"cpu (\d+\.\d) ms wall (\d+\.\d) ms", times)
     assert len(ranks) == 2 and all(float(c) > 0 and float(w) > 0 for c, w in ranks), times
+
+
+@pytest.mark.multiprocess
+def test_the_clip_and_scaler_benchmark_runs() -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "clip_scale.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--quick", "--stages", "0,3", "--steps", "3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["0", "3"] and all(float(r[1]) > 0 for r in rows), out.stdout

@@ -260,6 +260,7 @@ def test_bad_groups_are_refused() -> None:
         optim.param_groups(optim.adamw, [{"params": lambda p: True, "momentum": 0.9}])
     with pytest.raises(ValueError, match="another structure"):
         optim.param_groups(optim.adam, [{"params": ["a"], "amsgrad": True}, {"params": ["b"]}])
+
     def from_torch(**kw: Any) -> optim.Optimizer:
         return optim.from_torch(torch.optim.AdamW, **kw)
 
