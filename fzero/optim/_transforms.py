@@ -37,7 +37,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     As `torch.nn.utils.clip_grad_norm_(parameters, max_norm)`: the coefficient is
     `max_norm / (norm + 1e-6)`, clamped to 1. Under `fzero.sharded_update` the norm is
     the TRUE global one: each rank's sum of squares over its shard, summed over ranks (one
-    all-reduce of a scalar); a replicated (stage 0) update needs no communication.
+    all-reduce of a scalar); a replicated (stage 0) update needs no communication. Out of
+    place, but for a step's own gradient buffers (`grads_owned`), scaled where they are.
 
     Args:
       max_norm: the largest global norm let through.
