@@ -23,6 +23,7 @@ from .._core import (
 from .._engine import gather_params
 from .._state import shard_state
 from .._step import sharded_step
+from ..optim._groups import claim
 from ._simulate import Simulation
 
 # Default (rtol, atol) for float64 and float32 parameters. fzero and the reference differ
@@ -46,6 +47,7 @@ def assert_stages_equivalent(
     *,
     stages: Sequence[int] = (0, 1, 2, 3),
     fzero_optimizer: optim.Optimizer | None = None,
+    groups: Sequence[Mapping[str, Any]] | None = None,
     layout: str = "flat",
     units: Sequence[UnitSpec] | None = None,
     module: nn.Module | None = None,
@@ -73,6 +75,12 @@ def assert_stages_equivalent(
         `fzero.optim.from_torch(cls, **kwargs)`.
       stages: the ZeRO stages to check.
       fzero_optimizer: what the ranks run instead, to check an `fzero.optim` optimizer.
+      groups: torch's param groups, each a dict whose `"params"` is a predicate on
+        parameter paths or a list of paths (a leaf goes to the first that claims it;
+        every trained leaf must be claimed) and whose other keys override `optimizer`'s
+        kwargs for it: the reference builds its optimizer with them, and the ranks run
+        `fzero.optim.param_groups` of fzero's `adam`, `adamw` or `sgd` (for
+        torch.optim.Adam, AdamW or SGD; other classes need `fzero_optimizer`).
       layout, units, module: `shard_state`'s and `sharded_step`'s.
       rtol, atol: tolerances; by default 1e-7 / 1e-9 for float64, 1e-4 / 1e-5 for float32,
         and for half precision an `atol` measured on every call: 4 times what two
@@ -93,17 +101,19 @@ def assert_stages_equivalent(
     world_size = _world_size(batches)
     leaves, _ = tree_flatten(params)
     check_leaves(leaf_paths(params), leaves)  # before the reference trips on them
-    expected, expected_losses = _train_reference(loss_fn, params, batches, cls, kwargs)
+    expected, expected_losses = _train_reference(loss_fn, params, batches, cls, kwargs, groups)
     default_rtol, default_atol, loss_atol = _default_tolerance(leaves)
     per_leaf: dict[str, float] = {}  # measured atol of half-precision leaves, by path
     if rtol is None and atol is None and any(_is_half(x) for x in leaves):
-        other, other_losses = _train_reference(loss_fn, params, batches, cls, kwargs, "ranks")
+        other, other_losses = _train_reference(
+            loss_fn, params, batches, cls, kwargs, groups, "ranks"
+        )
         per_leaf, loss_atol = _measured_tolerance(expected, other, expected_losses, other_losses)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     loss_atol = max(atol, loss_atol)
     moved = _moved(params, expected, rtol, atol, per_leaf)
-    fz_opt = fzero_optimizer if fzero_optimizer is not None else optim.from_torch(cls, **kwargs)
+    fz_opt = fzero_optimizer or _fzero_optimizer(cls, kwargs, groups)
     sim = Simulation(world_size, collective_timeout=60.0, timeout=timeout)
     per_rank = sim.run(
         _train_stages, loss_fn, params, batches, fz_opt, tuple(stages), layout, units, module,
@@ -215,12 +225,48 @@ def _moved(
     return out
 
 
+def _fzero_optimizer(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], groups: Any
+) -> optim.Optimizer:
+    """What the ranks run for torch's `cls(**kwargs)`: `from_torch`, or with `groups`
+    fzero's own optimizer of that class in `param_groups`."""
+    if groups is None:
+        return optim.from_torch(cls, **kwargs)
+    own = {torch.optim.Adam: optim.adam, torch.optim.AdamW: optim.adamw, torch.optim.SGD: optim.sgd}
+    if cls not in own:
+        raise ValueError(
+            f"groups= runs fzero.optim.param_groups of fzero's adam, adamw or sgd; for "
+            f"torch.optim.{cls.__name__} pass fzero_optimizer= as well"
+        )
+    return optim.param_groups(own[cls], groups, **kwargs)
+
+
+def _torch_groups(
+    paths: list[str], tensors: list[torch.Tensor], groups: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """torch's param groups over `tensors` (at `paths`): each to the first group that
+    claims its path, as `fzero.optim.param_groups` assigns them."""
+    claims = [claim(g.get("params"), k) for k, g in enumerate(groups)]
+    members: list[list[torch.Tensor]] = [[] for _ in groups]
+    for path, t in zip(paths, tensors):
+        k = next((k for k, claim in enumerate(claims) if claim(path)), None)
+        if k is None:
+            raise ValueError(f"groups: no group claims parameter {path!r}")
+        members[k].append(t)
+    return [
+        {**{n: v for n, v in g.items() if n != "params"}, "params": m}
+        for g, m in zip(groups, members)
+        if m
+    ]
+
+
 def _train_reference(
     loss_fn: Callable[[PyTree, Any], torch.Tensor],
     params: PyTree,
     batches: Sequence[Sequence[Any]],
     cls: type[torch.optim.Optimizer],
     kwargs: dict[str, Any],
+    groups: Sequence[Mapping[str, Any]] | None = None,
     order: str = "loss",
 ) -> tuple[PyTree, list[float]]:
     """Plain torch.optim on one process, the mean of the micro-batch losses per step.
@@ -234,7 +280,11 @@ def _train_reference(
     trainable = [x.requires_grad or not some_frozen for x in leaves]
     tensors = [x.detach().clone().requires_grad_(t) for x, t in zip(leaves, trainable)]
     trained = [x for x, t in zip(tensors, trainable) if t]
-    opt = cls(trained, **kwargs)
+    if groups is None:
+        opt = cls(trained, **kwargs)
+    else:
+        paths = [p for p, t in zip(leaf_paths(params), trainable) if t]
+        opt = cls(_torch_groups(paths, trained, groups), **kwargs)
     losses = []
     for micro_batches in batches:
         opt.zero_grad()

@@ -65,7 +65,7 @@ def param_groups(
         if unknown:
             name = getattr(make, "__name__", "make")
             raise ValueError(f"param_groups: group {k} sets {unknown}, which {name} lacks")
-        claims.append(_claim(group["params"], k))
+        claims.append(claim(group["params"], k))
         made.append(make(**{**defaults, **{n: v for n, v in group.items() if n != "params"}}))
     if not made:
         raise ValueError("param_groups: no groups")
@@ -111,7 +111,8 @@ def param_groups(
     return Optimizer(whole.init, from_inplace(update_), update_, fused=whole.fused)
 
 
-def _claim(spec: Any, k: int) -> Claim:
+def claim(spec: Any, k: int) -> Claim:
+    """Group `k`'s `"params"` as a predicate on parameter paths."""
     if callable(spec):
         return spec
     if isinstance(spec, str) or not isinstance(spec, Sequence):

@@ -192,6 +192,34 @@ def test_passes_on_a_module_with_units_hooks_and_a_frozen_parameter() -> None:
 
 
 @pytest.mark.multiprocess
+def test_checks_param_groups_and_fails_an_optimizer_without_them() -> None:
+    """The head trains at its own rate and the biases without decay, in the reference and
+    on the ranks; an fzero optimizer that ignores the groups is caught."""
+    torch.manual_seed(0)
+    model = Net().double()
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(functional_call(model, p, (x,)), y)
+
+    args = (loss_fn, dict(model.named_parameters()), _mlp_batches([5, 2], 2))
+    adamw = (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1})
+    groups = [
+        {"params": lambda path: path.startswith("head."), "lr": 0.2},
+        {"params": lambda path: path.endswith("bias"), "weight_decay": 0.0},
+        {"params": lambda path: True},
+    ]
+    testing.assert_stages_equivalent(*args, adamw, groups=groups, stages=[0, 3])
+    with pytest.raises(AssertionError, match="do not train like one process"):
+        testing.assert_stages_equivalent(
+            *args, adamw, groups=groups, stages=[3],
+            fzero_optimizer=fzero.optim.adamw(lr=0.05, weight_decay=0.1),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"no group claims parameter 'blocks\.0\.weight'"):
+        testing.assert_stages_equivalent(*args, adamw, groups=groups[1:2], stages=[0])
+
+
+@pytest.mark.multiprocess
 def test_checks_compiled_steps_and_fails_a_loss_that_compiles_to_other_values() -> None:
     """`compile=`: every stage's step traced (module hooks, a frozen parameter) trains as
     torch.optim does; a loss whose traced value differs from its eager one (twice the
