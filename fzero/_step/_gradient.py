@@ -148,4 +148,24 @@ def _by_leaf(
         total = rounded(total)
     if len(micro) > 1:
         total = tree_map(lambda t: t / len(micro), total)
-    return total
+    return _distinct(total)
+
+
+def _distinct(grads: Any) -> Any:
+    """`grads` with no two leaves sharing memory and none overlapping itself.
+
+    Autograd may hand one tensor to several leaves (`(a + b).pow(2).sum()`) or an expanded
+    one (`a.sum()`'s gradient has stride 0), and where no cast, sum or mean copied them,
+    the update's in-place scaling (loss weights, unscaling, clipping) would scale a
+    shared gradient once per leaf, or refuse an overlapping one. Such leaves are copied."""
+    seen: set[int] = set()
+
+    def own(g: torch.Tensor) -> torch.Tensor:
+        ptr = g.untyped_storage().data_ptr()
+        if g.numel() and (ptr in seen or torch._debug_has_internal_overlap(g) != 0):
+            g = g.clone(memory_format=torch.contiguous_format)
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        return g
+
+    return tree_map(own, grads)

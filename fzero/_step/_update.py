@@ -21,7 +21,7 @@ from .._core import (
     tree_map,
 )
 from .._engine import gather_params_into
-from .._state import held_shards, nonfinite_unscale_, params_apart, unscale_
+from .._state import held_shards, params_apart, unscale_
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from ..optim._context import ShardContext, grads_owned, shard_context
@@ -289,11 +289,12 @@ def check_finite(grads: Any, mesh: Mesh, step: int) -> None:
     """
     if not isinstance(grads, Shards) or not grads.buffers:
         return
-    # One flag for every buffer, so one host sync (below) rather than one per buffer; a
-    # multiplication by one (GradScaler's kernel, one pass) finds it fastest.
-    one = torch.ones((), dtype=torch.float32, device=grads.buffers[0].device)
-    bad = nonfinite_unscale_(list(grads.buffers), one)
-    flags = all_reduce_sum(bad.double().view(1), mesh, control=True)
+    # One flag for every buffer, so one host sync (below) rather than one per buffer. Read
+    # only: offload's host thread may be reading these buffers already.
+    bad = sum((~torch.isfinite(g)).any().double() for g in grads.buffers if g.numel())
+    flags = all_reduce_sum(
+        torch.as_tensor(bad, dtype=torch.float64).clamp(max=1).view(1), mesh, control=True
+    )
     if flags.item():
         raise ValueError(
             f"rank {mesh.rank}: step {step}: the gradients hold inf or NaN after the quantized "

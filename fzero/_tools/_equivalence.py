@@ -238,7 +238,12 @@ def _fzero_optimizer(
             f"groups= runs fzero.optim.param_groups of fzero's adam, adamw or sgd; for "
             f"torch.optim.{cls.__name__} pass fzero_optimizer= as well"
         )
-    return optim.param_groups(own[cls], groups, **kwargs)
+    # How torch runs its kernels, not what they compute: fzero's own take none of them.
+    same = {k: v for k, v in kwargs.items() if k not in _TORCH_ONLY}
+    return optim.param_groups(own[cls], groups, **same)
+
+
+_TORCH_ONLY = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 
 def _torch_groups(

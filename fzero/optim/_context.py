@@ -115,12 +115,13 @@ _OWNED: ContextVar[bool] = ContextVar("fzero_grads_owned", default=False)
 
 
 @contextlib.contextmanager
-def grads_owned() -> Iterator[None]:
+def grads_owned(owned: bool = True) -> Iterator[None]:
     """Within the block, the gradients an update receives are its caller's scratch (a
     step's reduced buffers, used once): a transformation may scale them in place rather
     than copy them. A fresh copy of the gradient per step cost the benchmark GPT's
-    clipped step 6 ms of its 135 (allocation and first touch, `aten::mul`, profiled)."""
-    token = _OWNED.set(True)
+    clipped step 6 ms of its 135 (allocation and first touch, `aten::mul`, profiled).
+    `owned=False` withdraws it (what a transformation returned in their place)."""
+    token = _OWNED.set(owned)
     try:
         yield
     finally:

@@ -70,7 +70,7 @@ def param_groups(
     if not made:
         raise ValueError("param_groups: no groups")
     whole = make(**defaults)
-    _check_structures(whole, made, getattr(make, "__name__", "make"))
+    per_leaf = _check_structures(whole, made, getattr(make, "__name__", "make"))
     if any(opt.whole_tensors for opt in made) or any(opt.update_ is None for opt in made):
         raise ValueError(
             f"param_groups: {make.__name__} must update elementwise and in place "
@@ -81,7 +81,6 @@ def param_groups(
     def update_(grads: Grads, state: OptState, params: Params) -> tuple[Params, OptState]:
         ctx = current()
         parts = _parts(params, ctx, claims)
-        per_leaf = _per_leaf_fields(state, params)
         p_leaves, g_leaves = optree.tree_leaves(params), optree.tree_leaves(grads)
         paths = leaf_paths(params) if ctx is None or ctx.segments is None else None
         new_globals = None
@@ -124,15 +123,17 @@ def claim(spec: Any, k: int) -> Claim:
     return names.__contains__
 
 
-def _check_structures(whole: Optimizer, made: list[Optimizer], name: str) -> None:
+def _check_structures(whole: Optimizer, made: list[Optimizer], name: str) -> list[bool]:
     """`whole`'s state is per-parameter tensors beside global ones, and every group's has
-    its structure (tried on one small tensor)."""
+    its structure (tried on a dict of one small tensor, so that no global can pass for a
+    parameter's, as a bare tensor's step count would); per field, whether it mirrors the
+    parameters."""
     probe = {"p": torch.zeros(2)}
     state = whole.init(probe)
     fields = state if isinstance(state, tuple) else (state,)
+    per_leaf = _per_leaf_fields(state, probe)
     if not all(
-        mirrors or f is None or isinstance(f, torch.Tensor)
-        for f, mirrors in zip(fields, _per_leaf_fields(state, probe))
+        mirrors or f is None or isinstance(f, torch.Tensor) for f, mirrors in zip(fields, per_leaf)
     ):
         raise ValueError(
             f"param_groups: {name}'s state is not per-parameter tensors beside global ones "
@@ -145,6 +146,7 @@ def _check_structures(whole: Optimizer, made: list[Optimizer], name: str) -> Non
                 f"param_groups: group {k}'s optimizer keeps a state of another structure than "
                 f"the defaults' (AMSGrad or momentum in some groups only): set it in defaults"
             )
+    return per_leaf
 
 
 Part = tuple[int, int, int, bool]  # (leaf, first element, end, sliced)

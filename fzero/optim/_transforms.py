@@ -10,7 +10,7 @@ import torch
 
 from .._core import device_of
 from ._base import Grads, Optimizer, OptState, Params
-from ._context import current, global_sum, owns_grads, sum_of_squares
+from ._context import current, global_sum, grads_owned, owns_grads, sum_of_squares
 
 
 class GradientTransformation(NamedTuple):
@@ -105,10 +105,22 @@ def chain(*parts: Any) -> Optimizer:
     def run(step: Any) -> Callable[[Grads, tuple[Any, ...], Params], tuple[Params, Any]]:
         def update(grads: Grads, state: tuple[Any, ...], params: Params) -> tuple[Params, Any]:
             new_states = []
+            owned = owns_grads()
             for t, s in zip(transforms, state[:-1], strict=True):
-                grads, s = t.update(grads, s, params)
+                before = optree.tree_leaves(grads)
+                with grads_owned(owned):
+                    grads, s = t.update(grads, s, params)
                 new_states.append(s)
-            params, last = step(grads, state[-1], params)
+                # Leaves a transformation made (its own state, say) are not the caller's
+                # scratch: the rest of the chain must not scale them in place.
+                after = optree.tree_leaves(grads)
+                owned = (
+                    owned
+                    and len(after) == len(before)
+                    and all(a is b for a, b in zip(after, before))
+                )
+            with grads_owned(owned):
+                params, last = step(grads, state[-1], params)
             return params, (*new_states, last)
 
         return update

@@ -326,3 +326,18 @@ def test_any_cut_of_a_flat_shard_steps_each_group_as_torch(data: st.DataObject) 
             opt.step()
             pieces, state = fz.update(cut(torch.cat(grads[step])), state, pieces)
     assert torch.equal(torch.cat(pieces), torch.cat([p.detach() for p in mine]))
+
+
+def test_a_bare_tensor_steps_as_the_factory_does() -> None:
+    """Parameters that are one tensor: its step count is no parameter's (bitwise plain
+    adamw over two updates)."""
+    gen = torch.Generator().manual_seed(3)
+    p, g = torch.randn(5, generator=gen, dtype=F64), torch.randn(5, generator=gen, dtype=F64)
+    plain = optim.adamw(lr=0.1)
+    grouped_ = optim.param_groups(optim.adamw, [{"params": lambda path: True}], lr=0.1)
+    a, sa = p.clone(), plain.init(p)
+    b, sb = p.clone(), grouped_.init(p)
+    for _ in range(2):
+        a, sa = plain.update(g, sa, a)
+        b, sb = grouped_.update(g, sb, b)
+    assert torch.equal(a, b) and int(sb.count) == 2

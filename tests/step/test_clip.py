@@ -1,7 +1,8 @@
 """Global-norm clipping and weight-decay masks through chain, at every stage and layout."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import optree
 import pytest
 import torch
 from hypothesis import given, settings
@@ -126,3 +127,90 @@ def test_clipping_shards_without_the_mesh_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="pass mesh= to sharded_update"):
         run(2, fn)
+
+
+F64 = torch.float64
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("loss", ["shared", "expanded"])
+def test_gradients_autograd_shares_between_leaves_are_scaled_once(loss: str) -> None:
+    """One rank at stage 0 takes autograd's gradients as they come: one tensor for two
+    leaves (`(a + b)^2`), or an expanded one (a sum). Clipping, a loss scaler and the
+    loss weights scale them once each, as torch does."""
+    start = {
+        "a": torch.tensor([1.0, 2.0, 3.0], dtype=F64),
+        "b": torch.tensor([0.5, -1.0, 2.0], dtype=F64),
+    }
+
+    def loss_fn(p: dict[str, torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+        s = p["a"] + p["b"]
+        return (s.pow(2) if loss == "shared" else s).sum() * batch.sum()
+
+    mine = {k: v.clone().requires_grad_() for k, v in start.items()}
+    opt = torch.optim.SGD(mine.values(), lr=1.0, foreach=False)
+    batch = torch.ones(2, dtype=F64)
+    for _ in range(2):
+        opt.zero_grad()
+        (loss_fn(mine, batch) / 2.0).backward()  # fzero's step below: (total, weight 2)
+        torch.nn.utils.clip_grad_norm_(list(mine.values()), 0.1, foreach=False)
+        opt.step()
+    want = {k: v.detach() for k, v in mine.items()}
+
+    def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+        sgd = optim.chain(optim.clip_by_global_norm(0.1), optim.sgd(lr=1.0))
+        state = fzero.shard_state(dict(start), sgd, mesh, stage=0,
+                                  loss_scale=fzero.DynamicLossScale(init_scale=4.0))  # fmt: skip
+        step = fzero.sharded_step(lambda p, b: (loss_fn(p, b), 2.0), sgd, mesh, stage=0)
+        for _ in range(2):
+            state, _ = step(state, batch)
+        return dict(state.params)
+
+    got = run(1, fn)[0]
+    fzero.assert_trees_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+class EmaState(NamedTuple):
+    m: Any
+
+
+def ema(decay: float) -> optim.GradientTransformation:
+    """A user's transformation that returns its own state as the gradient."""
+
+    def init(params: Any) -> EmaState:
+        return EmaState(optree.tree_map(torch.zeros_like, params))
+
+    def update(grads: Any, state: EmaState, params: Any) -> tuple[Any, EmaState]:
+        m = optree.tree_map(lambda m, g: m * decay + g * (1 - decay), state.m, grads)
+        return m, EmaState(m)
+
+    return optim.GradientTransformation(init, update)
+
+
+@pytest.mark.multiprocess
+def test_clipping_after_a_transformation_leaves_that_transformations_state_alone() -> None:
+    """chain(ema, clip, sgd): clip scales what ema returned, ema's own state, out of
+    place; the moving average is the unclipped one, as written by hand."""
+    gen = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(4, 3, generator=gen, dtype=F64)}
+    xs = torch.randn(3, 4, 4, generator=gen, dtype=F64)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p["w"]).pow(2).mean()
+
+    w, m = start["w"].clone(), torch.zeros(4, 3, dtype=F64)
+    for t in range(3):
+        g = torch.func.grad(lambda w_, x=xs[t]: loss_fn({"w": w_}, x))(w)
+        m = m * 0.5 + g * 0.5
+        w = w - 0.1 * m * min(1.0, 0.01 / (m.norm().item() + 1e-6))
+
+    def fn(mesh: fzero.Mesh) -> torch.Tensor:
+        opt = optim.chain(ema(0.5), optim.clip_by_global_norm(0.01), optim.sgd(lr=0.1))
+        state = fzero.shard_state(dict(start), opt, mesh, stage=1)
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=1)
+        for t in range(3):
+            state, _ = step(state, xs[t, mesh.rank * 2 : mesh.rank * 2 + 2])
+        return state.params["w"].clone()
+
+    for got in run(2, fn):
+        torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-12)

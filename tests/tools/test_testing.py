@@ -203,7 +203,7 @@ def test_checks_param_groups_and_fails_an_optimizer_without_them() -> None:
         return nn.functional.mse_loss(functional_call(model, p, (x,)), y)
 
     args = (loss_fn, dict(model.named_parameters()), _mlp_batches([5, 2], 2))
-    adamw = (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1})
+    adamw = (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1, "foreach": False})
     groups = [
         {"params": lambda path: path.startswith("head."), "lr": 0.2},
         {"params": lambda path: path.endswith("bias"), "weight_decay": 0.0},
