@@ -85,7 +85,7 @@ def nonfinite_unscale_(tensors: list[torch.Tensor], inv: torch.Tensor) -> torch.
         if t.numel():
             by_kind.setdefault((t.dtype, t.device), []).append(t)
     for (_, device), group in by_kind.items():
-        found = bad if device == bad.device else torch.zeros(1, device=device)
+        found = bad if device == bad.device else torch.zeros(1, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.reshape(1).to(device))
         if found is not bad:
             bad = torch.maximum(bad, found.to(bad.device))

@@ -104,7 +104,7 @@ def _squares(g: torch.Tensor) -> torch.Tensor:
     if g.device.type != "cpu":
         return torch.linalg.vector_norm(g, dtype=torch.float64).square()
     flat = g.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device="cpu")
     for chunk in flat.split(_CHUNK):
         c = chunk.double()
         total += torch.dot(c, c)

@@ -128,7 +128,7 @@ def _check_structures(whole: Optimizer, made: list[Optimizer], name: str) -> lis
     its structure (tried on a dict of one small tensor, so that no global can pass for a
     parameter's, as a bare tensor's step count would); per field, whether it mirrors the
     parameters."""
-    probe = {"p": torch.zeros(2)}
+    probe = {"p": torch.zeros(2, device="meta")}  # structure only: no memory
     state = whole.init(probe)
     fields = state if isinstance(state, tuple) else (state,)
     per_leaf = _per_leaf_fields(state, probe)
