@@ -591,3 +591,57 @@ def test_a_dcp_checkpoint_sharded_any_way_reads_into_shards_by_range(tmp_path: P
         return differences(state_values(state, mesh), full)
 
     assert run(3, load) == [[], [], []]
+
+
+@pytest.mark.multiprocess
+def test_layer_wise_rates_on_bert_train_as_torchs_param_groups() -> None:
+    """A fine-tuning recipe: the rate decays from the top layer down and biases and norms
+    do not decay (`optim.param_groups` and `mask=`), BERT at stage 3 with module hooks,
+    against torch.optim.AdamW with the same groups on one process."""
+
+    def rate(path: str) -> float:
+        top = {"encoder.layer.1.": 1e-2, "encoder.layer.0.": 5e-3}
+        return next((lr for prefix, lr in top.items() if path.startswith(prefix)), 2.5e-3)
+
+    def decays(path: str) -> bool:
+        return not (path.endswith("bias") or "LayerNorm" in path)
+
+    data = lm_batch("bert", 3, 4)
+    model = eager("bert", 5, F64)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    groups: dict[tuple[float, float], list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault((rate(name), 0.1 if decays(name) else 0.0), []).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()],
+        foreach=False,
+    )
+    for batch in data:
+        opt.zero_grad()
+        loss_of("bert", model(input_ids=batch)).backward()
+        opt.step()
+    want = {k: v.detach() for k, v in model.named_parameters()}
+
+    def fn(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+        m = eager("bert", 5, F64)
+        adamw = fzero.optim.param_groups(
+            fzero.optim.adamw,
+            [{"params": lambda p, lr=lr: rate(p) == lr, "lr": lr} for lr in (1e-2, 5e-3, 2.5e-3)],
+            weight_decay=0.1, mask=decays,
+        )  # fmt: skip
+        state = fzero.shard_state(
+            dict(m.named_parameters()), adamw, mesh, stage=3, units=fzero.units.auto(m),
+            buffers=dict(m.named_buffers()),
+        )  # fmt: skip
+
+        def loss(p: Any, b: Any, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            return loss_of("bert", functional_call(m, (p, b), (), {"input_ids": ids})), b
+
+        step = fzero.sharded_step(loss, adamw, mesh, stage=3, module=m)
+        for batch in data:
+            state, _ = step(state, batch[mesh.rank * 2 : (mesh.rank + 1) * 2])
+        return {k: v.detach().clone() for k, v in fzero.gather_params(state.params, mesh).items()}
+
+    for got in run(2, fn):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+        assert all(not torch.equal(got[k], start[k]) for k in want)
