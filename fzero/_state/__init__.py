@@ -24,7 +24,6 @@ from ._initializers import ModuleInit as ModuleInit
 from ._initializers import RecordedInit as RecordedInit
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
-from ._loss_scale import nonfinite_unscale_ as nonfinite_unscale_
 from ._loss_scale import unscale_ as unscale_
 from ._offload import Offload as Offload
 from ._offload import Placement as Placement

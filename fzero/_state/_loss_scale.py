@@ -71,12 +71,12 @@ def unscale_(grads: list[torch.Tensor], scale: torch.Tensor, mesh: Mesh) -> bool
     # bits as its unscale_, and one pass (multiplying, then a separate isfinite pass,
     # took 20 times as long on the CPU: 10 ms against 0.5 for 5.3M fp32 elements).
     inv = scale.double().reciprocal().float()
-    bad = nonfinite_unscale_(grads, inv)
+    bad = _nonfinite_unscale_(grads, inv)
     # The step's one host sync: every rank must know whether to skip the update.
     return bool(_comm.all_reduce_sum(bad, mesh).item() > 0)
 
 
-def nonfinite_unscale_(tensors: list[torch.Tensor], inv: torch.Tensor) -> torch.Tensor:
+def _nonfinite_unscale_(tensors: list[torch.Tensor], inv: torch.Tensor) -> torch.Tensor:
     """Multiplies `tensors` by `inv` (a float32 0-d tensor) in place, as GradScaler's
     kernel does; a float32 0-d flag on `inv`'s device, 1 where any held an inf or NaN."""
     bad = torch.zeros(1, dtype=torch.float32, device=inv.device)

@@ -23,7 +23,7 @@ from .._core import (
 from .._engine import gather_params
 from .._state import shard_state
 from .._step import sharded_step
-from ..optim._groups import claim
+from ..optim._groups import claim, group_of
 from ._simulate import Simulation
 
 # Default (rtol, atol) for float64 and float32 parameters. fzero and the reference differ
@@ -254,10 +254,7 @@ def _torch_groups(
     claims = [claim(g.get("params"), k) for k, g in enumerate(groups)]
     members: list[list[torch.Tensor]] = [[] for _ in groups]
     for path, t in zip(paths, tensors):
-        k = next((k for k, claim in enumerate(claims) if claim(path)), None)
-        if k is None:
-            raise ValueError(f"groups: no group claims parameter {path!r}")
-        members[k].append(t)
+        members[group_of(path, claims, "groups")].append(t)
     return [
         {**{n: v for n, v in g.items() if n != "params"}, "params": m}
         for g, m in zip(groups, members)

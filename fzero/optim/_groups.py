@@ -71,6 +71,7 @@ def param_groups(
         raise ValueError("param_groups: no groups")
     whole = make(**defaults)
     per_leaf = _check_structures(whole, made, getattr(make, "__name__", "make"))
+    known: dict[str, int] = {}  # path -> group
     if any(opt.whole_tensors for opt in made) or any(opt.update_ is None for opt in made):
         raise ValueError(
             f"param_groups: {make.__name__} must update elementwise and in place "
@@ -80,7 +81,7 @@ def param_groups(
     @torch.no_grad()
     def update_(grads: Grads, state: OptState, params: Params) -> tuple[Params, OptState]:
         ctx = current()
-        parts = _parts(params, ctx, claims)
+        parts = _parts(params, ctx, claims, known)
         p_leaves, g_leaves = optree.tree_leaves(params), optree.tree_leaves(grads)
         paths = leaf_paths(params) if ctx is None or ctx.segments is None else None
         new_globals = None
@@ -152,26 +153,36 @@ def _check_structures(whole: Optimizer, made: list[Optimizer], name: str) -> lis
 Part = tuple[int, int, int, bool]  # (leaf, first element, end, sliced)
 
 
-def _parts(params: Params, ctx: ShardContext | None, claims: list[Claim]) -> list[list[Part]]:
+def group_of(path: str, claims: list[Claim], where: str = "param_groups") -> int:
+    """The first group whose claim takes `path` (torch.optim lists each parameter once)."""
+    for k, take in enumerate(claims):
+        if take(path):
+            return k
+    raise ValueError(f"{where}: no group claims parameter {path!r}")
+
+
+def _parts(
+    params: Params, ctx: ShardContext | None, claims: list[Claim], known: dict[str, int]
+) -> list[list[Part]]:
     """Per group, the parts of the leaves it updates: whole leaves of a tree, or runs of
-    one group's elements within each flat piece (its `segments`)."""
+    one group's elements within each flat piece (its `segments`). `known`: the groups of
+    paths seen before (the claims run once per path, not once per step)."""
     out: list[list[Part]] = [[] for _ in claims]
     leaves = optree.tree_leaves(params)
 
-    def group_of(path: str) -> int:
-        for k, claim in enumerate(claims):
-            if claim(path):
-                return k
-        raise ValueError(f"param_groups: no group claims parameter {path!r}")
+    def which(path: str) -> int:
+        if path not in known:
+            known[path] = group_of(path, claims)
+        return known[path]
 
     if ctx is None or ctx.segments is None:
         for i, path in enumerate(leaf_paths(params)):
-            out[group_of(path)].append((i, 0, leaves[i].numel(), False))
+            out[which(path)].append((i, 0, leaves[i].numel(), False))
         return out
     for i, (piece, segments) in enumerate(zip(leaves, ctx.segments, strict=True)):
         runs: list[list[int]] = []  # [group, lo, hi]
         for path, lo, hi in segments:
-            k = group_of(path)
+            k = which(path)
             if runs and runs[-1][0] == k and runs[-1][2] == lo:
                 runs[-1][2] = hi
             else:

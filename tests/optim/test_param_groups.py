@@ -54,18 +54,23 @@ CASES: dict[str, Any] = {
 PREFIXES = ("3.", "1.", "")  # head, norm, the rest
 
 
-def reference(case: str, scheduled: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    cls, _, shared, own = CASES[case]
-    model = net()
-    start = {k: v.detach().clone() for k, v in model.named_parameters()}
-    named = dict(model.named_parameters())
+def torch_groups(named: dict[str, torch.Tensor], own: list[dict[str, Any]]) -> list[dict]:
+    """torch's groups: each prefix's parameters not taken by an earlier one, with its own
+    arguments (the head, the norm, the rest)."""
     taken: set[str] = set()
     groups = []
     for prefix, extra in zip(PREFIXES, own):
         names = [n for n in named if n.startswith(prefix) and n not in taken]
         taken.update(names)
         groups.append({"params": [named[n] for n in names], **extra})
-    opt = cls(groups, **shared, foreach=False)
+    return groups
+
+
+def reference(case: str, scheduled: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    cls, _, shared, own = CASES[case]
+    model = net()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = cls(torch_groups(dict(model.named_parameters()), own), **shared, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, decay) if scheduled else None
     x, y = data()
     for k in range(STEPS):
@@ -149,13 +154,7 @@ def test_a_tree_update_is_bitwise_torchs_groups() -> None:
         params = {k: v.detach().clone() for k, v in named.items()}
         gen = torch.Generator().manual_seed(1)
         grads = {k: torch.randn(v.shape, generator=gen, dtype=F64) for k, v in params.items()}
-        taken: set[str] = set()
-        groups = []
-        for prefix, extra in zip(PREFIXES, own):
-            names = [n for n in named if n.startswith(prefix) and n not in taken]
-            taken.update(names)
-            groups.append({"params": [named[n] for n in names], **extra})
-        opt = cls(groups, **shared, foreach=False)
+        opt = cls(torch_groups(named, own), **shared, foreach=False)
         fz = grouped(case, False)
         state = fz.init(params)
         for _ in range(2):
