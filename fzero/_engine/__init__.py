@@ -35,7 +35,7 @@ from ._placeholder import Unentered as Unentered
 from ._pool import Pool as Pool
 from ._reductions import LocalSums as LocalSums
 from ._reductions import Watch as Watch
-from ._remat import layers_rebound as layers_rebound
+from ._remat import recomputes_rebound as recomputes_rebound
 from ._remat import remat as remat
 from ._schedule import Schedule as Schedule
 from ._schedule import differentiates_by_leaf as differentiates_by_leaf

@@ -21,7 +21,7 @@ from torch import nn
 from .. import _comm
 from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure, published
 from .._core import LossFn, UnitSpec, differentiating
-from .._engine import Context, UnitLedger, context, differentiates_by_leaf, layers_rebound
+from .._engine import Context, UnitLedger, context, differentiates_by_leaf, recomputes_rebound
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
 from ._aux import Aux
@@ -191,12 +191,12 @@ def sharded_step(
             # Compiled, no gradient is handed over during the backward (it is the graph's).
             overlap = compiled is None and _may_overlap(o, cache, state, ctx)
             thread = cache.host_thread() if overlap else None
-            # Eagerly, a layer's own checkpoint (Hugging Face's) recomputes with the
-            # forward's parameters; a compiled graph recomputes with its own values.
+            # Eagerly, activation checkpoints (torch's, Hugging Face's layers') recompute
+            # with the forward's parameters; a compiled graph recomputes with its own.
             # Until one has weight somewhere, eager steps record which leaves a gradient
             # reached (`_unused`).
             used: set[int] | None = set() if compiled is None and not cache.checked_use else None
-            with layers_rebound(o.module if compiled is None else None):
+            with recomputes_rebound(o.module) if compiled is None else contextlib.nullcontext():
                 out = body(
                     fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled,
                     used,

@@ -18,12 +18,11 @@ from .._core import (
     leaf_paths,
     tree_flatten,
     tree_map,
-    tree_unflatten,
 )
 from .._engine import gather_params
 from .._state import shard_state
 from .._step import sharded_step
-from ..optim._groups import claim, group_of
+from ._reference import train_reference
 from ._simulate import Simulation
 
 # Default (rtol, atol) for float64 and float32 parameters. fzero and the reference differ
@@ -81,7 +80,9 @@ def assert_stages_equivalent(
         kwargs for it: the reference builds its optimizer with them, and the ranks run
         `fzero.optim.param_groups` of fzero's `adam`, `adamw` or `sgd` (for
         torch.optim.Adam, AdamW or SGD; other classes need `fzero_optimizer`).
-      layout, units, module: `shard_state`'s and `sharded_step`'s.
+      layout, units, module: `shard_state`'s and `sharded_step`'s; the reference binds
+        `module`'s parameters to its own tensors through each forward and backward (a
+        model checkpointing with `torch.utils.checkpoint` recomputes with them).
       rtol, atol: tolerances; by default 1e-7 / 1e-9 for float64, 1e-4 / 1e-5 for float32,
         and for half precision an `atol` measured on every call: 4 times what two
         reduction orders of the reference differ by (docs/testing.md).
@@ -101,12 +102,14 @@ def assert_stages_equivalent(
     world_size = _world_size(batches)
     leaves, _ = tree_flatten(params)
     check_leaves(leaf_paths(params), leaves)  # before the reference trips on them
-    expected, expected_losses = _train_reference(loss_fn, params, batches, cls, kwargs, groups)
+    expected, expected_losses = train_reference(
+        loss_fn, params, batches, cls, kwargs, groups, module=module
+    )
     default_rtol, default_atol, loss_atol = _default_tolerance(leaves)
     per_leaf: dict[str, float] = {}  # measured atol of half-precision leaves, by path
     if rtol is None and atol is None and any(_is_half(x) for x in leaves):
-        other, other_losses = _train_reference(
-            loss_fn, params, batches, cls, kwargs, groups, "ranks"
+        other, other_losses = train_reference(
+            loss_fn, params, batches, cls, kwargs, groups, "ranks", module
         )
         per_leaf, loss_atol = _measured_tolerance(expected, other, expected_losses, other_losses)
     rtol = default_rtol if rtol is None else rtol
@@ -244,72 +247,6 @@ def _fzero_optimizer(
 
 
 _TORCH_ONLY = frozenset({"foreach", "fused", "capturable", "differentiable"})
-
-
-def _torch_groups(
-    paths: list[str], tensors: list[torch.Tensor], groups: Sequence[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """torch's param groups over `tensors` (at `paths`): each to the first group that
-    claims its path, as `fzero.optim.param_groups` assigns them."""
-    claims = [claim(g.get("params"), k) for k, g in enumerate(groups)]
-    members: list[list[torch.Tensor]] = [[] for _ in groups]
-    for path, t in zip(paths, tensors):
-        members[group_of(path, claims, "groups")].append(t)
-    return [
-        {**{n: v for n, v in g.items() if n != "params"}, "params": m}
-        for g, m in zip(groups, members)
-        if m
-    ]
-
-
-def _train_reference(
-    loss_fn: Callable[[PyTree, Any], torch.Tensor],
-    params: PyTree,
-    batches: Sequence[Sequence[Any]],
-    cls: type[torch.optim.Optimizer],
-    kwargs: dict[str, Any],
-    groups: Sequence[Mapping[str, Any]] | None = None,
-    order: str = "loss",
-) -> tuple[PyTree, list[float]]:
-    """Plain torch.optim on one process, the mean of the micro-batch losses per step.
-
-    `order` "loss" differentiates the mean loss (autograd sums the micro-batches' terms
-    inside the graph); "ranks" runs one backward per micro-batch, which sums their
-    gradients into `.grad` in rank order, then divides by their number, as ranks reduce.
-    """
-    leaves, treedef = tree_flatten(params)
-    some_frozen = any(x.requires_grad for x in leaves) and not all(x.requires_grad for x in leaves)
-    trainable = [x.requires_grad or not some_frozen for x in leaves]
-    tensors = [x.detach().clone().requires_grad_(t) for x, t in zip(leaves, trainable)]
-    trained = [x for x, t in zip(tensors, trainable) if t]
-    if groups is None:
-        opt = cls(trained, **kwargs)
-    else:
-        paths = [p for p, t in zip(leaf_paths(params), trainable) if t]
-        opt = cls(_torch_groups(paths, trained, groups), **kwargs)
-    losses = []
-    for micro_batches in batches:
-        opt.zero_grad()
-        tree = tree_unflatten(treedef, tensors)
-        if order == "loss":
-            loss = torch.stack([loss_fn(tree, b) for b in micro_batches]).mean()
-            loss.backward()
-        else:
-            each = []
-            for b in micro_batches:
-                one = loss_fn(tree, b)
-                one.backward()
-                each.append(one.detach())
-            loss = torch.stack(each).mean()
-            for x in trained:
-                if x.grad is not None:
-                    x.grad /= len(micro_batches)
-        for x in trained:
-            if x.grad is None:
-                x.grad = torch.zeros_like(x)
-        opt.step()
-        losses.append(loss.item())
-    return tree_unflatten(treedef, [x.detach() for x in tensors]), losses
 
 
 def _train_stages(

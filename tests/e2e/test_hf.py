@@ -162,13 +162,17 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
-def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(stage: int) -> None:
+@pytest.mark.parametrize("module", [True, False])
+def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(
+    stage: int, module: bool
+) -> None:
     """`activation_checkpointing_enable()` (once `gradient_checkpointing_enable`) on a
     deferred Llama, module= hooks: each layer's own checkpoint runs its recompute inside
     the backward, after functional_call has put the module's parameters back (meta
     here; stale on an eager model, silently wrong before). The step rebinds the
     forward's parameters for it: torch.optim.AdamW's training on one process (float64),
-    every leaf moved."""
+    every leaf moved. Without module= too: torch's checkpoint is handed the layer's own
+    call, whose module the step binds for the recompute."""
     world, per_rank, steps = 2, 2, 3
     make, cfg, _ = config("llama")
     data = lm_batch("llama", steps, world * per_rank)
@@ -189,7 +193,7 @@ def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(stage: i
             kw = {"input_ids": batch, "labels": batch}
             return functional_call(m, (params, bufs), (), kw).loss, bufs
 
-        step = fzero.sharded_step(loss_fn, adamw, mesh, stage=stage, module=m)
+        step = fzero.sharded_step(loss_fn, adamw, mesh, stage=stage, module=m if module else None)
         with warnings.catch_warnings():  # transformers turns its KV cache off, and says so
             warnings.simplefilter("ignore")
             for k in range(steps):
