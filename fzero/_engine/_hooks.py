@@ -65,8 +65,11 @@ class ModuleHooks:
     def __enter__(self) -> ModuleHooks:
         for unit, members in self.hooked.items():
             for j, (sub, _) in enumerate(members):
-                self.handles.append(sub.register_forward_pre_hook(self._pre(unit, j)))
-                self.handles.append(sub.register_forward_hook(self._post(unit, j)))
+                # First of the pre-hooks, last of the hooks: the module's own hooks (the
+                # old `torch.nn.utils.weight_norm` computing `weight` from `weight_g` and
+                # `weight_v`) see the unit's parameters, not placeholders.
+                pre = sub.register_forward_pre_hook(self._pre(unit, j), prepend=True)
+                self.handles += [pre, sub.register_forward_hook(self._post(unit, j))]
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -2,6 +2,7 @@
 parametrizations), size-based or chosen, with and without module hooks, against one
 process running torch.optim."""
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -186,3 +187,24 @@ def test_attention_projection_units_train_like_one_process(world_size: int) -> N
 
     model = make_encoder()
     check(model, data, ATTENTION_UNITS, world_size, model)
+
+
+def hook_normed() -> nn.Module:
+    """The old `torch.nn.utils.weight_norm`: a forward pre-hook of the layer computes its
+    `weight` from the parameters `weight_g` and `weight_v` (audio models still use it)."""
+    with warnings.catch_warnings():  # deprecated in favour of the parametrization
+        warnings.simplefilter("ignore", FutureWarning)
+        wn = nn.utils.weight_norm
+        return nn.Sequential(wn(nn.Linear(4, 6)), nn.Tanh(), wn(nn.Linear(6, 3)))
+
+
+@pytest.mark.multiprocess
+def test_a_layers_own_pre_hook_sees_its_units_parameters() -> None:
+    # fzero's pre-hook is the first of the layer's: registered after weight_norm's, it
+    # ran second, and weight_norm's hook met placeholders (refused, naming the leaf).
+    model = hook_normed().double()
+    units = ["0", "2"]
+    layout = build_layout(dict(model.named_parameters()), 2, units=units)
+    assert set(hookable_units(layout, model)) == {"0", "2"}
+    data = MODELS["weight_norm"][1]
+    check(model, data, units, 2, model)
