@@ -163,8 +163,9 @@ def test_training_a_deferred_hf_model_matches_torch_optim(name: str, compile: An
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("module", [True, False])
+@pytest.mark.parametrize("reentrant", [False, True])
 def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(
-    stage: int, module: bool
+    stage: int, module: bool, reentrant: bool
 ) -> None:
     """`activation_checkpointing_enable()` (once `gradient_checkpointing_enable`) on a
     deferred Llama, module= hooks: each layer's own checkpoint runs its recompute inside
@@ -172,7 +173,9 @@ def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(
     here; stale on an eager model, silently wrong before). The step rebinds the
     forward's parameters for it: torch.optim.AdamW's training on one process (float64),
     every leaf moved. Without module= too: torch's checkpoint is handed the layer's own
-    call, whose module the step binds for the recompute."""
+    call, whose module the step binds for the recompute. Reentrant too (transformers
+    4.x's default), which torch refuses under the step's gradient: inside the step it
+    runs as the non-reentrant checkpoint."""
     world, per_rank, steps = 2, 2, 3
     make, cfg, _ = config("llama")
     data = lm_batch("llama", steps, world * per_rank)
@@ -180,7 +183,7 @@ def test_hf_gradient_checkpointing_recomputes_with_the_steps_parameters(
 
     def fn(mesh: fzero.Mesh) -> Any:
         m = fzero.init.deferred(make, cfg, dtype=F64, seed=5)
-        m.activation_checkpointing_enable()
+        m.activation_checkpointing_enable({"use_reentrant": reentrant})
         m.train()
         adamw = fzero.optim.adamw(1e-2, weight_decay=0.1)
         state = fzero.shard_state(

@@ -1,8 +1,10 @@
 """torch.utils.checkpoint inside a user's model: an eager step recomputes with the
-parameters its forward used, however the checkpointed function reaches them."""
+parameters its forward used, however the checkpointed function reaches them, reentrant
+or not."""
 
 import copy
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -44,11 +46,11 @@ def _by_index(holder: Holder, i: int, x: torch.Tensor) -> torch.Tensor:
 class Net(nn.Module):
     """Three blocks, each checkpointed the way `how` says (torch's own calls)."""
 
-    def __init__(self, how: str) -> None:
+    def __init__(self, how: str, reentrant: bool = False) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(3, D), nn.Linear(D, 1)
         self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.how = how
+        self.how, self.reentrant = how, reentrant
 
     def _block(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.blocks[i](x)
@@ -56,7 +58,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         if self.how == "sequential":
-            return self.out(checkpoint_sequential(self.blocks, 2, h, use_reentrant=False))
+            h = checkpoint_sequential(self.blocks, 2, h, use_reentrant=self.reentrant)
+            return self.out(h)
         for i, block in enumerate(self.blocks):
             if self.how == "none":
                 h = block(h)
@@ -68,21 +71,21 @@ class Net(nn.Module):
                 "argument": functools.partial(_through, block),
                 "hidden": functools.partial(_by_index, Holder(self), i),
             }[self.how]
-            h = checkpoint(fn, h, use_reentrant=False)
+            h = checkpoint(fn, h, use_reentrant=self.reentrant)
         return self.out(h)
 
 
-def make(how: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def make(how: str, reentrant: bool = False) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    model = Net(how).double()
+    model = Net(how, reentrant).double()
     xs = torch.randn(STEPS, 4, 3, generator=g, dtype=torch.float64)
     return model, xs, torch.randn(STEPS, 4, 1, generator=g, dtype=torch.float64)
 
 
-def torch_trained(how: str) -> dict[str, torch.Tensor]:
+def torch_trained(how: str, reentrant: bool = False) -> dict[str, torch.Tensor]:
     """Plain torch: the model itself trained (checkpointed) by torch.optim.AdamW."""
-    model, xs, ys = make(how)
+    model, xs, ys = make(how, reentrant)
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
     for t in range(STEPS):
@@ -92,8 +95,10 @@ def torch_trained(how: str) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def train(mesh: fzero.Mesh, how: str, stage: int, module: bool, units: bool) -> Any:
-    model, xs, ys = make(how)
+def train(
+    mesh: fzero.Mesh, how: str, stage: int, module: bool, units: bool, reentrant: bool = False
+) -> Any:
+    model, xs, ys = make(how, reentrant)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adamw(lr=0.05)
     kw: dict[str, Any] = {"units": fzero.units.by_module(model, Block)} if units else {}
@@ -168,3 +173,42 @@ def test_testing_reference_trains_the_checkpointed_model_as_torch() -> None:
     fzero.testing.assert_stages_equivalent(
         loss_fn, params, batches, (torch.optim.AdamW, {"lr": 0.05}), stages=(0, 3), module=model
     )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("how", ["module", "sequential"])
+@pytest.mark.parametrize("module", [False, True])
+def test_a_reentrant_checkpoint_trains_as_torchs(stage: int, how: str, module: bool) -> None:
+    # torch refuses a reentrant checkpoint under the step's gradient (taken with respect to
+    # given tensors); inside a step it runs as the non-reentrant one, the same training.
+    expected = torch_trained(how, reentrant=True)
+    for params in run(2, train, how, stage, module, module, True):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{how} {stage}")
+
+
+def test_a_reentrant_checkpoint_without_a_gradient_through_it_is_torchs() -> None:
+    # Its inputs need no gradient: torch's reentrant checkpoint gives its parameters none
+    # (and says so), in a step as in plain torch; the rest trains.
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)).double()
+    first = model[0]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+        def body(y: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, p, (y,))
+
+        return checkpoint(body, x, use_reentrant=True).pow(2).mean() + p["1.bias"].pow(2).sum()
+
+    def fn(mesh: fzero.Mesh) -> Any:
+        opt = fzero.optim.sgd(lr=0.1)
+        state = fzero.shard_state(params, opt, mesh, stage=0)
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=0)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            state, _ = step(state, torch.ones(2, 3, dtype=torch.float64))
+        return fzero.gather_params(state.params, mesh), [str(w.message) for w in said]
+
+    for got, said in run(2, fn):
+        assert any("None of the inputs have requires_grad" in w for w in said), said
+        assert torch.equal(got["0.weight"], first.weight.detach())
+        assert not torch.equal(got["1.bias"], params["1.bias"])

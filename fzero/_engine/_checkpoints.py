@@ -1,0 +1,164 @@
+"""Torch's own activation checkpoints inside an eager step: recomputed with the
+parameters their forward used ([Note: recomputes]).
+
+Non-reentrant `torch.utils.checkpoint` runs its function again inside the backward,
+after `functional_call` (or fzero's module hooks) have put the module's own, stale
+parameters back. Every such call, however the caller imported `checkpoint`, passes
+torch's generator, whose function is what the recompute runs: wrapped once per process,
+it passes through outside a step and, inside one, hands torch a function that binds what
+the checkpointed function's modules had bound in its forward. A reentrant checkpoint
+cannot run under the step's gradient (taken with respect to given tensors); inside a
+step it runs as its non-reentrant twin, the same gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from ._bindings import bind, bindings, recall
+
+
+@contextlib.contextmanager
+def checkpoints_rebound(module: nn.Module | None) -> Iterator[None]:
+    """Within the block (an eager step's forward and backward), torch's checkpoints
+    recompute with the parameters their forward used. What a checkpointed function reads
+    is told from the function: a module, a module's method, what a partial, a closure, a
+    default or a list holds, modules among its arguments; else `module`, whole.
+
+    Args:
+      module: the step's `module=` (None: the function's own modules only).
+    """
+    _install()
+    token = _STEP.set([] if module is None else [module])
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+# The step's fallback modules while an eager step runs (None: outside one, where torch's
+# checkpoint runs untouched). A context variable: simulated ranks are threads.
+_STEP: ContextVar[list[nn.Module] | None] = ContextVar("fzero_recompute_step", default=None)
+_GENERATOR = "_checkpoint_without_reentrant_generator"  # torch >= 2.1
+_INSTALLED: list[bool] = []
+_LOCK = threading.Lock()
+
+
+def _install() -> None:
+    """Wraps torch's checkpoints, once per process (outside an eager step, each runs as it
+    is): the non-reentrant generator, whose function the recompute calls, and the
+    reentrant `CheckpointFunction`, which inside a step runs as the non-reentrant one."""
+    with _LOCK:
+        if _INSTALLED:
+            return
+        _INSTALLED.append(True)
+        generator = getattr(torch_checkpoint, _GENERATOR, None)
+        reentrant = getattr(torch_checkpoint, "CheckpointFunction", None)
+        if generator is None or reentrant is None:  # a torch that checkpoints otherwise
+            warnings.warn(
+                f"fzero: torch {torch.__version__} has no torch.utils.checkpoint."
+                f"{_GENERATOR} or CheckpointFunction: torch.utils.checkpoint inside a step "
+                "recomputes with the module's own parameters, not the step's (or refuses "
+                "the step's gradient); checkpoint with fzero.remat instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        setattr(torch_checkpoint, _GENERATOR, _rebinding(generator))
+        torch_checkpoint.CheckpointFunction = _reentrant(reentrant)
+
+
+def _rebinding(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's non-reentrant generator, its recompute binding the forward's bindings inside
+    a step. It takes the function, a fixed number of options, then the function's own
+    arguments (`checkpoint`'s call, torch 2.1-2.13)."""
+    kinds = [p.kind for p in inspect.signature(original).parameters.values()]
+    options = kinds.index(inspect.Parameter.VAR_POSITIONAL) - 1
+
+    @functools.wraps(original)
+    def generator(fn: Callable[..., Any], *rest: Any, **kwargs: Any) -> Any:
+        step = _STEP.get()
+        if step is None or getattr(fn, "_fzero_rebinds", False):
+            return original(fn, *rest, **kwargs)
+        modules = _reach(fn, *rest[options:], *kwargs.values()) or step
+        return original(_recomputing(modules, fn) if modules else fn, *rest, **kwargs)
+
+    return generator
+
+
+def _reentrant(original: Any) -> Any:
+    """torch's reentrant `CheckpointFunction`, run as the non-reentrant checkpoint inside a
+    step where a gradient flows through it: the reentrant one recomputes and runs a
+    backward of its own inside the step's, which torch refuses under a gradient taken
+    with respect to given tensors (the step's). The gradients are the same. Where none
+    flows (no input needs one: torch's reentrant checkpoint then gives its parameters
+    none), it is torch's."""
+
+    class CheckpointFunction(original):  # type: ignore[misc, valid-type]
+        @classmethod
+        def apply(cls, function: Callable[..., Any], preserve: bool, *args: Any) -> Any:  # type: ignore[override]
+            flows = torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args
+            )
+            if _STEP.get() is None or not flows:
+                return super().apply(function, preserve, *args)
+            return torch_checkpoint.checkpoint(
+                function, *args, use_reentrant=False, preserve_rng_state=preserve
+            )
+
+    CheckpointFunction.__doc__ = original.__doc__
+    return CheckpointFunction
+
+
+def _recomputing(modules: list[nn.Module], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, binding what `modules` have bound now for the call (torch's recompute)."""
+    later = recall(bindings(modules))
+
+    def run(*a: Any, **kw: Any) -> Any:
+        with bind(later()):
+            return fn(*a, **kw)
+
+    return run
+
+
+def _reach(*objs: Any, depth: int = 2) -> list[nn.Module]:
+    """The modules a checkpointed function can be seen to read, among `objs`: modules, a
+    method's owner, and what partials and functions (closures, defaults; `depth` levels
+    of them) and lists or tuples hold (torch's `checkpoint_sequential` closes over a list
+    of modules)."""
+    found: list[nn.Module] = []
+    for obj in objs:
+        owner = getattr(obj, "__self__", None)
+        if isinstance(obj, nn.Module):
+            found.append(obj)
+        elif isinstance(owner, nn.Module):
+            found.append(owner)
+        elif isinstance(obj, list | tuple):
+            found += [x for x in obj if isinstance(x, nn.Module)]
+        elif depth and isinstance(obj, functools.partial):
+            found += _reach(obj.func, *obj.args, *obj.keywords.values(), depth=depth - 1)
+        elif depth and inspect.isfunction(obj):
+            found += _reach(*_held(obj), depth=depth - 1)
+    return found
+
+
+def _held(fn: Any) -> Iterator[Any]:
+    """What a function holds: its closure's cells and its arguments' defaults."""
+    for cell in fn.__closure__ or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+    yield from fn.__defaults__ or ()
+    yield from (fn.__kwdefaults__ or {}).values()
