@@ -95,6 +95,7 @@ def value_and_grad(
     rank: int | None = None,
     frozen: Sequence[bool] | None = None,
     used: set[int] | None = None,
+    hooks: Sequence[Sequence[Callable[[torch.Tensor], Any]]] | None = None,
 ) -> tuple[torch.Tensor, PyTree | None]:
     """`fn(tree, *args)` and its gradient with respect to every leaf of `tree`.
 
@@ -109,6 +110,7 @@ def value_and_grad(
       rank: this rank, for error messages.
       frozen: per leaf, whether it is frozen: not differentiated, None in `grads`.
       used: if given, the indices of the leaves `fn` used are added to it.
+      hooks: per leaf, gradient hooks (`Tensor.register_hook`) run on its gradient.
 
     Returns:
       `(value, grads)`: the detached value, and a tree like `tree` with zeros for leaves
@@ -117,6 +119,9 @@ def value_and_grad(
     leaves, treedef = tree_flatten(tree)
     frozen = [False] * len(leaves) if frozen is None else list(frozen)
     inputs = [x.detach() if f else x.detach().requires_grad_() for x, f in zip(leaves, frozen)]
+    for x, f, hs in zip(inputs, frozen, hooks or [()] * len(inputs)):
+        for hook in () if f else hs:
+            x.register_hook(hook)
     with differentiating("value_and_grad", rank):
         out = check_loss(fn(tree_unflatten(treedef, inputs), *args), what, rank)
         if not out.requires_grad:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .._comm import Mesh
 from .._core import ShardLayout
+from ._param_hooks import Hooks
 from ._placeholder import Placeholder, placeholders_for
 from ._pool import Pool
 from ._schedule import Schedule
@@ -28,6 +29,8 @@ class Context:
       ledger: where live full-unit bytes are recorded, or None.
       placeholders: per just-in-time unit, its leaves' index and `Placeholder` (they hold
         no data, so the same ones serve every step; `placeholders_for`).
+      grad_hooks: per leaf path, the gradient hooks of `module=`'s parameter there, run
+        on the tensors the loss is handed (`_param_hooks`).
     """
 
     schedule: Schedule
@@ -36,11 +39,17 @@ class Context:
     pool: Pool
     ledger: UnitLedger | None
     placeholders: Mapping[str, tuple[tuple[int, Placeholder], ...]]
+    grad_hooks: Hooks
 
 
 def context(
-    schedule: Schedule, layout: ShardLayout, mesh: Mesh, pool: Pool, ledger: UnitLedger | None
+    schedule: Schedule,
+    layout: ShardLayout,
+    mesh: Mesh,
+    pool: Pool,
+    ledger: UnitLedger | None,
+    grad_hooks: Hooks | None = None,
 ) -> Context:
     """The context of a schedule over a layout, with its just-in-time units' placeholders."""
     placeholders = placeholders_for(layout, schedule.jit, mesh.rank)
-    return Context(schedule, layout, mesh, pool, ledger, placeholders)
+    return Context(schedule, layout, mesh, pool, ledger, placeholders, grad_hooks or {})

@@ -37,6 +37,7 @@ from ._entry import Entry, enter, in_backward
 from ._gathered import ACTIVE, pick
 from ._gatherer import Gatherer
 from ._hooks import ModuleHooks
+from ._param_hooks import run_hooks
 from ._reductions import LocalSums, Reductions, Watch
 from ._source import ParamSource, Replica
 
@@ -169,9 +170,14 @@ class Engine:
         if unit in self.s.jit and not backward:
             self.seen.append(unit)
             self.source.entered(unit)
-        if self.leaf_grads:
-            return dict(zip(self.layout.unit_paths(unit), out, strict=True))
-        return self.layout.unflatten_unit(unit, out)
+        views = (
+            dict(zip(self.layout.unit_paths(unit), out, strict=True))
+            if self.leaf_grads
+            else self.layout.unflatten_unit(unit, out)
+        )
+        if self.ctx.grad_hooks and not backward:  # a recompute's gradient is not the unit's
+            run_hooks(views, self.ctx.grad_hooks)
+        return views
 
     def leave(self, unit: str) -> None:
         """The forward of `unit`'s latest entry is over (its module hook ran)."""

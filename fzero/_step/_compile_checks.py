@@ -7,6 +7,7 @@ from typing import Any
 
 from .. import _comm
 from .._comm import Mesh
+from .._engine import has_gradient_hooks
 
 
 def check(o: Any) -> None:
@@ -14,6 +15,9 @@ def check(o: Any) -> None:
     first step, every rank's error agreed); a ValueError naming what it does not."""
     refused = {
         "ledger=": o.ledger is not None,
+        "gradient hooks on module='s parameters (Tensor.register_hook)": has_gradient_hooks(
+            o.module
+        ),
     }
     said = [what for what, bad in refused.items() if bad]
     if said:

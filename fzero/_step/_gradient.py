@@ -49,7 +49,8 @@ def mean_grad(
     """
     s, lay = ctx.schedule, ctx.layout
     if s.by_leaf:
-        grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate, used)
+        hooks = [ctx.grad_hooks.get(path, ()) for path in lay.paths]
+        grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate, used, hooks)
         sync.check(len(micro) - 1).after_forward(None)  # the losses' weights travel alone
         return grads, order
     if s.all_reduce:  # every rank keeps the full mean gradient
@@ -112,9 +113,10 @@ def _by_leaf(
     reduce_dtype: torch.dtype | None,
     accumulate: str | None,
     used: set[int] | None = None,
+    hooks: list[tuple[Any, ...]] | None = None,
 ) -> Any:
     """Stage 0 on one rank (`Schedule.by_leaf`): gradients by leaf, the mean over every
-    micro-batch.
+    micro-batch; `hooks`, per leaf, gradient hooks run on it.
 
     With nothing to communicate there is nothing to gather or reduce unit by unit, so the
     gradient is taken with respect to the leaves themselves, as an eager loop's `.grad`:
@@ -134,7 +136,7 @@ def _by_leaf(
         grads = None
         if mb is not None:
             _, grads = value_and_grad(
-                loss_fn, state.params, mb, rank=0, frozen=lay.frozen, used=used
+                loss_fn, state.params, mb, rank=0, frozen=lay.frozen, used=used, hooks=hooks
             )
             # Refused here too, though one rank could apply them: as on any other mesh.
             for path, g in zip(lay.paths, tree_flatten(grads)[0] if grads is not None else []):

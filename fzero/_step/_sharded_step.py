@@ -21,7 +21,14 @@ from torch import nn
 from .. import _comm
 from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure, published
 from .._core import LossFn, UnitSpec, differentiating
-from .._engine import Context, UnitLedger, context, differentiates_by_leaf, recomputes_rebound
+from .._engine import (
+    Context,
+    UnitLedger,
+    context,
+    differentiates_by_leaf,
+    gradient_hooks,
+    recomputes_rebound,
+)
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
 from ._aux import Aux
@@ -152,7 +159,10 @@ def sharded_step(
         else:
             check_step_state(state, o.stage.number, o.layout, o.units, mesh)
             micro = micro_batches(batch, o.accumulate, cache.micro)
-        ctx = cache.context(state.layout, state.precision, lambda: _context(o, cache, state))
+        # Parameters' gradient hooks, read each step (one may be registered at any time).
+        hooks = gradient_hooks(state.layout, o.module if o.compile is None else None, mesh.rank)
+        key = (state.precision, tuple(hooks.items()))
+        ctx = cache.context(state.layout, key, lambda: _context(o, cache, state, hooks))
         if cache.order is None and cache.micro is None:
             _first_batches(ctx, cache, micro, mesh)
         fn: LossFn = loss_fn
@@ -282,6 +292,7 @@ def _first_step(
         micro = micro_batches(batch, o.accumulate, cache.micro)
         check_optimizer_state(optimizer, state, mesh.rank)
         check_module(o.module, state, mesh.rank)
+        gradient_hooks(state.layout, o.module, mesh.rank)  # refuses what would never run
         if state.offload is not None:
             check_offload(state.offload.offload, state.stage, o.donate)
         if o.compile is not None:
@@ -310,13 +321,15 @@ def _first_batches(ctx: Context, cache: StepCache, micro: list[Any], mesh: Mesh)
         )
 
 
-def _context(o: StepOptions, cache: StepCache, state: ShardedState) -> Context:
-    """The engine's context for the state's layout and precision, under the options. A
-    step that differentiates by leaf enters no unit: it never reads `module=`."""
+def _context(o: StepOptions, cache: StepCache, state: ShardedState, hooks: Any) -> Context:
+    """The engine's context for the state's layout and precision, under the options, with
+    `module=`'s parameters' gradient `hooks`. A step that differentiates by leaf enters
+    no unit: it never hooks `module=`'s submodules."""
     lay = state.layout
     by_leaf = differentiates_by_leaf(o.stage, o.mesh.size)
     hooked = {} if by_leaf else cache.hooked_units(lay, o.module)
-    return context(o.schedule(lay, state.precision, hooked), lay, o.mesh, cache.pool, o.ledger)
+    sched = o.schedule(lay, state.precision, hooked)
+    return context(sched, lay, o.mesh, cache.pool, o.ledger, hooks)
 
 
 @contextlib.contextmanager

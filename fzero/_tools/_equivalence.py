@@ -82,7 +82,8 @@ def assert_stages_equivalent(
         torch.optim.Adam, AdamW or SGD; other classes need `fzero_optimizer`).
       layout, units, module: `shard_state`'s and `sharded_step`'s; the reference binds
         `module`'s parameters to its own tensors through each forward and backward (a
-        model checkpointing with `torch.utils.checkpoint` recomputes with them).
+        model checkpointing with `torch.utils.checkpoint` recomputes with them) and runs
+        their gradient hooks on them.
       rtol, atol: tolerances; by default 1e-7 / 1e-9 for float64, 1e-4 / 1e-5 for float32,
         and for half precision an `atol` measured on every call: 4 times what two
         reduction orders of the reference differ by (docs/testing.md).

@@ -29,13 +29,19 @@ def train_reference(
     inside the graph); "ranks" runs one backward per micro-batch, which sums their
     gradients into `.grad` in rank order, then divides by their number, as ranks reduce.
     With `module`, its parameters and buffers at the tree's paths are the reference's
-    tensors through each step's forward and backward (`_bound`).
+    tensors through each step's forward and backward (`_bound`), and its parameters'
+    gradient hooks run on them, as on the parameters of a module trained itself.
     """
     leaves, treedef = tree_flatten(params)
     some_frozen = any(x.requires_grad for x in leaves) and not all(x.requires_grad for x in leaves)
     trainable = [x.requires_grad or not some_frozen for x in leaves]
     tensors = [x.detach().clone().requires_grad_(t) for x, t in zip(leaves, trainable)]
     trained = [x for x, t in zip(tensors, trainable) if t]
+    own = {} if module is None else dict(module.named_parameters(remove_duplicate=False))
+    for path, x in zip(leaf_paths(params), tensors):
+        for hook in (own[path]._backward_hooks or {}).values() if path in own else ():
+            if x.requires_grad:
+                x.register_hook(hook)
     if groups is None:
         opt = cls(trained, **kwargs)
     else:
