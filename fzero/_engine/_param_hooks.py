@@ -23,23 +23,28 @@ from torch import nn
 from .._core import ShardLayout
 
 Hooks = Mapping[str, tuple[Callable[[torch.Tensor], Any], ...]]
+Trained = tuple[tuple[str, torch.Tensor], ...]  # (leaf path, module='s parameter there)
 
 
-def gradient_hooks(layout: ShardLayout, module: nn.Module | None, rank: int) -> Hooks:
-    """Per trainable leaf of `layout` that names a parameter of `module` with gradient
-    hooks, those hooks in the order they were registered.
+def trained_parameters(layout: ShardLayout, module: nn.Module | None) -> Trained:
+    """The trainable leaves of `layout` that name a parameter of `module`, with it (a
+    walk of the module: made once per layout, its hooks read every step)."""
+    if module is None:
+        return ()
+    own = dict(module.named_parameters(remove_duplicate=False))
+    pairs = zip(layout.paths, layout.frozen)
+    return tuple((path, own[path]) for path, frozen in pairs if path in own and not frozen)
+
+
+def gradient_hooks(trained: Trained, rank: int) -> Hooks:
+    """Per parameter of `trained` with gradient hooks, those hooks in the order they were
+    registered (read now: one may be registered at any time).
 
     Raises:
-      TypeError: naming the first such parameter with a post-accumulate-grad hook.
+      TypeError: naming the first parameter with a post-accumulate-grad hook.
     """
-    if module is None:
-        return {}
-    own = dict(module.named_parameters(remove_duplicate=False))
     out: dict[str, tuple[Callable[[torch.Tensor], Any], ...]] = {}
-    for path, frozen in zip(layout.paths, layout.frozen):
-        p = own.get(path)
-        if p is None or frozen:
-            continue
+    for path, p in trained:
         if getattr(p, "_post_accumulate_grad_hooks", None):
             raise TypeError(
                 f"rank {rank}: module='s parameter {path!r} has a post-accumulate-grad hook "

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from .._core import ShardLayout
-from .._engine import Context, Pool, hookable_units
+from .._engine import Context, Pool, hookable_units, trained_parameters
 
 
 @dataclass
@@ -45,6 +45,7 @@ class StepCache:
     # precision, ...), as the options are the step function's and only the state varies.
     _planned: tuple[Any, Any, Context | None] = (None, None, None)
     _hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units)
+    _trained: tuple[Any, Any] = (None, ())  # (layout, module='s parameters it trains)
     _thread: ThreadPoolExecutor | None = None
     _compiled: tuple[Any, Any, Any] = (None, None, None)  # (layout, precision, loss)
 
@@ -71,6 +72,12 @@ class StepCache:
             ctx = make()
             self._planned = (layout, key, ctx)
         return ctx
+
+    def trained_parameters(self, layout: ShardLayout, module: nn.Module | None) -> Any:
+        """`module`'s parameters that `layout` trains, by path (walked once per layout)."""
+        if self._trained[0] is not layout:
+            self._trained = (layout, trained_parameters(layout, module))
+        return self._trained[1]
 
     def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
         """The units of `layout` entered by hooks on `module`'s submodules (walked once)."""

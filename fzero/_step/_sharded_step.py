@@ -159,8 +159,10 @@ def sharded_step(
         else:
             check_step_state(state, o.stage.number, o.layout, o.units, mesh)
             micro = micro_batches(batch, o.accumulate, cache.micro)
-        # Parameters' gradient hooks, read each step (one may be registered at any time).
-        hooks = gradient_hooks(state.layout, o.module if o.compile is None else None, mesh.rank)
+        # Parameters' gradient hooks, read each step (one may be registered at any time);
+        # a compiled step refuses them.
+        trained = cache.trained_parameters(state.layout, o.module)
+        hooks = gradient_hooks(trained, mesh.rank) if o.compile is None else {}
         key = (state.precision, tuple(hooks.items()))
         ctx = cache.context(state.layout, key, lambda: _context(o, cache, state, hooks))
         if cache.order is None and cache.micro is None:
@@ -292,7 +294,8 @@ def _first_step(
         micro = micro_batches(batch, o.accumulate, cache.micro)
         check_optimizer_state(optimizer, state, mesh.rank)
         check_module(o.module, state, mesh.rank)
-        gradient_hooks(state.layout, o.module, mesh.rank)  # refuses what would never run
+        # Refuses what would never run (a post-accumulate-grad hook).
+        gradient_hooks(cache.trained_parameters(state.layout, o.module), mesh.rank)
         if state.offload is not None:
             check_offload(state.offload.offload, state.stage, o.donate)
         if o.compile is not None:
