@@ -33,6 +33,7 @@ from ._hooks import ModuleHooks as ModuleHooks
 from ._hooks import hookable_units as hookable_units
 from ._param_hooks import gradient_hooks as gradient_hooks
 from ._param_hooks import has_gradient_hooks as has_gradient_hooks
+from ._param_hooks import hooks_for as hooks_for
 from ._param_hooks import run_hooks as run_hooks
 from ._param_hooks import trained_parameters as trained_parameters
 from ._placeholder import Unentered as Unentered

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,22 +35,52 @@ def checkpoints_rebound(module: nn.Module | None) -> Iterator[None]:
     """Within the block (an eager step's forward and backward), torch's checkpoints
     recompute with the parameters their forward used. What a checkpointed function reads
     is told from the function: a module, a module's method, what a partial, a closure, a
-    default or a list holds, modules among its arguments; else `module`, whole.
+    default or a list holds, modules among its arguments, those holding parameters or
+    buffers; `module`, whole, where none is seen or one seen lies outside it.
 
     Args:
       module: the step's `module=` (None: the function's own modules only).
     """
     _install()
-    token = _STEP.set([] if module is None else [module])
+    token = _STEP.set(_Step(module))
     try:
         yield
     finally:
         _STEP.reset(token)
 
 
-# The step's fallback modules while an eager step runs (None: outside one, where torch's
-# checkpoint runs untouched). A context variable: simulated ranks are threads.
-_STEP: ContextVar[list[nn.Module] | None] = ContextVar("fzero_recompute_step", default=None)
+class _Step:
+    """An eager step's `module=` (None: not given), as checkpoints inside it see it."""
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self.module = module
+        self._under: set[int] | None = None
+
+    def modules(self, reached: list[nn.Module]) -> list[nn.Module]:
+        """What a checkpointed function that visibly reaches `reached` may read."""
+        held = [m for m in reached if _holds_tensors(m)]
+        if self.module is None:
+            return held
+        if self._under is None:
+            self._under = {id(m) for m in self.module.modules()}
+        if held and all(id(m) in self._under for m in held):
+            return held
+        # None seen (a function reaching the model through a global, or an object that
+        # is not a module), or one outside `module=`: the model may be read otherwise.
+        return [*held, self.module]
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """Whether `module` (or a submodule) has a parameter or a buffer: a module without
+    any (an activation handed as an argument) says nothing about what is read."""
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+# The step while an eager step runs (None: outside one, where torch's checkpoints run
+# untouched). A context variable, as other threads of the process may checkpoint outside
+# any step; a recompute sets it again for checkpoints nested inside it (on a GPU autograd
+# runs it on a thread of its own).
+_STEP: ContextVar[_Step | None] = ContextVar("fzero_recompute_step", default=None)
 _GENERATOR = "_checkpoint_without_reentrant_generator"  # torch >= 2.1
 _INSTALLED: list[bool] = []
 _LOCK = threading.Lock()
@@ -75,8 +106,14 @@ def _install() -> None:
                 stacklevel=3,
             )
             return
-        setattr(torch_checkpoint, _GENERATOR, _rebinding(generator))
+        wrapped = _rebinding(generator)
+        setattr(torch_checkpoint, _GENERATOR, wrapped)
         torch_checkpoint.CheckpointFunction = _reentrant(reentrant)
+        # Modules that imported the generator by name before now (torch's own composable
+        # `checkpoint`, FSDP2's activation checkpointing API) call it through theirs.
+        for mod in list(sys.modules.values()):
+            if getattr(mod, _GENERATOR, None) is generator:
+                setattr(mod, _GENERATOR, wrapped)
 
 
 def _rebinding(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,8 +128,8 @@ def _rebinding(original: Callable[..., Any]) -> Callable[..., Any]:
         step = _STEP.get()
         if step is None or getattr(fn, "_fzero_rebinds", False):
             return original(fn, *rest, **kwargs)
-        modules = _reach(fn, *rest[options:], *kwargs.values()) or step
-        return original(_recomputing(modules, fn) if modules else fn, *rest, **kwargs)
+        modules = step.modules(_reach(fn, *rest[options:], *kwargs.values()))
+        return original(recomputing(modules, fn) if modules else fn, *rest, **kwargs)
 
     return generator
 
@@ -121,15 +158,34 @@ def _reentrant(original: Any) -> Any:
     return CheckpointFunction
 
 
-def _recomputing(modules: list[nn.Module], fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, binding what `modules` have bound now for the call (torch's recompute)."""
+def recomputing(modules: list[nn.Module], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, binding what `modules` have bound now for the call (the recompute), with the
+    step seen by checkpoints nested in it."""
     later = recall(bindings(modules))
+    keep = kept()
 
     def run(*a: Any, **kw: Any) -> Any:
-        with bind(later()):
+        with keep(), bind(later()):
             return fn(*a, **kw)
 
+    run._fzero_rebinds = True  # type: ignore[attr-defined]
     return run
+
+
+def kept() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """The step seen now, to be seen again later (a recompute, perhaps on another
+    thread): a context manager factory that sets it for its block."""
+    step = _STEP.get()
+
+    @contextlib.contextmanager
+    def again() -> Iterator[None]:
+        token = _STEP.set(step)
+        try:
+            yield
+        finally:
+            _STEP.reset(token)
+
+    return again
 
 
 def _reach(*objs: Any, depth: int = 2) -> list[nn.Module]:

@@ -179,13 +179,23 @@ class Engine:
             run_hooks(views, self.ctx.grad_hooks)
         return views
 
+    def computes(self, unit: str) -> None:
+        """`unit`'s submodule's forward pre-hooks have all run (`ModuleHooks`)."""
+        entry = self._latest(unit)
+        if entry is not None:
+            self.source.computes(entry)
+
     def leave(self, unit: str) -> None:
         """The forward of `unit`'s latest entry is over (its module hook ran)."""
-        if not in_backward():
-            for entry in reversed(self.entries):
-                if entry.unit == unit:
-                    self.source.left(entry)
-                    break
+        entry = self._latest(unit)
+        if entry is not None:
+            self.source.left(entry)
+
+    def _latest(self, unit: str) -> Entry | None:
+        """The forward's latest entry of `unit` (None inside the backward, or none)."""
+        if in_backward():
+            return None
+        return next((e for e in reversed(self.entries) if e.unit == unit), None)
 
     def params(self) -> PyTree:
         """The tree the loss receives: units entered before the forward as views of their

@@ -232,6 +232,15 @@ class Gatherer(ParamSource):
         if unit not in self.pending:
             self.pending[unit] = self._start(unit)
 
+    def computes(self, entry: Entry) -> None:
+        """A resharded entry whose forward runs under another's saved-tensor hooks (a
+        layer's own pre-hook pushed a checkpoint's, after fzero's entered the unit) saves
+        nothing through `pack`: its backward may recompute with it, as `open` decides for
+        a checkpoint begun before the entry."""
+        rec = self.records.get(entry)
+        if rec is not None and rec.followed and not self._hooks_on_top():
+            self.needed.add(entry.unit)
+
     def left(self, entry: Entry) -> None:
         """The forward is done with `entry` (its submodule's forward hook has run): frees
         its gathered parameters now. Waiting for their last reference to go would leave

@@ -39,6 +39,8 @@ Members = tuple[tuple[nn.Module, Slots], ...]
 class _Enters(Protocol):
     def enter(self, unit: str) -> dict[str, torch.Tensor]: ...
 
+    def computes(self, unit: str) -> None: ...
+
     def leave(self, unit: str) -> None: ...
 
 
@@ -67,9 +69,12 @@ class ModuleHooks:
             for j, (sub, _) in enumerate(members):
                 # First of the pre-hooks, last of the hooks: the module's own hooks (the
                 # old `torch.nn.utils.weight_norm` computing `weight` from `weight_g` and
-                # `weight_v`) see the unit's parameters, not placeholders.
+                # `weight_v`) see the unit's parameters, not placeholders. A last
+                # pre-hook tells the engine what the module's own pushed (a checkpoint's
+                # saved-tensor hooks: `torch.distributed._composable.checkpoint`).
                 pre = sub.register_forward_pre_hook(self._pre(unit, j), prepend=True)
-                self.handles += [pre, sub.register_forward_hook(self._post(unit, j))]
+                late = sub.register_forward_pre_hook(self._late(unit))
+                self.handles += [pre, late, sub.register_forward_hook(self._post(unit, j))]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -94,6 +99,12 @@ class ModuleHooks:
                 swaps.append((owner, name, owner._parameters[name], entry.views[path]))
                 owner._parameters[name] = entry.views[path]
             self.swapped.setdefault((unit, j), []).append(swaps)
+
+        return hook
+
+    def _late(self, unit: str) -> Any:
+        def hook(sub: nn.Module, args: Any) -> None:
+            self.engine.computes(unit)
 
         return hook
 

@@ -15,15 +15,25 @@ own, not `.grad`): refused.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .._core import ShardLayout
 
-Hooks = Mapping[str, tuple[Callable[[torch.Tensor], Any], ...]]
+Hook = Callable[[torch.Tensor], Any]
 Trained = tuple[tuple[str, torch.Tensor], ...]  # (leaf path, module='s parameter there)
+
+
+class ParamHooks(NamedTuple):
+    """A parameter's gradient hooks, and its dtype: what torch hands them a gradient in."""
+
+    dtype: torch.dtype
+    hooks: tuple[Hook, ...]
+
+
+Hooks = Mapping[str, ParamHooks]
 
 
 def trained_parameters(layout: ShardLayout, module: nn.Module | None) -> Trained:
@@ -36,16 +46,18 @@ def trained_parameters(layout: ShardLayout, module: nn.Module | None) -> Trained
     return tuple((path, own[path]) for path, frozen in pairs if path in own and not frozen)
 
 
-def gradient_hooks(trained: Trained, rank: int) -> Hooks:
+def gradient_hooks(trained: Trained, rank: int, first: bool = False) -> Hooks:
     """Per parameter of `trained` with gradient hooks, those hooks in the order they were
-    registered (read now: one may be registered at any time).
+    registered (read now: one may be registered at any time). `first`: the first step's
+    check, agreed among the ranks, which refuses a post-accumulate-grad hook (later
+    steps do not look for one: raised inside a step, it would end the job).
 
     Raises:
-      TypeError: naming the first parameter with a post-accumulate-grad hook.
+      TypeError: naming the first parameter with a post-accumulate-grad hook (`first`).
     """
-    out: dict[str, tuple[Callable[[torch.Tensor], Any], ...]] = {}
+    out: dict[str, ParamHooks] = {}
     for path, p in trained:
-        if getattr(p, "_post_accumulate_grad_hooks", None):
+        if first and getattr(p, "_post_accumulate_grad_hooks", None):
             raise TypeError(
                 f"rank {rank}: module='s parameter {path!r} has a post-accumulate-grad hook "
                 "(register_post_accumulate_grad_hook), which would never run: the step "
@@ -55,18 +67,39 @@ def gradient_hooks(trained: Trained, rank: int) -> Hooks:
             )
         hooks = tuple((p._backward_hooks or {}).values())
         if hooks:
-            out[path] = hooks
+            out[path] = ParamHooks(p.dtype, hooks)
     return out
+
+
+def hooks_for(found: ParamHooks | None, dtype: torch.dtype) -> tuple[Hook, ...]:
+    """`found`'s hooks as they run on a tensor of `dtype`: where it computes in another
+    dtype than the parameter (mixed precision), each is handed the gradient in the
+    parameter's dtype and its result goes back, as torch hands a parameter's hooks its
+    own dtype."""
+    if found is None:
+        return ()
+    if dtype == found.dtype:
+        return found.hooks
+    return tuple(_cast(hook, found.dtype) for hook in found.hooks)
+
+
+def _cast(hook: Hook, dtype: torch.dtype) -> Hook:
+    def run(g: torch.Tensor) -> Any:
+        out = hook(g.to(dtype))
+        return None if out is None else out.to(g.dtype)
+
+    return run
 
 
 def run_hooks(views: Mapping[str, torch.Tensor], hooks: Hooks) -> None:
     """Registers `hooks` on the tensors the loss is handed (`views`, by path)."""
     for path, view in views.items():
-        if view.requires_grad:
-            for hook in hooks.get(path, ()):
-                view.register_hook(hook)
+        for hook in hooks_for(hooks.get(path), view.dtype) if view.requires_grad else ():
+            view.register_hook(hook)
 
 
 def has_gradient_hooks(module: nn.Module | None) -> bool:
-    """Whether any parameter of `module` has a gradient hook."""
-    return module is not None and any(p._backward_hooks for p in module.parameters())
+    """Whether any trainable parameter of `module` has a gradient hook."""
+    return module is not None and any(
+        p._backward_hooks for p in module.parameters() if p.requires_grad
+    )

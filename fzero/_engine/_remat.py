@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._bindings import Bindings, bind, bindings, recall
-from ._checkpoints import checkpoints_rebound
+from ._checkpoints import checkpoints_rebound, kept
 
 
 def remat(module: nn.Module) -> Callable[..., Any]:
@@ -62,9 +62,10 @@ def rebound(
     forward ran."""
     now: Bindings | None = bindings([module])
     later = recall(now)
+    keep = kept()  # for checkpoints nested in the recompute
 
     def run(*a: Any, **kw: Any) -> Any:
-        with bind(now if now is not None else later()):  # else: the recompute
+        with keep(), bind(now if now is not None else later()):  # else: the recompute
             return fn(*a, **kw)
 
     run._fzero_rebinds = True  # type: ignore[attr-defined]  # torch's checkpoint: as it is

@@ -57,6 +57,10 @@ class ParamSource(Protocol):
     def left(self, entry: Entry) -> None:
         """The forward is done with `entry` (its submodule's forward hook ran)."""
 
+    def computes(self, entry: Entry) -> None:
+        """`entry`'s submodule's forward pre-hooks have all run: its forward starts under
+        whatever saved-tensor hooks they pushed (a layer's own checkpoint)."""
+
     def saving(self) -> AbstractContextManager[Any]:
         """Around the forward: how autograd saves tensors for the backward."""
         return contextlib.nullcontext()

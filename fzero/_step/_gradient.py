@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._core import LossFn, Shards, sparse_gradient, tree_flatten, tree_map, value_and_grad
-from .._engine import Context, Engine, LocalSums, Watch
+from .._engine import Context, Engine, LocalSums, Watch, hooks_for
 from .._state import ShardedState, params_apart
 from ._sync import StepSync
 
@@ -49,7 +49,8 @@ def mean_grad(
     """
     s, lay = ctx.schedule, ctx.layout
     if s.by_leaf:
-        hooks = [ctx.grad_hooks.get(path, ()) for path in lay.paths]
+        leaves = tree_flatten(state.params)[0]
+        hooks = [hooks_for(ctx.grad_hooks.get(p), x.dtype) for p, x in zip(lay.paths, leaves)]
         grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate, used, hooks)
         sync.check(len(micro) - 1).after_forward(None)  # the losses' weights travel alone
         return grads, order

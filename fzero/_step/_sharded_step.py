@@ -163,7 +163,8 @@ def sharded_step(
         # a compiled step refuses them.
         trained = cache.trained_parameters(state.layout, o.module)
         hooks = gradient_hooks(trained, mesh.rank) if o.compile is None else {}
-        key = (state.precision, tuple(hooks.items()))
+        # The hooks by identity (a hook may hold tensors); the context keeps them alive.
+        key = (state.precision, tuple((p, tuple(map(id, h.hooks))) for p, h in hooks.items()))
         ctx = cache.context(state.layout, key, lambda: _context(o, cache, state, hooks))
         if cache.order is None and cache.micro is None:
             _first_batches(ctx, cache, micro, mesh)
@@ -295,7 +296,7 @@ def _first_step(
         check_optimizer_state(optimizer, state, mesh.rank)
         check_module(o.module, state, mesh.rank)
         # Refuses what would never run (a post-accumulate-grad hook).
-        gradient_hooks(cache.trained_parameters(state.layout, o.module), mesh.rank)
+        gradient_hooks(cache.trained_parameters(state.layout, o.module), mesh.rank, first=True)
         if state.offload is not None:
             check_offload(state.offload.offload, state.stage, o.donate)
         if o.compile is not None:

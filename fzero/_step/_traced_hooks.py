@@ -51,6 +51,9 @@ class TracedHooks:
             )
         return self.enter_unit(unit)
 
+    def computes(self, unit: str) -> None:
+        pass
+
     def leave(self, unit: str) -> None:
         pass
 

@@ -177,3 +177,39 @@ def test_a_compiled_step_refuses_parameter_hooks_on_every_rank() -> None:
             step(state, data(2, 1)[0][mesh.rank][0])
 
     run(2, fn)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_hook_gets_the_parameters_dtype_under_mixed_precision(stage: int) -> None:
+    # torch hands a parameter's hooks its own dtype: a hook written for fp32 (its mask
+    # fp32) runs on the bf16 compute's gradient cast to fp32, and its result goes back.
+    seen: list[torch.dtype] = []
+
+    def fp32_rows(g: torch.Tensor) -> torch.Tensor:
+        seen.append(g.dtype)
+        mask = torch.zeros(VOCAB, 4)
+        mask[NEW:] = 1
+        return g * mask
+
+    def fn(mesh: fzero.Mesh) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = Net()
+        model.tok.weight.register_hook(fp32_rows)
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        opt = fzero.optim.adam(lr=0.05)
+        precision = fzero.Precision(torch.bfloat16)
+        state = fzero.shard_state(params, opt, mesh, stage=stage, precision=precision)
+
+        def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+            out = functional_call(model, p, (batch[0],)).float()
+            return ((out - batch[1].float()) ** 2).mean()
+
+        step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
+        for batches in data(mesh.size, 1):
+            state, _ = step(state, batches[mesh.rank][0])
+        return {"start": params["tok.weight"], "seen": seen, **fzero.master_params(state, mesh)}
+
+    for got in run(2, fn):  # each rank its own process: its own `seen`
+        assert torch.equal(got["tok.weight"][:NEW], got["start"][:NEW])
+        assert not torch.equal(got["tok.weight"][NEW:], got["start"][NEW:])
+        assert got["seen"] and set(got["seen"]) == {torch.float32}

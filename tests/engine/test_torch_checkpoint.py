@@ -4,12 +4,14 @@ or not."""
 
 import copy
 import functools
+import threading
 import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
@@ -39,8 +41,9 @@ class Holder:
         self.model = model
 
 
-def _by_index(holder: Holder, i: int, x: torch.Tensor) -> torch.Tensor:
-    return holder.model.blocks[i](x)
+def _by_index(holder: Holder, i: int, x: torch.Tensor, act: Any = None) -> torch.Tensor:
+    y = holder.model.blocks[i](x)
+    return y if act is None else act(y)
 
 
 class Net(nn.Module):
@@ -51,6 +54,10 @@ class Net(nn.Module):
         self.inp, self.out = nn.Linear(3, D), nn.Linear(D, 1)
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.how, self.reentrant = how, reentrant
+        self.act = nn.Identity()
+        if how == "composable":
+            for block in self.blocks:
+                composable_checkpoint(block)  # torch's own, imported before any step
 
     def _block(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.blocks[i](x)
@@ -64,14 +71,20 @@ class Net(nn.Module):
             if self.how == "none":
                 h = block(h)
                 continue
+            if self.how == "composable":  # its own pre-hook checkpoints its forward
+                h = block(h)
+                continue
             fn: Any = {
                 "module": block,
                 "method": functools.partial(self._block, i),
                 "closure": lambda y, b=block: b(y),
                 "argument": functools.partial(_through, block),
                 "hidden": functools.partial(_by_index, Holder(self), i),
+                # what it reads, hidden, and a module without parameters, seen
+                "hidden, and an activation": functools.partial(_by_index, Holder(self), i),
             }[self.how]
-            h = checkpoint(fn, h, use_reentrant=self.reentrant)
+            args = (self.act,) if self.how == "hidden, and an activation" else ()
+            h = checkpoint(fn, h, *args, use_reentrant=self.reentrant)
         return self.out(h)
 
 
@@ -131,13 +144,14 @@ def test_torch_checkpoint_trains_as_torch_without_module(stage: int, how: str) -
 
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("units", [False, True])
+@pytest.mark.parametrize("how", ["hidden", "hidden, and an activation"])
 def test_a_function_reaching_its_model_otherwise_is_covered_by_module(
-    stage: int, units: bool
+    stage: int, units: bool, how: str
 ) -> None:
     # A function that reads the model through an object that is not a module: `module=`
-    # names what it may read.
-    expected = torch_trained("hidden")
-    for params in run(2, train, "hidden", stage, True, units):
+    # names what it may read, also where a module without parameters is seen.
+    expected = torch_trained(how)
+    for params in run(2, train, how, stage, True, units):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{stage}")
 
 
@@ -212,3 +226,30 @@ def test_a_reentrant_checkpoint_without_a_gradient_through_it_is_torchs() -> Non
         assert any("None of the inputs have requires_grad" in w for w in said), said
         assert torch.equal(got["0.weight"], first.weight.detach())
         assert not torch.equal(got["1.bias"], params["1.bias"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("module, units", [(False, False), (True, False), (True, True)])
+def test_torchs_composable_checkpoint_trains_as_torch(
+    stage: int, module: bool, units: bool
+) -> None:
+    # torch.distributed._composable.checkpoint: a forward pre-hook of the block pushes the
+    # checkpoint's saved-tensor hooks after fzero's entered the unit, and calls torch's
+    # generator by a name imported before the step.
+    expected = torch_trained("composable")
+    for params in run(2, train, "composable", stage, module, units):
+        fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12, what=f"{stage}")
+
+
+def test_a_recompute_on_another_thread_sees_the_step() -> None:
+    # On a GPU autograd recomputes on a thread of its own, where the step's context
+    # variable is not set: checkpoints nested in a recompute must still see the step.
+    from fzero._engine._checkpoints import _STEP, checkpoints_rebound, recomputing
+
+    seen: list[bool] = []
+    with checkpoints_rebound(None):
+        again = recomputing([nn.Linear(2, 2)], lambda: seen.append(_STEP.get() is not None))
+    worker = threading.Thread(target=again)
+    worker.start()
+    worker.join()
+    assert seen == [True] and _STEP.get() is None
