@@ -447,3 +447,64 @@ def test_a_compiled_step_matches_torch_on_nccl(nccl_mesh: fzero.Mesh, stage: int
     got = on_cpu(fzero.gather_params(state.params, nccl_mesh))
     fzero._core._tree.assert_trees_close(got, want, **tolerance(torch.float64))
     assert fzero._core._tree.max_abs_diff(got, case.params) > 1e-3
+
+
+class _Checkpointed(torch.nn.Module):
+    """Blocks checkpointed by torch's own checkpoint, the inner of each nested in the outer
+    one's recompute (which autograd runs on its CUDA device thread), reentrant or not."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(3, 5), torch.nn.Linear(5, 1)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(5, 5) for _ in range(3))
+        self.reentrant = reentrant
+
+    def _inner(self, block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block, h, use_reentrant=self.reentrant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(
+                checkpoint(lambda y, b=block: self._inner(b, y) * 1.0, h, use_reentrant=False)
+            )
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_torchs_nested_checkpoints_train_as_torch_on_nccl(
+    nccl_mesh: fzero.Mesh, stage: int, reentrant: bool
+) -> None:
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant).double().to(CUDA)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(3, 4, 3, generator=g, dtype=torch.float64).to(CUDA)
+    ys = torch.randn(3, 4, 1, generator=g, dtype=torch.float64).to(CUDA)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    want = {k: v.detach().cpu().clone() for k, v in model.named_parameters()}
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(start[k])
+
+    def loss(p: dict[str, Any], batch: Any) -> torch.Tensor:
+        return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+    fopt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(start, fopt, nccl_mesh, stage=stage)
+    step = fzero.sharded_step(loss, fopt, nccl_mesh, stage=stage)
+    for x, y in zip(xs, ys):
+        state, _ = step(state, (x, y))
+    got = on_cpu(fzero.gather_params(state.params, nccl_mesh))
+    fzero._core._tree.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
