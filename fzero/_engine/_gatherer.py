@@ -45,11 +45,10 @@ class _Gathered:
 def _forget(
     by_storage: dict[int, tuple[_Gathered, int]], key: int, found: tuple[_Gathered, int]
 ) -> None:
-    """A followed buffer's Python object is gone: forgets its address, unless the address
-    now belongs to another buffer. A buffer freed by `left` can outlive its memory (gloo's
-    worker thread may still hold the finished gather), and the allocator hands that
-    address to a later gather; forgetting the address then would make autograd save that
-    gather's parameters outright, and `left` free them under it."""
+    """A followed buffer's Python object is gone: forgets its address, unless it now
+    belongs to another buffer. A buffer freed by `left` can outlive its memory (gloo's
+    worker thread may still hold the gather) while the allocator hands its address to a
+    later gather, whose parameters autograd would then save outright, freed under it."""
     if by_storage.get(key) is found:
         del by_storage[key]
 
@@ -110,8 +109,6 @@ class Gatherer(ParamSource):
         rec = self.records[entry] = _Gathered(entry, list(fulls))
         forward = jit and self.reshard and not in_backward()
         if forward and self._reshards():
-            if not self._hooks_on_top():
-                self.needed.add(entry.unit)
             # Followed, not held: the forward's references decide when it is freed.
             rec.held = [None] * len(fulls)
             if self.secondary is not None:
@@ -123,6 +120,7 @@ class Gatherer(ParamSource):
                     found = self.by_storage[key] = (rec, k)
                     weakref.finalize(f, _forget, self.by_storage, key, found)
             self.followed.append(rec)
+            self.computes(entry)
         elif forward:
             self.kept.append(rec)
         return fulls
@@ -136,11 +134,6 @@ class Gatherer(ParamSource):
         if not self.keep_last or not self.order:
             return True
         return len(self.order) - self.calls >= self.keep_last
-
-    def _hooks_on_top(self) -> bool:
-        """Whether the saved-tensor hooks autograd uses now are the step's own (`pack`)."""
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        return top is not None and (top(False) or (None,))[0] == self.pack
 
     def flags(self) -> list[bool]:
         """Per unit of the layout, whether this rank's backward may use its parameters
@@ -233,19 +226,19 @@ class Gatherer(ParamSource):
             self.pending[unit] = self._start(unit)
 
     def computes(self, entry: Entry) -> None:
-        """A resharded entry whose forward runs under another's saved-tensor hooks (a
-        layer's own pre-hook pushed a checkpoint's, after fzero's entered the unit) saves
-        nothing through `pack`: its backward may recompute with it, as `open` decides for
-        a checkpoint begun before the entry."""
+        """A resharded entry whose forward runs under saved-tensor hooks not the step's
+        (a checkpoint's: begun before the entry, or pushed by its layer's own pre-hook)
+        saves nothing through `pack`: its backward may recompute with it."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        mine = top is not None and (top(False) or [None])[0] == self.pack
         rec = self.records.get(entry)
-        if rec is not None and rec.followed and not self._hooks_on_top():
+        if rec is not None and rec.followed and not mine:
             self.needed.add(entry.unit)
 
     def left(self, entry: Entry) -> None:
-        """The forward is done with `entry` (its submodule's forward hook has run): frees
-        its gathered parameters now. Waiting for their last reference to go would leave
-        it to thread scheduling: gloo's worker thread holds a finished collective's
-        tensors until it gets round to releasing them."""
+        """The forward is done with `entry` (its submodule's forward hook ran): frees its
+        gathered parameters now, not when their last reference goes (gloo's worker thread
+        holds a finished collective's tensors until it gets round to releasing them)."""
         rec = self.records[entry]
         for ref in rec.followed:
             full = ref()
@@ -267,8 +260,7 @@ class Gatherer(ParamSource):
 
     # -- saved tensors: handles instead of resharded parameters -------------------------
     def saving(self) -> AbstractContextManager[Any]:
-        """While the forward runs, autograd saves handles to resharded units' parameters,
-        not the tensors."""
+        """While the forward runs, autograd saves resharded parameters as handles."""
         if self.reshard:
             return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         return contextlib.nullcontext()
@@ -302,8 +294,7 @@ class Gatherer(ParamSource):
 
     # -- backward ------------------------------------------------------------------------
     def _full(self, rec: _Gathered, k: int) -> torch.Tensor:
-        """Bucket `k` of an entry's full parameters for the backward (see
-        `_regather_through`)."""
+        """Bucket `k` of an entry's full parameters for the backward (`_regather_through`)."""
         held = rec.held[k]
         if held is None:
             i = self.followed.index(rec)
