@@ -12,6 +12,8 @@ from torch.func import functional_call
 import fzero
 from tests.support import run
 
+pytestmark = pytest.mark.multiprocess  # ranks are fzero.simulate's processes
+
 STEPS, VOCAB, NEW = 3, 10, 7  # rows NEW.. of the embedding are the new tokens
 
 

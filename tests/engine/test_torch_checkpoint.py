@@ -18,6 +18,8 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import fzero
 from tests.support import run
 
+pytestmark = pytest.mark.multiprocess  # ranks are fzero.simulate's processes
+
 D, STEPS = 5, 3
 
 
