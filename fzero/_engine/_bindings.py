@@ -11,20 +11,29 @@ from torch import nn
 
 from ._gathered import ACTIVE
 
-Bindings = list[tuple[nn.Module, str, str, Any]]  # (module, slot, name, what is bound)
+# Where a module tree binds tensors: each submodule's `_parameters` or `_buffers` dict,
+# and a name in it; and what is bound there.
+Slots = tuple[tuple[dict[str, Any], str], ...]
+Bindings = list[tuple[dict[str, Any], str, Any]]
 
 
-def bindings(modules: list[nn.Module]) -> Bindings:
-    """What `modules` and their submodules have bound as parameters and buffers now."""
-    out: Bindings = []
+def slots(modules: list[nn.Module]) -> Slots:
+    """Where `modules` and their submodules bind parameters and buffers (a walk of the
+    trees: a step that binds the same modules again walks them once)."""
+    out: list[tuple[dict[str, Any], str]] = []
     seen: set[int] = set()
     for module in modules:
         for sub in module.modules():
             if id(sub) not in seen:
                 seen.add(id(sub))
-                out += [(sub, "_parameters", k, v) for k, v in sub._parameters.items()]
-                out += [(sub, "_buffers", k, v) for k, v in sub._buffers.items()]
-    return out
+                out += [(sub._parameters, k) for k in sub._parameters]
+                out += [(sub._buffers, k) for k in sub._buffers]
+    return tuple(out)
+
+
+def bindings(where: Slots) -> Bindings:
+    """What is bound now at `where`."""
+    return [(d, k, d[k]) for d, k in where]
 
 
 def recall(now: Bindings) -> Callable[[], Bindings]:
@@ -34,18 +43,18 @@ def recall(now: Bindings) -> Callable[[], Bindings]:
     engine = ACTIVE.get()
     if engine is None:
         return lambda: now
-    held = [(sub, slot, k, engine.hold(v)) for sub, slot, k, v in now]
-    return lambda: [(sub, slot, k, engine.fetch(v)) for sub, slot, k, v in held]
+    held = [(d, k, engine.hold(v)) for d, k, v in now]
+    return lambda: [(d, k, engine.fetch(v)) for d, k, v in held]
 
 
 @contextlib.contextmanager
 def bind(bound: Bindings) -> Iterator[None]:
     """Within the block, `bound`'s tensors are bound; what was bound before, after it."""
-    old = [(sub, slot, k, getattr(sub, slot)[k]) for sub, slot, k, _ in bound]
+    old = [(d, k, d[k]) for d, k, _ in bound]
     try:
-        for sub, slot, k, v in bound:
-            getattr(sub, slot)[k] = v
+        for d, k, v in bound:
+            d[k] = v
         yield
     finally:
-        for sub, slot, k, v in old:
-            getattr(sub, slot)[k] = v
+        for d, k, v in old:
+            d[k] = v

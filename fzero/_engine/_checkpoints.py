@@ -27,7 +27,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from ._bindings import bind, bindings, recall
+from ._bindings import Slots, bind, bindings, recall, slots
 
 
 @contextlib.contextmanager
@@ -55,6 +55,17 @@ class _Step:
     def __init__(self, module: nn.Module | None) -> None:
         self.module = module
         self._under: set[int] | None = None
+        self._walked: dict[tuple[int, ...], Slots] = {}  # its modules' slots, by their ids
+
+    def slots(self, modules: list[nn.Module]) -> Slots:
+        """Where `modules` bind tensors: walked once a step (the modules live through it),
+        not once a checkpoint (a model's own method, checkpointed per layer, reaches the
+        whole model each time)."""
+        key = tuple(map(id, modules))
+        found = self._walked.get(key)
+        if found is None:
+            found = self._walked[key] = slots(modules)
+        return found
 
     def modules(self, reached: list[nn.Module]) -> list[nn.Module]:
         """What a checkpointed function that visibly reaches `reached` may read."""
@@ -129,7 +140,7 @@ def _rebinding(original: Callable[..., Any]) -> Callable[..., Any]:
         if step is None or getattr(fn, "_fzero_rebinds", False):
             return original(fn, *rest, **kwargs)
         modules = step.modules(_reach(fn, *rest[options:], *kwargs.values()))
-        return original(recomputing(modules, fn) if modules else fn, *rest, **kwargs)
+        return original(recomputing(step.slots(modules), fn) if modules else fn, *rest, **kwargs)
 
     return generator
 
@@ -158,10 +169,10 @@ def _reentrant(original: Any) -> Any:
     return CheckpointFunction
 
 
-def recomputing(modules: list[nn.Module], fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, binding what `modules` have bound now for the call (the recompute), with the
+def recomputing(where: Slots, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, binding what is bound `where` now for the call (the recompute), with the
     step seen by checkpoints nested in it."""
-    later = recall(bindings(modules))
+    later = recall(bindings(where))
     keep = kept()
 
     def run(*a: Any, **kw: Any) -> Any:

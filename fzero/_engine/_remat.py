@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._bindings import Bindings, bind, bindings, recall
+from ._bindings import Bindings, bind, bindings, recall, slots
 from ._checkpoints import checkpoints_rebound, kept
 
 
@@ -60,7 +60,7 @@ def rebound(
     """`checkpointer(fn, *args, **kwargs)` (torch's checkpoint, or one that calls it), its
     recompute run with `module`'s parameters and buffers bound to what they were when the
     forward ran."""
-    now: Bindings | None = bindings([module])
+    now: Bindings | None = bindings(slots([module]))
     later = recall(now)
     keep = kept()  # for checkpoints nested in the recompute
 

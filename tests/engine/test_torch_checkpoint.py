@@ -246,11 +246,13 @@ def test_torchs_composable_checkpoint_trains_as_torch(
 def test_a_recompute_on_another_thread_sees_the_step() -> None:
     # On a GPU autograd recomputes on a thread of its own, where the step's context
     # variable is not set: checkpoints nested in a recompute must still see the step.
+    from fzero._engine._bindings import slots
     from fzero._engine._checkpoints import _STEP, checkpoints_rebound, recomputing
 
     seen: list[bool] = []
     with checkpoints_rebound(None):
-        again = recomputing([nn.Linear(2, 2)], lambda: seen.append(_STEP.get() is not None))
+        where = slots([nn.Linear(2, 2)])
+        again = recomputing(where, lambda: seen.append(_STEP.get() is not None))
     worker = threading.Thread(target=again)
     worker.start()
     worker.join()
