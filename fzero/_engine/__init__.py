@@ -23,6 +23,7 @@ from ._by_hand import gather_params_into as gather_params_into
 from ._by_hand import local_shard as local_shard
 from ._by_hand import reduce_scatter_grads as reduce_scatter_grads
 from ._callcheck import CallCheck as CallCheck
+from ._checkpoints import checkpoints_rebound as checkpoints_rebound
 from ._context import Context as Context
 from ._context import context as context
 from ._engine import Engine as Engine
@@ -32,7 +33,6 @@ from ._hooks import Members as Members
 from ._hooks import ModuleHooks as ModuleHooks
 from ._hooks import hookable_units as hookable_units
 from ._param_hooks import gradient_hooks as gradient_hooks
-from ._param_hooks import has_gradient_hooks as has_gradient_hooks
 from ._param_hooks import hooks_for as hooks_for
 from ._param_hooks import run_hooks as run_hooks
 from ._param_hooks import trained_parameters as trained_parameters
@@ -40,7 +40,6 @@ from ._placeholder import Unentered as Unentered
 from ._pool import Pool as Pool
 from ._reductions import LocalSums as LocalSums
 from ._reductions import Watch as Watch
-from ._remat import recomputes_rebound as recomputes_rebound
 from ._remat import remat as remat
 from ._schedule import Schedule as Schedule
 from ._schedule import differentiates_by_leaf as differentiates_by_leaf

@@ -96,10 +96,3 @@ def run_hooks(views: Mapping[str, torch.Tensor], hooks: Hooks) -> None:
     for path, view in views.items():
         for hook in hooks_for(hooks.get(path), view.dtype) if view.requires_grad else ():
             view.register_hook(hook)
-
-
-def has_gradient_hooks(module: nn.Module | None) -> bool:
-    """Whether any trainable parameter of `module` has a gradient hook."""
-    return module is not None and any(
-        p._backward_hooks for p in module.parameters() if p.requires_grad
-    )

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._bindings import Bindings, bind, bindings, recall, slots
-from ._checkpoints import checkpoints_rebound, kept
+from ._checkpoints import kept
 
 
 def remat(module: nn.Module) -> Callable[..., Any]:
@@ -23,7 +21,7 @@ def remat(module: nn.Module) -> Callable[..., Any]:
     parameters back, and silently recomputes with those (stale) values. remat records
     the tensors bound to the module's parameters and buffers when the forward runs and
     binds them again for the recompute. Inside an eager `sharded_step`, torch's own
-    checkpoint is rebound the same way (`recomputes_rebound`); remat also works by hand,
+    checkpoint is rebound the same way (`checkpoints_rebound`); remat also works by hand,
     outside a step.
 
     Inside a unit (`fzero.units`), remat of the unit's body is FSDP(checkpoint(m)), the
@@ -73,29 +71,3 @@ def rebound(
         return checkpointer(run, *args, **kwargs)
     finally:
         now = None
-
-
-@contextlib.contextmanager
-def recomputes_rebound(module: nn.Module | None) -> Iterator[None]:
-    """Within the block (an eager step's forward and backward), activation checkpoints
-    recompute with the parameters their forward used, as `remat` does: Hugging Face's
-    layers (`gradient_checkpointing_enable()` gives each a `_gradient_checkpointing_func`,
-    wrapped for the block) and torch's own checkpoints (`_checkpoints`). Without it they
-    recompute inside the backward with the module's own, stale parameters (meta ones from
-    a deferred model), after `functional_call` or fzero's module hooks put them back.
-
-    Args:
-      module: the step's `module=` (None: what each checkpointed function reaches).
-    """
-    swapped = []
-    for sub in () if module is None else module.modules():
-        own = vars(sub).get("_gradient_checkpointing_func")
-        if own is not None and getattr(sub, "gradient_checkpointing", False) is True:
-            swapped.append((sub, own))  # its own kept inside: its kwargs, its offload
-            sub._gradient_checkpointing_func = functools.partial(rebound, own, sub)
-    try:
-        with checkpoints_rebound(module):
-            yield
-    finally:
-        for sub, own in swapped:
-            sub._gradient_checkpointing_func = own

@@ -7,17 +7,15 @@ from typing import Any
 
 from .. import _comm
 from .._comm import Mesh
-from .._engine import has_gradient_hooks
 
 
-def check(o: Any) -> None:
+def check(o: Any, hooks: bool = False) -> None:
     """What this slice of compiled steps takes (`o`: the step's options, checked on its
-    first step, every rank's error agreed); a ValueError naming what it does not."""
+    first step, every rank's error agreed; `hooks`: whether `module=`'s trained
+    parameters have gradient hooks); a ValueError naming what it does not."""
     refused = {
         "ledger=": o.ledger is not None,
-        "gradient hooks on module='s parameters (Tensor.register_hook)": has_gradient_hooks(
-            o.module
-        ),
+        "gradient hooks on module='s parameters (Tensor.register_hook)": hooks,
     }
     said = [what for what, bad in refused.items() if bad]
     if said:

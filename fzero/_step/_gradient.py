@@ -49,8 +49,10 @@ def mean_grad(
     """
     s, lay = ctx.schedule, ctx.layout
     if s.by_leaf:
-        leaves = tree_flatten(state.params)[0]
-        hooks = [hooks_for(ctx.grad_hooks.get(p), x.dtype) for p, x in zip(lay.paths, leaves)]
+        hooks = None
+        if ctx.grad_hooks:  # what each leaf's hooks run as, in the leaf's dtype
+            leaves = tree_flatten(state.params)[0]
+            hooks = [hooks_for(ctx.grad_hooks.get(p), x.dtype) for p, x in zip(lay.paths, leaves)]
         grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate, used, hooks)
         sync.check(len(micro) - 1).after_forward(None)  # the losses' weights travel alone
         return grads, order

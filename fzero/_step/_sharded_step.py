@@ -24,10 +24,10 @@ from .._core import LossFn, UnitSpec, differentiating
 from .._engine import (
     Context,
     UnitLedger,
+    checkpoints_rebound,
     context,
     differentiates_by_leaf,
     gradient_hooks,
-    recomputes_rebound,
 )
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
@@ -204,12 +204,12 @@ def sharded_step(
             # Compiled, no gradient is handed over during the backward (it is the graph's).
             overlap = compiled is None and _may_overlap(o, cache, state, ctx)
             thread = cache.host_thread() if overlap else None
-            # Eagerly, activation checkpoints (torch's, Hugging Face's layers') recompute
-            # with the forward's parameters; a compiled graph recomputes with its own.
+            # Eagerly, torch's activation checkpoints (Hugging Face's layers' too)
+            # recompute with the forward's parameters; a compiled graph, with its own.
             # Until one has weight somewhere, eager steps record which leaves a gradient
             # reached (`_unused`).
             used: set[int] | None = set() if compiled is None and not cache.checked_use else None
-            with recomputes_rebound(o.module) if compiled is None else contextlib.nullcontext():
+            with checkpoints_rebound(o.module) if compiled is None else contextlib.nullcontext():
                 out = body(
                     fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled,
                     used,
@@ -296,11 +296,11 @@ def _first_step(
         check_optimizer_state(optimizer, state, mesh.rank)
         check_module(o.module, state, mesh.rank)
         # Refuses what would never run (a post-accumulate-grad hook).
-        gradient_hooks(cache.trained_parameters(state.layout, o.module), mesh.rank, first=True)
+        hooks = gradient_hooks(cache.trained_parameters(state.layout, o.module), mesh.rank, True)
         if state.offload is not None:
             check_offload(state.offload.offload, state.stage, o.donate)
         if o.compile is not None:
-            check_compiled(o)
+            check_compiled(o, bool(hooks))
         config = configuration(o, state, optimizer)
         config["micro-batches"] = str(len(micro))
     except Exception as exc:
