@@ -16,6 +16,7 @@ from ._autodiff import bad_loss as bad_loss
 from ._autodiff import check_differentiable as check_differentiable
 from ._autodiff import check_loss as check_loss
 from ._autodiff import differentiating as differentiating
+from ._autodiff import grads_of as grads_of
 from ._autodiff import is_bad_loss as is_bad_loss
 from ._autodiff import sparse_gradient as sparse_gradient
 from ._autodiff import value_and_grad as value_and_grad

@@ -96,6 +96,7 @@ def value_and_grad(
     frozen: Sequence[bool] | None = None,
     used: set[int] | None = None,
     hooks: Sequence[Sequence[Callable[[torch.Tensor], Any]]] | None = None,
+    own: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, PyTree | None]:
     """`fn(tree, *args)` and its gradient with respect to every leaf of `tree`.
 
@@ -111,6 +112,8 @@ def value_and_grad(
       frozen: per leaf, whether it is frozen: not differentiated, None in `grads`.
       used: if given, the indices of the leaves `fn` used are added to it.
       hooks: per leaf, gradient hooks (`Tensor.register_hook`) run on its gradient.
+      own: the module's own parameters the leaves stand in for, by path: a gradient
+        reaching one raises (`grads_of`).
 
     Returns:
       `(value, grads)`: the detached value, and a tree like `tree` with zeros for leaves
@@ -127,7 +130,7 @@ def value_and_grad(
         if not out.requires_grad:
             return out.detach(), None
         live = [x for x, f in zip(inputs, frozen) if not f]
-        found = iter(torch.autograd.grad(out, live, allow_unused=True))
+        found = iter(grads_of(out, live, own, rank))
     grads = []
     for i, (x, f) in enumerate(zip(inputs, frozen)):
         g = None if f else next(found)
@@ -135,6 +138,39 @@ def value_and_grad(
             used.add(i)
         grads.append(None if f else torch.zeros_like(x) if g is None else g)
     return out.detach(), tree_unflatten(treedef, grads)
+
+
+def grads_of(
+    out: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    own: Sequence[tuple[str, torch.Tensor]] = (),
+    rank: int | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`torch.autograd.grad(out, inputs, allow_unused=True)`, raising if the gradient
+    also reached one of `own`: the module's own parameters (path, parameter), which the
+    step's tensors stand in for. A loss that reads them (an L2 term over
+    `model.parameters()`, `model(x)` without `functional_call`) computes with values no
+    step trains and sends their gradient where none is applied: silently another
+    training. Asking autograd for them too costs nothing where they are not in the graph.
+
+    Raises:
+      ValueError: naming the first parameter of `own` the gradient reached.
+    """
+    own = [(path, p) for path, p in own if p.requires_grad]
+    found = torch.autograd.grad(out, [*inputs, *(p for _, p in own)], allow_unused=True)
+    for (path, _), g in zip(own, found[len(inputs) :]):
+        if g is not None:
+            where = "" if rank is None else f"rank {rank}: "
+            raise ValueError(
+                f"{where}the loss's gradient reached module='s own parameter {path!r}, not "
+                "the tensor the step hands the loss for it: the loss read the module's "
+                "parameters outside functional_call (model.parameters(), an attribute such "
+                "as model.layer.weight, or model(x) called directly). Their values are not "
+                "the ones trained, and nothing applies their gradient. Read params[path] "
+                "from the tree the loss is given, or call the module through "
+                "functional_call(module, params, ...)"
+            )
+    return found[: len(inputs)]
 
 
 def sparse_gradient(rank: int, leaf: str | None = None) -> TypeError:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .._comm import Mesh
 from .._core import ShardLayout
-from ._param_hooks import Hooks
+from ._param_hooks import Hooks, Trained
 from ._placeholder import Placeholder, placeholders_for
 from ._pool import Pool
 from ._schedule import Schedule
@@ -31,6 +31,8 @@ class Context:
         no data, so the same ones serve every step; `placeholders_for`).
       grad_hooks: per leaf path, the gradient hooks of `module=`'s parameter there, run
         on the tensors the loss is handed (`_param_hooks`).
+      own: `module=`'s trainable parameters, by path: the tensors the loss is handed
+        stand in for them, and a gradient reaching one is refused (`grads_of`).
     """
 
     schedule: Schedule
@@ -40,6 +42,7 @@ class Context:
     ledger: UnitLedger | None
     placeholders: Mapping[str, tuple[tuple[int, Placeholder], ...]]
     grad_hooks: Hooks
+    own: Trained = ()
 
 
 def context(
@@ -49,7 +52,8 @@ def context(
     pool: Pool,
     ledger: UnitLedger | None,
     grad_hooks: Hooks | None = None,
+    own: Trained = (),
 ) -> Context:
     """The context of a schedule over a layout, with its just-in-time units' placeholders."""
     placeholders = placeholders_for(layout, schedule.jit, mesh.rank)
-    return Context(schedule, layout, mesh, pool, ledger, placeholders, grad_hooks or {})
+    return Context(schedule, layout, mesh, pool, ledger, placeholders, grad_hooks or {}, own)

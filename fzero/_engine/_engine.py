@@ -22,6 +22,7 @@ from .._core import (
     PyTree,
     check_loss,
     covers,
+    grads_of,
     is_bad_loss,
     sparse_gradient,
     spec_of,
@@ -282,7 +283,7 @@ class Engine:
                 if loss is not None and loss.requires_grad:  # gradients arrive via reductions
                     leaves = [self.inputs[i] for i in trainable]
                     try:
-                        torch.autograd.grad(loss, leaves, allow_unused=True)
+                        grads_of(loss, leaves, self.ctx.own, mesh.rank)
                     except RuntimeError as exc:
                         if "sparse" not in str(exc).lower():
                             raise

@@ -78,7 +78,9 @@ def body(
     with overlapping(streamed, sync.early_factor, overlap, state, device, mesh.rank) as early:
         # Enter and differentiate: the gradient leaves each unit reduced as the stage reduces.
         if compiled is not None:
-            grads = compiled_grad(compiled, loss_fn, weighed, micro, state, local, sync, mesh)
+            grads = compiled_grad(
+                compiled, loss_fn, weighed, micro, state, local, sync, mesh, ctx.own
+            )
         else:
             grads, order = mean_grad(
                 loss_fn, micro, ctx, state, target, local, sync, o.accumulate, order, early, used

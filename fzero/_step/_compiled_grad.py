@@ -11,7 +11,8 @@ import optree
 import torch
 
 from .._comm import Mesh
-from .._core import NAMESPACE, LossFn, Shards, is_bad_loss
+from .._core import NAMESPACE, LossFn, Shards, grads_of, is_bad_loss
+from .._engine import Trained
 from .._state import ShardedState
 from ._aux import Aux
 from ._compiled import CompiledLoss
@@ -33,13 +34,15 @@ def compiled_grad(
     local: tuple[torch.Tensor, ...] | None,
     sync: StepSync,
     mesh: Mesh,
+    own: Trained = (),
 ) -> Any:
     """This rank's part of the mean gradient over the ranks and micro-batches, shaped as
     `mean_grad`'s (the trainable tree at stage 0, this rank's `Shards` otherwise): a
     compiled forward and its backward per micro-batch, each reducing in the graph (as
     eager `accumulate="sharded"`; with `compiled.local`, none reducing, their full sum
     reduced after the last, `_local`), their sum divided by the micro-batch count.
-    `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any."""
+    `loss_fn` is `weighed` under the loss scaler's `ScaledLoss`, if any. `own`: `module=`'s
+    parameters, which no gradient may reach (`grads_of`)."""
     lay, stage = state.layout, compiled.stage
     if compiled.local:  # the full buffers, their gradients summed here, reduced after
         leaves, fulls = local_leaves(compiled, state, local), []
@@ -96,7 +99,7 @@ def compiled_grad(
         if mb is None and not collects(compiled):
             continue
         out = total if total is not None and total.requires_grad else anchor[-1]
-        got = iter(torch.autograd.grad(out, trainable, allow_unused=True) if trainable else ())
+        got = iter(grads_of(out, trainable, own, compiled.rank) if trainable else ())
         for i, (x, b) in enumerate(zip(leaves, lay.buckets)):
             if b.frozen:
                 continue

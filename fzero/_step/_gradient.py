@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._core import LossFn, Shards, sparse_gradient, tree_flatten, tree_map, value_and_grad
-from .._engine import Context, Engine, LocalSums, Watch, hooks_for
+from .._engine import Context, Engine, LocalSums, Trained, Watch, hooks_for
 from .._state import ShardedState, params_apart
 from ._sync import StepSync
 
@@ -53,7 +53,7 @@ def mean_grad(
         if ctx.grad_hooks:  # what each leaf's hooks run as, in the leaf's dtype
             leaves = tree_flatten(state.params)[0]
             hooks = [hooks_for(ctx.grad_hooks.get(p), x.dtype) for p, x in zip(lay.paths, leaves)]
-        grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate, used, hooks)
+        grads = _by_leaf(loss_fn, micro, state, s.reduce_dtype, accumulate, used, hooks, ctx.own)
         sync.check(len(micro) - 1).after_forward(None)  # the losses' weights travel alone
         return grads, order
     if s.all_reduce:  # every rank keeps the full mean gradient
@@ -117,9 +117,11 @@ def _by_leaf(
     accumulate: str | None,
     used: set[int] | None = None,
     hooks: list[tuple[Any, ...]] | None = None,
+    own: Trained = (),
 ) -> Any:
     """Stage 0 on one rank (`Schedule.by_leaf`): gradients by leaf, the mean over every
-    micro-batch; `hooks`, per leaf, gradient hooks run on it.
+    micro-batch; `hooks`, per leaf, gradient hooks run on it; `own`, `module=`'s
+    parameters, which no gradient may reach (`grads_of`).
 
     With nothing to communicate there is nothing to gather or reduce unit by unit, so the
     gradient is taken with respect to the leaves themselves, as an eager loop's `.grad`:
@@ -139,8 +141,9 @@ def _by_leaf(
         grads = None
         if mb is not None:
             _, grads = value_and_grad(
-                loss_fn, state.params, mb, rank=0, frozen=lay.frozen, used=used, hooks=hooks
-            )
+                loss_fn, state.params, mb, rank=0, frozen=lay.frozen, used=used, hooks=hooks,
+                own=own,
+            )  # fmt: skip
             # Refused here too, though one rank could apply them: as on any other mesh.
             for path, g in zip(lay.paths, tree_flatten(grads)[0] if grads is not None else []):
                 if g is not None and g.layout != torch.strided:

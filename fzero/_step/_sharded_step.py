@@ -333,7 +333,8 @@ def _context(o: StepOptions, cache: StepCache, state: ShardedState, hooks: Any) 
     by_leaf = differentiates_by_leaf(o.stage, o.mesh.size)
     hooked = {} if by_leaf else cache.hooked_units(lay, o.module)
     sched = o.schedule(lay, state.precision, hooked)
-    return context(sched, lay, o.mesh, cache.pool, o.ledger, hooks)
+    own = cache.trained_parameters(lay, o.module)
+    return context(sched, lay, o.mesh, cache.pool, o.ledger, hooks, own)
 
 
 @contextlib.contextmanager
