@@ -57,8 +57,15 @@ class _Open:
 class ModuleHooks:
     """Forward hooks on the unit submodules for the duration of one micro-batch."""
 
-    def __init__(self, engine: _Enters, hooked: Mapping[str, Members]) -> None:
+    def __init__(
+        self, engine: _Enters, hooked: Mapping[str, Members], traced: bool = False
+    ) -> None:
+        """`traced`: the hooks are meant to be traced (a compiled step's); otherwise they
+        are opaque to dynamo, which runs them as they are (an eager step's hooks issue
+        collectives): a model the user compiled, `block.compile()` compiling its hooks
+        too, breaks its graph around them."""
         self.engine, self.hooked = engine, hooked
+        self.opaque = not traced
         self.handles: list[Any] = []
         self.open: dict[str, _Open] = {}
         # Per (unit, member), a stack of swaps: (module, attribute, what was there, view).
@@ -72,9 +79,10 @@ class ModuleHooks:
                 # `weight_v`) see the unit's parameters, not placeholders. A last
                 # pre-hook tells the engine what the module's own pushed (a checkpoint's
                 # saved-tensor hooks: `torch.distributed._composable.checkpoint`).
-                pre = sub.register_forward_pre_hook(self._pre(unit, j), prepend=True)
-                late = sub.register_forward_pre_hook(self._late(unit))
-                self.handles += [pre, late, sub.register_forward_hook(self._post(unit, j))]
+                pre = sub.register_forward_pre_hook(self._own(self._pre(unit, j)), prepend=True)
+                late = sub.register_forward_pre_hook(self._own(self._late(unit)))
+                post = sub.register_forward_hook(self._own(self._post(unit, j)))
+                self.handles += [pre, late, post]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -87,6 +95,9 @@ class ModuleHooks:
                 for owner, name, old, view in reversed(stack.pop()):
                     if owner._parameters.get(name) is view:
                         owner._parameters[name] = old
+
+    def _own(self, hook: Any) -> Any:
+        return torch.compiler.disable(hook) if self.opaque else hook
 
     def _pre(self, unit: str, j: int) -> Any:
         def hook(sub: nn.Module, args: Any) -> None:

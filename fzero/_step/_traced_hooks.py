@@ -41,7 +41,7 @@ class TracedHooks:
 
     def installed(self) -> ModuleHooks:
         """The hooks, to install around one compiled call (`with`)."""
-        return ModuleHooks(self, self.hooked)
+        return ModuleHooks(self, self.hooked, traced=True)
 
     def enter(self, unit: str) -> dict[str, torch.Tensor]:
         if self.enter_unit is None:
