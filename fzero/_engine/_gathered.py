@@ -87,6 +87,8 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
         for x in tree_flatten(part)[0]:
             if isinstance(x, Unentered):
                 found.setdefault(x.unit, []).append(x)
+            elif isinstance(x, Placeholder):  # the walk found an eager step's
+                return None
     if not found:
         return pick(path, parts)
     views: dict[str, Any] = {}
@@ -114,7 +116,8 @@ def _walked(tree: PyTree, prefix: str) -> Any:
     leaves: most of a 1400 s compile, `benchmarks/RESULTS-compiled.md`); walking costs
     the path's depth, or one pass over a dict's keys. No `Placeholder` is looked for:
     compiling, the step's tree holds none (an eager step's tree, inside a user's
-    compiled block, has them where the walk finds them, and goes the general way)."""
+    compiled block, has them where the walk finds them: `_entered` sees them and hands
+    the call to the eager engine)."""
     node, rest = tree, prefix
     while rest:
         if type(node) is dict:
