@@ -38,11 +38,28 @@ class Placeholder(torch.Tensor):
         t.path, t.unit, t.rank = path, unit, rank
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Asking autograd for a placeholder's gradient dispatches no operation, so torch
+        # would only say that it "does not require grad".
+        if func in _DIFFERENTIATE:
+            used = _placeholder(args, kwargs)
+            raise ValueError(
+                f"rank {used.rank}: the loss asked autograd for the gradient with respect to "
+                f"the parameter {used.path!r} of the just-in-time unit {used.unit!r} "
+                f"({func.__module__}.{func.__name__}) where it only has a placeholder for "
+                "it: a unit's parameters are present only inside its submodule's forward "
+                "(module=) or what fzero.gathered returns (just_in_time=True). A loss that "
+                "differentiates by the parameters itself (SAM, MAML) needs them where it "
+                "does so: leave those units out of units= (their parameters then join the "
+                "root, entered before the forward)"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        used = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Placeholder))
+        used = _placeholder(args, kwargs)
         raise ValueError(
             f"rank {used.rank}: the parameter {used.path!r} of the just-in-time unit "
             f"{used.unit!r} was used (by aten.{func.overloadpacket.__name__}) where the loss "
@@ -57,6 +74,14 @@ class Placeholder(torch.Tensor):
             f"Placeholder({self.path!r} of just-in-time unit {self.unit!r}, "
             f"shape={tuple(self.shape)}, dtype={self.dtype})"
         )
+
+
+_DIFFERENTIATE = (torch.autograd.grad, torch.autograd.backward)
+
+
+def _placeholder(args: Any, kwargs: Any) -> Placeholder:
+    """The first placeholder among an operation's arguments."""
+    return next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Placeholder))
 
 
 def placeholders_for(
