@@ -109,7 +109,9 @@ class Gatherer(ParamSource):
         rec = self.records[entry] = _Gathered(entry, list(fulls))
         forward = jit and self.reshard and not in_backward()
         if forward and self._reshards():
-            # Followed, not held: the forward's references decide when it is freed.
+            # Followed, not held: the forward's references decide when it is freed. After
+            # a backward inside the loss (autograd.grad), the step's re-gathers start anew.
+            self.turn, self.agreed = None, None
             rec.held = [None] * len(fulls)
             if self.secondary is not None:
                 rec.secondary = [self._slice(f) for f in fulls]
@@ -281,9 +283,7 @@ class Gatherer(ParamSource):
 
     def hold(self, t: Any) -> Any:
         """A handle if `t` is a resharded unit's parameter (`pack`)."""
-        if self.reshard and isinstance(t, torch.Tensor):
-            return self.pack(t)
-        return t
+        return self.pack(t) if self.reshard and isinstance(t, torch.Tensor) else t
 
     def fetch(self, held: Any) -> Any:
         """`t` again (gathered again if it was freed)."""
@@ -342,8 +342,8 @@ class Gatherer(ParamSource):
         while self.turn >= max(i, 0):
             rec = self.followed[self.turn]
             self.turn -= 1
-            if rec.entry.unit not in self._agreed():  # no backward uses it (after the check)
-                continue
+            if rec.entry.unit not in self._agreed() or all(h is not None for h in rec.held):
+                continue  # no backward uses it (after the check), or one in the loss held it
             rec.refill = [
                 (k, *self._gather(j, rec.entry.unit, rec, k))
                 for k, j in enumerate(rec.entry.buckets)

@@ -1,8 +1,9 @@
 """A loss that differentiates inside itself trains as torch trains it: sharpness-aware
-minimization (SAM: the gradient at perturbed parameters) by its parameters, a gradient
-penalty by its input. Where a unit's parameters are placeholders (`module=`'s hooked
-units outside their forward), asking autograd for their gradient is refused naming the
-leaf: torch only said "One of the differentiated Tensors does not require grad"."""
+minimization (SAM: the gradient at perturbed parameters) and MAML's inner step by its
+parameters, a gradient penalty by its input. Where a unit's parameters are placeholders
+(`module=`'s hooked units outside their forward), asking autograd for their gradient is
+refused naming the leaf: torch only said "One of the differentiated Tensors does not
+require grad"."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero.testing
-from tests.support import errors_on_every_rank
+from tests.support import errors_on_every_rank, run
 
 F64 = torch.float64
 
@@ -106,3 +107,64 @@ def test_differentiating_by_a_placeholder_is_refused_naming_it(how: str, stage: 
         assert message.startswith(f"ValueError: rank {rank}: the loss asked autograd "), message
         assert "parameter 'inp.weight' of the just-in-time unit 'inp'" in message, message
         assert f"(torch.autograd.{how})" in message and "leave those units out" in message
+
+
+def _maml(model: nn.Module) -> Any:
+    """MAML's loss: one inner step on the root's parameters (entered up front) with
+    create_graph=True, then the loss at the moved parameters, hooked units entered again."""
+
+    def loss_fn(p: dict[str, torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+        x, y = batch[:, :3], batch[:, 3:]
+        inner = (functional_call(model, p, (x[:2],)) - y[:2]).square().mean()
+        names = [n for n in p if n.startswith("mid.")]
+        grads = torch.autograd.grad(inner, [p[n] for n in names], create_graph=True)
+        fast = {**p, **{n: p[n] - 0.1 * g for n, g in zip(names, grads)}}
+        return (functional_call(model, fast, (x[2:],)) - y[2:]).square().mean()
+
+    return loss_fn
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_maml_trains_as_torch_with_resharded_units() -> None:
+    # The inner backward runs inside the loss, before the second forward enters the units
+    # again: at stage 3 the step's own backward then asked for the second entries'
+    # parameters, which the inner backward's re-gather order had passed ("no rank's
+    # forward saved for it").
+    model = _model()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    fzero.testing.assert_stages_equivalent(
+        _maml(model), params, _batches(4), (torch.optim.AdamW, {"lr": 1e-2}), module=model,
+        units=["inp", "out"],
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_maml_trains_as_torch_under_hpz() -> None:
+    # hpZ gathers again from the slices the forward kept, which the inner backward's
+    # re-gathers used up: the step's backward re-gathered those entries once more, from
+    # nothing (IndexError). Entries a backward inside the loss left held are not.
+    model = _model()
+    loss_fn = _maml(model)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    data = torch.randn(3, 4, 4, 4, generator=torch.Generator().manual_seed(2), dtype=F64)
+    tensors = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.AdamW(list(tensors.values()), lr=1e-2)
+    for t in range(3):  # torch: the mean of the four ranks' losses
+        opt.zero_grad()
+        torch.stack([loss_fn(tensors, data[t, r]) for r in range(4)]).mean().backward()
+        opt.step()
+
+    def go(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+        o = fzero.optim.adamw(lr=1e-2)
+        state = fzero.shard_state(params, o, mesh, stage=3, units=["inp", "out"])
+        step = fzero.sharded_step(loss_fn, o, mesh, stage=3, module=model, reshard_after_forward=2)
+        for t in range(3):
+            state, _ = step(state, data[t, mesh.rank])
+        return fzero.gather_params(state.params, mesh)
+
+    want = {k: v.detach() for k, v in tensors.items()}
+    for got in run(4, go):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(want["inp.weight"], params["inp.weight"])
