@@ -218,9 +218,6 @@ class Engine:
                 self.marks.setdefault(unit, made[0])
         return tree_unflatten(lay.treedef, leaves)
 
-    # Opaque to dynamo: a block the user compiled inside an eager step reaches here behind
-    # a graph break, and what follows issues collectives (as the step's module hooks).
-    @torch.compiler.disable
     def gathered(self, params: PyTree, path: str | tuple[str, ...]) -> Any:
         """`fzero.gathered` inside this step's loss: the units under `path` (or under
         each of a tuple of paths) enter now."""

@@ -52,6 +52,8 @@ def gathered(params: PyTree, path: str | tuple[str, ...]) -> Any:
         engine = ACTIVE.get()  # an eager step's placeholders: its engine, behind a graph break
         if engine is None:
             return pick(path, [subtree(params, p) for p in _paths(path)])
+        if compiling:  # a loss the user compiled: the engine's collectives stay out of it
+            return torch.compiler.disable(engine.gathered)(params, path)
     return engine.gathered(params, path)
 
 

@@ -40,6 +40,7 @@ class _Gathered:
     followed: list[Any] = field(default_factory=list)  # weak references to dropped buffers
     refill: list[Any] = field(default_factory=list)  # (bucket position, full, work) in flight
     secondary: list[torch.Tensor] = field(default_factory=list)  # hpZ: this rank's 1/k slices
+    regathered: bool = False  # gathered again (once per micro-batch: held until reduced)
 
 
 def _forget(
@@ -47,8 +48,8 @@ def _forget(
 ) -> None:
     """A followed buffer's Python object is gone: forgets its address, unless it now
     belongs to another buffer. A buffer freed by `left` can outlive its memory (gloo's
-    worker thread may still hold the gather) while the allocator hands its address to a
-    later gather, whose parameters autograd would then save outright, freed under it."""
+    worker may still hold the gather) while the allocator hands its address to a later
+    gather, whose parameters autograd would then save outright, freed under it."""
     if by_storage.get(key) is found:
         del by_storage[key]
 
@@ -109,8 +110,7 @@ class Gatherer(ParamSource):
         rec = self.records[entry] = _Gathered(entry, list(fulls))
         forward = jit and self.reshard and not in_backward()
         if forward and self._reshards():
-            # Followed, not held: the forward's references decide when it is freed. After
-            # a backward inside the loss (autograd.grad), the step's re-gathers start anew.
+            # Followed, not held. After a backward inside the loss, the re-gathers start anew.
             self.turn, self.agreed = None, None
             rec.held = [None] * len(fulls)
             if self.secondary is not None:
@@ -153,8 +153,7 @@ class Gatherer(ParamSource):
         for entry in entries:
             rec = self.records.get(entry)
             if rec is not None:
-                out += [h for h in rec.held if h is not None]
-                out += [f for f in (r() for r in rec.followed) if f is not None]
+                out += [h for h in [*rec.held, *(r() for r in rec.followed)] if h is not None]
         return out
 
     def _start(self, unit: str) -> list[tuple[torch.Tensor, Any]]:
@@ -342,8 +341,9 @@ class Gatherer(ParamSource):
         while self.turn >= max(i, 0):
             rec = self.followed[self.turn]
             self.turn -= 1
-            if rec.entry.unit not in self._agreed() or all(h is not None for h in rec.held):
-                continue  # no backward uses it (after the check), or one in the loss held it
+            if rec.entry.unit not in self._agreed() or rec.regathered:
+                continue  # no backward uses it (after the check), or one in the loss did
+            rec.regathered = True
             rec.refill = [
                 (k, *self._gather(j, rec.entry.unit, rec, k))
                 for k, j in enumerate(rec.entry.buckets)

@@ -21,6 +21,7 @@ which has put the module's own parameters back already.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -79,9 +80,9 @@ class ModuleHooks:
                 # `weight_v`) see the unit's parameters, not placeholders. A last
                 # pre-hook tells the engine what the module's own pushed (a checkpoint's
                 # saved-tensor hooks: `torch.distributed._composable.checkpoint`).
-                pre = sub.register_forward_pre_hook(self._own(self._pre(unit, j)), prepend=True)
-                late = sub.register_forward_pre_hook(self._own(self._late(unit)))
-                post = sub.register_forward_hook(self._own(self._post(unit, j)))
+                pre = sub.register_forward_pre_hook(self._opaque(self._pre(unit, j)), prepend=True)
+                late = sub.register_forward_pre_hook(self._opaque(self._late(unit)))
+                post = sub.register_forward_hook(self._opaque(self._post(unit, j)))
                 self.handles += [pre, late, post]
         return self
 
@@ -96,8 +97,12 @@ class ModuleHooks:
                     if owner._parameters.get(name) is view:
                         owner._parameters[name] = old
 
-    def _own(self, hook: Any) -> Any:
-        return torch.compiler.disable(hook) if self.opaque else hook
+    def _opaque(self, hook: Any) -> Any:
+        """`hook` as dynamo will run it: as it is, without tracing it (an eager step's).
+        Only once dynamo is loaded (something was compiled): loading it takes a second."""
+        if self.opaque and "torch._dynamo" in sys.modules:
+            return torch.compiler.disable(hook)
+        return hook
 
     def _pre(self, unit: str, j: int) -> Any:
         def hook(sub: nn.Module, args: Any) -> None:

@@ -141,10 +141,12 @@ def test_maml_trains_as_torch_with_resharded_units() -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_maml_trains_as_torch_under_hpz() -> None:
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_maml_trains_as_torch_under_hpz(prefetch: bool) -> None:
     # hpZ gathers again from the slices the forward kept, which the inner backward's
     # re-gathers used up: the step's backward re-gathered those entries once more, from
-    # nothing (IndexError). Entries a backward inside the loss left held are not.
+    # nothing (IndexError); without prefetch, even once they were reduced. An entry is
+    # gathered again once a micro-batch.
     model = _model()
     loss_fn = _maml(model)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -159,7 +161,9 @@ def test_maml_trains_as_torch_under_hpz() -> None:
     def go(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
         o = fzero.optim.adamw(lr=1e-2)
         state = fzero.shard_state(params, o, mesh, stage=3, units=["inp", "out"])
-        step = fzero.sharded_step(loss_fn, o, mesh, stage=3, module=model, reshard_after_forward=2)
+        step = fzero.sharded_step(
+            loss_fn, o, mesh, stage=3, module=model, reshard_after_forward=2, prefetch=prefetch
+        )
         for t in range(3):
             state, _ = step(state, data[t, mesh.rank])
         return fzero.gather_params(state.params, mesh)
