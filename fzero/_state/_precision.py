@@ -48,6 +48,17 @@ class Precision:
         theirs, which is usually what you want: statistics stay in fp32.
       master_dtype: dtype of the master copies. None: the promotion of the original
         parameter dtypes of each buffer (fp32 for fp32 models).
+      output_dtype: given `sharded_step(module=)` (or `sharded_forward`'s, `bind`'s
+        model), the module's floating-point outputs are cast to it: float32 logits for
+        the loss, say. FSDP2's `output_dtype` is per `fully_shard` call, so that modules
+        may differ; one state has one Precision, so it is the root's alone (cast at
+        every unit, a unit's output would only be cast back by the next). None: left as
+        computed.
+      cast_forward_inputs: given `module=`, the floating-point tensors among the
+        forward inputs of the module and of each unit's submodules are cast to
+        `param_dtype` (FSDP2's `cast_forward_inputs`, its default): a float32 batch
+        runs through a bfloat16 model. False: inputs reach the forward as they are.
+        Without `module=` nothing is cast: the loss casts its inputs.
     """
 
     param_dtype: torch.dtype | None = None
@@ -55,9 +66,16 @@ class Precision:
     gather_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     master_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "gather_dtype", "buffer_dtype", "master_dtype"):
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"Precision.cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}"
+            )
+        dtypes = ("param_dtype", "reduce_dtype", "gather_dtype", "buffer_dtype", "master_dtype")
+        for name in (*dtypes, "output_dtype"):
             dtype = getattr(self, name)
             if dtype is None:
                 continue

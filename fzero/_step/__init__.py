@@ -5,7 +5,8 @@ step's body (`_body`), which reads as the stage table: enter and differentiate
 (`_gradient`, over `_micro_batches`), weigh (`_loss_weights`, agreed by `_sync`), update
 this rank's part (`_update`, whose `sharded_update` is the optimizer on a shard), and
 what follows the update. `_loss` holds the loss wrappers (buffers threaded through, loss
-scaling); `_cache` what a step function carries from one call to the next;
+scaling), `_casts` the forward casts of a mixed-precision `module=`; `_cache` what a
+step function carries from one call to the next;
 `sharded_forward` (`_sharded_forward`) is the forward half, without gradients.
 
 Contract: a step is `step(state, batch) -> (state, loss)`, a function of its arguments

@@ -12,6 +12,7 @@ from .. import _comm
 from .._comm import Mesh
 from .._core import leaf_paths, tree_flatten
 from .._state import ShardedState
+from ._casts import forward_casts
 from ._loss import copied
 from ._sharded_forward import Forwarder
 from ._sharded_step import collector_paused
@@ -51,7 +52,8 @@ def bind(
     forwarder = Forwarder(mesh, model, False, prefetch, None)
     with _comm.together(mesh.rank, mesh.size, "bind"):
         engine = forwarder.engine(state)
-        with collector_paused(), engine.session() as params:
+        casts = forward_casts(model, forwarder.hooked(state), state.precision)
+        with collector_paused(), casts, engine.session() as params:
             tensors = _named(params, model, "params")
             if state.buffers is not None:
                 tensors.update(_named(copied(state.buffers), model, "buffers"))

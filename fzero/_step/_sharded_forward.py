@@ -32,6 +32,7 @@ from .._engine import (
 )
 from .._state import ShardedState, params_apart
 from ._cache import StepCache
+from ._casts import forward_casts
 from ._compile_checks import agree_present
 from ._compiled import CompiledLoss
 from ._config import check_module
@@ -132,7 +133,8 @@ def sharded_forward(
         # Buffers: a copy (a forward never changes the state; BatchNorm in training mode
         # writes its statistics into what it is given).
         buffers = None if state.buffers is None else copied(state.buffers)
-        with collector_paused(), torch.no_grad():
+        casts = forward_casts(forwarder.module, forwarder.hooked(state), state.precision)
+        with collector_paused(), torch.no_grad(), casts:
             try:
                 ran = compiled.last if batch is None else batch
                 out, _, called, _ = compiled(leaves, fulls, ran, buffers)
@@ -174,7 +176,8 @@ def sharded_forward(
             def call(params: PyTree, batch: Any) -> Any:
                 return fn(params, buffers, batch)
 
-        with collector_paused():
+        casts = forward_casts(forwarder.module, forwarder.hooked(state), state.precision)
+        with collector_paused(), casts:
             out, forwarder.cache.order = engine.forward(call, batch)
         return out
 

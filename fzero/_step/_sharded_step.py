@@ -34,6 +34,7 @@ from ..optim import Optimizer
 from ._aux import Aux
 from ._body import body
 from ._cache import StepCache
+from ._casts import forward_casts
 from ._compile_checks import agree_present
 from ._compile_checks import check as check_compiled
 from ._compiled import CompiledLoss
@@ -209,7 +210,13 @@ def sharded_step(
             # Until one has weight somewhere, eager steps record which leaves a gradient
             # reached (`_unused`).
             used: set[int] | None = set() if compiled is None and not cache.checked_use else None
-            with checkpoints_rebound(o.module) if compiled is None else contextlib.nullcontext():
+            rebound = (
+                checkpoints_rebound(o.module) if compiled is None else contextlib.nullcontext()
+            )
+            casts = forward_casts(
+                o.module, cache.hooked_units(state.layout, o.module), state.precision
+            )
+            with rebound, casts:
                 out = body(
                     fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled,
                     used,
