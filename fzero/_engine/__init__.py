@@ -17,6 +17,8 @@ it knows nothing of optimizers, states or steps. Imports `fzero._core` and
 `fzero._comm`.
 """
 
+from ._bindings import restored as restored
+from ._bindings import shared_slots as shared_slots
 from ._by_hand import all_reduce_grads as all_reduce_grads
 from ._by_hand import gather_params as gather_params
 from ._by_hand import gather_params_into as gather_params_into

@@ -58,3 +58,32 @@ def bind(bound: Bindings) -> Iterator[None]:
     finally:
         for d, k, v in old:
             d[k] = v
+
+
+def shared_slots(module: nn.Module | None) -> Slots:
+    """Where the submodules `module` reaches by more than one path (`ModuleList([layer] *
+    n)`, a head registered twice) bind tensors. torch's `functional_call` (2.13,
+    pytorch#164759) swaps such a slot once per path and puts back what its second swap
+    found: the tensor it was given, which the module then keeps (`restored` mends it)."""
+    if module is None:
+        return ()
+    seen: set[int] = set()
+    twice: dict[int, nn.Module] = {}
+    for _, sub in module.named_modules(remove_duplicate=False):
+        if id(sub) in seen:
+            twice[id(sub)] = sub
+        seen.add(id(sub))
+    return slots(list(twice.values()))
+
+
+@contextlib.contextmanager
+def restored(where: Slots) -> Iterator[None]:
+    """What is bound at `where` now is bound there again after the block, whatever the
+    block (a loss calling `functional_call`) left there."""
+    before = bindings(where)
+    try:
+        yield
+    finally:
+        for d, k, v in before:
+            if d.get(k) is not v:
+                d[k] = v

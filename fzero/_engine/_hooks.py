@@ -154,7 +154,7 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
     """
     if module is None:
         return {}
-    names = dict(module.named_modules())
+    names = dict(module.named_modules(remove_duplicate=False))  # a shared one by each path
     aliases: dict[int, list[str]] = {}  # a Parameter's names, tied ones all of them
     for name, param in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -170,7 +170,7 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
         # embedding's) is used where the unit's hooks do not reach: before the forward.
         if _tied_out(layout, unit, prefixes, names, aliases):
             continue
-        slots: list[list[tuple[str, nn.Module, str]]] = [[] for _ in prefixes]
+        slots: list[dict[tuple[int, str], tuple[str, nn.Module, str]]] = [{} for _ in prefixes]
         for i in layout.unit_buckets(unit):
             for s in layout.buckets[i].slots:
                 head, _, name = s.path.rpartition(".")
@@ -180,9 +180,16 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
                         f"unit {unit!r}: leaf {s.path!r} is not a parameter of the module "
                         "passed as module= (use dict(module.named_parameters()) as params)"
                     )
-                j = next(j for j, p in enumerate(prefixes) if covers(p, s.path))
-                slots[j].append((s.path, owner, name))
-        out[unit] = tuple((m, tuple(sl)) for m, sl in zip(subs, slots, strict=True))
+                # The leaf is swapped in under each of its names (all inside the unit):
+                # a weight two of its modules share, or a module it reaches by two paths,
+                # is seen by whichever member runs it.
+                for alias in aliases[id(owner._parameters[name])]:
+                    a_head, _, a_name = alias.rpartition(".")
+                    a_owner = names[a_head] if a_head else module
+                    j = next(j for j, p in enumerate(prefixes) if covers(p, alias))
+                    slots[j].setdefault((id(a_owner), a_name), (s.path, a_owner, a_name))
+        members = (tuple(sl.values()) for sl in slots)
+        out[unit] = tuple(zip(subs, members, strict=True))
     return out
 
 

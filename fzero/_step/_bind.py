@@ -11,6 +11,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from .. import _comm
 from .._comm import Mesh
 from .._core import leaf_paths, tree_flatten
+from .._engine import restored
 from .._state import ShardedState
 from ._casts import forward_casts
 from ._loss import copied
@@ -53,7 +54,8 @@ def bind(
     with _comm.together(mesh.rank, mesh.size, "bind"):
         engine = forwarder.engine(state)
         casts = forward_casts(model, forwarder.hooked(state), state.precision)
-        with collector_paused(), casts, engine.session() as params:
+        kept = restored(forwarder.cache.shared_slots(model))  # torch's reparametrization's
+        with collector_paused(), casts, kept, engine.session() as params:
             tensors = _named(params, model, "params")
             if state.buffers is not None:
                 tensors.update(_named(copied(state.buffers), model, "buffers"))

@@ -29,6 +29,7 @@ from .._engine import (
     context,
     full_buckets,
     plan,
+    restored,
 )
 from .._state import ShardedState, params_apart
 from ._cache import StepCache
@@ -134,7 +135,8 @@ def sharded_forward(
         # writes its statistics into what it is given).
         buffers = None if state.buffers is None else copied(state.buffers)
         casts = forward_casts(forwarder.module, forwarder.hooked(state), state.precision)
-        with collector_paused(), torch.no_grad(), casts:
+        kept = restored(forwarder.cache.shared_slots(forwarder.module))
+        with collector_paused(), torch.no_grad(), casts, kept:
             try:
                 ran = compiled.last if batch is None else batch
                 out, _, called, _ = compiled(leaves, fulls, ran, buffers)
@@ -177,7 +179,7 @@ def sharded_forward(
                 return fn(params, buffers, batch)
 
         casts = forward_casts(forwarder.module, forwarder.hooked(state), state.precision)
-        with collector_paused(), casts:
+        with collector_paused(), casts, restored(forwarder.cache.shared_slots(forwarder.module)):
             out, forwarder.cache.order = engine.forward(call, batch)
         return out
 

@@ -28,6 +28,7 @@ from .._engine import (
     context,
     differentiates_by_leaf,
     gradient_hooks,
+    restored,
 )
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
@@ -216,7 +217,9 @@ def sharded_step(
             casts = forward_casts(
                 o.module, cache.hooked_units(state.layout, o.module), state.precision
             )
-            with rebound, casts:
+            # torch's functional_call can leave a submodule reached by two paths holding
+            # the step's tensors (`shared_slots`): the module's own are put back.
+            with rebound, casts, restored(cache.shared_slots(o.module)):
                 out = body(
                     fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled,
                     used,
