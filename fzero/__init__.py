@@ -24,6 +24,7 @@ from ._engine import gather_params as gather_params
 from ._engine import gathered as gathered
 from ._engine import local_shard as local_shard
 from ._engine import reduce_scatter_grads as reduce_scatter_grads
+from ._engine import register_forward_method as register_forward_method
 from ._engine import remat as remat
 from ._state import DynamicLossScale as DynamicLossScale
 from ._state import LossScaleState as LossScaleState

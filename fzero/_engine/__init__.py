@@ -34,6 +34,7 @@ from ._gathered import gathered as gathered
 from ._hooks import Members as Members
 from ._hooks import ModuleHooks as ModuleHooks
 from ._hooks import hookable_units as hookable_units
+from ._hooks import register_forward_method as register_forward_method
 from ._param_hooks import Trained as Trained
 from ._param_hooks import gradient_hooks as gradient_hooks
 from ._param_hooks import hooks_for as hooks_for

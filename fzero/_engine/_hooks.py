@@ -22,6 +22,7 @@ which has put the module's own parameters back already.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -80,10 +81,16 @@ class ModuleHooks:
                 # `weight_v`) see the unit's parameters, not placeholders. A last
                 # pre-hook tells the engine what the module's own pushed (a checkpoint's
                 # saved-tensor hooks: `torch.distributed._composable.checkpoint`).
-                pre = sub.register_forward_pre_hook(self._opaque(self._pre(unit, j)), prepend=True)
-                late = sub.register_forward_pre_hook(self._opaque(self._late(unit)))
-                post = sub.register_forward_hook(self._opaque(self._post(unit, j)))
-                self.handles += [pre, late, post]
+                pre = self._opaque(self._pre(unit, j))
+                late = self._opaque(self._late(unit))
+                post = self._opaque(self._post(unit, j))
+                self.handles += [
+                    sub.register_forward_pre_hook(pre, prepend=True),
+                    sub.register_forward_pre_hook(late),
+                    sub.register_forward_hook(post),
+                ]
+                for name in _FORWARD_METHODS.get(sub, ()):
+                    self.handles.append(_AsForward(sub, name, (pre, late), post))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -137,6 +144,63 @@ class ModuleHooks:
                 self.engine.leave(unit)
 
         return hook
+
+
+# Methods other than `forward` that run as a forward (`register_forward_method`).
+_FORWARD_METHODS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def register_forward_method(module: nn.Module, name: str) -> None:
+    """Runs `module.<name>` as its forward: where `module` is a unit's submodule under
+    `module=` hooks, the unit enters as the method starts and leaves as it returns (FSDP2's
+    `register_fsdp_forward_method`). A parent calling `self.text.encode(x)` rather than
+    `self.text(x)` otherwise reaches the unit's placeholders, and the step says so.
+
+    Only the unit's hooks run around the method, nothing else of `module.__call__` (not
+    its other forward hooks, nor `Precision`'s input casts). Outside a step it is the
+    method as it was; the registration lasts as long as the module.
+
+    Args:
+      module: a submodule a unit names.
+      name: the method's name.
+
+    Raises:
+      ValueError: if `name` is "forward" or not a method of `module`.
+    """
+    if name == "forward" or not callable(getattr(type(module), name, None)):
+        raise ValueError(
+            f"register_forward_method: {name!r} is not a method of {type(module).__name__} "
+            "other than forward (forward needs no registration)"
+        )
+    _FORWARD_METHODS.setdefault(module, set()).add(name)
+
+
+class _AsForward:
+    """For a micro-batch, `module.<name>` between its unit's forward pre-hooks and forward
+    hook (an attribute of the instance, over the class's method); `remove` takes it off."""
+
+    def __init__(self, module: nn.Module, name: str, before: tuple[Any, ...], after: Any) -> None:
+        self.module, self.name = module, name
+        self.had = module.__dict__.get(name, _NONE)
+        method = getattr(module, name)
+
+        def as_forward(*args: Any, **kwargs: Any) -> Any:
+            for hook in before:
+                hook(module, args)
+            out = method(*args, **kwargs)
+            after(module, args, out)
+            return out
+
+        module.__dict__[name] = as_forward
+
+    def remove(self) -> None:
+        if self.had is _NONE:
+            self.module.__dict__.pop(self.name, None)
+        else:
+            self.module.__dict__[self.name] = self.had
+
+
+_NONE = object()
 
 
 def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, Members]:

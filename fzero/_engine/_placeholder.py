@@ -64,7 +64,9 @@ class Placeholder(torch.Tensor):
             f"rank {used.rank}: the parameter {used.path!r} of the just-in-time unit "
             f"{used.unit!r} was used (by aten.{func.overloadpacket.__name__}) where the loss "
             "only has a placeholder for it: with module=, outside its submodule's forward (read "
-            "directly by a module outside the unit, say); with just_in_time=True, without "
+            "directly by a module outside the unit, or by a method of the submodule other than "
+            "forward: fzero.register_forward_method(submodule, name) enters the unit around "
+            "it); with just_in_time=True, without "
             f"fzero.gathered(params, {used.unit!r}). Use it there, or leave its unit out of "
             "units= (its parameters then join the root, entered before the forward)"
         )

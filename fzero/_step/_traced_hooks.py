@@ -91,6 +91,7 @@ def unhooked_use(rank: int) -> str:
         f"rank {rank}: the compiled loss used a parameter of a unit entered by module= "
         "hooks outside that unit's submodule forward (read from the parameter tree, or "
         "through fzero.gathered): compiled, such a unit's leaves are empty meta tensors "
-        "until its submodule runs. Read the parameters inside the submodule's forward, "
+        "until its submodule runs. Read the parameters inside the submodule's forward "
+        "(a method other than forward: fzero.register_forward_method(submodule, name)), "
         "or name the unit where it is used (units=), or step eagerly"
     )
