@@ -247,7 +247,7 @@ def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, M
                 # The leaf is swapped in under each of its names (all inside the unit):
                 # a weight two of its modules share, or a module it reaches by two paths,
                 # is seen by whichever member runs it.
-                for alias in aliases[id(owner._parameters[name])]:
+                for alias in aliases.get(id(owner._parameters[name]), [s.path]):
                     a_head, _, a_name = alias.rpartition(".")
                     a_owner = names[a_head] if a_head else module
                     j = next(j for j, p in enumerate(prefixes) if covers(p, alias))

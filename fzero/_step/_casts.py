@@ -28,8 +28,8 @@ from .._state import Precision
 
 def cast_floating(x: Any, dtype: torch.dtype) -> Any:
     """`x` with each floating-point tensor in it cast to `dtype`: tensors, and tensors
-    inside tuples, lists, namedtuples (`PackedSequence`), dicts (Hugging Face's
-    `ModelOutput` among them) and dataclasses, as FSDP2 walks them. Anything else (a
+    inside tuples, lists, namedtuples (`PackedSequence`), `torch.return_types`, dicts
+    (Hugging Face's `ModelOutput` among them) and dataclasses, as FSDP2 walks them. Anything else (a
     cache object, an integer tensor) is returned as it is, and so is a container with
     nothing to cast."""
     if isinstance(x, torch.Tensor):
@@ -40,7 +40,9 @@ def cast_floating(x: Any, dtype: torch.dtype) -> Any:
             return x
         if hasattr(type(x), "_fields"):  # a namedtuple
             return type(x)(*items)
-        return type(x)(items) if type(x) in (tuple, list) else x
+        if type(x) in (tuple, list) or hasattr(type(x), "n_fields"):  # or torch.return_types
+            return type(x)(items)
+        return x
     if isinstance(x, dict):
         values = {k: cast_floating(v, dtype) for k, v in x.items()}
         if all(values[k] is v for k, v in x.items()):

@@ -221,5 +221,7 @@ def test_cast_floating_walks_containers_as_fsdp2_does() -> None:
     assert got["c"] is cache and cache.t.dtype == FP32
     assert got["p"].data.dtype == BF16 and torch.equal(got["p"].batch_sizes, packed.batch_sizes)
     assert tree["a"][0].dtype == FP32  # the input is not changed
+    top = cast_floating(torch.ones(2, 3).max(0), BF16)
+    assert type(top).__name__ == "max" and top.values.dtype == BF16 and top.indices.dtype == i.dtype
     same = {"i": i, "l": [i]}
     assert cast_floating(same, BF16) is same  # nothing to cast: nothing rebuilt
