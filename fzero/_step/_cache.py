@@ -54,7 +54,12 @@ class StepCache:
         """The step's compiled loss for `layout` and `precision` (`_step._compiled`), made
         once per pair: torch.compile then recompiles by its own guards (shapes, dtypes)."""
         if self._compiled[0] is not layout or self._compiled[1] != precision:
+            before = self._compiled[2]
             self._compiled = (layout, precision, make())
+            # A rank without data runs its last batch again (`CompiledLoss.last`): any of
+            # the step function's, whatever layout it ran under (before a reload, say).
+            if before is not None and self._compiled[2].last is None:
+                self._compiled[2].last = before.last
         return self._compiled[2]
 
     def host_thread(self) -> ThreadPoolExecutor:

@@ -512,6 +512,32 @@ def test_checkpoints_move_between_eager_and_compiled_steps(tmp_path: Path) -> No
         fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
 
 
+def reloaded_then_without_data(mesh: fzero.Mesh, params: Any, data: list, path: str) -> Any:
+    """A compiled stage-3 step, a checkpoint reloaded (a new layout: a new graph), then the
+    last rank without data: it runs the batch it had before the reload again."""
+    opt = make_optimizer("adam")
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+    step = fzero.sharded_step(pair_loss, opt, mesh, stage=3, units=UNITS, compile="aot_eager")
+    state, _ = step(state, data[0][mesh.rank][0])
+    fzero.checkpoint.save(state, path, mesh)
+    state = fzero.checkpoint.load(path, mesh, opt, params, stage=3, units=UNITS)
+    for per_rank in data[1:]:
+        state, _ = step(state, per_rank[mesh.rank][0])
+    return fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_rank_without_data_after_a_reload_runs_its_batch_from_before(tmp_path: Path) -> None:
+    """Before, the reloaded state's new graph had no batch of this rank's to run again,
+    and every rank refused the step."""
+    params = make_params(DIMS, torch.float64, 4)
+    data = make_data([[[2], [1]], [[2], [0]], [[1], [2]]], seed=6)
+    want = reference(params, data, "pair", "adam")
+    for p in run(2, reloaded_then_without_data, params, data, str(tmp_path)):
+        fzero.assert_trees_close(p, want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("stage", "accumulate", "kind", "missing"),
