@@ -59,11 +59,14 @@ def optimizer_kind(optimizer: Optimizer) -> str:
     return f"{getattr(update, '__module__', '?')}.{getattr(update, '__qualname__', '?')}"
 
 
-def check_optimizer_state(optimizer: Optimizer, state: ShardedState, rank: int) -> None:
+def check_optimizer_state(
+    optimizer: Optimizer, state: ShardedState, rank: int, shard_rank: int
+) -> None:
     """Raises a TypeError naming both if `state.opt_state` was not made by `optimizer`:
     its structure against what `optimizer.init` makes of the same parameters (on the
-    meta device: nothing is allocated). A state another optimizer made would otherwise
-    step silently (SGD reading an Adam state) or fail deep inside the update."""
+    meta device: nothing is allocated) for this rank's place on the shard axis,
+    `shard_rank` (its rank but on a 2-D mesh). A state another optimizer made would
+    otherwise step silently (SGD reading an Adam state) or fail deep inside the update."""
 
     def meta(tree: Any) -> Any:
         return tree_map(lambda x: torch.empty_like(x, device="meta"), tree)
@@ -71,7 +74,7 @@ def check_optimizer_state(optimizer: Optimizer, state: ShardedState, rank: int) 
     try:
         stage, lay = stage_of(state.stage), state.layout
         master = None if state.master is None else meta(state.master)
-        expected = init_optimizer(meta(state.params), optimizer, stage, lay, rank, master)
+        expected = init_optimizer(meta(state.params), optimizer, stage, lay, shard_rank, master)
     except Exception:
         return
     want, got = _skeleton(expected), _skeleton(state.opt_state)

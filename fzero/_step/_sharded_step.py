@@ -303,7 +303,7 @@ def _first_step(
     try:
         check_step_state(state, o.stage.number, o.layout, o.units, mesh)
         micro = micro_batches(batch, o.accumulate, cache.micro)
-        check_optimizer_state(optimizer, state, mesh.rank)
+        check_optimizer_state(optimizer, state, mesh.rank, mesh.shard_rank)
         check_module(o.module, state, mesh.rank)
         # Refuses what would never run (a post-accumulate-grad hook).
         hooks = gradient_hooks(cache.trained_parameters(state.layout, o.module), mesh.rank, True)

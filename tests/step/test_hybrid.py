@@ -68,8 +68,8 @@ def _train(mesh: fzero.Mesh, model: nn.Module, xs: Any, ys: Any, how: str, **kw:
     or "upfront" (the pure loss, every unit gathered before the forward)."""
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adam(lr=0.01, weight_decay=0.01)
-    stage, units = kw.pop("stage"), kw.pop("units", UNITS)
-    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+    stage, units, layout = kw.pop("stage"), kw.pop("units", UNITS), kw.pop("layout", "flat")
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units, layout=layout)
     if how == "module":
         step = fzero.sharded_step(_module_loss(model), opt, mesh, stage=stage, module=model, **kw)
     else:
@@ -117,6 +117,26 @@ def test_hsdp_every_stage_matches_torch_optim(n: int, s: int) -> None:
             # Gradients leave the group only as 1/S of them: the replica axis carries
             # data, no parameter gather or full gradient crosses.
             assert set(axes) == {"shard", "replica"}, (stage, how, axes)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hsdp_tensor_layout_matches_torch_optim(stage: int) -> None:
+    """Whole tensors per rank (layout="tensor") on a 2-D mesh: the second group's ranks
+    own tensors by their place in the group. Before, the step's first-call check
+    computed their tensors from the global rank (none) and refused their Adam state."""
+    model = _model(7)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(8, 4)
+    ref = _reference(start, xs, ys)
+
+    def fn(mesh: fzero.Mesh) -> list[Any]:
+        return [_train(mesh, model, xs, ys, how, stage=stage, layout="tensor")[0]
+                for how in ("upfront", "module")]  # fmt: skip
+
+    for per_rank in fzero.Simulation(4, collective_timeout=30, timeout=120, shard_size=2).run(fn):
+        for params in per_rank:
+            _check(params, ref, start)
 
 
 @pytest.mark.slow
