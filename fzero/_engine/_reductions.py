@@ -260,7 +260,9 @@ class Reductions:
             nbytes = g.numel() * g.element_size()
             self._log(entry.unit, nbytes)
             if self.acc is not None and not self.final:  # hold it: no communication yet
-                self.acc[i] = self.acc[i] + g if i in self.acc else g.clone()
+                # Summed in the reduce dtype where it is wider (FSDP2's accumulation without
+                # gradient sync): a 16-bit sum would round at every micro-batch.
+                self.acc[i] = self.acc[i] + g if i in self.acc else self._widened(g)
                 self._log(entry.unit, -nbytes)
                 continue
             if self.acc is not None and i in self.acc:
@@ -280,6 +282,13 @@ class Reductions:
             self.inflight.append((work, [(i, out, g.numel() * g.element_size(), unit, True)]))
         self.held.clear()
         self.held_bytes = 0
+
+    def _widened(self, g: torch.Tensor) -> torch.Tensor:
+        """A copy of `g`, in the reduce dtype if that is wider."""
+        wide = self.s.reduce_dtype
+        if wide is not None and wide.itemsize > g.element_size():
+            return g.to(wide)
+        return g.clone()
 
     def _start(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
         self.check.before_collective()

@@ -128,13 +128,18 @@ def _by_leaf(
     no per-unit nodes and no flat gradient buffers (assembling them copies every gradient
     once more). The values are those of the unit path on one rank, bitwise: gradients
     pass through the reduce dtype as they would through a reduction ("local"
-    accumulation sums them first, "sharded" after), and a mean over micro-batches.
+    accumulation sums them first, in the reduce dtype where it is wider; "sharded"
+    after), and a mean over micro-batches.
     """
     lay = state.layout
     trainable = lay.trainable(state.params)
 
     def rounded(g: Any) -> Any:
         return tree_map(lambda x: x.to(reduce_dtype or x.dtype), g)
+
+    def widened(g: Any) -> Any:  # "local" sums in the reduce dtype where it is wider
+        wide = reduce_dtype
+        return tree_map(lambda x: x.to(wide) if wide and wide.itemsize > x.itemsize else x, g)
 
     total = None
     for mb in micro:
@@ -149,8 +154,7 @@ def _by_leaf(
                 if g is not None and g.layout != torch.strided:
                     raise sparse_gradient(0, path)
         grads = tree_map(torch.zeros_like, trainable) if grads is None else lay.trainable(grads)
-        if accumulate != "local":
-            grads = rounded(grads)
+        grads = rounded(grads) if accumulate != "local" else widened(grads)
         total = grads if total is None else tree_map(torch.add, total, grads)
     if accumulate == "local":
         total = rounded(total)

@@ -741,3 +741,36 @@ def test_16_bit_reduction_over_more_than_two_ranks(n: int, stage: int) -> None:
         assert atol < lr * biggest / n / 2
     for got in run(n, train_sgd16, steps, lr, stage, hooks=n == 4):
         close(got, expected, rtol=0, atol=atol)
+
+
+def _train_local(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int, m: int) -> Any:
+    """`m` different micro-batches a rank, accumulated locally (DDP's no_sync) under bf16
+    compute and a float32 reduction."""
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    prec = fzero.Precision(param_dtype=BF16, reduce_dtype=FP32)
+    opt = fzero.optim.adam(lr=0.01)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS, precision=prec)
+    step = fzero.sharded_step(
+        make_loss(model, BF16), opt, mesh, stage=stage, units=UNITS, accumulate="local"
+    )
+    for t in range(xs.shape[0]):
+        rows = range(mesh.rank * m, (mesh.rank + 1) * m)
+        state, _ = step(state, [(xs[t, r], ys[t, r]) for r in rows])
+    return fzero.master_params(state, mesh)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "stage"), [(1, 0), (2, 0), (2, 1), (2, 3)])
+def test_local_accumulation_sums_in_the_float32_reduce_dtype(n: int, stage: int) -> None:
+    """FSDP2 accumulates without gradient sync in `reduce_dtype`: three bf16 micro-batch
+    gradients summed in float32 match one process summing them so (to float32's
+    reassociation: the sums are ordered differently). Before, the eager sum was in
+    bf16, 1e-3 off."""
+    m = 3
+    xs, ys = data(n * m, 3)
+    ref = reference(xs, ys, BF16, FP32, scale=False)
+    for masters in run(n, _train_local, xs, ys, stage, m):
+        close(masters, ref["masters"], rtol=0, atol=1e-6)
+        assert fzero._core._tree.max_abs_diff(masters, ref["start"]) > 1e-3
