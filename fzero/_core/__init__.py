@@ -22,6 +22,7 @@ from ._autodiff import sparse_gradient as sparse_gradient
 from ._autodiff import value_and_grad as value_and_grad
 from ._dcp import DcpFiles as DcpFiles
 from ._flat import Bucket as Bucket
+from ._flat import accumulator as accumulator
 from ._flat import cut as cut
 from ._flat import pack as pack
 from ._flat import paste as paste

@@ -206,3 +206,12 @@ def pack(bucket: Bucket, leaves: list[Any], lo: int, hi: int) -> torch.Tensor:
     if not parts:
         return torch.zeros(0, dtype=bucket.dtype, device=device)
     return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+
+def accumulator(g: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """A new sum of gradients starting from `g`: in `reduce_dtype` where that is wider
+    than `g`'s (16-bit gradients summed in float32, as FSDP2 accumulates without
+    gradient sync), else a copy of `g`."""
+    if reduce_dtype is not None and reduce_dtype.itemsize > g.element_size():
+        return g.to(reduce_dtype)
+    return g.clone()

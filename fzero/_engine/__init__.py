@@ -30,11 +30,13 @@ from ._context import Context as Context
 from ._context import context as context
 from ._engine import Engine as Engine
 from ._engine import stand_in as stand_in
+from ._forward_methods import AsForward as AsForward
+from ._forward_methods import forward_methods as forward_methods
+from ._forward_methods import register_forward_method as register_forward_method
 from ._gathered import gathered as gathered
 from ._hooks import Members as Members
 from ._hooks import ModuleHooks as ModuleHooks
 from ._hooks import hookable_units as hookable_units
-from ._hooks import register_forward_method as register_forward_method
 from ._param_hooks import Trained as Trained
 from ._param_hooks import gradient_hooks as gradient_hooks
 from ._param_hooks import hooks_for as hooks_for

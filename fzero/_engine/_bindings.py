@@ -4,7 +4,7 @@ forward and bound again for the recompute of an activation checkpoint."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from torch import nn
@@ -60,20 +60,29 @@ def bind(bound: Bindings) -> Iterator[None]:
             d[k] = v
 
 
-def shared_slots(module: nn.Module | None) -> Slots:
+def shared_slots(module: nn.Module | None, buffers: Collection[str] = ()) -> Slots:
     """Where the submodules `module` reaches by more than one path (`ModuleList([layer] *
-    n)`, a head registered twice) bind tensors. torch's `functional_call` (2.13,
-    pytorch#164759) swaps such a slot once per path and puts back what its second swap
-    found: the tensor it was given, which the module then keeps (`restored` mends it)."""
+    n)`, a head registered twice) bind the tensors a step hands `functional_call`: their
+    parameters, and the buffers named in `buffers` (the state's, by path). torch 2.13's
+    `functional_call` (pytorch#164759) swaps such a slot once per path and puts back what
+    its second swap found: the tensor it was given, which the module then keeps
+    (`restored` mends it). Other buffers are the module's own to change (a cache a
+    forward registers anew)."""
     if module is None:
         return ()
-    seen: set[int] = set()
-    twice: dict[int, nn.Module] = {}
-    for _, sub in module.named_modules(remove_duplicate=False):
-        if id(sub) in seen:
-            twice[id(sub)] = sub
-        seen.add(id(sub))
-    return slots(list(twice.values()))
+    paths: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(sub), (sub, []))[1].append(name)
+    out: list[tuple[dict[str, Any], str]] = []
+    for sub, names in paths.values():
+        if len(names) > 1:
+            out += [(sub._parameters, k) for k in sub._parameters]
+            out += [
+                (sub._buffers, k)
+                for k in sub._buffers
+                if any((f"{n}.{k}" if n else k) in buffers for n in names)
+            ]
+    return tuple(out)
 
 
 @contextlib.contextmanager

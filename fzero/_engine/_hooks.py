@@ -22,7 +22,6 @@ which has put the module's own parameters back already.
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from .._core import ShardLayout, covers
+from ._forward_methods import AsForward, forward_methods
 
 # A hooked unit's parameters: (leaf path, the module holding it, its attribute name).
 Slots = tuple[tuple[str, nn.Module, str], ...]
@@ -89,8 +89,9 @@ class ModuleHooks:
                     sub.register_forward_pre_hook(late),
                     sub.register_forward_hook(post),
                 ]
-                for name in _FORWARD_METHODS.get(sub, ()):
-                    self.handles.append(_AsForward(sub, name, (pre, late), post))
+                for name in forward_methods(sub):  # `register_forward_method`'s
+                    before = (_no_kwargs(pre), _no_kwargs(late))
+                    self.handles.append(AsForward(sub, name, before, (post,)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -146,61 +147,9 @@ class ModuleHooks:
         return hook
 
 
-# Methods other than `forward` that run as a forward (`register_forward_method`).
-_FORWARD_METHODS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
-
-
-def register_forward_method(module: nn.Module, name: str) -> None:
-    """Runs `module.<name>` as its forward: where `module` is a unit's submodule under
-    `module=` hooks, the unit enters as the method starts and leaves as it returns (FSDP2's
-    `register_fsdp_forward_method`). A parent calling `self.text.encode(x)` rather than
-    `self.text(x)` otherwise reaches the unit's placeholders, and the step says so.
-
-    Only the unit's hooks run around the method, nothing else of `module.__call__` (not
-    its other forward hooks, nor `Precision`'s input casts). Outside a step it is the
-    method as it was; the registration lasts as long as the module.
-
-    Args:
-      module: a submodule a unit names.
-      name: the method's name.
-
-    Raises:
-      ValueError: if `name` is "forward" or not a method of `module`.
-    """
-    if name == "forward" or not callable(getattr(type(module), name, None)):
-        raise ValueError(
-            f"register_forward_method: {name!r} is not a method of {type(module).__name__} "
-            "other than forward (forward needs no registration)"
-        )
-    _FORWARD_METHODS.setdefault(module, set()).add(name)
-
-
-class _AsForward:
-    """For a micro-batch, `module.<name>` between its unit's forward pre-hooks and forward
-    hook (an attribute of the instance, over the class's method); `remove` takes it off."""
-
-    def __init__(self, module: nn.Module, name: str, before: tuple[Any, ...], after: Any) -> None:
-        self.module, self.name = module, name
-        self.had = module.__dict__.get(name, _NONE)
-        method = getattr(module, name)
-
-        def as_forward(*args: Any, **kwargs: Any) -> Any:
-            for hook in before:
-                hook(module, args)
-            out = method(*args, **kwargs)
-            after(module, args, out)
-            return out
-
-        module.__dict__[name] = as_forward
-
-    def remove(self) -> None:
-        if self.had is _NONE:
-            self.module.__dict__.pop(self.name, None)
-        else:
-            self.module.__dict__[self.name] = self.had
-
-
-_NONE = object()
+def _no_kwargs(hook: Any) -> Any:
+    """A forward pre-hook `(module, args)` as one taking the kwargs too (`AsForward`)."""
+    return lambda module, args, kwargs: hook(module, args)
 
 
 def hookable_units(layout: ShardLayout, module: nn.Module | None) -> dict[str, Members]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .. import _comm
-from .._core import paste
+from .._core import accumulator, paste
 from ._bursts import Burst, Bursts
 from ._callcheck import CallCheck
 from ._context import Context
@@ -260,13 +260,14 @@ class Reductions:
             nbytes = g.numel() * g.element_size()
             self._log(entry.unit, nbytes)
             if self.acc is not None and not self.final:  # hold it: no communication yet
-                # Summed in the reduce dtype where it is wider (FSDP2's accumulation without
-                # gradient sync): a 16-bit sum would round at every micro-batch.
-                self.acc[i] = self.acc[i] + g if i in self.acc else self._widened(g)
+                acc = self.acc.get(i)  # in the reduce dtype, if wider (`accumulator`)
+                self.acc[i] = accumulator(g, self.s.reduce_dtype) if acc is None else acc + g
                 self._log(entry.unit, -nbytes)
                 continue
             if self.acc is not None and i in self.acc:
-                g = g + self.acc.pop(i)  # earlier micro-batches, reduced together now
+                g = g + self.acc.pop(i)  # earlier micro-batches (the reduce dtype's, if wider)
+                self._log(entry.unit, g.numel() * g.element_size() - nbytes)
+                nbytes = g.numel() * g.element_size()
             self.held.append((i, g, entry.unit))
             self.held_bytes += nbytes
         self._reduced(entry)
@@ -282,13 +283,6 @@ class Reductions:
             self.inflight.append((work, [(i, out, g.numel() * g.element_size(), unit, True)]))
         self.held.clear()
         self.held_bytes = 0
-
-    def _widened(self, g: torch.Tensor) -> torch.Tensor:
-        """A copy of `g`, in the reduce dtype if that is wider."""
-        wide = self.s.reduce_dtype
-        if wide is not None and wide.itemsize > g.element_size():
-            return g.to(wide)
-        return g.clone()
 
     def _start(self, g: torch.Tensor) -> tuple[torch.Tensor, Any]:
         self.check.before_collective()

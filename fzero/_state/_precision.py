@@ -55,10 +55,10 @@ class Precision:
         every unit, a unit's output would only be cast back by the next). None: left as
         computed.
       cast_forward_inputs: given `module=`, the floating-point tensors among the
-        forward inputs of the module and of each unit's submodules are cast to
-        `param_dtype` (FSDP2's `cast_forward_inputs`, its default): a float32 batch
-        runs through a bfloat16 model. False: inputs reach the forward as they are.
-        Without `module=` nothing is cast: the loss casts its inputs.
+        forward inputs of the module and of the submodules whose hooks enter units are
+        cast to `param_dtype` (FSDP2's `cast_forward_inputs`, its default): a float32
+        batch runs through a bfloat16 model. False: inputs reach the forward as they
+        are. Without `module=` nothing is cast: the loss casts its inputs.
     """
 
     param_dtype: torch.dtype | None = None

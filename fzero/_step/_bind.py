@@ -54,7 +54,9 @@ def bind(
     with _comm.together(mesh.rank, mesh.size, "bind"):
         engine = forwarder.engine(state)
         casts = forward_casts(model, forwarder.hooked(state), state.precision)
-        kept = restored(forwarder.cache.shared_slots(model))  # torch's reparametrization's
+        kept = restored(
+            forwarder.cache.shared_slots(model, state.buffers)
+        )  # torch's reparametrization's
         with collector_paused(), casts, kept, engine.session() as params:
             tensors = _named(params, model, "params")
             if state.buffers is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from .._core import ShardLayout
+from .._core import ShardLayout, leaf_paths
 from .._engine import Context, Pool, hookable_units, shared_slots, trained_parameters
 
 
@@ -45,7 +45,7 @@ class StepCache:
     # precision, ...), as the options are the step function's and only the state varies.
     _planned: tuple[Any, Any, Context | None] = (None, None, None)
     _hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units)
-    _shared: tuple[Any, Any] = (None, ())  # (module, its shared slots)
+    _shared: tuple[Any, Any, Any] = (None, (), ())  # (module, buffer paths, shared slots)
     _trained: tuple[Any, Any] = (None, ())  # (layout, module='s parameters it trains)
     _thread: ThreadPoolExecutor | None = None
     _compiled: tuple[Any, Any, Any] = (None, None, None)  # (layout, precision, loss)
@@ -85,12 +85,14 @@ class StepCache:
             self._trained = (layout, trained_parameters(layout, module))
         return self._trained[1]
 
-    def shared_slots(self, module: nn.Module | None) -> Any:
-        """Where `module`'s submodules reached by several paths bind tensors (walked
-        once): what the step puts back after torch's `functional_call` (`restored`)."""
-        if self._shared[0] is not module:
-            self._shared = (module, shared_slots(module))
-        return self._shared[1]
+    def shared_slots(self, module: nn.Module | None, buffers: Any = None) -> Any:
+        """Where `module`'s submodules reached by several paths bind what a step hands
+        `functional_call` (the parameters, and the state's `buffers`; walked once a
+        module and buffer tree): what the step puts back after it (`restored`)."""
+        paths = () if buffers is None else tuple(leaf_paths(buffers))
+        if self._shared[0] is not module or self._shared[1] != paths:
+            self._shared = (module, paths, shared_slots(module, frozenset(paths)))
+        return self._shared[2]
 
     def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
         """The units of `layout` entered by hooks on `module`'s submodules (walked once)."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._engine import AsForward, forward_methods
 from .._state import Precision
 
 
@@ -112,9 +113,13 @@ def forward_casts(
     try:
         if inputs is not None:
             for sub in subs:
-                handles.append(sub.register_forward_pre_hook(_input_hook(inputs), with_kwargs=True))
+                # First, as FSDP2's: the module's own pre-hooks see the cast inputs.
+                hook = _input_hook(inputs)
+                handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+                # A method run as the forward (`register_forward_method`) casts alike.
+                handles += [AsForward(sub, n, (_input_hook(inputs),)) for n in forward_methods(sub)]
         if outputs is not None:  # the root's alone: see Precision.output_dtype
-            handles.append(module.register_forward_hook(_output_hook(outputs)))
+            handles.append(module.register_forward_hook(_output_hook(outputs), prepend=True))
         yield
     finally:
         for h in handles:

@@ -135,7 +135,7 @@ def sharded_forward(
         # writes its statistics into what it is given).
         buffers = None if state.buffers is None else copied(state.buffers)
         casts = forward_casts(forwarder.module, forwarder.hooked(state), state.precision)
-        kept = restored(forwarder.cache.shared_slots(forwarder.module))
+        kept = restored(forwarder.cache.shared_slots(forwarder.module, state.buffers))
         with collector_paused(), torch.no_grad(), casts, kept:
             try:
                 ran = compiled.last if batch is None else batch
@@ -179,7 +179,11 @@ def sharded_forward(
                 return fn(params, buffers, batch)
 
         casts = forward_casts(forwarder.module, forwarder.hooked(state), state.precision)
-        with collector_paused(), casts, restored(forwarder.cache.shared_slots(forwarder.module)):
+        with (
+            collector_paused(),
+            casts,
+            restored(forwarder.cache.shared_slots(forwarder.module, state.buffers)),
+        ):
             out, forwarder.cache.order = engine.forward(call, batch)
         return out
 

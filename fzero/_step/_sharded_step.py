@@ -219,7 +219,7 @@ def sharded_step(
             )
             # torch's functional_call can leave a submodule reached by two paths holding
             # the step's tensors (`shared_slots`): the module's own are put back.
-            with rebound, casts, restored(cache.shared_slots(o.module)):
+            with rebound, casts, restored(cache.shared_slots(o.module, state.buffers)):
                 out = body(
                     fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled,
                     used,

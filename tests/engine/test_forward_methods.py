@@ -111,3 +111,40 @@ def test_bad_registrations_are_clear_errors() -> None:
         fzero.register_forward_method(model.text, "forward")
     with pytest.raises(ValueError, match="'decode' is not a method of Encoder"):
         fzero.register_forward_method(model.text, "decode")
+
+
+class Upcast(DualEncoder):
+    """The parent hands each tower a float32 tensor (its own upcast of the input)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.head(self.text.encode(x.float()) * self.image.encode(y.float()))
+
+
+def train_cast(mesh: fzero.Mesh) -> list[torch.dtype]:
+    torch.manual_seed(0)
+    model = Upcast()
+    seen: list[torch.dtype] = []
+    for tower in (model.text, model.image):
+        fzero.register_forward_method(tower, "encode")
+        tower.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.1)
+    prec = fzero.Precision(param_dtype=torch.bfloat16)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=["text", "image"], precision=prec)
+
+    def loss_fn(p: dict, batch: Any) -> torch.Tensor:
+        return functional_call(model, p, batch).float().square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=model)
+    x, y = batches()[0]
+    step(state, (x.float().chunk(2)[mesh.rank], y.float().chunk(2)[mesh.rank]))
+    return seen
+
+
+@pytest.mark.multiprocess
+def test_a_registered_method_casts_its_inputs_as_a_forward() -> None:
+    """Under Precision a registered method's floating-point inputs are cast to the
+    compute dtype, as FSDP2's patched method casts them: a float32 tensor the parent
+    makes reaches the tower's own forward (inside `encode`) in bfloat16."""
+    for seen in run(2, train_cast):
+        assert seen and set(seen) == {torch.bfloat16}

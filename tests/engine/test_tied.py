@@ -283,3 +283,45 @@ def test_a_weight_shared_inside_a_unit_compiles() -> None:
     expected = shared_reference("inner")
     for params, _ in run(2, train_shared, "inner", SHARED_UNITS["blocks"], 3, "aot_eager"):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+
+
+class Rotary(nn.Module):
+    """A cache a forward registers anew as inputs grow (older Hugging Face rotary
+    embeddings), in a module every block shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 2
+        self.register_buffer("cache", torch.arange(2.0, dtype=torch.float64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > self.n:
+            self.n = x.shape[-1]
+            self.register_buffer("cache", torch.arange(float(self.n), dtype=torch.float64))
+        return x + self.cache[: x.shape[-1]]
+
+
+def train_rotary(mesh: fzero.Mesh) -> tuple[int, tuple[int, ...]]:
+    rotary = Rotary()
+    model = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), rotary) for _ in range(2)]).double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=0)
+
+    def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model[1], {k[2:]: v for k, v in p.items() if k[0] == "1"}, (
+            functional_call(model[0], {k[2:]: v for k, v in p.items() if k[0] == "0"}, (x,)),
+        )).square().mean()  # fmt: skip
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=0, module=model)
+    for _ in range(2):
+        state, _ = step(state, torch.randn(2, 4, dtype=torch.float64))
+    return rotary.n, tuple(rotary.cache.shape)
+
+
+@pytest.mark.multiprocess
+def test_a_shared_modules_own_buffer_changes_are_kept() -> None:
+    """Only what a step hands functional_call is put back in a shared module: a buffer
+    outside the state that its forward registers anew stays as the forward left it
+    (putting it back, the second step failed on a cache of the old size)."""
+    assert run(2, train_rotary) == [(4, (4,))] * 2
