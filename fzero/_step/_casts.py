@@ -30,9 +30,9 @@ from .._state import Precision
 def cast_floating(x: Any, dtype: torch.dtype) -> Any:
     """`x` with each floating-point tensor in it cast to `dtype`: tensors, and tensors
     inside tuples, lists, namedtuples (`PackedSequence`), `torch.return_types`, dicts
-    (Hugging Face's `ModelOutput` among them) and dataclasses, as FSDP2 walks them. Anything else (a
-    cache object, an integer tensor) is returned as it is, and so is a container with
-    nothing to cast."""
+    (Hugging Face's `ModelOutput` among them) and dataclasses, as FSDP2 walks them.
+    Anything else (a cache object, an integer tensor) is returned as it is, and so is a
+    container with nothing to cast."""
     if isinstance(x, torch.Tensor):
         return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
     if isinstance(x, (tuple, list)):
@@ -117,7 +117,7 @@ def forward_casts(
                 hook = _input_hook(inputs)
                 handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
                 # A method run as the forward (`register_forward_method`) casts alike.
-                handles += [AsForward(sub, n, (_input_hook(inputs),)) for n in forward_methods(sub)]
+                handles += [AsForward(sub, n, (hook,)) for n in forward_methods(sub)]
         if outputs is not None:  # the root's alone: see Precision.output_dtype
             handles.append(module.register_forward_hook(_output_hook(outputs), prepend=True))
         yield
