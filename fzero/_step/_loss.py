@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .._comm import Mesh, all_reduce_mean, all_reduce_sum, broadcast_
-from .._core import LossFn, PyTree, check_loss, tree_map
+from .._core import LossFn, PyTree, check_loss, leaf_paths, tree_flatten, tree_map
 
 
 def copied(buffers: PyTree) -> PyTree:
@@ -24,8 +24,8 @@ class BufferThread:
     are copied first, since functional_call writes in-place buffer updates into the dict.
     """
 
-    def __init__(self, loss_fn: Callable[..., Any], buffers: PyTree) -> None:
-        self.loss_fn = loss_fn
+    def __init__(self, loss_fn: Callable[..., Any], buffers: PyTree, rank: int = 0) -> None:
+        self.loss_fn, self.rank = loss_fn, rank
         self.buffers = copied(buffers)
 
     def __call__(self, params: PyTree, batch: Any) -> torch.Tensor:
@@ -36,8 +36,34 @@ class BufferThread:
                 f"(loss, new_buffers), got {type(out).__name__}"
             )
         loss, new = out
+        self._check(new)
         self.buffers = tree_map(lambda b: b.detach(), new)
         return loss
+
+    def _check(self, new: Any) -> None:
+        """Raises a TypeError naming the first difference if `new` is not shaped like the
+        buffers given (paths, shapes, dtypes): the ranks would agree on it, and a tree of
+        other tensors (aux outputs, a batch-sized one) becomes the state's buffers, or
+        stops gloo's collectives with mismatched sizes."""
+        want = dict(zip(leaf_paths(self.buffers), tree_flatten(self.buffers)[0]))
+        got = dict(zip(leaf_paths(new), tree_flatten(new)[0]))
+        what = None
+        if set(got) != set(want):
+            gone, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            what = f"missing {gone[:3]}" if gone else f"not buffers {extra[:3]}"
+        else:
+            for path, b in want.items():
+                n = got[path]
+                if not isinstance(n, torch.Tensor) or n.shape != b.shape or n.dtype != b.dtype:
+                    kind = tuple(n.shape) if isinstance(n, torch.Tensor) else type(n).__name__
+                    what = f"{path!r} is {kind}, expected {tuple(b.shape)} {b.dtype}"
+                    break
+        if what is not None:
+            raise TypeError(
+                f"rank {self.rank}: loss_fn's new_buffers are not shaped like the buffers it "
+                f"was given: {what}. loss_fn(params, buffers, batch) returns (loss, "
+                "new_buffers); with has_aux=True, ((loss, new_buffers), aux)"
+            )
 
 
 def sync_buffers(

@@ -175,7 +175,7 @@ def sharded_step(
         if o.has_aux:  # below the others: they see what loss_fn returns without aux
             fn = aux = Aux(loss_fn, mesh.rank, (state.params, state.master))
         if state.buffers is not None:
-            fn = threaded = BufferThread(fn, state.buffers)
+            fn = threaded = BufferThread(fn, state.buffers, mesh.rank)
         trainable = not all(b.frozen for b in state.layout.buckets)
         fn = weighed = Weighed(fn, mesh.rank, trainable)
         if state.scaler is not None:

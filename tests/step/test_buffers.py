@@ -195,6 +195,43 @@ def test_a_loss_without_new_buffers_is_a_clear_error() -> None:
         run(1, fn)
 
 
+def misshapen_buffers(mesh: fzero.Mesh, how: str) -> str:
+    model = make_model()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=2, buffers=dict(model.named_buffers()))
+
+    def loss_fn(p: dict, b: dict, x: torch.Tensor) -> Any:
+        loss, new = loss_and_buffers(model, p, b, (x, x[:, :2]))
+        if how == "aux nested the other way":  # has_aux wants ((loss, new), aux)
+            return (loss, {"rows": x.detach()}), new
+        return loss, {**new, "1.running_mean": x.mean(1)}  # a batch-sized "statistic"
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=2, has_aux=how.startswith("aux"))
+    try:  # ranks of different batch sizes: their sync would have stopped gloo itself
+        step(state, torch.randn(3 + mesh.rank, 3, dtype=torch.float64))
+    except (TypeError, fzero.PeerError) as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [
+        ("aux nested the other way", "missing ['1.num_batches_tracked'"),
+        ("a batch-sized buffer", "'1.running_mean' is (3,), expected (5,) torch.float64"),
+    ],
+)
+def test_new_buffers_shaped_unlike_the_states_are_a_clear_error(how: str, says: str) -> None:
+    """Before, both stepped without a word: the aux dict became the state's buffers, and
+    a buffer of each rank's batch size went into the ranks' agreement as it was (in a
+    random run, "mean" aborted the process inside gloo's all-reduce)."""
+    messages = run(2, misshapen_buffers, how)
+    assert says in messages[0] and "((loss, new_buffers), aux)" in messages[0]
+    assert all(m != "no error" for m in messages)
+
+
 def export_with_buffers(mesh: fzero.Mesh) -> Any:
     params, buffers = train(mesh, 2, "mean")
     model = make_model()
