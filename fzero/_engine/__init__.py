@@ -7,10 +7,11 @@ is a `ParamSource` (`_source`: the rank's replica at stages 0-2, `_gatherer`: th
 all-gather of every rank's shard at stage 3); how gradients are reduced is
 `_reductions` (with `_bursts` of several units); *when* either happens is a `Schedule`
 (`_schedule`), chosen once per step. Units enter before the forward, through module
-hooks (`_hooks`) or when a pure loss asks (`_gathered`); until then they are
-`_placeholder`s. `_callcheck` checks that ranks called the same units; `_pool` keeps
-host buffers across steps; `_remat` recomputes with the forward's parameters;
-`_by_hand` runs the same node synchronously (`gather_params`, `reduce_scatter_grads`).
+hooks (`_hooks`, around registered `_forward_methods` too) or when a pure loss asks
+(`_gathered`); until then they are `_placeholder`s. `_callcheck` checks that ranks
+called the same units; `_pool` keeps host buffers across steps; `_remat` recomputes
+with the forward's parameters; `_by_hand` runs the same node synchronously
+(`gather_params`, `reduce_scatter_grads`).
 
 Contract: the engine works on one micro-batch of one rank, on flat buffers and a layout;
 it knows nothing of optimizers, states or steps. Imports `fzero._core` and
