@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from .._core import ShardLayout, leaf_paths
+from .._core import ShardLayout, leaf_paths, tree_flatten
 from .._engine import Context, Pool, hookable_units, shared_slots, trained_parameters
 
 
@@ -45,7 +45,7 @@ class StepCache:
     # precision, ...), as the options are the step function's and only the state varies.
     _planned: tuple[Any, Any, Context | None] = (None, None, None)
     _hooked: tuple[Any, dict[str, Any]] = (None, {})  # (layout, its hooked units)
-    _shared: tuple[Any, Any, Any] = (None, (), ())  # (module, buffer paths, shared slots)
+    _shared: tuple[Any, Any, Any] = (None, None, ())  # (module, buffers' treedef, slots)
     _trained: tuple[Any, Any] = (None, ())  # (layout, module='s parameters it trains)
     _thread: ThreadPoolExecutor | None = None
     _compiled: tuple[Any, Any, Any] = (None, None, None)  # (layout, precision, loss)
@@ -89,9 +89,10 @@ class StepCache:
         """Where `module`'s submodules reached by several paths bind what a step hands
         `functional_call` (the parameters, and the state's `buffers`; walked once a
         module and buffer tree): what the step puts back after it (`restored`)."""
-        paths = () if buffers is None else tuple(leaf_paths(buffers))
-        if self._shared[0] is not module or self._shared[1] != paths:
-            self._shared = (module, paths, shared_slots(module, frozenset(paths)))
+        spec = None if buffers is None else tree_flatten(buffers)[1]  # paths: only anew
+        if self._shared[0] is not module or self._shared[1] != spec:
+            paths = frozenset(() if buffers is None else leaf_paths(buffers))
+            self._shared = (module, spec, shared_slots(module, paths))
         return self._shared[2]
 
     def hooked_units(self, layout: ShardLayout, module: nn.Module | None) -> dict[str, Any]:
