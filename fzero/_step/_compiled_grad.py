@@ -91,8 +91,12 @@ def compiled_grad(
         # state is untouched until then); its backward joins with zero gradients.
         # The units a loss entered are the graph's collectives: where they could differ
         # between ranks (a rank-dependent branch), every rank compares them first.
+        # Every micro-batch's check exchanges where the graph collects: a peer that
+        # failed in a middle micro-batch's forward (its loss raising after stage 3's
+        # gathers) is seen in the check's polled wait, not at the timeout of the graph's
+        # backward collectives.
         compare = bool(compiled.jit) and collects(compiled)  # alike on every rank
-        check = sync.check(j)
+        check = sync.check(j, every=collects(compiled))
         called = (calls[j] if len(calls) > j else []) if compare else None
         check.after_forward(called, mb is not None, error=error)
         check.finish()

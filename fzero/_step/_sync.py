@@ -71,20 +71,20 @@ class StepSync:
         self.last: CallCheck | None = None  # the check that carries the words
         self.refused: list[BaseException] = []  # refused losses no exchange has carried yet
 
-    def check(self, j: int) -> CallCheck:
+    def check(self, j: int, every: bool = False) -> CallCheck:
         """Micro-batch `j`'s call check. The first exchanges and, accumulating, gates the
         backward (the ranks agree on the micro-batch count before any reduces: with local
         accumulation a rank with one micro-batch reduces in it, the others do not); the
         last carries the weights (the others as many zero words); the middle ones exchange
-        only where the engine compares calls, and a refused loss there travels with the
-        next check that exchanges."""
+        only where the engine compares calls or `every` says so, and a refused loss there
+        travels with the next check that exchanges."""
         last = j == self.micro - 1
         carry = self.words if last else _no_words
         check = CallCheck(
             self.mesh,
             carry,
             micro=self.micro,
-            exchange=j == 0 or last,
+            exchange=j == 0 or last or every,
             gate=j == 0 and self.accumulating,
             refused=self.refused,
         )

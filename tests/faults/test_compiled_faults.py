@@ -153,6 +153,48 @@ def test_a_rank_whose_graph_raises_mid_run_has_its_error_raised_by_the_rank_left
     assert outs[0].at - outs[1].at < 3.0 + BOUND
 
 
+def _raises_in_a_middle_micro_batch(mesh: fzero.Mesh, stage: int) -> None:
+    """Rank 1's loss raises in the second of three micro-batches of its second step,
+    after its forward's graph ran (at stage 3 its gathers, whose barrier it passed): the
+    loss breaks the graph there, and raises in the Python after it. The other rank goes
+    on to that micro-batch's backward, whose reductions wait inside the graph, where a
+    peer's failure cannot be looked for."""
+    state, opt, net = setup(mesh, stage)
+    x, y = batches(mesh.size, 6)
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        xb, yb, fault = batch
+        out = functional_call(net, p, (xb,))
+        torch._dynamo.graph_break()
+        if fault:
+            raise RuntimeError("rank 1's data loader handed a corrupt batch")
+        return (out - yb).square().mean()
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=UNITS, compile="aot_eager", accumulate="sharded"
+    )
+    with warnings.catch_warnings():  # "compiled in pieces", said once
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for t in (0, 1):
+            micro = [
+                (mine(x[3 * t + k], mesh.rank), mine(y[3 * t + k], mesh.rank), False)
+                for k in range(3)
+            ]
+            if mesh.rank == 1 and t == 1:
+                micro[1] = (*micro[1][:2], True)
+            state, _ = step(state, micro)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_exception_in_a_middle_micro_batch_raises_on_every_rank_at_once(stage: int) -> None:
+    """Before every micro-batch's check exchanged in a compiled step (only the first and
+    the last did), rank 0 waited in the graph's backward reductions until the process
+    group's timeout (19 s here, found by a random run of faults)."""
+    outs = outcomes(2, _raises_in_a_middle_micro_batch, stage)
+    raised_together(outs, RuntimeError, "corrupt batch")
+    assert [o.peer for o in outs] == [True, False]
+
+
 def _forward_raises_in_trace(mesh: fzero.Mesh) -> None:
     """A compiled stage-3 forward whose function raises on rank 1 as it is traced."""
     state, _, net = setup(mesh, 3)
