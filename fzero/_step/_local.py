@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as fc
 
+from .. import _comm
 from .._comm import Mesh
 from .._core import Shards
 from .._state import ShardedState, params_apart
@@ -65,6 +66,10 @@ def reduce_sums(
     `n` micro-batches: shaped as `compiled_grad`'s (`leaves`: the graph's inputs)."""
     lay, stage, a = state.layout, compiled.stage, compiled.axes
     grads = [x.new_empty(0) for x in leaves]  # frozen buckets' placeholders
+    # A functional collective's wait cannot look for a peer's failure, and a rank may
+    # have failed after the last check (in its last backward): the polled barrier sees it.
+    if mesh.size > 1:
+        _comm.barrier(mesh)
     for run in bursts(lay, compiled.burst_bytes, compiled.reduce):
         if lay.buckets[run[0]].frozen:
             continue

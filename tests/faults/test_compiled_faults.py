@@ -195,6 +195,52 @@ def test_an_exception_in_a_middle_micro_batch_raises_on_every_rank_at_once(stage
     assert [o.peer for o in outs] == [True, False]
 
 
+def _raises_in_the_last_backward(mesh: fzero.Mesh, stage: int) -> None:
+    """Rank 1's last micro-batch raises in its backward (a hook on the loss's input, in
+    the Python after a graph break), after the step's last check: with local
+    accumulation the other rank goes on to the one reduction after the micro-batches,
+    functional collectives run eagerly, whose waits cannot look for a peer's failure."""
+    state, opt, net = setup(mesh, stage)
+    x, y = batches(mesh.size, 4)
+
+    def refuse(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("rank 1 ran out of memory in its backward")
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        xb, yb, fault = batch
+        out = functional_call(net, p, (xb,))
+        torch._dynamo.graph_break()
+        if fault:
+            out.register_hook(refuse)
+        return (out - yb).square().mean()
+
+    step = fzero.sharded_step(
+        loss_fn, opt, mesh, stage=stage, units=UNITS, compile="aot_eager", accumulate="local"
+    )
+    with warnings.catch_warnings():  # "compiled in pieces", said once
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for t in (0, 1):
+            micro = [
+                (mine(x[2 * t + k], mesh.rank), mine(y[2 * t + k], mesh.rank), False)
+                for k in range(2)
+            ]
+            if mesh.rank == 1 and t == 1:
+                micro[1] = (*micro[1][:2], True)
+            state, _ = step(state, micro)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_exception_in_the_last_backward_of_local_accumulation_raises_at_once(
+    stage: int,
+) -> None:
+    """Before the reduction after the micro-batches passed a polled barrier, rank 0
+    waited in it until the process group's timeout (20 s; found by a random run of
+    faults)."""
+    outs = outcomes(2, _raises_in_the_last_backward, stage)
+    raised_together(outs, RuntimeError, "out of memory in its backward")
+    assert [o.peer for o in outs] == [True, False]
+
+
 def _forward_raises_in_trace(mesh: fzero.Mesh) -> None:
     """A compiled stage-3 forward whose function raises on rank 1 as it is traced."""
     state, _, net = setup(mesh, 3)
