@@ -23,6 +23,7 @@ from .._core import (
     tree_flatten,
 )
 from .._state import ShardedState
+from ._chain import chained
 from ._groups import Hyperparams, natural_order, param_groups
 from ._schema import (
     CheckpointError,
@@ -65,7 +66,8 @@ def export_torch(
     error, rep, local, grouping = None, None, None, None
     try:
         grouping = param_groups(hyperparams, lay, aliases, where)
-        local = local_view(state.opt_state, lay, stage, mesh.shard_rank)
+        # A chain's transformations (clipping) are not torch.optim's: its optimizer's.
+        local = local_view(chained(state.opt_state)[1], lay, stage, mesh.shard_rank)
         rep = report(local, lay, share=stage.shards_optimizer or rank == 0)
     except Exception as exc:
         error = exc

@@ -32,6 +32,7 @@ from .._state import (
 )
 from ..optim import Optimizer
 from ._build import resume
+from ._chain import chained
 from ._groups import loaded_order
 from ._schema import CheckpointError, Key, Local, Schema, agree, merge, pieces_of, report, walk
 
@@ -250,7 +251,10 @@ def torch_states_of(
     """torch.optim's per-parameter `states` (leaf -> {name: tensor}) as `optimizer`'s state
     entries. Only 0-d values (steps) are read; of the others only shapes and dtypes, so
     meta tensors stand for what a source reads later, range by range."""
-    probe = optimizer.init(())  # the state's shape, without any parameter
+    whole = optimizer.init(())  # the state's shape, without any parameter
+    # A chain's optimizer's state, under its prefix; its transformations' globals (a
+    # clip's last norm) start as their init has them.
+    prefix, probe = chained(whole)
     nodes: list[str] = []
     globals_: list[str] = []
     spec = optree.tree_structure(())
@@ -288,6 +292,15 @@ def torch_states_of(
         glob = {}
     else:
         raise CheckpointError(f"importing cannot map torch.optim state to a {kind}")
+    if prefix:  # the entries and globals at their paths in the chain's state
+        nodes = [prefix + n for n in nodes]
+        per_leaf = {
+            i: {(prefix + n, sub): v for (n, sub), v in st.items()} for i, st in per_leaf.items()
+        }
+        names = {(prefix + n, sub): v for (n, sub), v in names.items()}
+        glob = {prefix + g: v for g, v in glob.items()}
+        walk(whole, spec, lambda p, t: t, lambda p, t: glob.setdefault(p, t))
+        kind = type(whole).__name__
     pieces = pieces_of(lay, STAGES[0], 0)  # torch.optim state: whole leaves, as stage 0
     occ: dict[Key, list[tuple[int, torch.Tensor]]] = {}
     for pi, p in enumerate(pieces):
