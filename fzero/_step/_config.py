@@ -12,6 +12,7 @@ failing together]). Later steps agree on their micro-batch count in the call che
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import torch
@@ -112,6 +113,34 @@ def check_module(module: Any, state: ShardedState, rank: int) -> None:
                 "the state makes and holds them (non-persistent buffers such as RoPE's "
                 "inv_freq included)"
             )
+
+
+def say_frozen_trained(module: Any, state: ShardedState, rank: int) -> list[str]:
+    """Warns where `module=` freezes some of its parameters (`requires_grad=False`, others
+    not) that the state trains under the same paths: a tree made by `v.detach().clone()`
+    drops the flag, and a table the model keeps fixed (Whisper's sinusoidal positions, a
+    LoRA base) would train, unlike under torch.optim over the trainable parameters.
+    Returns those paths."""
+    if module is None:
+        return []
+    pairs = list(module.named_parameters(remove_duplicate=False))
+    fixed = {n for n, p in pairs if not p.requires_grad}
+    if not fixed or len(fixed) == len(pairs):  # all or nothing: no choice was made
+        return []
+    lay = state.layout
+    paths = [p for i, p in enumerate(lay.paths) if not lay.frozen[i] and p in fixed]
+    if paths:
+        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        warnings.warn(
+            f"fzero: rank {rank}: the state trains {len(paths)} parameter(s) that module= "
+            f"freezes (requires_grad=False): {paths[:3]}{more}. The state's leaves were made "
+            "without the flag (v.detach().clone() drops it): pass shard_state(..., "
+            "frozen=[...]), or keep it (v.detach().clone().requires_grad_(v.requires_grad)). "
+            "Said once",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    return paths
 
 
 def _skeleton(x: Any) -> Any:

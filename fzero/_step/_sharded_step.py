@@ -40,7 +40,13 @@ from ._compile_checks import agree_present
 from ._compile_checks import check as check_compiled
 from ._compiled import CompiledLoss
 from ._compiled_grad import stands_in
-from ._config import agree, check_module, check_optimizer_state, configuration
+from ._config import (
+    agree,
+    check_module,
+    check_optimizer_state,
+    configuration,
+    say_frozen_trained,
+)
 from ._entries import jit_units
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
@@ -305,6 +311,7 @@ def _first_step(
         micro = micro_batches(batch, o.accumulate, cache.micro)
         check_optimizer_state(optimizer, state, mesh.rank, mesh.shard_rank)
         check_module(o.module, state, mesh.rank)
+        say_frozen_trained(o.module, state, mesh.rank)
         # Refuses what would never run (a post-accumulate-grad hook).
         hooks = gradient_hooks(cache.trained_parameters(state.layout, o.module), mesh.rank, True)
         if state.offload is not None:
