@@ -226,7 +226,8 @@ class CompiledLoss:
             if self.hooks is None or not ghost_beside_tensors(exc):
                 raise
             raise ValueError(unhooked_use(self.rank)) from exc
-        except torch._dynamo.exc.Unsupported as exc:
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            # UserError: valid eagerly, untraceable whole (an MoE's data-dependent loop).
             raised = raised_in_trace(exc)
             if raised is not None:  # the loss's (or fzero.gathered's) own error, as itself
                 raise raised from exc
@@ -247,9 +248,8 @@ class CompiledLoss:
                 self.hooks.enter_unit = None
 
     def _in_pieces(self, why: str) -> None:
-        """The loss breaks dynamo's graph, or its recompiles reached dynamo's limit (a trace
-        that ran nothing): compiled again without `fullgraph`, in pieces with eager Python
-        between them (a frame past its limit runs eagerly), and said once."""
+        """The loss breaks dynamo's graph, or its recompiles reached dynamo's limit: compiled
+        again without `fullgraph`, in pieces with eager Python between them, said once."""
         warnings.warn(in_pieces(self.rank, why), RuntimeWarning, stacklevel=4)
         self.pieces = True
         self.compiled = self._compile(fullgraph=False)
