@@ -31,18 +31,22 @@ from ._bindings import Slots, bind, bindings, recall, slots
 
 
 @contextlib.contextmanager
-def checkpoints_rebound(module: nn.Module | None) -> Iterator[None]:
-    """Within the block (an eager step's forward and backward), torch's checkpoints
-    recompute with the parameters their forward used. What a checkpointed function reads
-    is told from the function: a module, a module's method, what a partial, a closure, a
-    default or a list holds, modules among its arguments, those holding parameters or
-    buffers; `module`, whole, where none is seen or one seen lies outside it.
+def checkpoints_rebound(module: nn.Module | None, compiled: bool = False) -> Iterator[None]:
+    """Within the block (a step's forward and backward), torch's checkpoints that run
+    eagerly recompute with the parameters their forward used. What a checkpointed
+    function reads is told from the function: a module, a module's method, what a
+    partial, a closure, a default or a list holds, modules among its arguments, those
+    holding parameters or buffers; `module`, whole, where none is seen or one seen lies
+    outside it.
 
     Args:
       module: the step's `module=` (None: the function's own modules only).
+      compiled: the step is compiled: a checkpoint runs eagerly only between the pieces
+        of a loss that breaks the graph, where a unit `module=`'s hooks entered cannot
+        enter again for the recompute (refused, saying so).
     """
     _install()
-    token = _STEP.set(_Step(module))
+    token = _STEP.set(_Step(module, compiled))
     try:
         yield
     finally:
@@ -52,8 +56,8 @@ def checkpoints_rebound(module: nn.Module | None) -> Iterator[None]:
 class _Step:
     """An eager step's `module=` (None: not given), as checkpoints inside it see it."""
 
-    def __init__(self, module: nn.Module | None) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module | None, compiled: bool = False) -> None:
+        self.module, self.compiled = module, compiled
         self._under: set[int] | None = None
         self._walked: dict[tuple[int, ...], Slots] = {}  # its modules' slots, by their ids
 
@@ -174,9 +178,20 @@ def recomputing(where: Slots, fn: Callable[..., Any]) -> Callable[..., Any]:
     step seen by checkpoints nested in it."""
     later = recall(bindings(where))
     keep = kept()
+    step = _STEP.get()
 
     def run(*a: Any, **kw: Any) -> Any:
-        with keep(), bind(later()):
+        bound = later()
+        if step is not None and step.compiled and any(v.is_meta for _, _, v in bound):
+            what = getattr(fn, "__qualname__", type(fn).__name__)
+            raise ValueError(
+                f"fzero: a torch.utils.checkpoint of {what} ran "
+                "outside a compiled step's graph (the loss compiles in pieces) over a unit "
+                "that module='s hooks enter, and its recompute in the backward cannot enter "
+                "it again: enter that unit before the loss (no module=), checkpoint it with "
+                "fzero.remat, or step it eagerly"
+            )
+        with keep(), bind(bound):
             return fn(*a, **kw)
 
     run._fzero_rebinds = True  # type: ignore[attr-defined]

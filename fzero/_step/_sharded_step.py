@@ -212,14 +212,13 @@ def sharded_step(
             # Compiled, no gradient is handed over during the backward (it is the graph's).
             overlap = compiled is None and _may_overlap(o, cache, state, ctx)
             thread = cache.host_thread() if overlap else None
-            # Eagerly, torch's activation checkpoints (Hugging Face's layers' too)
-            # recompute with the forward's parameters; a compiled graph, with its own.
+            # torch's activation checkpoints (Hugging Face's layers' too) recompute with
+            # the forward's parameters: eagerly, and those a compiled loss runs in the
+            # Python between its pieces (a traced one is the graph's, with its own).
             # Until one has weight somewhere, eager steps record which leaves a gradient
             # reached (`_unused`).
             used: set[int] | None = set() if compiled is None and not cache.checked_use else None
-            rebound = (
-                checkpoints_rebound(o.module) if compiled is None else contextlib.nullcontext()
-            )
+            rebound = checkpoints_rebound(o.module, compiled is not None)
             casts = forward_casts(
                 o.module, cache.hooked_units(state.layout, o.module), state.precision
             )
