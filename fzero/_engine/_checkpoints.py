@@ -182,7 +182,7 @@ def recomputing(where: Slots, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def run(*a: Any, **kw: Any) -> Any:
         bound = later()
-        if step is not None and step.compiled and any(v.is_meta for _, _, v in bound):
+        if step is not None and step.compiled and any(_meta(v) for _, _, v in bound):
             what = getattr(fn, "__qualname__", type(fn).__name__)
             raise ValueError(
                 f"fzero: a torch.utils.checkpoint of {what} ran "
@@ -244,3 +244,8 @@ def _held(fn: Any) -> Iterator[Any]:
             continue
     yield from fn.__defaults__ or ()
     yield from (fn.__kwdefaults__ or {}).values()
+
+
+def _meta(value: Any) -> bool:
+    """A placeholder on the meta device (a unit's, before its hooks enter it)."""
+    return isinstance(value, torch.Tensor) and value.is_meta
