@@ -1,4 +1,4 @@
-"""Torch's own activation checkpoints inside an eager step: recomputed with the
+"""Torch's own activation checkpoints inside a step, run eagerly: recomputed with the
 parameters their forward used ([Note: recomputes]).
 
 Non-reentrant `torch.utils.checkpoint` runs its function again inside the backward,
@@ -42,8 +42,9 @@ def checkpoints_rebound(module: nn.Module | None, compiled: bool = False) -> Ite
     Args:
       module: the step's `module=` (None: the function's own modules only).
       compiled: the step is compiled: a checkpoint runs eagerly only between the pieces
-        of a loss that breaks the graph, where a unit `module=`'s hooks entered cannot
-        enter again for the recompute (refused, saying so).
+        of a loss that breaks the graph, where a unit `module=`'s hooks entered in the
+        graph cannot enter again for the recompute (a recompute that reads it is
+        refused, saying so).
     """
     _install()
     token = _STEP.set(_Step(module, compiled))
@@ -54,7 +55,7 @@ def checkpoints_rebound(module: nn.Module | None, compiled: bool = False) -> Ite
 
 
 class _Step:
-    """An eager step's `module=` (None: not given), as checkpoints inside it see it."""
+    """A step's `module=` (None: not given), as checkpoints inside it see it."""
 
     def __init__(self, module: nn.Module | None, compiled: bool = False) -> None:
         self.module, self.compiled = module, compiled
@@ -91,7 +92,7 @@ def _holds_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-# The step while an eager step runs (None: outside one, where torch's checkpoints run
+# The step running now (None: outside one, where torch's checkpoints run
 # untouched). A context variable, as other threads of the process may checkpoint outside
 # any step; a recompute sets it again for checkpoints nested inside it (on a GPU autograd
 # runs it on a thread of its own).
@@ -102,7 +103,7 @@ _LOCK = threading.Lock()
 
 
 def _install() -> None:
-    """Wraps torch's checkpoints, once per process (outside an eager step, each runs as it
+    """Wraps torch's checkpoints, once per process (outside a step, each runs as it
     is): the non-reentrant generator, whose function the recompute calls, and the
     reentrant `CheckpointFunction`, which inside a step runs as the non-reentrant one."""
     with _LOCK:
@@ -182,17 +183,24 @@ def recomputing(where: Slots, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def run(*a: Any, **kw: Any) -> Any:
         bound = later()
-        if step is not None and step.compiled and any(_meta(v) for _, _, v in bound):
-            what = getattr(fn, "__qualname__", type(fn).__name__)
-            raise ValueError(
-                f"fzero: a torch.utils.checkpoint of {what} ran "
-                "outside a compiled step's graph (the loss compiles in pieces) over a unit "
-                "that module='s hooks enter, and its recompute in the backward cannot enter "
-                "it again: enter that unit before the loss (no module=), checkpoint it with "
-                "fzero.remat, or step it eagerly"
-            )
+        # A compiled step's placeholders (units module='s hooks enter inside the graph,
+        # which cannot enter again here) are bound as they were: a recompute that reads
+        # one fails on the meta device, said as what it is; one that does not, runs.
+        apart = step is not None and step.compiled and any(_meta(v) for _, _, v in bound)
         with keep(), bind(bound):
-            return fn(*a, **kw)
+            try:
+                return fn(*a, **kw)
+            except (RuntimeError, NotImplementedError) as exc:
+                if not (apart and "meta" in str(exc)):
+                    raise
+                what = getattr(fn, "__qualname__", type(fn).__name__)
+                raise ValueError(
+                    f"fzero: a torch.utils.checkpoint of {what} ran outside a compiled "
+                    "step's graph (the loss compiles in pieces) over a unit that module='s "
+                    "hooks enter, and its recompute in the backward cannot enter it again: "
+                    "enter that unit before the loss (no module=), checkpoint it with "
+                    "fzero.remat, or step it eagerly"
+                ) from exc
 
     run._fzero_rebinds = True  # type: ignore[attr-defined]
     return run

@@ -71,12 +71,13 @@ def compiled_grad(
     inner.loss_fn = lambda *args: run(None, args[-1], args[1] if len(args) == 3 else None)
     trainable = [x for x, b in zip(leaves, lay.buckets) if not b.frozen]
     sums: list[torch.Tensor | None] = [None] * len(leaves)
+    together = collects(compiled)
     for j, mb in enumerate(micro):
         total, error = None, None
         try:
             if mb is not None:
                 total = loss_fn(None, mb)
-            elif not collects(compiled):  # nothing to join: zero gradients, as eagerly
+            elif not together:  # nothing to join: zero gradients, as eagerly
                 calls.append([])
             else:  # a batch again, for the graph's collectives alone; what it gives is dropped
                 bufs = copied(threaded.buffers) if isinstance(threaded, BufferThread) else None
@@ -86,21 +87,20 @@ def compiled_grad(
                 raise
             error = exc
         # Waited for before the first backward: the graph's collectives cannot look for a
-        # peer's failure, so a rank whose loss was refused must not leave the others
-        # inside them. A middle micro-batch's refusal travels with the last check (the
-        # state is untouched until then); its backward joins with zero gradients.
-        # The units a loss entered are the graph's collectives: where they could differ
-        # between ranks (a rank-dependent branch), every rank compares them first.
-        # Every micro-batch's check exchanges where the graph collects: a peer that
-        # failed in a middle micro-batch's forward (its loss raising after stage 3's
-        # gathers) is seen in the check's polled wait, not at the timeout of the graph's
-        # backward collectives.
-        compare = bool(compiled.jit) and collects(compiled)  # alike on every rank
-        check = sync.check(j, every=collects(compiled))
+        # peer's failure, so a rank whose loss was refused, or that failed after its
+        # forward (its loss raising after stage 3's gathers), must not leave the others
+        # inside them: where the graph collects, every micro-batch's check exchanges and
+        # a refusal raises there. Without collectives in the graph a middle micro-batch's
+        # refusal travels with the last check (the state is untouched until then); its
+        # backward joins with zero gradients. The units a loss entered are the graph's
+        # collectives: where they could differ between ranks (a rank-dependent branch),
+        # every rank compares them first.
+        compare = bool(compiled.jit) and together  # alike on every rank
+        check = sync.check(j, every=together)
         called = (calls[j] if len(calls) > j else []) if compare else None
         check.after_forward(called, mb is not None, error=error)
         check.finish()
-        if mb is None and not collects(compiled):
+        if mb is None and not together:
             continue
         out = total if total is not None and total.requires_grad else anchor[-1]
         got = iter(grads_of(out, trainable, own, compiled.rank) if trainable else ())

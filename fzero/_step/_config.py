@@ -115,18 +115,19 @@ def check_module(module: Any, state: ShardedState, rank: int) -> None:
             )
 
 
-def say_frozen_trained(module: Any, state: ShardedState, rank: int) -> list[str]:
+def say_frozen_trained(module: Any, state: ShardedState, rank: int) -> None:
     """Warns where `module=` freezes some of its parameters (`requires_grad=False`, others
     not) that the state trains under the same paths: a tree made by `v.detach().clone()`
     drops the flag, and a table the model keeps fixed (Whisper's sinusoidal positions, a
     LoRA base) would train, unlike under torch.optim over the trainable parameters.
-    Returns those paths."""
+    Once per step function, at its first step (under warnings-as-errors, an error every
+    rank raises there)."""
     if module is None:
-        return []
+        return
     pairs = list(module.named_parameters(remove_duplicate=False))
     fixed = {n for n, p in pairs if not p.requires_grad}
     if not fixed or len(fixed) == len(pairs):  # all or nothing: no choice was made
-        return []
+        return
     lay = state.layout
     paths = [p for i, p in enumerate(lay.paths) if not lay.frozen[i] and p in fixed]
     if paths:
@@ -140,7 +141,6 @@ def say_frozen_trained(module: Any, state: ShardedState, rank: int) -> list[str]
             RuntimeWarning,
             stacklevel=5,
         )
-    return paths
 
 
 def _skeleton(x: Any) -> Any:

@@ -32,7 +32,7 @@ from .._state import (
 )
 from ..optim import Optimizer
 from ._build import resume
-from ._chain import chained
+from ._chain import at, chained
 from ._groups import loaded_order
 from ._schema import CheckpointError, Key, Local, Schema, agree, merge, pieces_of, report, walk
 
@@ -254,7 +254,7 @@ def torch_states_of(
     whole = optimizer.init(())  # the state's shape, without any parameter
     # A chain's optimizer's state, under its prefix; its transformations' globals (a
     # clip's last norm) start as their init has them.
-    prefix, probe = chained(whole)
+    where, probe = chained(whole)
     nodes: list[str] = []
     globals_: list[str] = []
     spec = optree.tree_structure(())
@@ -290,15 +290,19 @@ def torch_states_of(
             per_leaf[i] = {("", k): v.detach() for k, v in st.items()}
             names.update({("", k): k for k in st})
         glob = {}
+        # The state's step count, for schedules: torch's "step" where its optimizer keeps
+        # one and every parameter agrees, as for Adam's.
+        steps = {float(st["step"]) for st in states.values() if "step" in st}
+        count = step if step is not None else int(steps.pop()) if len(steps) == 1 else 0
     else:
         raise CheckpointError(f"importing cannot map torch.optim state to a {kind}")
-    if prefix:  # the entries and globals at their paths in the chain's state
-        nodes = [prefix + n for n in nodes]
+    if where:  # the entries and globals at their paths in the chain's state
+        nodes = [at(where, n) for n in nodes]
         per_leaf = {
-            i: {(prefix + n, sub): v for (n, sub), v in st.items()} for i, st in per_leaf.items()
+            i: {(at(where, n), sub): v for (n, sub), v in st.items()} for i, st in per_leaf.items()
         }
-        names = {(prefix + n, sub): v for (n, sub), v in names.items()}
-        glob = {prefix + g: v for g, v in glob.items()}
+        names = {(at(where, n), sub): v for (n, sub), v in names.items()}
+        glob = {at(where, g): v for g, v in glob.items()}
         walk(whole, spec, lambda p, t: t, lambda p, t: glob.setdefault(p, t))
         kind = type(whole).__name__
     pieces = pieces_of(lay, STAGES[0], 0)  # torch.optim state: whole leaves, as stage 0

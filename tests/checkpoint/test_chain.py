@@ -39,7 +39,9 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def torch_steps(net: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+def torch_steps(
+    net: nn.Module, opt: torch.optim.Optimizer, steps: range, kind: str = "adamw"
+) -> None:
     """torch.optim.AdamW on one process over the whole batch, clipping first."""
     x, y = data()
     for k in steps:
@@ -47,25 +49,42 @@ def torch_steps(net: nn.Module, opt: torch.optim.Optimizer, steps: range) -> Non
         torch.nn.functional.mse_loss(net(x[k]), y[k]).backward()
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         assert norm > CLIP  # the test means something only if the clip bites
+        if kind == "nested":
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 10 * CLIP)
         opt.step()
 
 
-def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(kind: str = "adamw") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     net = model()
     start = {k: v.detach().clone() for k, v in net.named_parameters()}
-    torch_steps(net, torch.optim.AdamW(net.parameters(), **HYPER, foreach=False), range(STEPS))
+    opt = torch.optim.AdamW(net.parameters(), **HYPER, foreach=False)
+    torch_steps(net, opt, range(STEPS), kind)
     return start, {k: v.detach() for k, v in net.named_parameters()}
 
 
-def clipped() -> fzero.optim.Optimizer:
-    return fzero.optim.chain(fzero.optim.clip_by_global_norm(CLIP), fzero.optim.adamw(**HYPER))
+def clipped(kind: str = "adamw") -> fzero.optim.Optimizer:
+    """The clipped optimizer: fzero's AdamW, torch's through `from_torch`, or a chain inside
+    a chain (a clip, then a chain of a looser clip and AdamW)."""
+    clip = fzero.optim.clip_by_global_norm(CLIP)
+    if kind == "from_torch":
+        return fzero.optim.chain(clip, fzero.optim.from_torch(torch.optim.AdamW, **HYPER))
+    if kind == "nested":
+        inner = fzero.optim.chain(
+            fzero.optim.clip_by_global_norm(10 * CLIP), fzero.optim.adamw(**HYPER)
+        )
+        return fzero.optim.chain(clip, inner)
+    return fzero.optim.chain(clip, fzero.optim.adamw(**HYPER))
 
 
-def fzero_steps(mesh: fzero.Mesh, state: Any, stage: int, steps: range) -> Any:
+KINDS = ["adamw", "from_torch", "nested"]
+LAYOUT = {"from_torch": "tensor"}  # torch's optimizer steps whole tensors
+
+
+def fzero_steps(mesh: fzero.Mesh, state: Any, stage: int, steps: range, kind: str) -> Any:
     net, (x, y) = model(), data()
     step = fzero.sharded_step(
         lambda p, b: torch.nn.functional.mse_loss(functional_call(net, p, (b[0],)), b[1]),
-        clipped(), mesh, stage=stage,
+        clipped(kind), mesh, stage=stage,
     )  # fmt: skip
     per = x.shape[1] // mesh.size
     for k in steps:
@@ -74,11 +93,12 @@ def fzero_steps(mesh: fzero.Mesh, state: Any, stage: int, steps: range) -> Any:
     return state
 
 
-def export_then_torch(mesh: fzero.Mesh, stage: int, path: str) -> Any:
+def export_then_torch(mesh: fzero.Mesh, stage: int, kind: str, path: str) -> Any:
     """fzero trains two steps clipped and exports; torch resumes for the third."""
     params = {k: v.detach().clone() for k, v in model().named_parameters()}
-    state = fzero.shard_state(params, clipped(), mesh, stage=stage)
-    state = fzero_steps(mesh, state, stage, range(STEPS - 1))
+    layout = LAYOUT.get(kind, "flat")
+    state = fzero.shard_state(params, clipped(kind), mesh, stage=stage, layout=layout)
+    state = fzero_steps(mesh, state, stage, range(STEPS - 1), kind)
     hyper = torch.optim.AdamW([torch.zeros(1)], **HYPER, foreach=False).defaults
     fzero.checkpoint.export_torch(state, path, mesh, hyperparams=hyper)
     if mesh.rank != 0:
@@ -92,31 +112,36 @@ def export_then_torch(mesh: fzero.Mesh, stage: int, path: str) -> Any:
     return {k: v.detach() for k, v in net.named_parameters()}
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_clipped_fzero_run_resumes_in_torch_as_one_process(stage: int, tmp_path: Path) -> None:
-    start, want = reference()
-    got = run(WORLD, export_then_torch, stage, str(tmp_path / "ckpt.pt"))[0]
+def test_a_clipped_fzero_run_resumes_in_torch_as_one_process(
+    stage: int, kind: str, tmp_path: Path
+) -> None:
+    start, want = reference(kind)
+    got = run(WORLD, export_then_torch, stage, kind, str(tmp_path / "ckpt.pt"))[0]
     fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
     assert all(not torch.equal(got[k], start[k]) for k in want)
 
 
-def torch_then_import(mesh: fzero.Mesh, stage: int) -> Any:
+def torch_then_import(mesh: fzero.Mesh, stage: int, kind: str) -> Any:
     """torch trains two steps clipped; fzero imports its state dicts, resumes clipped."""
     net = model()
     opt = torch.optim.AdamW(net.parameters(), **HYPER, foreach=False)
-    torch_steps(net, opt, range(STEPS - 1))
+    torch_steps(net, opt, range(STEPS - 1), kind)
     state = fzero.checkpoint.import_torch(
-        dict(net.state_dict()), opt.state_dict(), clipped(), mesh, stage=stage
-    )
+        dict(net.state_dict()), opt.state_dict(), clipped(kind), mesh, stage=stage,
+        layout=LAYOUT.get(kind, "flat"),
+    )  # fmt: skip
     assert state.step == STEPS - 1
-    state = fzero_steps(mesh, state, stage, range(STEPS - 1, STEPS))
+    state = fzero_steps(mesh, state, stage, range(STEPS - 1, STEPS), kind)
     return dict(fzero.gather_params(state.params, mesh))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stage", [1, 3])
-def test_a_clipped_torch_run_resumes_in_fzero_as_one_process(stage: int) -> None:
-    start, want = reference()
-    for got in run(WORLD, torch_then_import, stage):
+def test_a_clipped_torch_run_resumes_in_fzero_as_one_process(stage: int, kind: str) -> None:
+    start, want = reference(kind)
+    for got in run(WORLD, torch_then_import, stage, kind):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert all(not torch.equal(got[k], start[k]) for k in want)
 

@@ -441,7 +441,7 @@ def test_a_refused_loss_raises_on_every_rank_and_a_weightless_one_joins() -> Non
 
 def refusing_a_middle_micro_batch(mesh: fzero.Mesh, params: Any, data: list) -> Any:
     """Accumulating three micro-batches at stage 3: in step 2 rank 1's second one has a
-    NaN weight, which its check does not exchange (it travels with the last)."""
+    NaN weight."""
     opt = make_optimizer("adamw")
     state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
 
@@ -463,11 +463,11 @@ def refusing_a_middle_micro_batch(mesh: fzero.Mesh, params: Any, data: list) -> 
 
 
 @pytest.mark.multiprocess
-def test_a_refused_middle_micro_batch_raises_on_every_rank_after_the_last() -> None:
-    """Accumulating: a loss refused in a middle micro-batch raises on every rank once the
-    last micro-batch's check exchanges; meanwhile its backward joined the graph's
-    collectives with zero gradients, and the state is as it was: the training is
-    torch's over steps 1 and 3 alone."""
+def test_a_refused_middle_micro_batch_raises_on_every_rank_at_its_check() -> None:
+    """Accumulating: a loss refused in a middle micro-batch raises on every rank at that
+    micro-batch's check (where the graph collects, every check exchanges, before the
+    backward's collectives), and the state is as it was: the training is torch's over
+    steps 1 and 3 alone."""
     params = make_params(DIMS, torch.float64, 5)
     data = make_data([[[1, 2, 1], [2, 1, 1]]] * 3, 5)
     want = reference(params, [data[0], data[2]], "pair", "adamw")

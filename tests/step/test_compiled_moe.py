@@ -43,8 +43,14 @@ class Experts(nn.Module):
         return out
 
 
+def squash(t: torch.Tensor) -> torch.Tensor:
+    """Checkpointed below: a function of no module, breaking the graph (left eager)."""
+    torch._dynamo.graph_break()
+    return torch.tanh(t)
+
+
 class Net(nn.Module):
-    def __init__(self, remat: bool) -> None:
+    def __init__(self, remat: bool | str) -> None:
         super().__init__()
         self.inp = nn.Linear(3, D, dtype=F64)
         self.moe = Experts()
@@ -53,14 +59,16 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
-        if self.remat:  # as Hugging Face's gradient checkpointing wraps a layer
+        if self.remat == "plain":  # a checkpoint that reads no parameter
+            h = torch.utils.checkpoint.checkpoint(squash, h, use_reentrant=False)
+        if self.remat is True:  # as Hugging Face's gradient checkpointing wraps a layer
             moe = torch.utils.checkpoint.checkpoint(self.moe, h, use_reentrant=False)
         else:
             moe = self.moe(h)
         return self.out(h + moe)
 
 
-def model(remat: bool = False) -> Net:
+def model(remat: bool | str = False) -> Net:
     torch.manual_seed(2)
     return Net(remat)
 
@@ -71,8 +79,8 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(STEPS, 4 * WORLD, 2, generator=gen, dtype=F64)
 
 
-def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    net, (x, y) = model(), data()
+def reference(remat: bool | str = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    net, (x, y) = model(remat), data()
     start = {k: v.detach().clone() for k, v in net.named_parameters()}
     opt = torch.optim.AdamW(net.parameters(), lr=0.05, foreach=False)
     for k in range(STEPS):
@@ -83,7 +91,7 @@ def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 
 
 def compiled(
-    mesh: fzero.Mesh, stage: int, hooks: bool, remat: bool
+    mesh: fzero.Mesh, stage: int, hooks: bool, remat: bool | str
 ) -> tuple[dict[str, Any], list[str]]:
     net, (x, y) = model(remat), data()
     params = {k: v.detach().clone() for k, v in net.named_parameters()}
@@ -104,15 +112,17 @@ def compiled(
 
 
 @pytest.mark.parametrize(
-    ("stage", "hooks", "remat"), [(0, False, False), (3, True, False), (0, False, True)]
+    ("stage", "hooks", "remat"),
+    [(0, False, False), (3, True, False), (0, False, True), (3, True, "plain")],
 )
 def test_a_loop_over_the_experts_hit_compiles_in_pieces_as_one_process(
-    stage: int, hooks: bool, remat: bool
+    stage: int, hooks: bool, remat: bool | str
 ) -> None:
     """Checkpointed, the checkpoint runs in the Python between the pieces: its recompute
     read the module's own parameters (routing other tokens: torch's "Recomputed values
-    ... have different metadata") until a compiled step rebound them as an eager one."""
-    start, want = reference()
+    ... have different metadata") until a compiled step rebound them as an eager one. A
+    checkpoint that reads no parameter recomputes beside hooked units."""
+    start, want = reference(remat)
     for got, said in run(WORLD, compiled, stage, hooks, remat):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert all(not torch.equal(got[k], start[k]) for k in want)
