@@ -190,6 +190,9 @@ def recomputing(where: Slots, fn: Callable[..., Any]) -> Callable[..., Any]:
         with keep(), bind(bound):
             try:
                 return fn(*a, **kw)
+            # What reading a placeholder raises: an op mixing meta and real tensors
+            # (RuntimeError, torch's recompute check among them), or one without a meta
+            # kernel (NotImplementedError). Anything else, or no placeholder, as it is.
             except (RuntimeError, NotImplementedError) as exc:
                 if not (apart and "meta" in str(exc)):
                     raise

@@ -48,8 +48,7 @@ class BufferThread:
         (old, spec), (now, now_spec) = tree_flatten(self.buffers), tree_flatten(new)
         if spec == now_spec and all(_alike(n, b) for n, b in zip(now, old)):
             return  # every micro-batch: no paths spelled out unless something differs
-        want = dict(zip(leaf_paths(self.buffers), tree_flatten(self.buffers)[0]))
-        got = dict(zip(leaf_paths(new), tree_flatten(new)[0]))
+        want, got = dict(zip(leaf_paths(self.buffers), old)), dict(zip(leaf_paths(new), now))
         what = None
         if set(got) != set(want):
             gone, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))

@@ -153,32 +153,44 @@ def test_a_rank_whose_graph_raises_mid_run_has_its_error_raised_by_the_rank_left
     assert outs[0].at - outs[1].at < 3.0 + BOUND
 
 
-def _raises_in_a_middle_micro_batch(mesh: fzero.Mesh, stage: int) -> None:
-    """Rank 1's loss raises in the second of three micro-batches of its second step,
-    after its forward's graph ran (at stage 3 its gathers, whose barrier it passed): the
-    loss breaks the graph there, and raises in the Python after it. The other rank goes
-    on to that micro-batch's backward, whose reductions wait inside the graph, where a
-    peer's failure cannot be looked for."""
+def _faulty_micro_batch(mesh: fzero.Mesh, stage: int, where: str) -> None:
+    """Rank 1's loss fails in its second step, after its forward's graph ran (at stage 3
+    its gathers, whose barrier it passed): the loss breaks the graph there and fails in
+    the Python after it. `where`:
+    - "middle": it raises in the second of three micro-batches ("sharded"): the other
+      rank goes on to that micro-batch's backward, whose reductions wait inside the
+      graph, where a peer's failure cannot be looked for;
+    - "last backward": the last of two micro-batches ("local") raises in its backward
+      (a hook on the loss's input), after the step's last check: the other rank goes on
+      to the one reduction after the micro-batches, functional collectives run eagerly,
+      whose waits cannot look for a peer's failure either."""
     state, opt, net = setup(mesh, stage)
-    x, y = batches(mesh.size, 6)
+    n = 3 if where == "middle" else 2
+    x, y = batches(mesh.size, 2 * n)
+
+    def refuse(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("rank 1 ran out of memory in its backward")
 
     def loss_fn(p: Any, batch: Any) -> torch.Tensor:
         xb, yb, fault = batch
         out = functional_call(net, p, (xb,))
         torch._dynamo.graph_break()
-        if fault:
+        if fault and where == "middle":
             raise RuntimeError("rank 1's data loader handed a corrupt batch")
+        if fault:
+            out.register_hook(refuse)
         return (out - yb).square().mean()
 
+    accumulate = "sharded" if where == "middle" else "local"
     step = fzero.sharded_step(
-        loss_fn, opt, mesh, stage=stage, units=UNITS, compile="aot_eager", accumulate="sharded"
+        loss_fn, opt, mesh, stage=stage, units=UNITS, compile="aot_eager", accumulate=accumulate
     )
     with warnings.catch_warnings():  # "compiled in pieces", said once
         warnings.simplefilter("ignore", RuntimeWarning)
         for t in (0, 1):
             micro = [
-                (mine(x[3 * t + k], mesh.rank), mine(y[3 * t + k], mesh.rank), False)
-                for k in range(3)
+                (mine(x[n * t + k], mesh.rank), mine(y[n * t + k], mesh.rank), False)
+                for k in range(n)
             ]
             if mesh.rank == 1 and t == 1:
                 micro[1] = (*micro[1][:2], True)
@@ -190,43 +202,9 @@ def test_an_exception_in_a_middle_micro_batch_raises_on_every_rank_at_once(stage
     """Before every micro-batch's check exchanged in a compiled step (only the first and
     the last did), rank 0 waited in the graph's backward reductions until the process
     group's timeout (19 s here, found by a random run of faults)."""
-    outs = outcomes(2, _raises_in_a_middle_micro_batch, stage)
+    outs = outcomes(2, _faulty_micro_batch, stage, "middle")
     raised_together(outs, RuntimeError, "corrupt batch")
     assert [o.peer for o in outs] == [True, False]
-
-
-def _raises_in_the_last_backward(mesh: fzero.Mesh, stage: int) -> None:
-    """Rank 1's last micro-batch raises in its backward (a hook on the loss's input, in
-    the Python after a graph break), after the step's last check: with local
-    accumulation the other rank goes on to the one reduction after the micro-batches,
-    functional collectives run eagerly, whose waits cannot look for a peer's failure."""
-    state, opt, net = setup(mesh, stage)
-    x, y = batches(mesh.size, 4)
-
-    def refuse(grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("rank 1 ran out of memory in its backward")
-
-    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
-        xb, yb, fault = batch
-        out = functional_call(net, p, (xb,))
-        torch._dynamo.graph_break()
-        if fault:
-            out.register_hook(refuse)
-        return (out - yb).square().mean()
-
-    step = fzero.sharded_step(
-        loss_fn, opt, mesh, stage=stage, units=UNITS, compile="aot_eager", accumulate="local"
-    )
-    with warnings.catch_warnings():  # "compiled in pieces", said once
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for t in (0, 1):
-            micro = [
-                (mine(x[2 * t + k], mesh.rank), mine(y[2 * t + k], mesh.rank), False)
-                for k in range(2)
-            ]
-            if mesh.rank == 1 and t == 1:
-                micro[1] = (*micro[1][:2], True)
-            state, _ = step(state, micro)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -236,7 +214,7 @@ def test_an_exception_in_the_last_backward_of_local_accumulation_raises_at_once(
     """Before the reduction after the micro-batches passed a polled barrier, rank 0
     waited in it until the process group's timeout (20 s; found by a random run of
     faults)."""
-    outs = outcomes(2, _raises_in_the_last_backward, stage)
+    outs = outcomes(2, _faulty_micro_batch, stage, "last backward")
     raised_together(outs, RuntimeError, "out of memory in its backward")
     assert [o.peer for o in outs] == [True, False]
 
