@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,7 +80,7 @@ def assert_stages_equivalent(
         every trained leaf must be claimed) and whose other keys override `optimizer`'s
         kwargs for it: the reference builds its optimizer with them, and the ranks run
         `fzero.optim.param_groups` of fzero's `adam`, `adamw` or `sgd` (for
-        torch.optim.Adam, AdamW or SGD; other classes need `fzero_optimizer`).
+        torch.optim.Adam, AdamW or SGD) or of `from_torch(cls)` (other classes).
       layout, units, module: `shard_state`'s and `sharded_step`'s; the reference binds
         `module`'s parameters to its own tensors through each forward and backward (a
         model checkpointing with `torch.utils.checkpoint` recomputes with them) and runs
@@ -232,16 +233,13 @@ def _moved(
 def _fzero_optimizer(
     cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], groups: Any
 ) -> optim.Optimizer:
-    """What the ranks run for torch's `cls(**kwargs)`: `from_torch`, or with `groups`
-    fzero's own optimizer of that class in `param_groups`."""
+    """What the ranks run for torch's `cls(**kwargs)`: `from_torch`, with `groups` in
+    `param_groups` (of fzero's own optimizer, for torch's Adam, AdamW and SGD)."""
     if groups is None:
         return optim.from_torch(cls, **kwargs)
     own = {torch.optim.Adam: optim.adam, torch.optim.AdamW: optim.adamw, torch.optim.SGD: optim.sgd}
     if cls not in own:
-        raise ValueError(
-            f"groups= runs fzero.optim.param_groups of fzero's adam, adamw or sgd; for "
-            f"torch.optim.{cls.__name__} pass fzero_optimizer= as well"
-        )
+        return optim.param_groups(functools.partial(optim.from_torch, cls), groups, **kwargs)
     # How torch runs its kernels, not what they compute: fzero's own take none of them.
     same = {k: v for k, v in kwargs.items() if k not in _TORCH_ONLY}
     return optim.param_groups(own[cls], groups, **same)

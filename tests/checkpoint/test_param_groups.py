@@ -324,3 +324,70 @@ def test_a_frozen_parameter_listed_in_torchs_groups_exports_and_imports() -> Non
 
     for got in run(WORLD, back):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.multiprocess
+def test_groups_of_torchs_own_optimizer_go_to_torch_and_back() -> None:
+    """`param_groups(partial(from_torch, RMSprop), ...)`: fzero trains two steps at stage 3
+    (flat pieces mixing the groups) and exports with the groups; torch's RMSprop built with
+    them loads it and steps the third as one process does; and torch's file imports back
+    into the groups at stage 1 and steps the third alike."""
+    import functools
+
+    hyper = {"lr": 0.01, "momentum": 0.5, "weight_decay": 0.1}
+
+    def torch_rmsprop(model: nn.Module) -> torch.optim.Optimizer:
+        groups = torch_groups(model, named=False)
+        groups[1]["lr"] = 0.02  # and no decay: the second group's own rate too
+        return torch.optim.RMSprop(groups, **hyper)
+
+    def ours() -> fzero.optim.Optimizer:
+        make = functools.partial(fzero.optim.from_torch, torch.optim.RMSprop)
+        groups = [{"params": decays}, {"params": lambda n: True, "weight_decay": 0.0, "lr": 0.02}]
+        return fzero.optim.param_groups(make, groups, **hyper)
+
+    model = net()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch_rmsprop(model)
+    for k in range(STEPS):
+        torch_step(model, opt, k)
+    want = {k: v.detach() for k, v in model.named_parameters()}
+    defaults = torch.optim.RMSprop([torch.zeros(1)], **hyper).defaults
+    names = names_of_groups(net())
+    groups = [{**defaults, "params": names[0]}]
+    groups.append({**defaults, "weight_decay": 0.0, "lr": 0.02, "params": names[1]})
+
+    def steps(mesh: fzero.Mesh, state: Any, m: nn.Module, ks: range) -> Any:
+        x, y = data()
+        step = fzero.sharded_step(
+            lambda p, b: nn.functional.mse_loss(functional_call(m, p, (b[0],)), b[1]),
+            ours(), mesh, stage=state.stage,
+        )  # fmt: skip
+        lo, hi = mesh.rank * PER_RANK, (mesh.rank + 1) * PER_RANK
+        for k in ks:
+            state, _ = step(state, (x[k, lo:hi], y[k, lo:hi]))
+        return state
+
+    def there(mesh: fzero.Mesh) -> Any:
+        m = net()
+        state = fzero.shard_state(dict(m.named_parameters()), ours(), mesh, stage=3)
+        state = steps(mesh, state, m, range(STEPS - 1))
+        return fzero.checkpoint.export_torch(state, None, mesh, hyperparams=groups)
+
+    sd, osd = run(WORLD, there)[0]
+    theirs = net()
+    opt = torch_rmsprop(theirs)
+    theirs.load_state_dict(sd)
+    opt.load_state_dict(copy.deepcopy(osd))  # torch steps the loaded tensors in place
+    torch_step(theirs, opt, STEPS - 1)
+    got = {k: v.detach() for k, v in theirs.named_parameters()}
+    fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+    assert all(not torch.equal(got[k], start[k]) for k in want)
+
+    def back(mesh: fzero.Mesh) -> Any:
+        m = net()
+        state = fzero.checkpoint.import_torch(sd, osd, ours(), mesh, stage=1)
+        return full(steps(mesh, state, m, range(STEPS - 1, STEPS)), mesh)
+
+    for got in run(WORLD, back):
+        fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)

@@ -4,6 +4,7 @@ in pieces mixing groups, against one-process torch.optim with the same groups.""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,15 @@ CASES: dict[str, Any] = {
                    [{"betas": (0.8, 0.99)}, {"eps": 1e-6, "weight_decay": 0.0}, {}]),
     "sgd": (torch.optim.SGD, optim.sgd, {"lr": 0.05, "momentum": 0.9},
             [{"lr": 0.2, "dampening": 0.5}, {"nesterov": True}, {}]),
+    # torch's own state through from_torch: a dict per parameter, whose per-element
+    # tensors a flat piece's runs share and whose step counts (NAdam's mu_product too)
+    # each run keeps.
+    "rmsprop-torch": (torch.optim.RMSprop, functools.partial(optim.from_torch, torch.optim.RMSprop),
+                      {"lr": 0.01, "momentum": 0.5, "weight_decay": 0.1},
+                      [{"lr": 0.02}, {"alpha": 0.9, "weight_decay": 0.0}, {}]),
+    "nadam-torch": (torch.optim.NAdam, functools.partial(optim.from_torch, torch.optim.NAdam),
+                    {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True},
+                    [{"lr": 0.1}, {"eps": 1e-6, "weight_decay": 0.0}, {}]),
 }  # fmt: skip
 PREFIXES = ("3.", "1.", "")  # head, norm, the rest
 
@@ -163,7 +173,10 @@ def test_a_tree_update_is_bitwise_torchs_groups() -> None:
             opt.step()
             params, state = fz.update(grads, state, params)
         assert all(torch.equal(params[k], named[k].detach()) for k in named), case
-        assert int(state.count) == 2
+        if case.endswith("-torch"):  # torch's step count, per parameter
+            assert all(int(s["step"]) == 2 for s in state.values()), case
+        else:
+            assert int(state.count) == 2
 
 
 @pytest.mark.multiprocess
@@ -260,11 +273,9 @@ def test_bad_groups_are_refused() -> None:
     with pytest.raises(ValueError, match="another structure"):
         optim.param_groups(optim.adam, [{"params": ["a"], "amsgrad": True}, {"params": ["b"]}])
 
-    def from_torch(**kw: Any) -> optim.Optimizer:
-        return optim.from_torch(torch.optim.AdamW, **kw)
-
-    with pytest.raises(ValueError, match="from_torch's state is not per-parameter tensors"):
-        optim.param_groups(from_torch, [{"params": ["a"], "lr": 0.1}])
+    clipped = lambda **kw: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(**kw))  # noqa: E731
+    with pytest.raises(ValueError, match="state is not per-parameter tensors"):
+        optim.param_groups(clipped, [{"params": ["a"], "lr": 0.1}])
     opt = optim.param_groups(optim.adamw, [{"params": ["a"], "lr": 0.1}])
     params = {"a": torch.zeros(2), "b": torch.zeros(3)}
     with pytest.raises(ValueError, match="no group claims parameter 'b'"):

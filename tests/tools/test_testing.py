@@ -194,7 +194,8 @@ def test_passes_on_a_module_with_units_hooks_and_a_frozen_parameter() -> None:
 @pytest.mark.multiprocess
 def test_checks_param_groups_and_fails_an_optimizer_without_them() -> None:
     """The head trains at its own rate and the biases without decay, in the reference and
-    on the ranks; an fzero optimizer that ignores the groups is caught."""
+    on the ranks (AdamW, and RMSprop's own state); an fzero optimizer that ignores the
+    groups is caught."""
     torch.manual_seed(0)
     model = Net().double()
 
@@ -217,6 +218,9 @@ def test_checks_param_groups_and_fails_an_optimizer_without_them() -> None:
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"no group claims parameter 'blocks\.0\.weight'"):
         testing.assert_stages_equivalent(*args, adamw, groups=groups[1:2], stages=[0])
+    # Another torch class: torch's own state through from_torch, in the same groups.
+    rmsprop = (torch.optim.RMSprop, {"lr": 0.01, "weight_decay": 0.1, "momentum": 0.5})
+    testing.assert_stages_equivalent(*args, rmsprop, groups=groups, stages=[1, 3])
 
 
 @pytest.mark.multiprocess
