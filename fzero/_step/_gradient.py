@@ -61,6 +61,10 @@ def mean_grad(
         like = local
     else:  # a rank keeps its shard of it, shaped as what it updates
         like = state.params.buffers if s.gathers else target.buffers
+    # The mean over micro-batches is taken in the dtype the optimizer updates (the
+    # masters'): a stage-3 shard is its master, but an offloaded one's device copy is in
+    # the compute dtype, where the division would round once more than on the device.
+    wide = None if s.all_reduce else [t.dtype for t in target.buffers]
     # Local accumulation (DDP's no_sync) sums full gradients here across micro-batches.
     sums: LocalSums | None = {} if accumulate == "local" else None
     total: tuple[torch.Tensor, ...] | None = None
@@ -70,6 +74,8 @@ def mean_grad(
     def mean(i: int, g: torch.Tensor) -> torch.Tensor:
         """Bucket i's mean over the micro-batches, `g` the last one's gradient."""
         g = g if total is None else total[i] + g
+        if n > 1 and wide is not None and g.dtype != wide[i]:
+            g = g.to(wide[i])
         return g / n if n > 1 else g
 
     def tell(i: int, g: torch.Tensor) -> None:

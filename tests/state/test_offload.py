@@ -15,7 +15,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fzero
-from tests.state.test_precision import FP16, FP32, UNITS, Net, data, make_loss, reference
+from tests.state.test_precision import (
+    BF16,
+    FP16,
+    FP32,
+    UNITS,
+    Net,
+    data,
+    make_loss,
+    reference,
+)
 from tests.support import (
     make_params,
     map_every_allocation,
@@ -372,6 +381,46 @@ def test_mixed_precision_with_a_skipped_step_offloaded(
             torch.testing.assert_close(masters[k], m, rtol=0, atol=0, msg=k)
             torch.testing.assert_close(params[k], m.to(FP16), rtol=0, atol=0, msg=k)
             assert not torch.equal(masters[k], ref["start"][k]), k
+
+
+def train_accumulating(mesh: fzero.Mesh, xs: Any, ys: Any, offload: Any) -> Any:
+    """Stage 3 in bfloat16 over float32 masters, one rank accumulating locally each
+    step's micro-batches (the reference's "ranks"); the masters after each step."""
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt, kw = fzero.optim.adam(lr=0.01), dict(stage=3, units=UNITS)
+    state = fzero.shard_state(
+        params, opt, mesh, precision=fzero.Precision(param_dtype=BF16), offload=offload, **kw
+    )
+    step = fzero.sharded_step(make_loss(model, BF16), opt, mesh, accumulate="local", **kw)
+    out = []
+    for t in range(xs.shape[0]):
+        state, _ = step(state, list(zip(xs[t], ys[t])))
+        out.append(fzero.master_params(state, mesh))
+    return out
+
+
+@pytest.mark.parametrize("tier, params", [("host", False), ("disk", False), ("host", True)])
+def test_a_mean_over_three_micro_batches_is_taken_in_the_masters_dtype_offloaded(
+    tier: str, params: bool, tmp_path: Path
+) -> None:
+    """bfloat16 gradients summed locally over three micro-batches are divided by 3 in the
+    masters' float32, as on the device (where a stage-3 shard is its master) and as
+    torch's loop divides its float32 masters' gradients: before, an offloaded shard's
+    device copy divided in bfloat16, one rounding more, and the masters drifted from the
+    device's by a bfloat16 ulp from the second step."""
+    xs, ys = data(3, 3)
+    ref = reference(xs, ys, BF16, BF16, scale=False)
+    directory = str(tmp_path) if tier == "disk" else None
+    (on_device,) = run(1, train_accumulating, xs, ys, None)
+    (offloaded,) = run(1, train_accumulating, xs, ys, fzero.Offload(tier, 1.0, directory, params))
+    for t, (mine, theirs) in enumerate(zip(offloaded, on_device)):
+        for k in mine:
+            assert torch.equal(mine[k], theirs[k]), (t, k)
+    # torch sums the micro-batches' bfloat16 gradients in its own order: within rounding.
+    fzero.assert_trees_close(offloaded[-1], ref["masters"], rtol=0, atol=2e-3)
+    assert fzero._core._tree.max_abs_diff(offloaded[-1], ref["start"]) > 1e-2
 
 
 @pytest.mark.multiprocess
