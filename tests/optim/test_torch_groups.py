@@ -55,6 +55,7 @@ def grouped(case: str) -> optim.Optimizer:
     return optim.param_groups(functools.partial(optim.from_torch, cls), groups, **shared)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(PARTED))
 def test_groups_torchs_state_cannot_share_train_whole_tensors_as_torch(case: str) -> None:

@@ -401,6 +401,8 @@ def train_accumulating(mesh: fzero.Mesh, xs: Any, ys: Any, offload: Any) -> Any:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tier, params", [("host", False), ("disk", False), ("host", True)])
 def test_a_mean_over_three_micro_batches_is_taken_in_the_masters_dtype_offloaded(
     tier: str, params: bool, tmp_path: Path

@@ -191,6 +191,7 @@ def test_passes_on_a_module_with_units_hooks_and_a_frozen_parameter() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_checks_param_groups_and_fails_an_optimizer_without_them() -> None:
     """The head trains at its own rate and the biases without decay, in the reference and
