@@ -61,10 +61,14 @@ def mean_grad(
         like = local
     else:  # a rank keeps its shard of it, shaped as what it updates
         like = state.params.buffers if s.gathers else target.buffers
-    # The mean over micro-batches is taken in the dtype the optimizer updates (the
-    # masters'): a stage-3 shard is its master, but an offloaded one's device copy is in
-    # the compute dtype, where the division would round once more than on the device.
-    wide = None if s.all_reduce else [t.dtype for t in target.buffers]
+    # Local accumulation's earlier micro-batches leave zeros shaped as `like`, to which
+    # the last one's reduced gradient is added: a stage-3 shard is its master (float32),
+    # so the mean is taken there, but an offloaded shard's device copy is in the compute
+    # dtype. Where `like` is narrower than what the optimizer updates, the mean is taken
+    # in the latter, as without offload (the values of every other run are unchanged).
+    wide = None
+    if accumulate == "local" and not s.all_reduce:
+        wide = [t.dtype if t.dtype != x.dtype else None for t, x in zip(target.buffers, like)]
     # Local accumulation (DDP's no_sync) sums full gradients here across micro-batches.
     sums: LocalSums | None = {} if accumulate == "local" else None
     total: tuple[torch.Tensor, ...] | None = None
@@ -74,7 +78,7 @@ def mean_grad(
     def mean(i: int, g: torch.Tensor) -> torch.Tensor:
         """Bucket i's mean over the micro-batches, `g` the last one's gradient."""
         g = g if total is None else total[i] + g
-        if n > 1 and wide is not None and g.dtype != wide[i]:
+        if n > 1 and wide is not None and wide[i] is not None:
             g = g.to(wide[i])
         return g / n if n > 1 else g
 

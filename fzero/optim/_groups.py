@@ -14,6 +14,7 @@ import torch
 from .._core import leaf_paths
 from ._base import Grads, Optimizer, OptState, Params, from_inplace
 from ._context import ShardContext, current, shard_context
+from ._torch_groups import Part, check_dict_entries, dicts_cut, dicts_merge, keeps_dicts
 
 Claim = Callable[[str], bool]
 
@@ -42,7 +43,9 @@ def param_groups(
     per-parameter scalar that the groups' arguments move apart, as NAdam's `mu_product`
     under another `momentum_decay`), and whole-tensor optimizers (Adafactor), need
     `layout="tensor"` at stages 1-3, whose pieces are whole tensors; `shard_state`
-    refuses the flat layout naming why.
+    refuses the flat layout naming why. A group's own arguments reach its torch
+    optimizer's constructor, so Adagrad's `initial_accumulator_value` is the group's
+    (torch's own groups ignore it there and use the default's).
 
     Args:
       make: an optimizer factory whose update is elementwise (`fzero.optim.adam`, `adamw`,
@@ -60,7 +63,10 @@ def param_groups(
     Raises:
       ValueError: a group without "params", an argument `make` does not take, groups
         of fzero's optimizers whose states differ in structure (AMSGrad in one group
-        only, SGD momentum in one); at update time, a parameter no group claims.
+        only, SGD momentum in one); at update time, a parameter no group claims, or
+        torch's groups leaving a shared entry of one flat piece apart (ASGD's `mu` once
+        a group passes its own `t0`). `shard_state` refuses the flat layout for groups
+        seen to need whole tensors when made.
     """
     signature = inspect.signature(make).parameters
     anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
@@ -81,9 +87,9 @@ def param_groups(
     whole = make(**defaults)
     name = getattr(make, "__name__", "make")
     # torch's own state (`from_torch`): a dict per parameter, made on its first update.
-    dicts = _keeps_dicts(whole)
+    dicts = keeps_dicts(whole)
     per_leaf = [] if dicts else _check_structures(whole, made, name)
-    whole_tensors = (_check_dict_entries(made) if dicts else None) or whole.whole_tensors
+    whole_tensors = (check_dict_entries(made) if dicts else None) or whole.whole_tensors
     known: dict[str, int] = {}  # path -> group
     if any(opt.update_ is None for opt in made) or (
         not dicts and any(opt.whole_tensors for opt in made)
@@ -105,7 +111,8 @@ def param_groups(
         ran = [k for k in range(len(made)) if parts[k]] or [0]
         if dicts:  # cut before any group writes back its step count
             own = optree.tree_structure(params).flatten_up_to(state)
-            cuts = {k: _dicts_cut(own, p_leaves, parts[k]) for k in ran}
+            cuts = {k: dicts_cut(own, p_leaves, parts[k]) for k in ran}
+            shared: dict[tuple[int, str], tuple[int, Any]] = {}  # a piece's scalars, by group
         for k in ran:
             opt = made[k]
 
@@ -120,8 +127,9 @@ def param_groups(
             sub_p, sub_g = cut(p_leaves), cut(g_leaves)
             if dicts:
                 left = opt.update_(sub_g, arranged(cuts[k]), sub_p)[1]
-                left = optree.tree_structure(sub_p).flatten_up_to(left)
-                _dicts_merge(own, p_leaves, parts[k], left)
+                # Back in the parts' order: a dict by path flattens in sorted key order.
+                left = list(left) if paths is None else [left[paths[i]] for i, *_ in parts[k]]
+                dicts_merge(own, p_leaves, parts[k], left, (k, shared))
                 continue
             sub_state, globals_ = _sub_state(state, per_leaf, cut)
             nested = _nested(ctx, parts[k])
@@ -134,7 +142,7 @@ def param_groups(
         return params, state
 
     # A whole-tensor optimizer (from_torch(Adafactor)), or groups whose torch state parts
-    # (`_check_dict_entries`), run on the tensor layout, whose pieces are whole tensors:
+    # (`check_dict_entries`), run on the tensor layout, whose pieces are whole tensors:
     # `check_slices` refuses the flat one, as without groups.
     return Optimizer(whole.init, from_inplace(update_), update_, whole_tensors, whole.fused)
 
@@ -176,99 +184,6 @@ def _check_structures(whole: Optimizer, made: list[Optimizer], name: str) -> lis
                 f"the defaults' (AMSGrad or momentum in some groups only): set it in defaults"
             )
     return per_leaf
-
-
-Part = tuple[int, int, int, bool]  # (leaf, first element, end, sliced)
-
-
-def _keeps_dicts(opt: Optimizer) -> bool:
-    """Whether `opt` keeps torch's state: a dict per parameter (`from_torch`)."""
-    state = opt.init({"p": torch.zeros(2, device="meta")})
-    return isinstance(state, dict) and list(state) == ["p"] and isinstance(state["p"], dict)
-
-
-def _check_dict_entries(made: list[Optimizer]) -> str | None:
-    """Why the groups' torch state (`from_torch`) needs whole tensors, or None. A flat piece
-    holding parameters of several groups keeps one dict for them: its per-element tensors
-    are cut into the groups' runs, its other entries (the step count) are shared. Tried
-    with two updates of a small tensor per group, groups keeping other entries (momentum
-    in one group only) or moving a shared one apart (NAdam's `mu_product` under another
-    `momentum_decay`, ASGD's `eta` under another rate) need the tensor layout, and so do
-    optimizers that cannot be tried on a small host tensor (`capturable`)."""
-    probe, grad = {"p": torch.ones(3)}, {"p": torch.full((3,), 0.5)}
-    try:
-        states = []
-        for opt in made:
-            state = opt.update(grad, opt.init(probe), probe)[1]
-            states.append(opt.update(grad, state, probe)[1]["p"])
-    except Exception as exc:  # not triable on the host
-        return f"param_groups over torch's state could not be tried on the host ({exc})"
-    first = states[0]
-    for k, got in enumerate(states):
-        if sorted(got) != sorted(first):
-            return (
-                f"param_groups: group {k}'s optimizer keeps {sorted(got)} per parameter, "
-                f"group 0's {sorted(first)}, which one flat piece holding both cannot"
-            )
-        moved = [
-            key
-            for key, v in got.items()
-            if not (isinstance(v, torch.Tensor) and v.shape == probe["p"].shape)
-            and not _same(v, first[key])
-        ]
-        if moved:
-            return (
-                f"param_groups: groups 0 and {k} move the per-parameter {moved} apart, "
-                "which one flat piece holding both cannot keep"
-            )
-    return None
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
-    return a == b
-
-
-def _dicts_cut(own: list[dict], leaves: list[torch.Tensor], part: list[Part]) -> list[dict]:
-    """A group's torch state (`from_torch`'s dict per parameter) for its `part`: a whole
-    leaf's dict as it is; a run of a flat piece's elements, its slice of each tensor
-    shaped like the piece (a view: torch updates it in place) and copies of the rest."""
-    out = []
-    for i, lo, hi, sliced in part:
-        if not sliced:
-            out.append(own[i])
-            continue
-        n = leaves[i].shape
-        out.append({
-            key: v[lo:hi] if isinstance(v, torch.Tensor) and v.shape == n
-            else v.clone() if isinstance(v, torch.Tensor) else v
-            for key, v in own[i].items()
-        })  # fmt: skip
-    return out
-
-
-def _dicts_merge(
-    own: list[dict], leaves: list[torch.Tensor], part: list[Part], new: list[dict]
-) -> None:
-    """Writes what a group's update left (`new`, per part) into the state's dicts: a whole
-    leaf's dict becomes torch's; a run's tensors go into the piece's (made, zeros, where
-    the update first made them), its other entries (the step count) replace the piece's."""
-    for (i, lo, hi, sliced), entries in zip(part, new, strict=True):
-        if not sliced:
-            if entries is not own[i]:
-                own[i].clear()
-                own[i].update(entries)
-            continue
-        for key, v in entries.items():
-            if not (isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == hi - lo):
-                own[i][key] = v
-                continue
-            whole = own[i].get(key)
-            if not (isinstance(whole, torch.Tensor) and whole.shape == leaves[i].shape):
-                whole = own[i][key] = torch.zeros_like(leaves[i], dtype=v.dtype)
-            if whole[lo:hi].data_ptr() != v.data_ptr():  # torch made it anew
-                whole[lo:hi].copy_(v)
 
 
 def group_of(path: str, claims: list[Claim], where: str = "param_groups") -> int:

@@ -81,3 +81,44 @@ def test_groups_torchs_state_cannot_share_train_whole_tensors_as_torch(case: str
     )
     pattern = f"(?s)ValueError: .*{why}.*use layout='tensor'"
     assert all(re.search(pattern, e) for e in refused), refused
+
+
+def test_many_leaves_keep_their_own_torch_state() -> None:
+    """A list of twelve parameters (paths "0".."11", which sort "0", "1", "10", ...) in two
+    groups, updated as a tree (stage 0): each keeps its own state, bitwise torch's."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, generator=gen, dtype=torch.float64) for _ in range(12)]
+    mine = [t.clone().requires_grad_() for t in params]
+    ref = torch.optim.Adam([{"params": mine[:1], "lr": 0.1}, {"params": mine[1:]}], lr=0.05)
+    make = functools.partial(optim.from_torch, torch.optim.Adam)
+    fz = optim.param_groups(
+        make, [{"params": ["0"], "lr": 0.1}, {"params": lambda p: True}], lr=0.05
+    )
+    state = fz.init(params)
+    for _ in range(3):
+        grads = [torch.randn(3, generator=gen, dtype=torch.float64) for _ in range(12)]
+        for p, g in zip(mine, grads):
+            p.grad = g.clone()
+        ref.step()
+        params, state = fz.update(grads, state, params)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(params, mine))
+
+
+def test_groups_whose_shared_scalars_part_later_raise_on_a_flat_piece() -> None:
+    """ASGD's `mu` is 1 in both groups until a group passes its own `t0`, later than the
+    groups are tried when made: the update where they part raises, naming the entry,
+    rather than keeping one group's value for both."""
+    from fzero.optim._context import ShardContext, shard_context
+
+    make = functools.partial(optim.from_torch, torch.optim.ASGD)
+    fz = optim.param_groups(make, [{"params": ["a"], "t0": 2.0}, {"params": ["b"]}], lr=0.1, t0=5.0)
+    assert fz.whole_tensors is None  # alike over the trial's two updates
+    piece, grad = (
+        (torch.ones(5, dtype=torch.float64),),
+        (torch.full((5,), 0.5, dtype=torch.float64),),
+    )
+    with shard_context(ShardContext(None, True, ((("a", 0, 2), ("b", 2, 5)),))):
+        state = fz.init(piece)
+        with pytest.raises(ValueError, match=r"groups 0 and 1 leave different values of 'mu'"):
+            for _ in range(6):
+                piece, state = fz.update(grad, state, piece)
