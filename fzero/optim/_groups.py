@@ -129,7 +129,7 @@ def param_groups(
                 left = opt.update_(sub_g, arranged(cuts[k]), sub_p)[1]
                 # Back in the parts' order: a dict by path flattens in sorted key order.
                 left = list(left) if paths is None else [left[paths[i]] for i, *_ in parts[k]]
-                dicts_merge(own, p_leaves, parts[k], left, (k, shared))
+                dicts_merge(own, p_leaves, parts[k], left, k, shared)
                 continue
             sub_state, globals_ = _sub_state(state, per_leaf, cut)
             nested = _nested(ctx, parts[k])

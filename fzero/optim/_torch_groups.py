@@ -89,15 +89,15 @@ def dicts_merge(
     leaves: list[torch.Tensor],
     part: list[Part],
     new: list[dict],
-    written: tuple[int, dict[tuple[int, str], tuple[int, Any]]],
+    k: int,
+    shared: dict[tuple[int, str], tuple[int, Any]],
 ) -> None:
     """Writes what a group's update left (`new`, per part) into the state's dicts: a whole
     leaf's dict becomes torch's; a run's tensors go into the piece's (made, zeros, where
     the update first made them), its other entries (the step count) replace the piece's.
-    `written`: this group and what the groups before it wrote of a piece's other entries
-    this update; groups leaving them apart (ASGD's `mu` under another `t0`, once past
+    `k`: this group; `shared`: what the groups before it wrote of a piece's other entries
+    this update. Groups leaving them apart (ASGD's `mu` under another `t0`, once past
     `check_dict_entries`'s trial) cannot share the piece, and raise."""
-    k, shared = written
     for (i, lo, hi, sliced), entries in zip(part, new, strict=True):
         if not sliced:
             if entries is not own[i]:
@@ -105,7 +105,7 @@ def dicts_merge(
                 own[i].update(entries)
             continue
         for key, v in entries.items():
-            if not (isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == hi - lo):
+            if not (isinstance(v, torch.Tensor) and v.shape == (hi - lo,)):
                 first, before = shared.setdefault((i, key), (k, v))
                 if not _same(v, before):
                     raise ValueError(
