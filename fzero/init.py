@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._state import FileInit, Init, LeafInit, ModuleInit, RecordedInit, recorded
+from ._state import FileInit, Init, LeafInit, ModuleInit, RecordedInit, is_deferred
 from ._state import deferred as _deferred
 
 __all__ = ["Init", "by_leaf", "deferred", "from_file", "from_module"]
@@ -106,8 +106,7 @@ def from_module(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.init.from_module needs an nn.Module, got {type(module)}")
-    tensors = [*module.parameters(), *module.buffers()]
-    if any(recorded(t) is not None for t in tensors):
+    if is_deferred(module):
         if init:
             raise ValueError(
                 "fzero.init.from_module: init= is for modules built on the meta device; a "

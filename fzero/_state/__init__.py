@@ -14,7 +14,7 @@ functions here build, check and convert states but never step them. Imports
 
 from ._agree_layout import agree_layout as agree_layout
 from ._construction import deferred as deferred
-from ._construction import recorded as recorded
+from ._construction import is_deferred as is_deferred
 from ._donation import check_live as check_live
 from ._donation import mark_consumed as mark_consumed
 from ._initializers import FileInit as FileInit

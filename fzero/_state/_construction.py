@@ -65,7 +65,20 @@ def record(fn: Callable[[], Any], seed: int) -> tuple[Any, Recording]:
 
     recording = Recording(seed)
     with seeded(seed), FakeTensorMode(allow_non_fake_inputs=True), _Recorder(recording):
-        out = fn()
+        try:
+            out = fn()
+        except RuntimeError as exc:
+            # torch swaps a fake parameter for its converted one, which FakeTensorMode's
+            # own references to it forbid (torch 2.13, without fzero too).
+            if not str(exc).startswith("_apply(): Couldn't swap"):
+                raise
+            raise RuntimeError(
+                f"fzero.init.deferred: the construction converts a module ({exc}): "
+                "Module.to(dtype), .double() or .half() cannot run on the fake tensors a "
+                "deferred model is built on. Convert the model deferred returns instead "
+                "(fzero.init.deferred(Model, ...).to(torch.bfloat16): from_module then "
+                "makes the converted values, bitwise), or build it in that dtype"
+            ) from exc
     return out, recording
 
 
@@ -95,6 +108,29 @@ def recorded(t: torch.Tensor) -> tuple[Recording, int] | None:
     return getattr(t, "_fzero_recorded", None)
 
 
+_SLOTS = "_fzero_recorded_slots"  # a module's: name -> (recording, tid, shape)
+
+
+def is_deferred(module: torch.nn.Module) -> bool:
+    """Whether `module` (or a submodule) was built by `deferred`."""
+    return any(_SLOTS in m.__dict__ for m in module.modules())
+
+
+def recorded_at(
+    module: torch.nn.Module, path: str, t: torch.Tensor
+) -> tuple[Recording, int] | None:
+    """`recorded(t)`, or what `deferred` left at `path` of `module` where a conversion
+    since (`model.to(torch.bfloat16)`: a buffer, a parameter under torch's
+    `overwrite_module_params_on_conversion`) put a new meta tensor of its shape there;
+    `from_module` casts the replayed value to the new tensor's dtype."""
+    found = recorded(t)
+    if found is not None or t.device.type != "meta":
+        return found
+    head, _, name = path.rpartition(".")
+    slot = getattr(module.get_submodule(head), _SLOTS, {}).get(name)
+    return slot[:2] if slot is not None and slot[2] == tuple(t.shape) else None
+
+
 def deferred(fn: Callable[..., Any], *args: Any, seed: int = 0, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` recorded, its modules' parameters and buffers left on the meta
     device, each remembering how the construction made it (`recorded`). Tensors a module
@@ -115,12 +151,16 @@ def deferred(fn: Callable[..., Any], *args: Any, seed: int = 0, **kwargs: Any) -
 
     for root in modules:
         for m in root.modules():
+            slots = {}
             for name, t in m._parameters.items():
                 if t is not None:
                     m._parameters[name] = meta_of(t, True)
+                    slots[name] = (*recorded(m._parameters[name]), tuple(t.shape))
             for name, t in m._buffers.items():
                 if t is not None:
                     m._buffers[name] = meta_of(t, False)
+                    slots[name] = (*recorded(m._buffers[name]), tuple(t.shape))
+            m.__dict__[_SLOTS] = slots
             for name, v in list(vars(m).items()):
                 if isinstance(v, torch._subclasses.fake_tensor.FakeTensor):
                     tid = rec.tid(v)

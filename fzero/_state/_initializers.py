@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._core import as_bytes, open_tensors
-from ._construction import recorded
+from ._construction import recorded_at
 from ._record import seeded
 
 # leaf path -> [(lo, hi, out)]: elements [lo, hi) of the flattened leaf go into `out`.
@@ -91,7 +91,7 @@ class RecordedInit(Init):
         targets = {}
         for path in likes:
             t = named.get(path)
-            found = None if t is None else recorded(t)
+            found = None if t is None else recorded_at(self.module, path, t)
             if found is None:
                 raise ValueError(
                     f"fzero.init.from_module: the module has no recorded parameter or buffer "

@@ -337,3 +337,29 @@ def test_replay_follows_in_place_reshapes_and_the_default_dtype_as_it_changed() 
 
     assert run(1, fn) == [None]
     assert want["d"].dtype == F64 and want["b"].shape == (1, 4)
+
+
+def test_a_module_converted_while_recorded_is_refused_naming_the_way_that_works() -> None:
+    """torch cannot convert a module built on fake tensors (`_apply(): Couldn't swap`,
+    naming neither cause nor cure); the deferred model converted afterwards makes the
+    eager conversion's values, bitwise."""
+    with pytest.raises(RuntimeError, match=r"converts a module .* Convert the model deferred"):
+        fzero.init.deferred(lambda: Reshaped().to(torch.bfloat16))
+    want = values(eager(Reshaped, 6).to(torch.bfloat16))
+
+    def fn(mesh: fzero.Mesh) -> str | None:
+        model = fzero.init.deferred(Reshaped, seed=6)
+        # Rank 1 as torch's `overwrite_module_params_on_conversion` has it: new Parameters.
+        torch.__future__.set_overwrite_module_params_on_conversion(mesh.rank == 1)
+        try:
+            model = model.to(torch.bfloat16)
+        finally:  # the rank's process runs other tests after this one
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+        state = fzero.shard_state(
+            dict(model.named_parameters()), fzero.optim.sgd(), mesh, stage=3,
+            buffers=dict(model.named_buffers()), init=fzero.init.from_module(model, seed=6),
+        )  # fmt: skip
+        return first_difference(state_values(state, mesh), want)
+
+    assert run(2, fn) == [None, None]
+    assert want["w"].dtype == torch.bfloat16
