@@ -157,10 +157,38 @@ def grads_of(
       ValueError: naming the first parameter of `own` the gradient reached.
     """
     own = [(path, p) for path, p in own if p.requires_grad]
-    found = torch.autograd.grad(out, [*inputs, *(p for _, p in own)], allow_unused=True)
+    where = "" if rank is None else f"rank {rank}: "
+    # What `.grad` each holds: a backward the model runs itself inside this one (a
+    # reversible layer recomputing its forward and calling `.backward()`) accumulates
+    # there, past `torch.autograd.grad`'s answer.
+    held = [_grad_version(p) for _, p in own]
+    try:
+        found = torch.autograd.grad(out, [*inputs, *(p for _, p in own)], allow_unused=True)
+    except RuntimeError as exc:
+        meta = next((path for path, p in own if p.is_meta), None)
+        if meta is None or "meta" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"{where}the backward computed with module='s own parameters, which are on the "
+            f"meta device (fzero.init.deferred built them; {meta!r} is one), not with the "
+            "tensors the step hands the loss: a layer that runs its forward again inside "
+            "its backward, outside them (a reversible residual calling .backward(): "
+            "Reformer, RevNets), cannot train under the step"
+        ) from exc
+    for (path, p), before in zip(own, held):
+        if _grad_version(p) != before:
+            raise ValueError(
+                f"{where}a backward the model ran itself, inside the step's backward, sent "
+                f"a gradient into .grad of module='s own parameter {path!r}: a layer whose "
+                "autograd.Function recomputes its forward and calls .backward() in its "
+                "backward (a reversible residual: Hugging Face's Reformer, RevNets). The "
+                "step differentiates the tensors it hands the loss, and nothing reaches "
+                "them this way: the parameter would train with a zero gradient. Run such "
+                "layers with an ordinary backward (plain residuals, or "
+                "torch.utils.checkpoint for the memory)"
+            )
     for (path, _), g in zip(own, found[len(inputs) :]):
         if g is not None:
-            where = "" if rank is None else f"rank {rank}: "
             raise ValueError(
                 f"{where}the loss's gradient reached module='s own parameter {path!r}, not "
                 "the tensor the step hands the loss for it: the loss read the module's "
@@ -171,6 +199,13 @@ def grads_of(
                 "functional_call(module, params, ...)"
             )
     return found[: len(inputs)]
+
+
+def _grad_version(p: torch.Tensor) -> tuple[int, int] | None:
+    """Which `.grad` `p` holds and its version counter (an accumulation in place bumps
+    it); None for none."""
+    g = p.grad
+    return None if g is None else (id(g), g._version)
 
 
 def sparse_gradient(rank: int, leaf: str | None = None) -> TypeError:

@@ -305,9 +305,9 @@ class Gatherer(ParamSource):
         if held is None:
             raise RuntimeError(
                 f"rank {self.mesh.rank}: the backward asked for the parameters of unit "
-                f"{rec.entry.unit!r}, which no rank's forward saved for it, so it was not "
-                "gathered again. Saved-tensor hooks of your own inside the loss hide what "
-                "autograd saves from fzero: install them around the step instead"
+                f"{rec.entry.unit!r}, which no rank's forward saved: saved-tensor hooks of "
+                "your own inside the loss (install them around the step), or a layer "
+                "calling .backward() in its backward (Reformer, RevNets: checkpoint instead)"
             )
         return held
 

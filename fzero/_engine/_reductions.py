@@ -122,9 +122,9 @@ class Reductions:
         if any(g is not None for g in grads):
             raise RuntimeError(
                 f"rank {self.mesh.rank}: unit {twin.unit!r}: a gradient flowed through an "
-                "entry of the unit made inside the backward (a recompute differentiated "
-                "again, as reentrant checkpointing does). fzero reduces a unit's gradient "
-                "from its forward entry: checkpoint with fzero.remat or use_reentrant=False"
+                "entry made inside the backward (a recompute differentiated again: "
+                "reentrant checkpointing, a reversible layer such as Reformer's); fzero "
+                "reduces from the forward's: use fzero.remat or use_reentrant=False"
             )
 
     def _ready(self, order: int, grads: tuple[torch.Tensor | None, ...]) -> None:

@@ -36,7 +36,9 @@ def say_unused(used: set[int], layout: ShardLayout, mesh: Mesh) -> list[str]:
             f"{more}. fzero steps them with a zero gradient (AdamW decays them, momentum "
             "moves them) where "
             "torch.optim would skip a .grad of None: freeze them (shard_state(frozen=...)) "
-            "if the loss never uses them. Said once",
+            "if the loss never uses them (a layer computing their gradient itself, "
+            "calling .backward() inside its backward as Reformer's reversible layers do, "
+            "is refused given module=). Said once",
             RuntimeWarning,
             stacklevel=4,
         )
