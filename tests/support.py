@@ -289,3 +289,9 @@ def torchrun(script: Any, *args: str, nproc: int = 2, timeout: float = 240) -> A
         str(script), *args,
     ]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def graphs_made() -> int:
+    """How many graphs dynamo has made in this process. Rank processes fork from a parent
+    that may have compiled already and inherit its count: diff it inside the rank."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
