@@ -153,8 +153,9 @@ def counting(names: tuple[str, ...]) -> Iterator[list[int]]:
     originals = {name: getattr(fzero._comm, name) for name in names}
 
     def wrap(f: Any) -> Any:
-        def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            seen.append(t.numel())
+        def counted(t: Any, *args: Any, **kwargs: Any) -> Any:
+            # A tensor, or the list of shards `all_gather_many_async` sends as one.
+            seen.append(t.numel() if isinstance(t, torch.Tensor) else sum(x.numel() for x in t))
             return f(t, *args, **kwargs)
 
         return counted

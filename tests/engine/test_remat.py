@@ -76,7 +76,8 @@ def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int, int]:
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
     sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
     reductions = ("reduce_scatter_async", "all_reduce_async", "reduce_scatter_mean")
-    with counting(("all_gather_async",)) as gathers, counting(reductions) as reduced:
+    gathers_of = ("all_gather_async", "all_gather_many_async")  # stage 1: the update's
+    with counting(gathers_of) as gathers, counting(reductions) as reduced:
         for t in range(xs.shape[0]):
             state, _ = step(state, (xs[t, sl], ys[t, sl]))
     return fzero.gather_params(state.params, mesh), len(gathers), len(reduced)
@@ -101,7 +102,7 @@ def test_checkpointing_around_units_communicates_no_more_than_inside_them(stage:
     _, inside_gathers, inside_reduced = run(2, train, "inside", stage)[0]
     _, outside_gathers, outside_reduced = run(2, train, "outside", stage)[0]
     steps, blocks = 4, 3
-    assert outside_gathers == inside_gathers
+    assert outside_gathers == inside_gathers > 0
     if stage == 3:  # per step: the root and each block in the forward, each block again,
         # but from the second step the last two blocks, which stay gathered into the backward
         assert inside_gathers == steps * (1 + 2 * blocks) - (steps - 1) * 2
