@@ -519,7 +519,8 @@ def test_training_moves_between_fsdp2_and_fzero_through_dcp_with_adam_state(
 
 def _architectures() -> dict[str, tuple[Any, Any]]:
     """Tiny configs of other architectures: decoders with GQA and MoE, encoders,
-    encoder-decoders, vision and speech, and two towers."""
+    encoder-decoders, vision and speech, two towers, shared layers and a state space
+    model."""
     import transformers as t
 
     base = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -550,6 +551,24 @@ def _architectures() -> dict[str, tuple[Any, Any]]:
         "clip": (t.AutoModel, t.CLIPConfig(
             text_config=dict(vocab_size=61, **vision),
             vision_config=dict(image_size=16, patch_size=4, **vision))),
+        # One layer applied num_hidden_layers times; relative attention; a state space
+        # model; windowed vision attention; a BART encoder-decoder; Falcon's fused QKV.
+        "albert": (t.AutoModel, t.AlbertConfig(embedding_size=16, **base)),
+        "deberta_v2": (t.AutoModel, t.DebertaV2Config(
+            relative_attention=True, position_buckets=8, max_relative_positions=16,
+            pos_att_type=["p2c", "c2p"], **base)),
+        "mamba": (t.AutoModelForCausalLM, t.MambaConfig(
+            hidden_size=16, state_size=4, num_hidden_layers=2, vocab_size=61, expand=2,
+            conv_kernel=2)),
+        "swin": (t.AutoModel, t.SwinConfig(
+            image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2],
+            window_size=2)),
+        "bart": (t.AutoModelForSeq2SeqLM, t.BartConfig(
+            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+            vocab_size=61, max_position_embeddings=32)),
+        "falcon": (t.AutoModelForCausalLM, t.FalconConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=61)),
     }  # fmt: skip
 
 
