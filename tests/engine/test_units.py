@@ -212,6 +212,9 @@ def test_the_module_gets_its_own_parameters_back_after_every_step(stage: int, ho
 def test_stage3_holds_at_most_two_units_and_one_unit_of_gradients(
     prefetch: bool, overlap: bool
 ) -> None:
+    """The engine's schedule, as its UnitLedger counts what it gathers and frees; the
+    memory itself is measured on the process in tests/e2e/test_memory.py (resident bytes
+    of a 16-unit MLP's steps, and the same bound rejecting units kept whole)."""
     case = make_case([6, 8, 8, 8, 8, 3], 2, seed=3)
     units = [f"layers.{i}" for i in range(5)]
     (_params, ledger, layout), _ = run(
@@ -232,6 +235,7 @@ def test_stage3_holds_at_most_two_units_and_one_unit_of_gradients(
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stage2_reduces_one_unit_of_gradients_at_a_time(overlap: bool) -> None:
+    """The engine's schedule by its UnitLedger (memory measured: tests/e2e/test_memory.py)."""
     case = make_case([6, 8, 8, 8, 3], 2, seed=4)
     units = [f"layers.{i}" for i in range(4)]
     (_params, ledger, layout), _ = run(
