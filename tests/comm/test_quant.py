@@ -37,12 +37,19 @@ def _values(kind: str, n: int, seed: int) -> torch.Tensor:
     return x
 
 
+def _error_bound(absmax: float) -> float:
+    """Half of int8's step for a block whose largest |value| is `absmax` (absmax / 127
+    apart, the smallest scale floored), with float32's rounding of the scale: written here
+    rather than read from fzero, so a looser bound there fails these tests."""
+    return max(absmax, 127 * _quant._MIN_SCALE) / 254 * (1 + 2.0**-14)
+
+
 def _block_bounds(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per element of `x`: the documented bound of its block."""
     nb = -(-x.numel() // block)
     padded = torch.nn.functional.pad(x.abs().double(), (0, nb * block - x.numel()))
     absmax = padded.view(nb, block).amax(1)
-    bound = torch.tensor([_quant.error_bound(a) for a in absmax.tolist()], dtype=torch.float64)
+    bound = torch.tensor([_error_bound(a) for a in absmax.tolist()], dtype=torch.float64)
     return bound.repeat_interleave(block)[: x.numel()]
 
 
@@ -176,9 +183,9 @@ def _collectives_within_bounds(shape: Any, cases: Any, compiled: bool) -> None:
                 absmax = [x.abs().max().item() for x in rows]
                 groups = [sum(absmax[g * k : (g + 1) * k]) for g in range(mesh.replicas)]
                 bound = (
-                    sum(map(_quant.error_bound, absmax))
-                    + sum(_quant.error_bound(a * 1.01) for a in groups)
-                    + _quant.error_bound(sum(absmax) * 1.02)
+                    sum(map(_error_bound, absmax))
+                    + sum(_error_bound(a * 1.01) for a in groups)
+                    + _error_bound(sum(absmax) * 1.02)
                 )
             bound = bound + SLACK * torch.stack(rows).abs().sum(0) * mesh.size
             reduce_ok = bool(((part.double() - exact).abs() <= bound).all())
