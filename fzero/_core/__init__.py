@@ -28,7 +28,8 @@ from ._flat import pack as pack
 from ._flat import paste as paste
 from ._layout import ShardLayout as ShardLayout
 from ._layout import build_layout as build_layout
-from ._layout import check_leaves as check_leaves
+from ._leaves import check_distinct as check_distinct
+from ._leaves import check_leaves as check_leaves
 from ._shards import Shards as Shards
 from ._stages import STAGES as STAGES
 from ._stages import Stage as Stage

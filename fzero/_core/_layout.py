@@ -25,6 +25,7 @@ import torch
 
 from . import _unitspec as unitspec
 from ._flat import Bucket, Slot, cut, pack
+from ._leaves import check_leaves
 from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
 from ._unitspec import UnitSpec, spec_of
 
@@ -335,34 +336,6 @@ def build_layout(
         ("", *names),
         ((), *members),
     )
-
-
-def check_leaves(paths: list[str], leaves: list[Any]) -> None:
-    """Raises naming the first leaf that is not a dense floating-point tensor, or if the
-    leaves are none or live on several devices."""
-    if not leaves:
-        raise ValueError("params has no leaves: expected a pytree of floating-point tensors")
-    devices = set()
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"params leaf {path!r} is a {type(leaf).__name__}, expected a "
-                "floating-point torch.Tensor"
-            )
-        if not leaf.is_floating_point():
-            raise TypeError(
-                f"params leaf {path!r} has dtype {leaf.dtype}, expected a floating-point dtype"
-                + (_COMPLEX if leaf.is_complex() else "")
-            )
-        if leaf.layout != torch.strided:
-            raise TypeError(f"params leaf {path!r} has layout {leaf.layout}, expected dense")
-        devices.add(leaf.device)
-    if len(devices) > 1:
-        raise ValueError(f"params leaves live on several devices {sorted(map(str, devices))}")
-
-
-# torch.optim steps a complex parameter as its real view, which fzero's flat buckets hold.
-_COMPLEX = ": hold it as torch.view_as_real(x) and torch.view_as_complex it in the loss"
 
 
 def _place_flat(

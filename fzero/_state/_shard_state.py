@@ -21,6 +21,7 @@ from .._core import (
     Stage,
     UnitSpec,
     build_layout,
+    check_distinct,
     covers,
     device_of,
     leaf_paths,
@@ -162,6 +163,7 @@ def shard_state(
     try:
         frozen_flags = frozen_leaves(params, frozen)
         lay = build_layout(params, mesh.shard_size, layout, units, frozen_flags)  # validates
+        check_distinct(lay.paths, tree_flatten(params)[0], frozen_flags)
         if spec.shards_optimizer:
             check_slices(optimizer, lay.kind)  # `agree_layout` names shard_state and the rank
         check_init(params, init)

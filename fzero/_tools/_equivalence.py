@@ -15,6 +15,7 @@ from .._core import (
     PyTree,
     UnitSpec,
     assert_trees_close,
+    check_distinct,
     check_leaves,
     leaf_paths,
     tree_flatten,
@@ -104,6 +105,8 @@ def assert_stages_equivalent(
     world_size = _world_size(batches)
     leaves, _ = tree_flatten(params)
     check_leaves(leaf_paths(params), leaves)  # before the reference trips on them
+    some = any(x.requires_grad for x in leaves)  # then the others are frozen
+    check_distinct(leaf_paths(params), leaves, [some and not x.requires_grad for x in leaves])
     expected, expected_losses = train_reference(
         loss_fn, params, batches, cls, kwargs, groups, module=module
     )

@@ -58,9 +58,11 @@ def test_per_rank_bytes_match_the_formula(stage: int) -> None:
         moments = got["opt_state"] - got["count"]  # the step counter is 8 bytes, not per-parameter
         assert want.opt_state <= moments < want.opt_state + 2 * pad
         # Measured on the allocator: what shard_state leaves alive is the formula's
-        # parameters and moments, a few hundred bytes of counters and scalars aside.
+        # parameters and moments, but for the step counter and, now and then, a few KB
+        # of the process group's own (measured: +8 B, once +2.2 KB). Keeping a second
+        # copy of any part (a quarter of the model at stage 3: 22 KB) fails it.
         kept = want.params + want.opt_state
-        assert kept <= got["allocated"] < kept + 3 * pad + 1024, (got["allocated"], kept)
+        assert kept <= got["allocated"] < kept + kept // 50 + 4096, (got["allocated"], kept)
 
 
 def test_estimate_memory_is_the_zero_paper_table() -> None:

@@ -351,11 +351,11 @@ def test_memory_matches_the_zero_formula(stage: int) -> None:
     else:
         assert est.params <= rep.params <= est.params + 2 * n
     assert est.opt_state <= rep.opt_state <= est.opt_state + 12 * n + 8
-    # What shard_state left alive, on the allocator: the same bytes, a few hundred bytes
-    # of counters and scalars aside (a bf16 copy beside stage 3's masters: 2 bytes a
-    # parameter over, which this rejects).
+    # What shard_state left alive, on the allocator: the same bytes, but for the step
+    # counter and now and then a few KB of the process group's own (a bf16 copy beside
+    # stage 3's masters, 2 bytes a parameter more: 8.3 KB here, fails it).
     kept = (0 if stage == 3 else est.params) + est.opt_state
-    assert kept <= allocated < kept + 14 * n + 1024, (allocated, kept)
+    assert kept <= allocated < kept + kept // 50 + 4096, (allocated, kept)
 
 
 def stage3_storages(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, donate: bool) -> Any:

@@ -97,6 +97,39 @@ def test_params_must_be_a_pytree_of_floating_tensors(
         run(2, fn)
 
 
+def _twice(case: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """A tree listing one tensor twice, and `shard_state`'s frozen=."""
+    w = torch.ones(3, 3, dtype=F64)
+    if case == "view":  # two views of the same memory
+        return {"a": w, "b": w[:]}, None
+    if case == "frozen-once":  # frozen under one name, trained under the other
+        return {"a": w, "b": w, "c": torch.ones(2, dtype=F64)}, ["a"]
+    if case == "frozen-both":  # never written: nothing to part
+        return {"a": w, "b": w, "c": torch.ones(2, dtype=F64, requires_grad=True)}, None
+    return {"a": w, "b": w}, None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["object", "view", "frozen-once", "frozen-both"])
+def test_a_leaf_listed_twice_is_refused_unless_both_are_frozen(case: str) -> None:
+    """torch.optim steps a tensor it is given twice once, with both gradients; fzero
+    trained each leaf apart, so the two parted after the first step, silently."""
+
+    def fn(mesh: fzero.Mesh) -> str:
+        params, frozen = _twice(case)
+        try:
+            fzero.shard_state(params, optim.sgd(lr=0.1), mesh, stage=3, frozen=frozen)
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    for message in run(2, fn):
+        if case == "frozen-both":
+            assert message == "no error", message
+        else:
+            assert "params leaves 'a' and 'b' are the same tensor" in message, message
+
+
 @pytest.mark.multiprocess
 def test_invalid_params_on_one_rank_raise_on_every_rank_naming_it() -> None:
     def fn(mesh: fzero.Mesh) -> None:
