@@ -31,7 +31,7 @@ from .._core import (
     tree_map,
 )
 from ..optim import Optimizer
-from ..optim._base import check_slices
+from ..optim._base import check_optimizer, check_slices
 from ._agree_layout import agree_layout
 from ._deferred import check_init, materialize
 from ._initializers import Init
@@ -122,8 +122,7 @@ def shard_state(
 
     Like DDP's constructor, rank 0's values win (they are broadcast). Every rank passes
     parameters of the same structure, shapes and dtypes; a mismatch raises on every rank,
-    naming the first differing leaf. Each option at length: docs/training.md and
-    docs/checkpoints.md.
+    naming the first differing leaf. Options at length: docs/training.md, checkpoints.md.
 
     Args:
       params: a pytree of floating-point tensors (`dict(model.named_parameters())`); not
@@ -151,6 +150,7 @@ def shard_state(
       A ShardedState.
     """
     spec = stage_of(stage)
+    check_optimizer(optimizer, f"shard_state: rank {mesh.rank}")
     if precision is not None and not isinstance(precision, Precision):
         raise TypeError(f"precision must be a fzero.Precision, got {type(precision).__name__}")
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):

@@ -32,6 +32,7 @@ from .._engine import (
 )
 from .._state import ShardedState, check_offload, mark_consumed
 from ..optim import Optimizer
+from ..optim._base import check_optimizer
 from ._aux import Aux
 from ._body import body
 from ._cache import StepCache
@@ -132,6 +133,7 @@ def sharded_step(
       `(new_state, (loss, aux))`: this rank's aux (None without data), with `accumulate`
       a list of them, one per micro-batch.
     """
+    check_optimizer(optimizer, f"sharded_step: rank {mesh.rank}")
     o = step_options(
         mesh,
         stage,

@@ -23,7 +23,7 @@ from .._core import (
 from .._engine import gather_params_into
 from .._state import held_shards, params_apart, unscale_
 from ..optim import Optimizer
-from ..optim._base import check_slices
+from ..optim._base import check_optimizer, check_slices
 from ..optim._context import ShardContext, grads_owned, shard_context
 from ._streamed import Streamer
 
@@ -60,6 +60,7 @@ def sharded_update(
     Returns:
       `(new_params, new_opt_state)`, params of the same kind as given.
     """
+    check_optimizer(optimizer, "sharded_update")
     inplace = donate and optimizer.update_ is not None
     update = optimizer.update_ if inplace else optimizer.update
     if not isinstance(params, Shards):

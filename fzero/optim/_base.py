@@ -54,6 +54,23 @@ class Optimizer(NamedTuple):
     fused: bool | None = False
 
 
+def check_optimizer(optimizer: Any, who: str) -> None:
+    """Raises a TypeError naming `who` if `optimizer` is not an `fzero.optim` Optimizer
+    (torch's own, class or instance, is the likely mistake: the message says how)."""
+    if isinstance(optimizer, Optimizer):
+        return
+    name = getattr(optimizer, "__name__", type(optimizer).__name__)
+    torch_cls = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+    if torch_cls or isinstance(optimizer, torch.optim.Optimizer):
+        hint = (
+            f": torch's optimizers run through fzero.optim.from_torch(torch.optim.{name}, "
+            "lr=...), or use fzero.optim.adamw(...) / adam / sgd"
+        )
+    else:
+        hint = ", e.g. fzero.optim.adamw(lr=1e-3)"
+    raise TypeError(f"{who}: optimizer must be an fzero.optim optimizer, got {name}{hint}")
+
+
 def check_slices(optimizer: Optimizer, layout: str, where: str = "") -> None:
     """Raises a ValueError if `optimizer` must see whole tensors (``whole_tensors``) and a
     `layout` of kind "flat" would hand it slices of buckets (stages 1-3).

@@ -532,3 +532,32 @@ def test_a_sparse_gradient_is_refused_naming_the_cause(
     for message in errors_on_every_rank(world_size, go):
         assert message.startswith("TypeError: rank ") and "sparse gradient" in message, message
         assert "sparse=False" in message
+
+
+@pytest.mark.parametrize("given", ["class", "instance", "other"])
+def test_an_optimizer_that_is_not_fzeros_is_refused_naming_the_way_in(given: str) -> None:
+    """torch's own optimizer, handed to shard_state or sharded_step, failed deep inside
+    with "AttributeError: 'AdamW' object has no attribute 'whole_tensors'"."""
+    w = torch.zeros(2, requires_grad=True)
+    bad = {"class": torch.optim.AdamW, "instance": torch.optim.AdamW([w]), "other": "adamw"}
+    hint = r"from_torch\(torch.optim.AdamW" if given != "other" else r"fzero.optim.adamw\(lr"
+    with pytest.raises(
+        TypeError, match=rf"sharded_update: optimizer must be an fzero.optim .*{hint}"
+    ):
+        fzero.sharded_update(bad[given], {"a": w.detach()}, {"a": w.detach()}, None)
+
+    def fn(m: fzero.Mesh) -> list[str]:
+        out = []
+        for call in (
+            lambda: fzero.shard_state({"a": torch.zeros(2)}, bad[given], m, stage=1),
+            lambda: fzero.sharded_step(lambda p, b: p["a"].sum(), bad[given], m, stage=1),
+        ):
+            try:
+                call()
+            except TypeError as exc:
+                out.append(str(exc))
+        return out
+
+    for said in run(2, fn):
+        assert [s.split(":")[0] for s in said] == ["shard_state", "sharded_step"], said
+        assert all("optimizer must be an fzero.optim optimizer" in s for s in said), said
