@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -26,10 +27,16 @@ class DynamicLossScale(NamedTuple):
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         """The scaler state of step 0, on `device` (the parameters'; None: the CPU)."""
-        if not (self.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1):
+        # A scale that is infinite in float32 makes every gradient inf: every step skipped.
+        scale = torch.tensor(float(self.init_scale), dtype=torch.float32)
+        if not (
+            bool(scale.isfinite()) and self.init_scale > 0
+            and math.isfinite(self.growth_factor) and self.growth_factor > 1
+            and 0 < self.backoff_factor < 1
+        ):  # fmt: skip
             raise ValueError(
-                "DynamicLossScale needs init_scale > 0, growth_factor > 1 and "
-                f"0 < backoff_factor < 1, got {self}"
+                "DynamicLossScale needs a finite init_scale > 0 (in float32), a finite "
+                f"growth_factor > 1 and 0 < backoff_factor < 1, got {self}"
             )
         if self.growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")

@@ -535,6 +535,9 @@ def test_bad_precision_input_is_a_clear_error() -> None:
         )
     with pytest.raises(ValueError, match="backoff_factor"):
         fzero.DynamicLossScale(backoff_factor=2.0).init()
+    for wrong in (dict(init_scale=float("inf")), dict(init_scale=1e39), dict(growth_factor=1.0)):
+        with pytest.raises(ValueError, match="finite init_scale"):  # every step would skip
+            fzero.DynamicLossScale(**wrong).init()
 
 
 def autocast_loss(model: nn.Module) -> Any:
