@@ -28,9 +28,8 @@ class DynamicLossScale(NamedTuple):
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         """The scaler state of step 0, on `device` (the parameters'; None: the CPU)."""
         # A scale that is infinite in float32 makes every gradient inf: every step skipped.
-        scale = torch.tensor(float(self.init_scale), dtype=torch.float32)
         if not (
-            bool(scale.isfinite()) and self.init_scale > 0
+            0 < self.init_scale <= torch.finfo(torch.float32).max
             and math.isfinite(self.growth_factor) and self.growth_factor > 1
             and 0 < self.backoff_factor < 1
         ):  # fmt: skip

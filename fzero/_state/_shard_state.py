@@ -150,7 +150,7 @@ def shard_state(
       A ShardedState.
     """
     spec = stage_of(stage)
-    check_optimizer(optimizer, f"shard_state: rank {mesh.rank}")
+    check_optimizer(optimizer, "shard_state", mesh)
     if precision is not None and not isinstance(precision, Precision):
         raise TypeError(f"precision must be a fzero.Precision, got {type(precision).__name__}")
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):

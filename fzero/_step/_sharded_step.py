@@ -133,7 +133,7 @@ def sharded_step(
       `(new_state, (loss, aux))`: this rank's aux (None without data), with `accumulate`
       a list of them, one per micro-batch.
     """
-    check_optimizer(optimizer, f"sharded_step: rank {mesh.rank}")
+    check_optimizer(optimizer, "sharded_step", mesh)
     o = step_options(
         mesh,
         stage,

@@ -54,11 +54,14 @@ class Optimizer(NamedTuple):
     fused: bool | None = False
 
 
-def check_optimizer(optimizer: Any, who: str) -> None:
-    """Raises a TypeError naming `who` if `optimizer` is not an `fzero.optim` Optimizer
-    (torch's own, class or instance, is the likely mistake: the message says how)."""
+def check_optimizer(optimizer: Any, who: str, mesh: Any = None) -> None:
+    """Raises a TypeError naming `who` (and `mesh`'s rank) if `optimizer` is not an
+    `fzero.optim` Optimizer (torch's own, class or instance, is the likely mistake: the
+    message says how)."""
     if isinstance(optimizer, Optimizer):
         return
+    rank = getattr(mesh, "rank", None)
+    who = who if rank is None else f"{who}: rank {rank}"
     name = getattr(optimizer, "__name__", type(optimizer).__name__)
     torch_cls = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
     if torch_cls or isinstance(optimizer, torch.optim.Optimizer):
