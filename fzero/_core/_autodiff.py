@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -154,29 +155,33 @@ def grads_of(
     training. Asking autograd for them too costs nothing where they are not in the graph.
 
     Raises:
-      ValueError: naming the first parameter of `own` the gradient reached.
+      ValueError: naming the first parameter of `own` the gradient reached, or whose
+        `.grad` a backward of the model's own (a reversible layer's) wrote into.
+      RuntimeError: such a backward computing with `own`'s meta tensors (a deferred model).
     """
     own = [(path, p) for path, p in own if p.requires_grad]
     where = "" if rank is None else f"rank {rank}: "
     # What `.grad` each holds: a backward the model runs itself inside this one (a
     # reversible layer recomputing its forward and calling `.backward()`) accumulates
     # there, past `torch.autograd.grad`'s answer.
-    held = [_grad_version(p) for _, p in own]
+    held = [(p.grad, _version(p.grad)) for _, p in own]  # the tensors: ids are reused
     try:
         found = torch.autograd.grad(out, [*inputs, *(p for _, p in own)], allow_unused=True)
     except RuntimeError as exc:
+        # torch's device mismatch ("Tensor on device meta is not on the expected device
+        # cpu!", "... found at least two devices, meta and cpu"), not its "metadata".
         meta = next((path for path, p in own if p.is_meta), None)
-        if meta is None or "meta" not in str(exc):
+        if meta is None or not re.search(r"\bmeta\b", str(exc)):
             raise
         raise RuntimeError(
-            f"{where}the backward computed with module='s own parameters, which are on the "
-            f"meta device (fzero.init.deferred built them; {meta!r} is one), not with the "
-            "tensors the step hands the loss: a layer that runs its forward again inside "
-            "its backward, outside them (a reversible residual calling .backward(): "
-            "Reformer, RevNets), cannot train under the step"
+            f"{where}the backward computed with module='s own parameters, on the meta "
+            f"device (fzero.init.deferred built them; {meta!r} is one), not with the "
+            "tensors the step hands the loss, as a layer does that runs its forward again "
+            "inside its backward (a reversible residual calling .backward(): Reformer, "
+            f"RevNets), which cannot train under the step. torch said: {exc}"
         ) from exc
-    for (path, p), before in zip(own, held):
-        if _grad_version(p) != before:
+    for (path, p), (grad, version) in zip(own, held):
+        if p.grad is not grad or _version(p.grad) != version:
             raise ValueError(
                 f"{where}a backward the model ran itself, inside the step's backward, sent "
                 f"a gradient into .grad of module='s own parameter {path!r}: a layer whose "
@@ -201,11 +206,9 @@ def grads_of(
     return found[: len(inputs)]
 
 
-def _grad_version(p: torch.Tensor) -> tuple[int, int] | None:
-    """Which `.grad` `p` holds and its version counter (an accumulation in place bumps
-    it); None for none."""
-    g = p.grad
-    return None if g is None else (id(g), g._version)
+def _version(g: torch.Tensor | None) -> int:
+    """A `.grad`'s version counter (an accumulation in place bumps it); -1 for none."""
+    return -1 if g is None else g._version
 
 
 def sparse_gradient(rank: int, leaf: str | None = None) -> TypeError:

@@ -37,27 +37,59 @@ _COMPLEX = ": hold it as torch.view_as_real(x) and torch.view_as_complex it in t
 
 
 def check_distinct(paths: list[str], leaves: list[Any], frozen: Sequence[bool]) -> None:
-    """Raises naming two leaves that are the same tensor (one object, or one view of the
-    same memory), one of them trained (`frozen`: per leaf).
+    """Raises naming two leaves that share elements (one tensor twice, a view of another:
+    its transpose, a slice of it), one of them trained (`frozen`: per leaf).
 
     fzero trains each leaf apart, with its own shard and optimizer state: a weight listed
     twice would be two weights after the first step, where torch.optim (given it twice)
-    steps it once with both gradients summed. Frozen leaves are never written.
+    steps it once with both gradients summed. Frozen leaves are never written. Views of
+    one buffer that share no element (its rows as leaves) are distinct.
     """
-    seen: dict[Any, tuple[str, bool]] = {}
+    by_memory: dict[Any, list[tuple[str, bool, torch.Tensor]]] = {}
     for path, x, f in zip(paths, leaves, frozen):
         if not isinstance(x, torch.Tensor) or x.numel() == 0:
             continue
-        if x.device.type == "meta":  # no memory to compare: the object itself
-            key: Any = id(x)
-        else:
-            view = (x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
-            key = (x.device, x.untyped_storage().data_ptr(), *view)
-        other, other_frozen = seen.setdefault(key, (path, f))
-        if other != path and not (f and other_frozen):
-            raise ValueError(
-                f"params leaves {other!r} and {path!r} are the same tensor: fzero trains "
-                "each leaf apart (its own shard and optimizer state), so the two would part "
-                "after the first step. List it once and read it at both places in the loss "
-                "(dict(model.named_parameters()) lists a module's tied weights once)"
-            )
+        for other, other_frozen, y in by_memory.setdefault(_memory(x), []):
+            if not (f and other_frozen) and _overlap(x, y):
+                raise ValueError(
+                    f"params leaves {other!r} and {path!r} share elements (one tensor, or "
+                    "views of it): fzero trains each leaf apart (its own shard and optimizer "
+                    "state), so they would part after the first step. List the tensor once "
+                    "and read it at both places in the loss (dict(model.named_parameters()) "
+                    "lists a module's tied weights once)"
+                )
+        by_memory[_memory(x)].append((path, f, x))
+
+
+def _memory(x: torch.Tensor) -> Any:
+    """What `x`'s elements live in: its storage, or the tensor itself where it has none
+    to compare (meta and fake tensors, wrapper subclasses)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type == "meta":
+        return id(x)
+    ptr = x.untyped_storage().data_ptr()
+    return (x.device, ptr) if ptr else id(x)
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two tensors of one memory (`_memory`) share an element."""
+    if x is y:
+        return True
+    spans = [_span(t) for t in (x, y)]
+    if spans[0][1] <= spans[1][0] or spans[1][1] <= spans[0][0]:
+        return False  # apart: rows of one buffer, say
+    if x.dtype != y.dtype:
+        return True  # reinterpreted memory, its spans crossing: taken as shared
+    return bool(torch.isin(_elements(x), _elements(y)).any())  # interleaved strides
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `t` reaches in its storage, from its first to past its last element
+    (torch's strides are never negative)."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+
+
+def _elements(t: torch.Tensor) -> torch.Tensor:
+    """The storage indices of `t`'s elements."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)

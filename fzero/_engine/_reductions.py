@@ -123,8 +123,8 @@ class Reductions:
             raise RuntimeError(
                 f"rank {self.mesh.rank}: unit {twin.unit!r}: a gradient flowed through an "
                 "entry made inside the backward (a recompute differentiated again: "
-                "reentrant checkpointing, a reversible layer such as Reformer's); fzero "
-                "reduces from the forward's: use fzero.remat or use_reentrant=False"
+                "reentrant checkpointing, Reformer's reversible layers); a unit's gradient "
+                "comes from its forward entry: use fzero.remat or use_reentrant=False"
             )
 
     def _ready(self, order: int, grads: tuple[torch.Tensor | None, ...]) -> None:

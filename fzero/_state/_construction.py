@@ -108,7 +108,7 @@ def recorded(t: torch.Tensor) -> tuple[Recording, int] | None:
     return getattr(t, "_fzero_recorded", None)
 
 
-_SLOTS = "_fzero_recorded_slots"  # a module's: name -> (recording, tid, shape)
+_SLOTS = "_fzero_recorded_slots"  # a module's: name -> (recording, tid, shape, dtype)
 
 
 def is_deferred(module: torch.nn.Module) -> bool:
@@ -121,14 +121,22 @@ def recorded_at(
 ) -> tuple[Recording, int] | None:
     """`recorded(t)`, or what `deferred` left at `path` of `module` where a conversion
     since (`model.to(torch.bfloat16)`: a buffer, a parameter under torch's
-    `overwrite_module_params_on_conversion`) put a new meta tensor of its shape there;
-    `from_module` casts the replayed value to the new tensor's dtype."""
+    `overwrite_module_params_on_conversion`) put a meta tensor of its shape and another
+    dtype there; `from_module` casts the replayed value to it. One of the same dtype is
+    a replacement, not a conversion: not the recorded tensor."""
     found = recorded(t)
     if found is not None or t.device.type != "meta":
         return found
+    slot = slot_at(module, path)
+    if slot is None or slot[2:] == (tuple(t.shape), t.dtype) or slot[2] != tuple(t.shape):
+        return None
+    return slot[:2]
+
+
+def slot_at(module: torch.nn.Module, path: str) -> tuple[Any, ...] | None:
+    """What `deferred` recorded at `path` of `module` (None: nothing)."""
     head, _, name = path.rpartition(".")
-    slot = getattr(module.get_submodule(head), _SLOTS, {}).get(name)
-    return slot[:2] if slot is not None and slot[2] == tuple(t.shape) else None
+    return getattr(module.get_submodule(head), _SLOTS, {}).get(name)
 
 
 def deferred(fn: Callable[..., Any], *args: Any, seed: int = 0, **kwargs: Any) -> Any:
@@ -155,11 +163,11 @@ def deferred(fn: Callable[..., Any], *args: Any, seed: int = 0, **kwargs: Any) -
             for name, t in m._parameters.items():
                 if t is not None:
                     m._parameters[name] = meta_of(t, True)
-                    slots[name] = (*recorded(m._parameters[name]), tuple(t.shape))
+                    slots[name] = (*recorded(m._parameters[name]), tuple(t.shape), t.dtype)
             for name, t in m._buffers.items():
                 if t is not None:
                     m._buffers[name] = meta_of(t, False)
-                    slots[name] = (*recorded(m._buffers[name]), tuple(t.shape))
+                    slots[name] = (*recorded(m._buffers[name]), tuple(t.shape), t.dtype)
             m.__dict__[_SLOTS] = slots
             for name, v in list(vars(m).items()):
                 if isinstance(v, torch._subclasses.fake_tensor.FakeTensor):

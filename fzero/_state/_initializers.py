@@ -92,6 +92,13 @@ class RecordedInit(Init):
         for path in likes:
             t = named.get(path)
             found = None if t is None else recorded_at(self.module, path, t)
+            if found is None and t is not None and t.device.type != "meta":
+                raise ValueError(
+                    f"fzero.init.from_module: {path!r} is on {t.device}, no longer the meta "
+                    "tensor fzero.init.deferred made: the model was materialized since "
+                    "(to_empty, load_state_dict(assign=True)). Pass its values as params "
+                    "without init=, or give from_module the model as deferred returned it"
+                )
             if found is None:
                 raise ValueError(
                     f"fzero.init.from_module: the module has no recorded parameter or buffer "

@@ -27,15 +27,17 @@ class DynamicLossScale(NamedTuple):
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         """The scaler state of step 0, on `device` (the parameters'; None: the CPU)."""
-        # A scale that is infinite in float32 makes every gradient inf: every step skipped.
+        # A scale that is infinite in float32 makes every gradient inf, and one that is 0
+        # there every gradient 0 then NaN: either way every step is skipped.
+        f32 = torch.finfo(torch.float32)
         if not (
-            0 < self.init_scale <= torch.finfo(torch.float32).max
+            f32.tiny <= self.init_scale <= f32.max
             and math.isfinite(self.growth_factor) and self.growth_factor > 1
             and 0 < self.backoff_factor < 1
         ):  # fmt: skip
             raise ValueError(
-                "DynamicLossScale needs a finite init_scale > 0 (in float32), a finite "
-                f"growth_factor > 1 and 0 < backoff_factor < 1, got {self}"
+                "DynamicLossScale needs an init_scale float32 holds (normal, finite, > 0), "
+                f"a finite growth_factor > 1 and 0 < backoff_factor < 1, got {self}"
             )
         if self.growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")

@@ -122,7 +122,7 @@ def shard_state(
 
     Like DDP's constructor, rank 0's values win (they are broadcast). Every rank passes
     parameters of the same structure, shapes and dtypes; a mismatch raises on every rank,
-    naming the first differing leaf. Options at length: docs/training.md, checkpoints.md.
+    naming the first differing leaf. Options: docs/training.md, docs/checkpoints.md.
 
     Args:
       params: a pytree of floating-point tensors (`dict(model.named_parameters())`); not

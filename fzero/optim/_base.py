@@ -62,13 +62,16 @@ def check_optimizer(optimizer: Any, who: str, mesh: Any = None) -> None:
         return
     rank = getattr(mesh, "rank", None)
     who = who if rank is None else f"{who}: rank {rank}"
-    name = getattr(optimizer, "__name__", type(optimizer).__name__)
-    torch_cls = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
-    if torch_cls or isinstance(optimizer, torch.optim.Optimizer):
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    name = getattr(optimizer, "__name__", cls.__name__)
+    if issubclass(cls, torch.optim.Optimizer):  # a class or an instance of torch's kind
+        where = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
         hint = (
-            f": torch's optimizers run through fzero.optim.from_torch(torch.optim.{name}, "
-            "lr=...), or use fzero.optim.adamw(...) / adam / sgd"
+            f": torch's optimizers run through fzero.optim.from_torch({where}."
+            f"{cls.__qualname__}, lr=...), or use fzero.optim.adamw(...) / adam / sgd"
         )
+    elif callable(optimizer) and getattr(optimizer, "__module__", "").startswith("fzero."):
+        hint = f": call it, fzero.optim.{name}(lr=...)"  # the factory, uncalled
     else:
         hint = ", e.g. fzero.optim.adamw(lr=1e-3)"
     raise TypeError(f"{who}: optimizer must be an fzero.optim optimizer, got {name}{hint}")

@@ -353,7 +353,7 @@ def test_a_module_converted_while_recorded_is_refused_naming_the_way_that_works(
         torch.__future__.set_overwrite_module_params_on_conversion(mesh.rank == 1)
         try:
             model = model.to(torch.bfloat16)
-        finally:  # the rank's process runs other tests after this one
+        finally:  # as torch has it by default
             torch.__future__.set_overwrite_module_params_on_conversion(False)
         state = fzero.shard_state(
             dict(model.named_parameters()), fzero.optim.sgd(), mesh, stage=3,
@@ -363,3 +363,28 @@ def test_a_module_converted_while_recorded_is_refused_naming_the_way_that_works(
 
     assert run(2, fn) == [None, None]
     assert want["w"].dtype == torch.bfloat16
+
+
+def test_a_deferred_leaf_replaced_or_materialized_since_is_not_replayed() -> None:
+    """A new meta tensor of the recorded dtype put in a leaf's place is another tensor,
+    not a conversion (it has no recorded values); a model materialized since (to_empty)
+    says so rather than that its parameters are not its own."""
+    replaced = fzero.init.deferred(Reshaped, seed=6)
+    replaced.w = nn.Parameter(torch.empty(3, 3, device="meta"))
+    materialized = fzero.init.deferred(Reshaped, seed=6).to_empty(device="cpu")
+
+    def fn(mesh: fzero.Mesh) -> list[str]:
+        out = []
+        for model in (replaced, materialized):
+            try:
+                fzero.shard_state(
+                    dict(model.named_parameters()), fzero.optim.sgd(), mesh, stage=0,
+                    init=fzero.init.from_module(model, seed=6),
+                )  # fmt: skip
+            except ValueError as exc:
+                out.append(str(exc))
+        return out
+
+    (said,) = run(1, fn)
+    assert "no recorded parameter or buffer 'w'" in said[0], said
+    assert "no longer the meta tensor fzero.init.deferred made" in said[1], said

@@ -323,7 +323,7 @@ def test_16_bit_communication_halves_the_bytes(stage: int) -> None:
 
 
 def memory(mesh: fzero.Mesh, stage: int) -> Any:
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     with tensor_bytes() as made:  # the allocator's record, beside fzero's report
         state = fzero.shard_state(
@@ -352,10 +352,10 @@ def test_memory_matches_the_zero_formula(stage: int) -> None:
         assert est.params <= rep.params <= est.params + 2 * n
     assert est.opt_state <= rep.opt_state <= est.opt_state + 12 * n + 8
     # What shard_state left alive, on the allocator: the same bytes, but for the step
-    # counter and now and then a few KB of the process group's own (a bf16 copy beside
-    # stage 3's masters, 2 bytes a parameter more: 8.3 KB here, fails it).
+    # counter and now and then a few KB that are not fzero's tensors (a bf16 copy beside
+    # stage 3's masters, 2 bytes a parameter more: 33 KB here, fails it).
     kept = (0 if stage == 3 else est.params) + est.opt_state
-    assert kept <= allocated < kept + kept // 50 + 4096, (allocated, kept)
+    assert kept <= allocated < kept + kept // 50 + 8192, (allocated, kept)
 
 
 def stage3_storages(mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, donate: bool) -> Any:
@@ -535,8 +535,11 @@ def test_bad_precision_input_is_a_clear_error() -> None:
         )
     with pytest.raises(ValueError, match="backoff_factor"):
         fzero.DynamicLossScale(backoff_factor=2.0).init()
-    for wrong in (dict(init_scale=float("inf")), dict(init_scale=1e39), dict(growth_factor=1.0)):
-        with pytest.raises(ValueError, match="finite init_scale"):  # every step would skip
+    for wrong in (
+        dict(init_scale=float("inf")), dict(init_scale=1e39), dict(init_scale=1e-46),
+        dict(growth_factor=1.0),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match="init_scale float32 holds"):  # all would skip
             fzero.DynamicLossScale(**wrong).init()
 
 

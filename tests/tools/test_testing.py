@@ -538,3 +538,12 @@ def test_half_precision_tolerance_is_measured_and_catches_a_5_percent_slower_sta
     )
     with pytest.raises(AssertionError, match="4 of 4 ZeRO stages"):
         testing.assert_stages_equivalent(mlp_loss, params, batches, ref, fzero_optimizer=slower)
+
+
+def test_a_tree_listing_one_tensor_twice_is_refused_before_anything_runs() -> None:
+    w = torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="params leaves 'a' and 'b' share elements"):
+        fzero.testing.assert_stages_equivalent(
+            lambda p, x: (x @ p["a"] @ p["b"]).sum(), {"a": w, "b": w}, [[torch.ones(1, 2)]],
+            torch.optim.SGD,
+        )  # fmt: skip
