@@ -175,13 +175,15 @@ def check_step_state(
     layout: str | None,
     units: Sequence[UnitSpec] | None,
     mesh: Mesh,
+    what: str = "step",
 ) -> None:
-    """Raises unless a step for `stage` (and `layout`, `units`, `mesh`) can take `state`."""
+    """Raises unless a step for `stage` (and `layout`, `units`, `mesh`) can take `state`;
+    `what` names the caller (a step, a forward)."""
     if not isinstance(state, ShardedState):
         raise TypeError(
-            f"step expects the ShardedState from shard_state, got {type(state).__name__}"
+            f"{what} expects the ShardedState from shard_state, got {type(state).__name__}"
         )
-    check_live(state, mesh.rank, "step")
+    check_live(state, mesh.rank, what)
     if state.stage != stage:
         raise ValueError(
             f"this step is for stage {stage}, the state was built for stage {state.stage}"

@@ -107,7 +107,7 @@ def sharded_forward(
                 "forward with ledger=; run it eagerly (compile=False) for that"
             )
         assert backend is not None
-        check_step_state(state, state.stage, None, None, mesh)
+        check_step_state(state, state.stage, None, None, mesh, "sharded_forward")
         stage, lay = stage_of(state.stage), state.layout
         if batch is None and not (stage.shards_params and mesh.size > 1):  # nothing to join
             return None
@@ -215,7 +215,7 @@ class Forwarder:
     def engine(self, state: ShardedState) -> Engine:
         """A fresh engine over `state` for one forward (checked against the mesh)."""
         mesh, cache = self.mesh, self.cache
-        check_step_state(state, state.stage, None, None, mesh)
+        check_step_state(state, state.stage, None, None, mesh, "sharded_forward")
         stage, lay = stage_of(state.stage), state.layout
         key = (state.precision, stage)
         ctx = cache.context(lay, key, lambda: self._context(stage, state))
