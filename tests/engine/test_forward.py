@@ -336,7 +336,7 @@ def test_a_donated_state_is_refused() -> None:
         step(state, batch)
         fzero.sharded_forward(predict, mesh)(state, batch[0])
 
-    with pytest.raises(ValueError, match="rank 0: sharded_forward: this state .* already donated"):
+    with pytest.raises(ValueError, match=r"rank 0: sharded_forward: this state .* already donated"):
         run(1, go)
 
 
