@@ -45,20 +45,26 @@ def check_distinct(paths: list[str], leaves: list[Any], frozen: Sequence[bool]) 
     steps it once with both gradients summed. Frozen leaves are never written. Views of
     one buffer that share no element (its rows as leaves) are distinct.
     """
-    by_memory: dict[Any, list[tuple[str, bool, torch.Tensor]]] = {}
+    by_memory: dict[Any, list[tuple[int, int, str, bool, torch.Tensor]]] = {}
     for path, x, f in zip(paths, leaves, frozen):
-        if not isinstance(x, torch.Tensor) or x.numel() == 0:
-            continue
-        for other, other_frozen, y in by_memory.setdefault(_memory(x), []):
-            if not (f and other_frozen) and _overlap(x, y):
-                raise ValueError(
-                    f"params leaves {other!r} and {path!r} share elements (one tensor, or "
-                    "views of it): fzero trains each leaf apart (its own shard and optimizer "
-                    "state), so they would part after the first step. List the tensor once "
-                    "and read it at both places in the loss (dict(model.named_parameters()) "
-                    "lists a module's tied weights once)"
-                )
-        by_memory[_memory(x)].append((path, f, x))
+        if isinstance(x, torch.Tensor) and x.numel():
+            by_memory.setdefault(_memory(x), []).append((*_span(x), path, f, x))
+    for views in by_memory.values():
+        # A sweep in the order the views start: each is compared with those still open
+        # (a buffer cut into many leaves costs a sort, not every pair).
+        open_: list[tuple[int, int, str, bool, torch.Tensor]] = []
+        for start, end, path, f, x in sorted(views, key=lambda v: v[0]):
+            open_ = [v for v in open_ if v[1] > start]
+            for _, _, other, other_frozen, y in open_:
+                if not (f and other_frozen) and _overlap(x, y):
+                    raise ValueError(
+                        f"params leaves {other!r} and {path!r} share elements (one tensor, "
+                        "or views of it): fzero trains each leaf apart (its own shard and "
+                        "optimizer state), so they would part after the first step. List the "
+                        "tensor once and read it at both places in the loss "
+                        "(dict(model.named_parameters()) lists a module's tied weights once)"
+                    )
+            open_.append((start, end, path, f, x))
 
 
 def _memory(x: torch.Tensor) -> Any:
@@ -71,7 +77,8 @@ def _memory(x: torch.Tensor) -> Any:
 
 
 def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether two tensors of one memory (`_memory`) share an element."""
+    """Whether two tensors of one memory (`_memory`) share an element (meta, fake and
+    wrapper tensors: whether they are one)."""
     if x is y:
         return True
     spans = [_span(t) for t in (x, y)]
