@@ -65,6 +65,8 @@ ROW_TIMEOUT = 900  # seconds for one row's process: a hang must not stall the wh
 def run_row(args: argparse.Namespace, device: torch.device, cfg: dict[str, int]) -> None:
     """`--row "PREC|LABEL"`: measure that one row in this process, save it to --row-out."""
     prec, label = args.row.split("|", 1)
+    if args.smoke:
+        R.COMPILE_BACKEND = "aot_eager"  # checks the script: see gpu_rows
     store = tempfile.mktemp(prefix="fzero-gpu-")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.FileStore(store, 1), rank=0, world_size=1)

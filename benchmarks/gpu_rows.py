@@ -27,6 +27,11 @@ from fzero._tools._demo import Block, TinyGPT
 GPT = dict(vocab=50304, block=1024, d=768, layers=12, heads=12)
 SMOKE = dict(vocab=64, block=16, d=32, layers=2, heads=2)
 BATCH = 8  # sequences per rank per step
+# The compiled rows' backend. gpu.py's --smoke run (the CPU, checking the script) sets
+# "aot_eager": the same graphs without inductor's code generation, which cost the CPU
+# check a minute and is not what a GPU runs anyway (tests/step/test_compiled.py tests
+# inductor on the CPU).
+COMPILE_BACKEND = "inductor"
 LR = 3e-4
 
 
@@ -125,7 +130,7 @@ def torch_step(
 def eager(cfg: dict[str, int], prec: str, device: torch.device, compiled: bool = False) -> Any:
     """The plain loop; `compiled`: its module under `torch.compile` (issue 50's base)."""
     model = new_model(cfg, device)
-    forward = torch.compile(model) if compiled else model
+    forward = torch.compile(model, backend=COMPILE_BACKEND) if compiled else model
     step = torch_step(forward, adamw(model.parameters(), device), prec == "bf16", device)
     return model, step, lambda: dict(model.named_parameters())
 
@@ -160,7 +165,7 @@ def fsdp2(
     kw.update({"mp_policy": mp} if mp else {})
     for blk in model.blocks:
         if compiled:
-            blk.compile()
+            blk.compile(backend=COMPILE_BACKEND)
         fully_shard(blk, **kw)
     fully_shard(model, **(kw | {"reshard_after_forward": root_reshard if reshard else False}))
     # No autocast: FSDP2's policy casts the parameters, as fzero's Precision does.
@@ -199,7 +204,7 @@ def fzero_run(
         units=units,
         module=model if hooks or not compiled else None,
         reshard_after_forward=reshard,
-        compile=compiled,
+        compile=COMPILE_BACKEND if compiled else False,
     )
 
     def step(tokens: torch.Tensor) -> None:
