@@ -29,27 +29,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._C._profiler import _EventType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_rows as G
 
+from fzero._tools._memory import profiled_bytes
+
 CFG = dict(vocab=8192, block=256, d=256, layers=4, heads=4)
 MiB = 2**20
-
-
-def _allocations(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
-    """(time, address, bytes) of every allocation (> 0) and free (< 0) the profile saw."""
-    out = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            f = node.extra_fields
-            out.append((node.start_time_ns, f.ptr, f.alloc_size))
-        stack.extend(node.children)
-    return sorted(out)
 
 
 def row(name: str, cfg: dict[str, int], prec: str, steps: int) -> dict[str, int]:
@@ -71,15 +59,7 @@ def row(name: str, cfg: dict[str, int], prec: str, steps: int) -> dict[str, int]
         held, step, _ = build()
         for t in range(steps):
             step(G.batch(t, G.BATCH, cfg, device))
-    live: dict[int, int] = {}
-    now = peak = 0
-    for _, ptr, size in _allocations(prof):
-        if size > 0:
-            live[ptr] = size
-            now += size
-        elif ptr in live:  # frees of tensors made before the profile are not counted
-            now -= live.pop(ptr)
-        peak = max(peak, now)
+    peak, now = profiled_bytes(prof)
     del held, step
     dist.destroy_process_group()
     return {"peak": peak, "end": now}

@@ -304,26 +304,11 @@ def tensor_bytes() -> Iterator[dict[str, int]]:
     every allocation and free (the allocator's own events, not fzero's accounting):
     `peak`, the most bytes allocated in the block alive at once, and `live`, those still
     alive at its end. Frees of tensors made before the block are not counted."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
+
+    from fzero._tools._memory import profiled_bytes
 
     out: dict[str, int] = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield out
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            f = node.extra_fields
-            events.append((node.start_time_ns, f.ptr, f.alloc_size))
-        stack.extend(node.children)
-    sizes: dict[int, int] = {}
-    now = peak = 0
-    for _, ptr, size in sorted(events):
-        if size > 0:
-            sizes[ptr] = size
-            now += size
-        elif ptr in sizes:
-            now -= sizes.pop(ptr)
-        peak = max(peak, now)
-    out["peak"], out["live"] = peak, now
+    out["peak"], out["live"] = profiled_bytes(prof)

@@ -167,3 +167,30 @@ def memory_report(state: ShardedState) -> MemoryReport:
         peak_allocated=torch.cuda.max_memory_allocated(device),
         reserved=torch.cuda.memory_reserved(device),
     )
+
+
+def profiled_bytes(prof: torch.profiler.profile) -> tuple[int, int]:
+    """`(peak, end)`: the most bytes of the allocations a profile (`profile_memory=True`)
+    recorded alive at once, and those alive at its end, from the allocator's own events
+    (what `torch.cuda.max_memory_allocated` sums on a GPU). Frees of tensors made before
+    the profile are not counted. For the tests and benchmarks that measure memory apart
+    from fzero's accounting."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            events.append((node.start_time_ns, f.ptr, f.alloc_size))
+        stack.extend(node.children)
+    sizes: dict[int, int] = {}
+    now = peak = 0
+    for _, ptr, size in sorted(events):
+        if size > 0:
+            sizes[ptr] = size
+            now += size
+        elif ptr in sizes:
+            now -= sizes.pop(ptr)
+        peak = max(peak, now)
+    return peak, now
