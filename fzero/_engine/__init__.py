@@ -9,9 +9,9 @@ all-gather of every rank's shard at stage 3); how gradients are reduced is
 (`_schedule`), chosen once per step. Units enter before the forward, through module
 hooks (`_hooks`, around registered `_forward_methods` too) or when a pure loss asks
 (`_gathered`); until then they are `_placeholder`s. `_callcheck` checks that ranks
-called the same units; `_pool` keeps host buffers across steps; `_remat` recomputes
-with the forward's parameters; `_by_hand` runs the same node synchronously
-(`gather_params`, `reduce_scatter_grads`).
+called the same units; `_writes` refuses a loss's writes to its parameters; `_pool`
+keeps host buffers across steps; `_remat` recomputes with the forward's parameters;
+`_by_hand` runs the same node synchronously (`gather_params`, `reduce_scatter_grads`).
 
 Contract: the engine works on one micro-batch of one rank, on flat buffers and a layout;
 it knows nothing of optimizers, states or steps. Imports `fzero._core` and
@@ -54,3 +54,4 @@ from ._schedule import plan as plan
 from ._source import full_buckets as full_buckets
 from ._source import own_slices as own_slices
 from ._unit_ledger import UnitLedger as UnitLedger
+from ._writes import explained as explained

@@ -20,6 +20,7 @@ import torch
 
 from .._core import (
     PyTree,
+    bad_loss,
     check_loss,
     covers,
     grads_of,
@@ -41,6 +42,7 @@ from ._hooks import ModuleHooks
 from ._param_hooks import run_hooks
 from ._reductions import LocalSums, Reductions, Watch
 from ._source import ParamSource, Replica
+from ._writes import Writes, explained, frozen_written
 
 
 def stand_in(shape: torch.Size, dtype: torch.dtype, device: Any) -> torch.Tensor:
@@ -117,6 +119,7 @@ class Engine:
         devices = [x.device for x in (local if local is not None else self.inputs)]
         self.reductions = Reductions(ctx, devices, check, self.source, sums, final, watch)
         self.entries: list[Entry] = []
+        self.writes = Writes(self.layout, replica=not self.s.gathers)
         self.seen: list[str] = []  # just-in-time units entered by the forward, in order
         self.marks: dict[str, tuple[int, torch.Tensor]] = {}  # unit -> a placeholder leaf
         # Leaves a gradient reached, where the step asks (`fzero._step._unused`); None: not
@@ -128,6 +131,7 @@ class Engine:
         if entry.twin is not None:  # a recompute: the forward's parameters, no collective
             return self.source.again(entry.twin)
         fulls = self.source.open(entry, entry.unit in self.s.jit)
+        self.writes.watch(entry, fulls)
         self.entries.append(entry)
         self.reductions.enlist(entry)
         return fulls
@@ -268,13 +272,20 @@ class Engine:
                     else:
                         try:
                             loss = check_loss(loss_fn(self.params(), batch), rank=mesh.rank)
+                            written = self.writes.found()
+                            if written:
+                                loss = None
+                                raise bad_loss(frozen_written(written, mesh.rank, self.writes))
                         except Exception as exc:
                             # The forward is done but what it returned is refused: this
                             # rank's backward reduces zeros, and every rank raises it when
                             # the check completes ([Note: failing together]). Anything
                             # else left the forward half-done: it is published.
                             if not is_bad_loss(exc):
-                                raise
+                                said = explained(exc, mesh.rank, self._written(exc))
+                                if said is None:
+                                    raise
+                                raise said from exc
                             error = exc
                 # A rank-dependent branch may have skipped a unit: every rank says what it
                 # called before the first reduction.
@@ -319,9 +330,13 @@ class Engine:
         against the other ranks' and the forward ends. A rank without data (`present`
         False) gets None and follows the last forward's units (`_follow`)."""
         token = ACTIVE.set(self)
+        self.writes.every = True  # nothing is differentiated: autograd refuses no write
         try:
             with torch.no_grad(), ModuleHooks(self, self.s.hooked):
                 yield self.params() if present else None
+            written = self.writes.found()
+            if written:
+                raise frozen_written(written, self.mesh.rank, self.writes)
             if self.s.check_calls:  # the gathers paired by order: say if they could not
                 self.check.after_forward(self._called(), present=present)
                 self.check.before_collective()
@@ -332,6 +347,10 @@ class Engine:
     def _called(self) -> list[str]:
         return [e.unit for e in self.entries if e.unit in self.s.jit]
 
+    def _written(self, exc: BaseException) -> str | None:
+        """The parameter autograd refused a write to in `exc`, if it is one of ours."""
+        return self.writes.named(exc, self.source.aliases(self.entries))
+
     def _order(self) -> list[str]:
         """What the next step follows: the just-in-time units called, in order."""
         return list(self.seen) if self.s.jit else list(self.last or ())
@@ -340,7 +359,7 @@ class Engine:
         """`out` with copies of its tensors that share memory with the parameters (a
         forward returning a weight, or a view of one): gathered ones are freed next, and
         replicas are the state's own buffers, which a donating step updates in place."""
-        return unaliased(out, self.source.aliases(self.entries))
+        return unaliased(out, [full for _, full in self.source.aliases(self.entries)])
 
     def _follow(self, what: str) -> None:
         """The forward of a rank without data: the units every rank enters before the

@@ -148,12 +148,11 @@ class Gatherer(ParamSource):
         rec = self.records[entry]
         return tuple(self._full(rec, k) for k in range(len(entry.buckets)))
 
-    def aliases(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for entry in entries:
-            rec = self.records.get(entry)
-            if rec is not None:
-                out += [h for h in [*rec.held, *(r() for r in rec.followed)] if h is not None]
+    def aliases(self, entries: Sequence[Entry]) -> list[tuple[int, torch.Tensor]]:
+        out: list[tuple[int, torch.Tensor]] = []
+        for rec in filter(None, map(self.records.get, entries)):
+            fulls = [r() for r in rec.followed] if rec.followed else rec.held
+            out += [(i, f) for i, f in zip(rec.entry.buckets, fulls) if f is not None]
         return out
 
     def _start(self, unit: str) -> list[tuple[torch.Tensor, Any]]:

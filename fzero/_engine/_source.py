@@ -43,9 +43,10 @@ class ParamSource(Protocol):
         ...
 
     @abstractmethod
-    def aliases(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
-        """The buffers a forward's outputs must not share memory with once it returns
-        (they are freed, or updated in place by a donating step)."""
+    def aliases(self, entries: Sequence[Entry]) -> list[tuple[int, torch.Tensor]]:
+        """The full buffers of `entries` still alive, by bucket: what a forward's outputs
+        must not share memory with once it returns (they are freed, or updated in place
+        by a donating step)."""
         ...
 
     def start(self, upfront: Sequence[str]) -> None:
@@ -103,8 +104,8 @@ class Replica(ParamSource):
     def again(self, entry: Entry) -> tuple[torch.Tensor, ...]:
         return self.open(entry, False)
 
-    def aliases(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
-        return list(self.local)  # the state's own buffers
+    def aliases(self, entries: Sequence[Entry]) -> list[tuple[int, torch.Tensor]]:
+        return list(enumerate(self.local))  # the state's own buffers
 
 
 def full_buckets(params: PyTree, layout: ShardLayout) -> tuple[torch.Tensor, ...]:

@@ -12,7 +12,7 @@ import torch
 
 from .._comm import Mesh
 from .._core import NAMESPACE, LossFn, Shards, grads_of, is_bad_loss
-from .._engine import Trained
+from .._engine import Trained, explained
 from .._state import ShardedState
 from ._aux import Aux
 from ._compiled import CompiledLoss
@@ -84,7 +84,10 @@ def compiled_grad(
                 run(None, stand_in(compiled, micro), bufs)
         except Exception as exc:  # refused after the graph's forward: every rank raises it
             if not is_bad_loss(exc):
-                raise
+                said = explained(exc, compiled.rank)
+                if said is None:
+                    raise
+                raise said from exc
             error = exc
         # Waited for before the first backward: the graph's collectives cannot look for a
         # peer's failure, so a rank whose loss was refused, or that failed after its
