@@ -273,12 +273,22 @@ class OffsetWriter:
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], offset + lo * dtype.itemsize + done)
 
-    def commit(self) -> None:
-        """fsync, then the atomic rename over `path` (an older file stays until then)."""
+    def flush(self) -> None:
+        """fsync and close the temporary file: durable, not yet in place."""
+        if self._fd < 0:
+            return
         try:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
+        except OSError as exc:
+            _name_file(exc, self.path)
+            raise
+
+    def commit(self) -> None:
+        """`flush`, then the atomic rename over `path` (an older file stays until then)."""
+        self.flush()
+        try:
             os.replace(self.tmp, self.path)
         except OSError as exc:
             _name_file(exc, self.path)

@@ -117,7 +117,16 @@ def export_pretrained(
 
     # Tied aliases are left out (no aliases passed): `from_pretrained` ties them again.
     stream_safetensors(
-        full, directory, mesh, None, transient, dtype, {"format": "pt"}, split, finish
+        full,
+        directory,
+        mesh,
+        None,
+        transient,
+        dtype,
+        {"format": "pt"},
+        split,
+        finish,
+        "checkpoint.export_pretrained",
     )
 
 

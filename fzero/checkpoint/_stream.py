@@ -319,11 +319,13 @@ def export_safetensors(
     metadata: dict[str, str] | None,
     split: Callable[[dict[str, Spec]], dict[str, list[str]]] | None = None,
     finish: Callable[[dict[str, list[str]]], None] | None = None,
+    what: str = "checkpoint.export_safetensors",
 ) -> None:
-    """See `fzero.checkpoint.export_safetensors`. With `split`, the tensors (name -> dtype,
-    shape, in the file order) go to several files, `{file: names}`, all written in the
-    same pass over the units; `finish(files)` then runs on rank 0 once every file is in
-    place (an index, say), and its error is every rank's."""
+    """See `fzero.checkpoint.export_safetensors` (`what` names the caller in errors).
+    With `split`, the tensors (name -> dtype, shape, in the file order) go to several
+    files, `{file: names}`, all written in the same pass over the units; `finish(files)`
+    then runs on rank 0 once every file is in place (an index, say), and its error is
+    every rank's."""
     lay, rank = state.layout, mesh.rank
     names: dict[int, list[str]] = {i: [lay.paths[i]] for i in range(len(lay.paths))}
     for name, canonical in (aliases or {}).items():
@@ -361,6 +363,10 @@ def export_safetensors(
     _gathering(_All(writers), lambda: gather_leaves(state, None, None, mesh, put_param, None))
     error = error or next((la.error for la in latches.values() if la.error), None)
     try:
+        # Every file durable before the first replaces an older one: a disk filling, or a
+        # failing fsync, leaves an earlier export's files all as they were, not some new.
+        for writer in writers if error is None else ():
+            writer.flush()
         for writer in writers if error is None else ():
             writer.commit()
         if finish is not None and rank == 0 and error is None:
@@ -369,7 +375,7 @@ def export_safetensors(
         error = exc
     if error is not None:
         _All(writers).abort()
-    agree(error, None, mesh, "checkpoint.export_safetensors")
+    agree(error, None, mesh, what)
 
 
 class _All:

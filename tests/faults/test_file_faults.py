@@ -218,6 +218,45 @@ def test_a_disk_filling_up_mid_export_raises_on_every_rank_after_the_gathers(
         fzero.assert_trees_close(model, want, rtol=0, atol=0)
 
 
+def _pretrained_twice_failing(mesh: fzero.Mesh, target: str) -> Any:
+    """A sharded `export_pretrained`, then one of other values whose second file's fsync
+    fails on rank 0 (the disk filling as the data reaches it)."""
+    state, _ = _big_state(mesh, 3)
+    fzero.checkpoint.export_pretrained(state, target, mesh, max_shard_size=5000)
+    state, _ = fzero.sharded_step(
+        lambda p, b: sum(x.sum() for x in p.values()), fzero.optim.adam(lr=0.1), mesh, stage=3
+    )(state, 0)
+    if mesh.rank == 0:
+        real, calls = os.fsync, [0]
+
+        def fsync(fd: int) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(fd)
+
+        os.fsync = fsync  # this rank's process only (ranks are forked)
+    fzero.checkpoint.export_pretrained(state, target, mesh, max_shard_size=5000)
+
+
+def test_a_failed_sharded_export_leaves_every_file_of_the_previous_one(tmp_path: Path) -> None:
+    # Each file was renamed into place as it was done: a failure at the second left the
+    # first file new beside the old others, an export of mixed weights under the old index.
+    target = str(tmp_path / "model")
+    outs = outcomes(2, _pretrained_twice_failing, target)
+    raised_together(outs, OSError, "No space left on device", "checkpoint.export_pretrained")
+    files = sorted(p.name for p in Path(target).iterdir())
+    assert len([f for f in files if f.endswith(".safetensors")]) > 2, files
+    assert not [f for f in files if ".tmp-" in f], files
+    index = json.loads((Path(target) / "model.safetensors.index.json").read_text())
+    got = {
+        name: safetensors.torch.load_file(str(Path(target) / f))[name]
+        for name, f in index["weight_map"].items()
+    }
+    want, _ = _expected_params()  # the first export's: the untrained parameters
+    fzero.assert_trees_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("kind", WRITES)
 def test_a_full_disk_raises_the_os_error_on_every_rank_and_keeps_the_previous_file(
