@@ -98,7 +98,7 @@ def import_dcp(
     params_like: dict[str, torch.Tensor],
     *,
     stage: int,
-    optimizer_key: str = "optim",
+    optimizer_key: str | None = "optim",
     layout: str = "flat",
     units: Any = None,
     frozen: Any = None,
@@ -130,7 +130,8 @@ def import_dcp(
         must be the saved ones. The weights keep the checkpoint's dtype.
       stage: the ZeRO stage (0-3).
       optimizer_key: the key the optimizer state was saved under ("optim" above;
-        torchtitan: "optimizer").
+        torchtitan: "optimizer"); a key the checkpoint holds nothing under is refused.
+        None: the weights alone, the optimizer started afresh.
       layout, units, frozen, step, device: as in `import_torch`.
       buffers: the module's buffers (`dict(model.named_buffers())`): those the checkpoint
         holds (persistent ones) take its values, the others keep theirs.
@@ -143,7 +144,8 @@ def import_dcp(
 
     Raises:
       CheckpointError: on every rank: a weight the checkpoint lacks or holds in another
-        shape, ranks that see different checkpoints, an optimizer state that does not fit.
+        shape, ranks that see different checkpoints, an optimizer state that does not fit
+        or is not under `optimizer_key`.
     """
     spec = stage_of(stage)
     where = f"checkpoint.import_dcp({os.fspath(directory)!r})"
@@ -180,12 +182,28 @@ def import_dcp(
     return replicated(state, precision, mesh, "checkpoint.import_dcp")
 
 
+def _check_key(files: DcpFiles, key: str, weights: set[str]) -> None:
+    """Refuses an `optimizer_key` the checkpoint holds nothing under: the optimizer would
+    start afresh (zero moments, step 0) without a word where the key was only misspelt
+    (torchtitan saves under "optimizer"). Under it, state or param groups: a torch
+    optimizer that never stepped saves its groups alone."""
+    if any(name.startswith(f"{key}.") for name in files.entries):
+        return
+    others = sorted({n.split(".", 1)[0] for n in files.entries if n not in weights})
+    held = f"keys other than the weights under {others}" if others else "the weights alone"
+    raise CheckpointError(
+        f"{files.path} holds no optimizer state under optimizer_key={key!r} (it holds "
+        f"{held}): pass the key it was saved under, or optimizer_key=None to start the "
+        "optimizer afresh from the weights"
+    )
+
+
 def _source(
     files: DcpFiles,
     optimizer: Optimizer,
     mesh: Mesh,
     params_like: dict[str, torch.Tensor],
-    optimizer_key: str,
+    optimizer_key: str | None,
     layout: str,
     units: Any,
     frozen: Any,
@@ -215,9 +233,11 @@ def _source(
     head = f"{optimizer_key}.state."
     by_fqn: dict[str, dict[str, Any]] = {}
     for name, e in files.entries.items():
-        if name.startswith(head) and "." in name[len(head) :]:
+        if optimizer_key is not None and name.startswith(head) and "." in name[len(head) :]:
             fqn, sub = name[len(head) :].rsplit(".", 1)
             by_fqn.setdefault(fqn, {})[sub] = e
+    if optimizer_key is not None:
+        _check_key(files, optimizer_key, set(paths))
     prefix: dict[int, str] = {}
     states: dict[int, dict[str, torch.Tensor]] = {}
     for i in (i for i in natural_order(lay) if not lay.frozen[i]):

@@ -243,8 +243,15 @@ def bad_import(mesh: fzero.Mesh, directory: str, other: str, what: str) -> Any:
         directory = other if mesh.rank == 1 else directory
     elif what == "buffer":
         buffers = {"scale": net.scale, "table": torch.empty(3, device="meta")}
+    key = "optimizer" if what == "key" else "optim"  # torchtitan's key, where FSDP2's was used
     return fzero.checkpoint.import_dcp(
-        directory, fzero.optim.adamw(**HYPER), mesh, like, stage=3, buffers=buffers
+        directory,
+        fzero.optim.adamw(**HYPER),
+        mesh,
+        like,
+        stage=3,
+        optimizer_key=key,
+        buffers=buffers,
     )
 
 
@@ -256,6 +263,12 @@ def bad_import(mesh: fzero.Mesh, directory: str, other: str, what: str) -> Any:
         ("shape", r"weight 'a.weight' is saved as \(7, 5\), the model's is \(7, 4\)"),
         ("different", "the ranks see different checkpoints"),
         ("buffer", "buffer 'table' is not in the checkpoint and is given on the meta device"),
+        # Before the check, the optimizer silently started afresh: zero moments, step 0.
+        (
+            "key",
+            r"no optimizer state under optimizer_key='optimizer' \(it holds keys other "
+            r"than the weights under \['optim', 'scale'\]\)",
+        ),
     ],
 )
 def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(
@@ -269,6 +282,32 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(
     for error in errors:
         assert error.startswith("CheckpointError") and re.search(message, error), errors
         assert "import_dcp" in error, errors
+
+
+def weights_only(mesh: fzero.Mesh, directory: str) -> Any:
+    like = {k: torch.empty_like(v, device="meta") for k, v in Net().named_parameters()}
+    state = fzero.checkpoint.import_dcp(
+        directory, fzero.optim.adamw(**HYPER), mesh, like, stage=1, optimizer_key=None
+    )
+    return state.params, int(state.opt_state.count)
+
+
+@pytest.mark.multiprocess
+def test_a_weights_only_checkpoint_imports_with_no_optimizer_key(tmp_path: Path) -> None:
+    directory = str(tmp_path / "weights")
+    run(1, fsdp2_other, directory)
+    torch.manual_seed(9)
+    want = dict(Net().named_parameters())
+    for params, count in run(2, weights_only, directory):
+        assert count == 0
+        fzero.assert_trees_close(params, want, rtol=0, atol=0)
+    with pytest.raises(
+        fzero.checkpoint.CheckpointError,
+        match=r"no optimizer state under optimizer_key=.optim. \(it holds keys other than "
+        r"the weights under \[.scale.\]\)",
+    ):
+        run(1, lambda mesh: fzero.checkpoint.import_dcp(
+            directory, fzero.optim.adamw(**HYPER), mesh, want, stage=1))  # fmt: skip
 
 
 def fsdp2_other(mesh: fzero.Mesh, directory: str) -> None:
