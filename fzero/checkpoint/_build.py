@@ -135,6 +135,7 @@ def resume(
     masters are split off. Offloaded, the optimizer state is made where it goes (a file
     on disk) and filled there a piece at a time, so the disk tier never holds it whole.
     """
+    check_torch_keys(src.schema, optimizer)
     making = optimizer if offload is None else None
     state = build_state(src, layout, making, stage, mesh.shard_rank, step, device)
     if stage.shards_optimizer:  # after the state, whose misfit names the leaf
@@ -153,6 +154,43 @@ def resume(
         state = dataclasses.replace(state, opt_state=opt_state)
         placement.release_all()
     return state
+
+
+def check_torch_keys(schema: Schema, optimizer: Optimizer) -> None:
+    """Refuses a torch optimizer's saved state (`from_torch`: a dict per tensor) that does
+    not fit `optimizer`'s: torch reads a tensor's state without its keys as fresh (SGD's
+    momentum restarting without a word), or fails in its step (a KeyError for Adam's
+    amsgrad). What `optimizer` keeps is found by stepping it on a tiny vector and matrix
+    (Adafactor keeps other keys for each): the saved keys must be among those, and hold
+    the ones it keeps for both. A state of another shape (fzero's own optimizers) is
+    checked as it is filled."""
+    if schema.nodes != ("",) or schema.kind not in ("tuple", "dict", "list"):
+        return
+    saved = {e.sub for e in schema.entries if e.node == ""}
+    kept = [k for k in (_torch_keys(optimizer, shape) for shape in ((2,), (2, 2))) if k is not None]
+    if not saved or len(kept) < 2:
+        return
+    every, some = set.intersection(*kept), set.union(*kept)
+    if not every <= saved <= some:
+        raise CheckpointError(
+            f"the saved optimizer state keeps {sorted(saved)} per tensor, this optimizer "
+            f"keeps {sorted(some)}: was it saved with another torch optimizer class or "
+            "options (momentum, amsgrad)?"
+        )
+
+
+def _torch_keys(optimizer: Optimizer, shape: tuple[int, ...]) -> set[str] | None:
+    """The tensors a `from_torch` optimizer keeps for a tensor of `shape` after a step
+    (None: its state is not a dict per tensor, or it cannot step one on its own)."""
+    p = {"probe": torch.ones(shape)}
+    try:
+        _, state = optimizer.update({"probe": torch.ones(shape)}, optimizer.init(p), p)
+    except Exception:
+        return None
+    leaf = state.get("probe") if isinstance(state, dict) else None
+    if not isinstance(leaf, dict):
+        return None
+    return {k for k, v in leaf.items() if isinstance(v, torch.Tensor)}
 
 
 def fill_state(

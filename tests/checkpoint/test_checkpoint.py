@@ -417,6 +417,24 @@ def test_another_optimizers_state_does_not_fit(version: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_another_torch_optimizers_state_does_not_fit(tmp_path: Path) -> None:
+    # A from_torch state is a dict per tensor: before the check, AdamW's loaded into SGD
+    # with momentum, whose step read the missing momentum buffer as fresh, and into Adam
+    # with amsgrad, whose step raised a bare KeyError.
+    job = make_job([3, 4, 2], 2, 13, "torch_adamw")
+    run(2, train_and_save, job, 1, 1, "flat", None, str(tmp_path))
+    for cls, kw, keeps in [
+        (torch.optim.SGD, {"momentum": 0.9}, "['momentum_buffer']"),
+        (torch.optim.Adam, {"amsgrad": True}, "'max_exp_avg_sq'"),
+    ]:
+        message = _load_error(tmp_path, job, optimizer=fzero.optim.from_torch(cls, lr=0.1, **kw))
+        assert "saved optimizer state keeps ['exp_avg', 'exp_avg_sq', 'step'] per tensor" in message
+        assert keeps in message.partition("this optimizer keeps")[2], message
+    adamw = fzero.optim.from_torch(torch.optim.AdamW, lr=0.01)
+    run(1, _load, job, str(tmp_path), {"optimizer": adamw})  # its own class fits
+
+
+@pytest.mark.multiprocess
 def test_a_leaf_frozen_when_saved_has_no_state_to_train_from(tmp_path: Path) -> None:
     job = make_job([3, 4, 2], 2, 12, "adam", frozen=["scale"])
     run(2, train_and_save, job, 1, 1, "flat", None, str(tmp_path))
