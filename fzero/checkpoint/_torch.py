@@ -76,6 +76,16 @@ class DictSource:
 
 
 @_comm.collective("checkpoint.import_torch")
+def _as_given(path: str, value: torch.Tensor, given: Any) -> torch.Tensor:
+    """`value` in the dtype of the model's leaf `given`, whose shape it must have."""
+    shape, dtype = getattr(given, "shape", None), getattr(given, "dtype", None)
+    if shape is not None and tuple(shape) != tuple(value.shape):
+        raise CheckpointError(
+            f"model_state_dict's {path!r} is {tuple(value.shape)}, the model's is {tuple(shape)}"
+        )
+    return value if dtype is None else value.to(dtype)
+
+
 def import_torch(
     model_state_dict: dict[str, torch.Tensor],
     optim_state_dict: dict[str, Any],
@@ -118,7 +128,9 @@ def import_torch(
       stage: the ZeRO stage (0-3).
       params_like: the parameter tree (values ignored) when it is not the flat dict
         `model_state_dict` itself (e.g. nested dicts and lists); its leaves that do not
-        require grad, where others do, are frozen (`dict(model.named_parameters())`).
+        require grad, where others do, are frozen (`dict(model.named_parameters())`). As
+        torch's `load_state_dict`, the state dict's tensors must have its shapes, and are
+        cast to its dtypes.
       layout: "flat" or "tensor", as in `shard_state`.
       units: as in `shard_state`.
       frozen: as in `shard_state`.
@@ -154,6 +166,8 @@ def import_torch(
                 f"model_state_dict does not match the parameters: missing {missing[:5]}"
             )
         leaves = [model_state_dict[p].detach() for p in paths]
+        if params_like is not None:
+            leaves = [_as_given(p, x, g) for p, x, g in zip(paths, leaves, tree_flatten(like)[0])]
         params = tree_unflatten(tree_flatten(like)[1], leaves)
         # Frozen from `params_like`'s requires_grad where given (the state dict's values
         # are detached), as import_dcp and load read them.

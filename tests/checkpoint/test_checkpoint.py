@@ -757,3 +757,26 @@ def test_import_torch_takes_a_state_dict_with_buffers_whole() -> None:
         assert set(buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
         assert all(torch.equal(buffers[k], model_sd[k]) for k in buffers)
         fzero.assert_trees_close(params, want, **TIGHT, what="after the import")
+
+
+def _import_into(mesh: fzero.Mesh, sd: dict[str, torch.Tensor], like: dict[str, Any]) -> Any:
+    opt = fzero.optim.adamw(lr=0.01)
+    empty = {"state": {}, "param_groups": [{"params": list(range(len(like)))}]}
+    state = ck.import_torch(sd, empty, opt, mesh, stage=3, params_like=like)
+    return fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.multiprocess
+def test_import_torch_checks_the_models_shapes_and_casts_to_its_dtypes() -> None:
+    # Before, the state took the file's shapes and dtypes: a float32 state dict imported
+    # for a float64 model trained in float32, another model's shapes without a word.
+    torch.manual_seed(0)
+    sd = {k: v.detach() for k, v in nn.Linear(4, 6).state_dict().items()}  # float32
+    model = nn.Linear(4, 6).double()
+    like = {k: v.detach() for k, v in model.named_parameters()}
+    for got in run(2, _import_into, sd, like):
+        fzero.assert_trees_close(got, {k: v.double() for k, v in sd.items()}, rtol=0, atol=0)
+        assert all(v.dtype == F64 for v in got.values())
+    wider = {k: v.detach() for k, v in nn.Linear(4, 8).double().named_parameters()}
+    with pytest.raises(ck.CheckpointError, match=r"'bias' is \(6,\), the model's is \(8,\)"):
+        run(1, _import_into, sd, wider)
