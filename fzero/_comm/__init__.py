@@ -37,6 +37,7 @@ from ._failure import check_alive as check_alive
 from ._failure import collective as collective
 from ._failure import is_agreed as is_agreed
 from ._failure import published as published
+from ._failure import raise_if_failed as raise_if_failed
 from ._failure import together as together
 from ._gloo import ALL_TO_ALL_MAX_BYTES as ALL_TO_ALL_MAX_BYTES
 from ._groups import backend_for as backend_for

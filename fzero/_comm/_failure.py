@@ -43,6 +43,10 @@ _ATTEMPT = "{}/{}".format(
 _KEY = "fzero/" + _ATTEMPT + "/failed/{}"  # per call (see `together`): its first failure
 _STUCK = "fzero/" + _ATTEMPT + "/stuck/{}"  # per call: a rank was left waiting in it
 _COUNT = "fzero/" + _ATTEMPT + "/failures/{}"  # per call: ranks that failed in it themselves
+# The job's first failure that left its rank's collectives pending: that rank joins no
+# later call, so a peer waiting in one (the step after, which the failed step's last
+# collective let it reach) finds it here.
+_BROKEN = "fzero/" + _ATTEMPT + "/broken"
 
 # The fzero calls this process is inside, innermost last, each by its number: every rank
 # makes the same calls in the same order (they are collective), so a call's number is the
@@ -130,8 +134,11 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
     if store is None or not _calls:
         return
     with contextlib.suppress(Exception):  # a store that is gone too: the peers time out
-        store.compare_set(_KEY.format(call), "", json.dumps(record, default=str))
+        said = json.dumps(record, default=str)
+        store.compare_set(_KEY.format(call), "", said)
         store.add(_COUNT.format(call), 1)
+        if issued:
+            store.compare_set(_BROKEN, "", said)
     _note(
         exc,
         f"fzero: rank {rank} raised this inside {where}; every other rank waiting there "
@@ -159,6 +166,9 @@ def failed() -> dict[str, Any] | None:
             if store.check([_STUCK.format(n)]):
                 _failed = record
                 return _failed
+        if _calls and store.check([_BROKEN]):
+            _failed = json.loads(store.get(_BROKEN))
+            return _failed
     except Exception:
         return None
     return _failed
@@ -238,6 +248,15 @@ def _builtin_base(exc: BaseException) -> str:
         if getattr(builtins, cls.__name__, None) is cls and issubclass(cls, Exception):
             return cls.__name__
     return "RuntimeError"
+
+
+def raise_if_failed() -> None:
+    """Raises the job's failure if one is known or published for a call this process is
+    inside: for a wait that is not a collective's (a host thread's, behind a GPU's copies
+    that may wait on a collective a failed peer never joins)."""
+    record = failed()
+    if record is not None:
+        raise peer_error(record)
 
 
 def check_alive() -> None:

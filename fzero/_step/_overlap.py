@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._comm import check_alive
+from .._comm import raise_if_failed
 from .._state import mark_consumed
 from ._streamed import Streamer
 
@@ -192,7 +192,7 @@ class Overlap:
         while pending:
             _, pending = concurrent.futures.wait(pending, timeout=_POLL)
             if pending:
-                check_alive()
+                raise_if_failed()
         for f in self.futures:
             f.result()
         if self.back is not None:
@@ -203,14 +203,13 @@ class Overlap:
                 if value.device.type == "cuda":  # `Offload(params=True)`: the host's
                     value.record_stream(self.stream)
 
-    def abort(self) -> list[int]:
+    def abort(self) -> None:
         """The step failed: stops the host thread as soon as it can (a bucket being
-        updated is finished) and returns the buckets it wrote into."""
+        updated is finished)."""
         self.cancelled = True
         for f in self.futures:
             f.cancel()
         concurrent.futures.wait(self.futures, timeout=_ABORT_WAIT)
-        return sorted(self.streamer.written)
 
 
 _POLL = 0.2  # seconds between looks for a peer's failure while the host thread works
@@ -247,16 +246,20 @@ def overlapping(
     try:
         yield early
     except BaseException as exc:
+        # Stepped unit by unit (on the host thread, or after the backward), a donating
+        # update may have written some units when a later one failed.
         if early is not None:
-            begun = early.abort()
-            if begun and streamed is not None and streamed.donate:
-                mark_consumed(state)
-                if hasattr(exc, "add_note"):  # Python 3.11
-                    exc.add_note(
-                        f"rank {rank}: the step had updated offloaded buckets {begun} in "
-                        "place on its host thread when it failed: the state it was given "
-                        "is partly updated and consumed. Resume from a checkpoint"
-                    )
+            early.abort()
+        begun = sorted(streamed.written) if streamed is not None else []
+        if begun and streamed is not None and streamed.donate:
+            mark_consumed(state)
+            if hasattr(exc, "add_note"):  # Python 3.11
+                which = ["the device's" if k < 0 else k for k in begun]
+                exc.add_note(
+                    f"rank {rank}: the step had updated buckets {which} in place, unit by "
+                    "unit, when it failed: the state it was given is partly updated and "
+                    "consumed. Resume from a checkpoint"
+                )
         raise
     finally:
         if early is not None and not early.cancelled:

@@ -168,6 +168,8 @@ def sharded_step(
             micro = _first_step(o, optimizer, cache, state, batch)
         else:
             check_step_state(state, o.stage.number, o.layout, o.units, mesh)
+            if state.offload is not None:  # a later state may be another tier's
+                check_offload(state.offload.offload, state.stage, o.donate)
             micro = micro_batches(batch, o.accumulate, cache.micro)
         # Parameters' gradient hooks, read each step (one may be registered at any time);
         # a compiled step refuses them.

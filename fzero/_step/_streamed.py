@@ -90,7 +90,7 @@ class Streamer:
         self.done: set[int] = set()  # offloaded buckets stepped before `finish`
         self.looked = False  # the optimizer asked for the gradient's global norm
         self.ran = False  # `finish` ran (not a step the loss scaler skipped)
-        self.written: set[int] = set()  # offloaded buckets an optimizer call wrote into
+        self.written: set[int] = set()  # buckets a call may have written (-1: the device)
 
     def unit(self, k: int) -> list[int]:
         """The pieces of offloaded bucket k (-1: the device's pieces)."""
@@ -158,8 +158,7 @@ class Streamer:
             ctx = ShardContext(self.mesh, True, segs, lay.world_size, whole)
             with shard_context(ctx):
                 out = self.update(gs, _fresh_globals(sub, len(p)), p)
-            if k in self.offloaded:
-                self.written.add(k)
+            self.written.add(k)
             return out
 
         blocked = [

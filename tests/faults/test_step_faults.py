@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from tests.faults.harness import outcomes, raised_together
+from tests.faults.harness import BOUND, outcomes, raised_together
 
 # Every case starts rank processes and takes about a second.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -112,6 +112,47 @@ def test_after_a_published_failure_every_call_raises_it_again_at_once() -> None:
     outs = outcomes(2, _then_again)
     raised_together(outs, RuntimeError, "corrupt batch")
     assert all(o.peer for o in outs)
+
+
+def _update_fails_on_rank_0(mesh: fzero.Mesh) -> Any:
+    """Stage 3, rank 0's update raises at the second step, after the step's last
+    collective: rank 1 finishes that step and waits in the next for a rank that joins no
+    more. Rank 0 stays alive, as a process that handles its error would."""
+    state, opt, net = setup(mesh, 3)
+    armed = {"on": False}
+
+    def update_(g: Any, s: Any, p: Any) -> Any:
+        if armed["on"] and mesh.rank == 0:
+            raise OSError(5, "the update's disk failed")
+        return opt.update_(g, s, p)  # type: ignore[misc]
+
+    def loss_fn(p: Any, b: Any) -> torch.Tensor:
+        return (functional_call(net, p, (b[0],)) - b[1]).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt._replace(update_=update_), mesh, stage=3, units=UNITS)
+    x, y = batches(mesh.size, 3)
+    for t in range(3):
+        armed["on"] = t == 1
+        try:
+            state, _ = step(state, (mine(x[t], mesh.rank), mine(y[t], mesh.rank)))
+        except OSError:
+            if mesh.rank == 0:
+                failed = time.time()
+                time.sleep(BOUND + 1)  # alive, calling fzero no more
+                return t, failed
+            raise
+    return "no error"
+
+
+def test_a_failure_after_a_steps_last_collective_reaches_a_peers_next_step() -> None:
+    # The peer's next step looked only for failures of the call it was in: it waited for
+    # the collective timeout and raised that, not rank 0's error.
+    outs = outcomes(2, _update_fails_on_rank_0)
+    step, failed = outs[0].value
+    assert step == 1, outs
+    assert outs[1].peer and outs[1].isinstance(OSError), outs
+    assert "the update's disk failed" in outs[1].message, outs
+    assert outs[1].at - failed < BOUND, outs  # not the 20 s collective timeout
 
 
 # -- a loss whose value is refused: agreed at the call check, the step stays usable ---------

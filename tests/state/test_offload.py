@@ -491,13 +491,16 @@ def bad(mesh: fzero.Mesh, what: str, path: str) -> Any:
         return fzero.shard_state(params, opt, mesh, stage=0, offload=fzero.Offload())
     if what == "params at stage 2":
         return fzero.shard_state(params, opt, mesh, stage=2, offload=fzero.Offload(params=True))
-    if what == "pure step":
+    if what in ("pure step", "pure step later"):
+        step = fzero.sharded_step(mlp_loss, opt, mesh, stage=1, donate=False)
+        x = torch.randn(2, DIMS[0], dtype=torch.float64)
+        batch = (x, torch.randn(2, DIMS[-1], dtype=torch.float64))
+        if what == "pure step later":  # its first call takes a host state: fine
+            step(fzero.shard_state(params, opt, mesh, stage=1, offload=fzero.Offload()), batch)
         state = fzero.shard_state(
             params, opt, mesh, stage=1, offload=fzero.Offload("disk", 1.0, path)
         )
-        step = fzero.sharded_step(mlp_loss, opt, mesh, stage=1, donate=False)
-        x = torch.randn(2, DIMS[0], dtype=torch.float64)
-        return step(state, (x, torch.randn(2, DIMS[-1], dtype=torch.float64)))
+        return step(state, batch)
     return fzero.shard_state(params, opt, mesh, stage=2, offload=fzero.Offload("disk", 1.0, path))
 
 
@@ -515,9 +518,10 @@ def test_bad_offloads_are_refused_on_every_rank(tmp_path: Path) -> None:
     raised_together(
         outcomes(2, bad, "params at stage 2", ""), ValueError, "Offload(params=True) needs stage 3"
     )
-    raised_together(
-        outcomes(2, bad, "pure step", str(tmp_path)), ValueError, "donate=False", "in place"
-    )
+    for pure in ("pure step", "pure step later"):  # the later one was checked at first only
+        raised_together(
+            outcomes(2, bad, pure, str(tmp_path)), ValueError, "donate=False", "in place"
+        )
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     raised_together(

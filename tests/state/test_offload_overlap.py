@@ -248,8 +248,49 @@ def test_a_backward_that_fails_after_buckets_were_updated_consumes_the_state() -
     for rank, (exc, again) in enumerate(run(2, gated, params, xs, ys, 3, fzero.Offload(), 1)):
         assert "boom" in str(exc) and (rank == 0) != isinstance(exc, fzero.PeerError)
         notes = " ".join(getattr(exc, "__notes__", []))
-        assert "had updated offloaded buckets" in notes and "consumed" in notes
+        assert "had updated buckets" in notes and "consumed" in notes
         assert "already donated" in again
+
+
+def half_updated(mesh: fzero.Mesh, params: Any, xs: Any, ys: Any, overlap: bool) -> Any:
+    """An optimizer whose second call of a step raises (a transform refusing a gradient,
+    before adamw): the units are stepped one by one, the first already written then. The
+    error's notes, and what a later use of the state given to the step is told."""
+    calls = {"armed": False, "n": 0}
+
+    def refuse_second(g: Any, s: Any, p: Any) -> Any:
+        calls["n"] += calls["armed"]
+        if calls["n"] == 2:
+            raise FloatingPointError("refused")
+        return g, s
+
+    refusing = fzero.optim.GradientTransformation(lambda p: (), refuse_second)
+    opt = fzero.optim.chain(refusing, fzero.optim.adamw(lr=0.05))
+    offload = fzero.Offload("host", overlap=overlap)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=LAYER_UNITS, offload=offload)
+    step = fzero.sharded_step(gathered_mlp_loss, opt, mesh, stage=3, units=LAYER_UNITS)
+    state, _ = step(state, (xs[0], ys[0]))
+    calls["armed"] = True
+    with pytest.raises(FloatingPointError) as info:
+        step(state, (xs[1], ys[1]))
+    try:
+        fzero._state.check_live(state, mesh.rank, "a later step")
+    except ValueError as exc:
+        return " ".join(getattr(info.value, "__notes__", [])), str(exc)
+    return " ".join(getattr(info.value, "__notes__", [])), "live"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_update_failing_after_a_unit_was_written_consumes_the_state(overlap: bool) -> None:
+    # Updated after the backward (the first step that overlaps is the second; overlap
+    # off), the units before the failing one were written in place and the state was
+    # left usable: a retry or a save used a half-updated state, silently (one rank).
+    params = make_params(MLP_DIMS, torch.float64, 5)
+    xs, ys = batches(2, 1, 1)
+    notes, again = run(1, half_updated, params, xs, ys, overlap)[0]
+    assert "had updated buckets" in notes and "consumed" in notes, notes
+    assert "already donated" in again
 
 
 def refused_then_trained(mesh: fzero.Mesh, params: Any, xs: Any, ys: Any) -> Any:
@@ -359,3 +400,61 @@ def test_an_optimizer_that_starts_asking_for_the_norm_fails_loudly(
         assert "global norm" in message and "overlap=False" in message
     assert any(owns for _, owns in results)
     assert layout == "flat" or not all(owns for _, owns in results)
+
+
+class _Stuck:
+    """A GPU copy's event queued behind a collective a failed peer never joins."""
+
+    def query(self) -> bool:
+        return False
+
+
+def stuck_while_a_peer_fails(mesh: fzero.Mesh, params: Any, xs: Any, ys: Any) -> str:
+    """Rank 0's host thread waits on copies that never complete (from the third step);
+    rank 1's host thread fails there. Rank 0's step must end with rank 1's error."""
+    from fzero._step import _overlap
+
+    armed = {"on": False}
+    if mesh.rank == 0:
+        carry = _overlap.Overlap._carry
+
+        def stuck(self: Any, k: int, g: Any, ready: Any) -> Any:
+            pieces = carry(self, k, g, ready)
+            return [(p, _Stuck()) for p in pieces] if armed["on"] else pieces
+
+        _overlap.Overlap._carry = stuck  # type: ignore[method-assign]
+    adamw = fzero.optim.adamw(lr=0.05, weight_decay=0.1)
+
+    def update_(g: Any, s: Any, p: Any) -> Any:
+        on_host = threading.current_thread().name.startswith(OFFLOAD_THREAD)
+        if armed["on"] and mesh.rank == 1 and on_host:
+            raise RuntimeError("rank 1's host update failed")
+        return adamw.update_(g, s, p)  # type: ignore[misc]
+
+    opt = adamw._replace(update_=update_)
+    state = fzero.shard_state(
+        params, opt, mesh, stage=3, units=LAYER_UNITS, offload=fzero.Offload("host")
+    )
+    step = fzero.sharded_step(
+        gathered_mlp_loss, opt, mesh, stage=3, units=LAYER_UNITS, just_in_time=True
+    )
+    for t in range(3):
+        armed["on"] = t == 2
+        try:
+            state, _ = step(state, rank_batch(mesh, xs[t], ys[t]))
+        except RuntimeError as exc:
+            return f"step {t}: {exc}"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_step_waiting_for_its_host_thread_sees_a_peers_failure() -> None:
+    # The wait for the host thread looked only at what this process knew: a rank whose
+    # host thread waited on a GPU copy behind a collective the failed peer never joined
+    # waited for the simulation's timeout (the CUDA case, its copies stood in for).
+    params = make_params(MLP_DIMS, torch.float64, 5)
+    xs, ys = batches(3, 2, 1)
+    said = fzero.Simulation(2, collective_timeout=20, timeout=30).run(
+        stuck_while_a_peer_fails, params, xs, ys
+    )
+    assert said == ["step 2: rank 1's host update failed"] * 2, said
