@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import struct
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,10 +53,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -229,6 +227,9 @@ def _torch_entries(path: str) -> dict[str, Entry]:
             f"{path}: expected a torch.save'd state dict (a flat dict of tensors), got "
             f"{type(obj).__name__}"
         )
+    with zipfile.ZipFile(path) as z:  # torch.load reads a recompressed archive; offsets don't
+        if any(i.compress_type and "/data/" in i.filename for i in z.infolist()):
+            raise ValueError(f"{path}: its tensors are compressed: torch.save it again")
     out, size = {}, os.path.getsize(path)
     for name, t in obj.items():
         base = t.untyped_storage()._checkpoint_offset
@@ -275,12 +276,11 @@ class OffsetWriter:
 
     def flush(self) -> None:
         """fsync and close the temporary file: durable, not yet in place."""
-        if self._fd < 0:
-            return
         try:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            if self._fd >= 0:
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = -1
         except OSError as exc:
             _name_file(exc, self.path)
             raise

@@ -164,12 +164,23 @@ def resolve(path: str) -> str:
             name = f.read().strip()
     except FileNotFoundError:
         raise CheckpointError(
-            f"no committed checkpoint in {path!r} (no {LATEST} file"
-            + ("; only an interrupted save)" if os.listdir(path) else ")")
+            f"no committed checkpoint in {path!r} (no {LATEST} file{_what_else(path)})"
         ) from None
     if not _VERSION_DIR.fullmatch(name) or not os.path.isdir(os.path.join(path, name)):
         raise CheckpointError(f"{os.path.join(path, LATEST)} names {name!r}, no checkpoint there")
     return os.path.join(path, name)
+
+
+def _what_else(path: str) -> str:
+    """What a directory without a committed checkpoint holds instead, for the message."""
+    names = os.listdir(path)
+    if ".metadata" in names:
+        return "; it is a torch.distributed.checkpoint: read it with checkpoint.import_dcp"
+    if any(n.endswith((".safetensors", ".bin", ".pt", ".pth")) for n in names):
+        return "; it holds weights files: read them with init.from_file or import_torch"
+    if any(".tmp-" in n or _VERSION_DIR.fullmatch(n) for n in names):
+        return "; only an interrupted save"
+    return ""
 
 
 def read_metadata(directory: str) -> dict[str, Any]:

@@ -352,8 +352,21 @@ def test_corrupted_metadata_and_a_missing_pointer_are_named(version: Path) -> No
     meta.write_text("{not json")
     assert "metadata.json is corrupted" in _load_error(version)
     (version.parent / "LATEST").unlink()
-    assert "no committed checkpoint" in _load_error(version.parent)
+    assert "(no LATEST file; only an interrupted save)" in _load_error(version.parent)
     assert "not a directory" in _load_error(version.parent / "nowhere")
+
+
+@pytest.mark.multiprocess
+def test_a_directory_of_other_files_says_how_to_read_them(tmp_path: Path) -> None:
+    # Each was "no LATEST file; only an interrupted save" before.
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    assert "read it with checkpoint.import_dcp" in _load_error(tmp_path / "dcp")
+    assert "read them with init.from_file or import_torch" in _load_error(tmp_path / "hf")
+    assert "(no LATEST file)" in _load_error(tmp_path / "empty")
 
 
 class _Payload:

@@ -136,6 +136,22 @@ def test_a_torch_file_holding_code_is_refused_without_running_it(tmp_path: Path)
     assert not marker.exists()
 
 
+def test_a_torch_file_whose_tensors_are_compressed_is_refused(tmp_path: Path) -> None:
+    # torch.load reads a re-zipped (deflated) file; read at torch.save's offsets, it was
+    # every value wrong, without an error.
+    import zipfile
+
+    saved, packed = tmp_path / "saved.pt", tmp_path / "model.pt"
+    torch.save(tensors(), saved)
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    loaded = torch.load(packed, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors().items())  # torch reads it
+    outs = outcomes(2, _load, str(packed), 1)
+    raised_together(outs, ValueError, "model.pt: its tensors are compressed")
+
+
 class _Payload:
     def __init__(self, marker: str) -> None:
         self.marker = marker
