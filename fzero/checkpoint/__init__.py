@@ -16,9 +16,10 @@ metadata, renames the directory to its version name, and replaces `LATEST` with 
 atomic rename. A crash anywhere leaves `LATEST` naming the previous, complete checkpoint;
 older versions and debris of interrupted saves are deleted only after the switch. (A
 rename of `path` itself over the old checkpoint, the other common scheme, has a window
-in which neither exists.) Loading checks each file's size and SHA-256 before opening it
-with `torch.load(weights_only=True, mmap=True)`: nothing is unpickled but tensors, and a
-rank reads only the pages of the element ranges it needs. All ranks must see the same
+in which neither exists.) Loading checks each file's size and SHA-256 before opening it;
+its index is read with `torch.load(map_location="meta", weights_only=True)` (nothing is
+unpickled but tensors), and a rank reads only the element ranges it needs, each straight
+into its place (`readinto`). All ranks must see the same
 filesystem.
 
 Resharding. A checkpoint is addressed by leaf and element range, never by the saving

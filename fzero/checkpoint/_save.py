@@ -21,8 +21,9 @@ from .._core import (
     pack,
     stage_of,
     tree_flatten,
+    tree_unflatten,
 )
-from .._state import ShardedState, check_live, frozen_leaves
+from .._state import ShardedState, cast_params, check_live, frozen_leaves
 from ..optim import Optimizer
 from . import _disk as disk
 from ._build import resume
@@ -286,13 +287,16 @@ def load(
     try:
         directory = disk.resolve(path)
         body = disk.read_metadata(directory)
-        lay = _target_layout(directory, body, params_like, mesh.shard_size, layout, units, frozen)
+        like = _as_saved(directory, body, params_like, precision)
+        lay = _target_layout(directory, body, like, mesh.shard_size, layout, units, frozen)
         src = disk.FileSource(directory, body)
         dev = mesh.device if device is None else torch.device(device)
         try:
 
             def extras(state: ShardedState) -> ShardedState:
                 buffers = load_buffers(src, body, buffers_like, dev)
+                if buffers is not None and precision is not None:  # as shard_state's
+                    buffers = cast_params(buffers, precision.buffer_dtype)
                 scaler = load_scaler(src, body, loss_scale, dev)
                 return dataclasses.replace(state, buffers=buffers, scaler=scaler)
 
@@ -308,6 +312,32 @@ def load(
     agree(error, None, mesh, f"checkpoint.load({path!r})")
     assert state is not None
     return state
+
+
+def _as_saved(directory: str, body: dict[str, Any], params_like: PyTree, precision: Any) -> PyTree:
+    """`params_like`, its floating leaves in the dtype they were saved in where that is
+    another: a state under `precision` saves its masters (a bfloat16 model's float32),
+    which the loaded state's masters are again. Without `precision` that would make a
+    model of other dtypes: refused, saying what to pass."""
+    leaves, treedef = tree_flatten(params_like)
+    saved = body["layout"]["leaves"]
+    out = list(leaves)
+    for i, (x, s) in enumerate(zip(leaves, saved)):
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or str(dtype) == s["dtype"] or list(x.shape) != s["shape"]:
+            continue  # the same, or another model (`_target_layout` names it)
+        want = dtype_of(s["dtype"])
+        if not (dtype.is_floating_point and want.is_floating_point):
+            continue
+        if precision is None:
+            raise CheckpointError(
+                f"{directory} holds leaf {s['path']!r} in {want}, params_like has it in "
+                f"{dtype}: a state trained under Precision saves its masters. Pass the "
+                f"precision it trained with (its masters are loaded as masters again), or "
+                f"params_like in {want}"
+            )
+        out[i] = torch.empty(x.shape, dtype=want, device="meta")
+    return tree_unflatten(treedef, out)
 
 
 def _target_layout(

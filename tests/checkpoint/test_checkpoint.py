@@ -793,3 +793,65 @@ def test_import_torch_checks_the_models_shapes_and_casts_to_its_dtypes() -> None
     wider = {k: v.detach() for k, v in nn.Linear(4, 8).double().named_parameters()}
     with pytest.raises(ck.CheckpointError, match=r"'bias' is \(6,\), the model's is \(8,\)"):
         run(1, _import_into, sd, wider)
+
+
+def bf16_model_resumes(mesh: fzero.Mesh, path: str, stage: int) -> Any:
+    """A bfloat16 model trained on float32 masters: two steps, a save, a third step; and
+    a load given the model's own (bfloat16) parameters, its third step."""
+    g = torch.Generator().manual_seed(6)
+    params = {"w": torch.randn(4, 3, generator=g).bfloat16(), "b": torch.zeros(3).bfloat16()}
+    prec = fzero.Precision(param_dtype=torch.bfloat16, master_dtype=torch.float32)
+    opt = fzero.optim.adamw(lr=0.01)
+    xs = torch.randn(3, 2 * mesh.size, 4, generator=g)
+
+    def loss_fn(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return (x @ p["w"].float() + p["b"].float()).tanh().square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage)
+    mine = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, precision=prec)
+    for t in range(2):
+        state, _ = step(state, xs[t, mine])
+    ck.save(state, path, mesh)
+    on, _ = step(state, xs[2, mine])
+    with pytest.raises(ck.CheckpointError, match="Pass the precision it trained with"):
+        ck.load(path, mesh, opt, params, stage=stage)
+    loaded = ck.load(path, mesh, opt, params, stage=stage, precision=prec)
+    again, _ = step(loaded, xs[2, mine])
+    first = fzero.master_params(
+        fzero.shard_state(params, opt, mesh, stage=stage, precision=prec), mesh
+    )
+    return fzero.master_params(on, mesh), fzero.master_params(again, mesh), first
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_bf16_model_on_float32_masters_loads_with_its_own_parameters(
+    tmp_path: Path, stage: int
+) -> None:
+    # Its checkpoint holds the float32 masters: the model's own bfloat16 parameters were
+    # refused as "a different model"; given the precision they load as masters again.
+    for on, again, first in run(2, bf16_model_resumes, str(tmp_path / "c"), stage):
+        fzero.assert_trees_close(again, on, rtol=0, atol=0)  # bitwise the unbroken run
+        assert all(v.dtype == torch.float32 for v in again.values())
+        assert not torch.equal(again["w"], first["w"])  # trained
+
+
+def buffers_under_precision(mesh: fzero.Mesh, path: str) -> Any:
+    params = {"w": torch.ones(3, 2)}
+    buffers = {"running_mean": torch.arange(3.0)}
+    prec = fzero.Precision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    opt = fzero.optim.adamw(lr=0.01)
+    made = fzero.shard_state(params, opt, mesh, stage=3, buffers=buffers, precision=prec)
+    ck.save(fzero.shard_state(params, opt, mesh, stage=3, buffers=buffers), path, mesh)
+    loaded = ck.load(path, mesh, opt, params, stage=3, precision=prec, buffers_like=buffers)
+    return made.buffers, loaded.buffers
+
+
+@pytest.mark.multiprocess
+def test_load_casts_buffers_to_the_precisions_buffer_dtype_as_shard_state_does(
+    tmp_path: Path,
+) -> None:
+    made, loaded = run(2, buffers_under_precision, str(tmp_path / "c"))[0]
+    assert made["running_mean"].dtype == loaded["running_mean"].dtype == torch.bfloat16
+    fzero.assert_trees_close(loaded, made, rtol=0, atol=0)
