@@ -283,9 +283,18 @@ def load(
     """
     path = os.fspath(path)
     spec = stage_of(stage)
-    error, state = None, None
+    error, state, directory = None, None, ""
     try:
         directory = disk.resolve(path)
+    except Exception as exc:
+        error = exc
+    # Every rank must read one version: a save committing while they resolve `LATEST`, or
+    # a filesystem that shows ranks other files, would mix two checkpoints' shards.
+    seen = agree(error, os.path.basename(directory), mesh, f"checkpoint.load({path!r})")
+    try:
+        if len(set(seen)) > 1:
+            said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            raise CheckpointError(f"the ranks resolved different versions of {path!r} ({said})")
         body = disk.read_metadata(directory)
         like = _as_saved(directory, body, params_like, precision)
         lay = _target_layout(directory, body, like, mesh.shard_size, layout, units, frozen)

@@ -29,6 +29,7 @@ from tests.gloo_pool import GlooPool
 from tests.support import (
     OPTIMIZERS,
     Case,
+    errors_on_every_rank,
     make_optimizer,
     make_params,
     mlp_loss,
@@ -855,3 +856,19 @@ def test_load_casts_buffers_to_the_precisions_buffer_dtype_as_shard_state_does(
     made, loaded = run(2, buffers_under_precision, str(tmp_path / "c"))[0]
     assert made["running_mean"].dtype == loaded["running_mean"].dtype == torch.bfloat16
     fzero.assert_trees_close(loaded, made, rtol=0, atol=0)
+
+
+def load_each_its_own(mesh: fzero.Mesh, job: Job, paths: list[str]) -> Any:
+    return ck.load(paths[mesh.rank], mesh, make_optimizer(job.optimizer), job.params, stage=1)
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_resolve_different_versions_are_refused(tmp_path: Path) -> None:
+    # A save committing while the ranks read LATEST (here: each rank given its own copy)
+    # mixed two checkpoints' shards without a word.
+    job = make_job([3, 4, 2], 2, 14, "adam")
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for path in paths:
+        run(2, train_and_save, job, 1, 1, "flat", None, path)
+    errors = errors_on_every_rank(2, lambda mesh: load_each_its_own(mesh, job, paths))
+    assert all("the ranks resolved different versions" in e for e in errors), errors
