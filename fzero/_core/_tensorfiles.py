@@ -71,17 +71,24 @@ class TensorFiles:
             self.file_of[name] = full
         self.files: dict[str, TensorFile] = {}
         self.entries: dict[str, Entry] = {}
-        for file in sorted(set(self.file_of.values())):  # headers only: no tensor data
-            opened = self._open(file)
-            for name, f in self.file_of.items():
-                if f == file and name not in opened.entries:
-                    raise ValueError(
-                        f"{index}: tensor {name!r} should be in {os.path.basename(file)}, "
-                        "which does not hold it"
-                    )
-            self.entries.update(
-                {n: e for n, e in opened.entries.items() if self.file_of.get(n) == file}
-            )
+        try:
+            for file in sorted(set(self.file_of.values())):  # headers only: no tensor data
+                self._index(file)
+        except BaseException:
+            self.close()  # the files opened before the bad one
+            raise
+
+    def _index(self, file: str) -> None:
+        """Opens `file` and takes the entries the index puts in it (all of them there)."""
+        opened = self._open(file)
+        for name, f in self.file_of.items():
+            if f == file and name not in opened.entries:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} should be in {os.path.basename(file)}, "
+                    "which does not hold it"
+                )
+        mine = {n: e for n, e in opened.entries.items() if self.file_of.get(n) == file}
+        self.entries.update(mine)
 
     def _open(self, file: str) -> TensorFile:
         if file not in self.files:

@@ -307,7 +307,12 @@ def torch_states_of(
         # The state's step count, for schedules: torch's "step" where its optimizer keeps
         # one and every parameter agrees, as for Adam's.
         steps = {float(st["step"]) for st in states.values() if "step" in st}
-        count = step if step is not None else int(steps.pop()) if len(steps) == 1 else 0
+        if step is None and len(steps) > 1:  # the schedules' count would restart at 0
+            raise CheckpointError(
+                f"parameters are at different steps {sorted(steps)}: pass step= (the "
+                "updates applied, which learning-rate schedules read)"
+            )
+        count = step if step is not None else int(steps.pop()) if steps else 0
     else:
         raise CheckpointError(f"importing cannot map torch.optim state to a {kind}")
     if where:  # the entries and globals at their paths in the chain's state

@@ -872,3 +872,36 @@ def test_ranks_that_resolve_different_versions_are_refused(tmp_path: Path) -> No
         run(2, train_and_save, job, 1, 1, "flat", None, path)
     errors = errors_on_every_rank(2, lambda mesh: load_each_its_own(mesh, job, paths))
     assert all("the ranks resolved different versions" in e for e in errors), errors
+
+
+def import_uneven_steps(mesh: fzero.Mesh, step: int | None) -> int:
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    for t in range(2):
+        opt.zero_grad()
+        net(torch.ones(1, 3)).sum().backward()
+        if t == 1:
+            net.bias.grad = None  # torch steps the weight alone: its step is 2, the bias's 1
+        opt.step()
+    like = {k: v.detach() for k, v in net.named_parameters()}
+    fz = fzero.optim.from_torch(torch.optim.AdamW, lr=0.01)
+    state = ck.import_torch(
+        net.state_dict(),
+        opt.state_dict(),
+        fz,
+        mesh,
+        stage=1,
+        params_like=like,
+        step=step,
+        layout="tensor",
+    )
+    return int(state.step)
+
+
+@pytest.mark.multiprocess
+def test_a_from_torch_import_at_uneven_steps_asks_for_the_step() -> None:
+    # Its step count silently became 0: learning-rate schedules restarted.
+    with pytest.raises(ck.CheckpointError, match=r"different steps \[1.0, 2.0\]: pass step="):
+        run(1, import_uneven_steps, None)
+    assert run(1, import_uneven_steps, 2) == [2]
