@@ -21,10 +21,10 @@ import torch
 from .._core import ShardLayout
 from ._entry import Entry
 
-# Autograd's words for an in-place write to one of several views of one buffer (eagerly
-# "Output 0 of _Enter ...", in a compiled step's trace "Output 0 of View ...").
 _set_versions = torch._C._autograd._unsafe_set_version_counter  # FSDP2's, for the same end
 
+# Autograd's words for an in-place write to one of several views of one buffer (eagerly
+# "Output 0 of _Enter ...", in a compiled step's trace "Output 0 of View ...").
 WRITTEN_VIEW = "is a view and its base or another view of its base has been modified inplace"
 
 
@@ -37,7 +37,8 @@ class Writes:
     forward is done with it and its writes are still seen at the end. `every`: watch
     trainable buckets too (a forward without gradients, where autograd refuses nothing).
     `replica`: the buckets are the state's own buffers (stages 0-2), which a write has
-    changed already.
+    changed already. Under `torch.inference_mode()` nothing is watched: its tensors keep
+    no version counter.
     """
 
     def __init__(self, layout: ShardLayout, replica: bool) -> None:
@@ -47,7 +48,8 @@ class Writes:
     def watch(self, entry: Entry, fulls: tuple[torch.Tensor, ...]) -> None:
         """`entry`'s full buckets, as the forward receives them."""
         for i, full in zip(entry.buckets, fulls):
-            if self.every or self.layout.buckets[i].frozen:
+            # An inference tensor (a forward under torch.inference_mode()) keeps no count.
+            if (self.every or self.layout.buckets[i].frozen) and not full.is_inference():
                 version, alias = full._version, full.detach()
                 alias.set_()
                 # `set_` counts as a write: put the counter back, or a unit entered twice

@@ -168,3 +168,21 @@ def test_a_refused_frozen_write_leaves_a_stage_3_state_usable() -> None:
     ref.step()
     assert not torch.equal(after, before)
     torch.testing.assert_close(after, params["head.weight"].detach(), rtol=1e-12, atol=1e-12)
+
+
+def _under_inference_mode(mesh: fzero.Mesh, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+    model, params = _setup(False)
+    model.emb.max_norm = None
+    opt = fzero.optim.adamw(lr=0.05)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=["emb", "head"])
+    forward = fzero.sharded_forward(lambda p, x: functional_call(model, p, (x,)), mesh)
+    x = _batch(0)[0]
+    with torch.inference_mode():  # its tensors keep no version counter to watch
+        return forward(state, x), model(x)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_forward_under_inference_mode_is_not_watched(stage: int) -> None:
+    for got, want in run(2, _under_inference_mode, stage):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
