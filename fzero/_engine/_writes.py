@@ -122,7 +122,14 @@ def frozen_written(paths: list[str], rank: int, writes: Writes) -> ValueError:
         else f"one or more of the {kind}parameters {', '.join(map(repr, paths))}"
     )
     kept = " This rank's copy is written already: go on from a state before it." * writes.replica
-    return ValueError(f"rank {rank}: the loss wrote {which} in place. {_READ_ONLY}{kept}")
+    buffer = (
+        " A buffer (BatchNorm's running statistics) passed as a frozen parameter belongs "
+        "in shard_state(buffers=), whose new values a step returns."
+    )
+    return ValueError(
+        f"rank {rank}: the loss wrote {which} in place. {_READ_ONLY}.{kept}"
+        + buffer * (not writes.every)
+    )
 
 
 _READ_ONLY = (
