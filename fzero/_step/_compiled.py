@@ -79,6 +79,7 @@ from ._entries import (
     entered_gather,
     jit_bursts,
 )
+from ._loss import kept_batch
 from ._options import GRAPH_BURST
 from ._traced_comm import entry_axes, hpz_axes, sent_finite
 from ._traced_hooks import TracedHooks, ghost_beside_tensors, ghosts, unhooked_use
@@ -170,9 +171,8 @@ class CompiledLoss:
                     for s in layout.buckets[i].slots
                 )
                 self.jit[u] = (len(self.jit_runs) - 1, slots, spec_of(layout.unit_members(u)))
-        # The tree's structure as a tree of leaf indices: rebuilt inside the graph by
-        # `tree_map` (torch.compile traces optree's Python side, not a PyTreeSpec made
-        # outside it).
+        # The tree's structure as a tree of leaf indices, rebuilt inside the graph by
+        # `tree_map` (dynamo traces optree's Python side, not a PyTreeSpec made outside).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.cuts = [cuts(b) for b in layout.buckets]
         self.backend, self.pieces = backend, False
@@ -190,8 +190,8 @@ class CompiledLoss:
         a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         self.arrived = self.meets is None
-        keep = torch.is_grad_enabled() or self.meets is not None  # a step's, a gathering forward's
-        kept = optree.tree_map(lambda x: x, batch, namespace=NAMESPACE) if keep else None
+        # Kept by a step's, or a gathering forward's, for a rank without data next time.
+        kept = kept_batch(batch) if torch.is_grad_enabled() or self.meets is not None else None
         out = self._call(leaves, fulls, batch, buffers)
         if self._communicates():  # an open comm_ledger cannot see them: it says so
             graph_ran()

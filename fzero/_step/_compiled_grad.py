@@ -7,18 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
 
 from .._comm import Mesh
-from .._core import NAMESPACE, LossFn, Shards, grads_of, is_bad_loss
+from .._core import LossFn, Shards, grads_of, is_bad_loss
 from .._engine import Trained, explained
 from .._state import ShardedState
 from ._aux import Aux
 from ._compiled import CompiledLoss
 from ._entries import entry_inputs
 from ._local import local_leaves, reduce_sums
-from ._loss import BufferThread, copied
+from ._loss import BufferThread, copied, private_batch
 from ._loss_weights import Weighed
 from ._sync import StepSync
 from ._traced_comm import check_sent
@@ -149,11 +148,11 @@ def stands_in(compiled: CompiledLoss, micro: list[Any]) -> bool:
 
 def stand_in(compiled: CompiledLoss, micro: list[Any]) -> Any:
     """The batch a rank without data runs through the graph in a micro-batch's place: its
-    last (`CompiledLoss.last`), else one of this step's own, its containers copied (its
-    loss, which may pop from them, has yet to run on it). Its loss is not counted and its
+    last (`CompiledLoss.last`), else a private copy of one of this step's own (its loss,
+    which may pop from its containers or scale its tensors in place, has yet to run on
+    it). Its loss is not counted and its
     gradients are zero (the anchor's); only the collectives matter, which depend on the
     parameters, not on the batch."""
     if compiled.last is not None:
         return compiled.last
-    mine = next(mb for mb in micro if mb is not None)
-    return optree.tree_map(lambda x: x, mine, namespace=NAMESPACE)
+    return private_batch(next(mb for mb in micro if mb is not None))

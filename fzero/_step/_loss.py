@@ -1,20 +1,52 @@
-"""Loss wrappers a step composes: buffers threaded through, and loss scaling."""
+"""Loss wrappers a step composes: buffers threaded through, and loss scaling; and the
+copies of a batch a rank without data runs again."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 
 from .._comm import Mesh, all_reduce_mean, all_reduce_sum, broadcast_
-from .._core import LossFn, PyTree, check_loss, leaf_paths, tree_flatten, tree_map
+from .._core import NAMESPACE, LossFn, PyTree, check_loss, leaf_paths, tree_flatten, tree_map
 
 
 def copied(buffers: PyTree) -> PyTree:
     """Detached copies of a state's buffers, for a loss (or forward) that may update them
     in place, as functional_call does with BatchNorm's statistics."""
     return tree_map(lambda b: b.detach().clone(), buffers)
+
+
+def kept_batch(batch: Any) -> Any:
+    """`batch` as a rank without data keeps it to run again (`CompiledLoss.last`): its
+    containers copied, the ones the tree walks and the ones it does not (a Hugging Face
+    `BatchEncoding`), so a loss that pops from them pops from the copy; tensors shared."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x
+        try:
+            return copy.copy(x)
+        except Exception:  # an object that cannot be copied: shared, as before
+            return x
+
+    return optree.tree_map(leaf, batch, namespace=NAMESPACE)
+
+
+def private_batch(batch: Any) -> Any:
+    """A copy of `batch` its loss cannot reach the original through (a rank without data
+    running, in a micro-batch's place, one of its own still to come: the loss may scale
+    its tensors in place or pop from its containers)."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        return copy.deepcopy(x)
+
+    return optree.tree_map(leaf, batch, namespace=NAMESPACE)
 
 
 class BufferThread:
