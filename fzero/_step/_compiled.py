@@ -25,9 +25,8 @@ recompute gathers inside the group of k from the 1/k kept, `_entries.Regather`).
 submodule runs (`_traced_hooks`).
 
 Consecutive buckets of one dtype share one collective, up to `reduce_bucket_bytes`
-(`bursts`; 4 MiB by default at stages 1-3: a burst's reduction runs beside the rest of
-the backward, and at stage 3 its gather is waited for before the units it enters
-compute, so smaller bursts let both follow sooner, while tiny units still share one).
+(`bursts`; 4 MiB by default at stages 1-3: smaller bursts reduce beside the backward,
+and at stage 3 let the units compute sooner after their gathers; tiny units still share).
 How each burst's bytes travel (as they are, as gloo's all-to-all, or as ZeRO++'s int8
 blocks): `_traced_comm`. Each rank's gradient is divided by the ranks in the reduce
 dtype before the collective sums it, as the eager engine's is (an fp16 sum could
@@ -35,10 +34,10 @@ overflow where the mean does not); the values agree with eager to rounding, not
 bitwise (quantized, to the int8 blocks' error: the graph cuts its blocks per burst,
 the eager engine per collective it issues). The update, the loss weights' exchange and
 the gather after the update are the eager step's (`_body`), fzero's optimizers fused
-(`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch, each run
-reducing its own (eager `accumulate="sharded"`); "local" accumulation runs a graph
-without collectives and reduces the sum after the last (`_local`). The gradient per
-micro-batch: `_compiled_grad`; what compiles, and what is refused: `_compile_checks`.
+(`fzero.optim._fused`). Accumulating, the graph runs once per micro-batch, each reducing
+its own (eager "sharded"); "local" runs a graph without collectives and reduces the sum
+after the last (`_local`). The gradient per micro-batch: `_compiled_grad`; what
+compiles, and what is refused: `_compile_checks`.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ from .._comm import Mesh, QuantizedComm, graph_ran
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
+from ._compile_checks import check_pieces
 from ._dynamo import (
     batch_shapes,
     compile_loss,
@@ -100,15 +100,13 @@ class CompiledLoss:
       jit: the units entered where the loss asks for them (`fzero.gathered`), inside
         the graph; the others enter before the loss.
       reshard: at stage 3, a just-in-time unit's gather is recomputed for its backward
-        rather than its full parameters kept from the forward (the compiler's remat,
-        where eager frees them after the unit's forward and gathers again); not with
-        `local`, which gathers the whole model once for the step. An int k is hpZ's:
-        the gather runs over the ranks at this rank's place in every group of k, then
-        inside its group, and the backward recomputes the second alone (`Regather`).
+        rather than its full parameters kept from the forward (the compiler's remat);
+        not with `local`, which gathers the whole model once. An int k is hpZ's: the
+        gather runs over the ranks at this rank's place in every group of k, then inside
+        its group, and the backward recomputes the second alone (`Regather`).
       local: local accumulation (`_local`): the leaves are the full buffers, entered as
-        they are, and the graph has no collective.
-      hooked: the units `module=`'s hooks enter, with their submodules
-        (`hookable_units`): each enters the graph where its submodule runs.
+        they are; the graph has no collective.
+      hooked: the units `module=`'s hooks enter (`hookable_units`), each where it runs.
       quant: ZeRO++'s int8 traffic (`sharded_step(quantize=...)`), if any: stage 3's
         gathers (qwZ) and the reductions of stages 1-3 (qgZ), `_traced_comm`.
     """
@@ -171,8 +169,8 @@ class CompiledLoss:
                     for s in layout.buckets[i].slots
                 )
                 self.jit[u] = (len(self.jit_runs) - 1, slots, spec_of(layout.unit_members(u)))
-        # The tree's structure as a tree of leaf indices, rebuilt inside the graph by
-        # `tree_map` (dynamo traces optree's Python side, not a PyTreeSpec made outside).
+        # The tree as a tree of leaf indices, rebuilt in the graph by `tree_map` (dynamo
+        # traces optree's Python side, not a PyTreeSpec made outside).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.cuts = [cuts(b) for b in layout.buckets]
         self.backend, self.pieces = backend, False
@@ -206,10 +204,12 @@ class CompiledLoss:
         its first gather: called as a graph holding a collective starts to run
         (`compile_loss`'s `before_run`), or by an entry run eagerly. A rank whose trace
         raised runs no graph; without it, its peers would wait in their graph's unpolled
-        first gather until the timeout (docs/design.md, [Note: failing together])."""
+        first gather until the timeout (docs/design.md, [Note: failing together]). It
+        carries whether each rank runs the loss in pieces (`check_pieces`)."""
         if not self.arrived:  # False only where there is a barrier (`__call__`)
             self.arrived = True
-            _comm.barrier(self.meets)
+            said = _comm.all_gather_ints_async([self.pieces], self.meets)()
+            check_pieces(said, self.reshard and torch.is_grad_enabled())
 
     def _communicates(self) -> bool:
         """Whether this call's graph runs collectives (stage 3's gathers, or reductions)."""
