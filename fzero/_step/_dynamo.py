@@ -122,10 +122,36 @@ def compile_loss(
     step. A compiled loss is made for one layout and never sees another (the step's
     cache keys it by layout), so those guards can only pass. The user's loss keeps all
     of its guards: what it reads may change between calls."""
-    options: dict[str, Any] = {}
     if fixed and hasattr(torch._dynamo.types, "GuardFilterEntry"):  # torch >= 2.8
         roots = tuple(f"L['self'].{name}" for name in fixed)
-        options["guard_filter_fn"] = functools.partial(_unfixed, roots)
+        make = functools.partial(_compile, fn, backend, fullgraph, before_run)
+        return _Filtered(make, functools.partial(_unfixed, roots))
+    return _compile(fn, backend, fullgraph, before_run, None)
+
+
+class _Filtered:
+    """A compiled function whose fixed guards are dropped, and, where torch cannot build
+    the guards under a filter, kept: with a `guard_filter_fn`, torch 2.13 builds a
+    `torch.from_numpy` guard twice and compares two tensors (`InternalTorchDynamoError`:
+    a loss reading numpy arrays from its batch could not compile). That trace ran
+    nothing, so it is traced again keeping every guard."""
+
+    def __init__(self, make: Callable[[Any], Any], guard_filter: Any) -> None:
+        self.make, self.fn = make, make(guard_filter)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except torch._dynamo.exc.InternalTorchDynamoError as exc:
+            if self.make is None or "Boolean value of Tensor" not in str(exc):
+                raise
+            self.fn, self.make = self.make(None), None
+            return self.fn(*args)
+
+
+def _compile(fn: Any, backend: str, fullgraph: bool, before_run: Any, guard_filter: Any) -> Any:
+    """`compile_loss`'s torch.compile, with `guard_filter` (None: every guard kept)."""
+    options: dict[str, Any] = {} if guard_filter is None else {"guard_filter_fn": guard_filter}
     patches: dict[str, Any] = {}
     if backend == "inductor":
         import torch._inductor.comms as comms  # inductor's, loaded only where it compiles

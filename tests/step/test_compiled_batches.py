@@ -151,3 +151,32 @@ def test_one_rank_in_pieces_at_stage_3_is_refused_on_every_rank() -> None:
     assert said[0] == said[1], said
     assert "rank(s) [1] run this compiled loss in pieces" in said[0], said
     assert "reshard_after_forward=False" in said[0]
+
+
+def numpy_loss(p: Any, batch: Any) -> torch.Tensor:
+    x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["y"])
+    return ((_model(p, x) - y) ** 2).mean()
+
+
+def _numpy_batch(seed: int) -> dict[str, Any]:
+    b = _batch(seed)
+    return {"x": b["x"].numpy(), "y": b["y"].numpy()}
+
+
+def numpy_batches(mesh: fzero.Mesh) -> Any:
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(_params(), opt, mesh, stage=1, units=["a", "b"])
+    step = fzero.sharded_step(numpy_loss, opt, mesh, stage=1, compile="aot_eager")
+    for t in range(2):
+        state, _ = step(state, _numpy_batch(10 * t + mesh.rank))
+    return fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_loss_reading_numpy_arrays_from_its_batch_compiles() -> None:
+    # Under the step's guard filter torch built the from_numpy guard twice and raised an
+    # InternalTorchDynamoError on every rank; it is traced again keeping every guard.
+    want = _reference(numpy_loss, [[_numpy_batch(10 * t + r) for r in range(2)] for t in range(2)])
+    for got in run(2, numpy_batches):
+        fzero.assert_trees_close(got, want, rtol=1e-12, atol=1e-12)
