@@ -98,6 +98,13 @@ def _holds_tensors(module: nn.Module) -> bool:
 # runs it on a thread of its own).
 _STEP: ContextVar[_Step | None] = ContextVar("fzero_recompute_step", default=None)
 _GENERATOR = "_checkpoint_without_reentrant_generator"  # torch >= 2.1
+
+
+def current_step() -> Any:
+    """The step running now, as checkpoints see it (None: outside one)."""
+    return _STEP.get()
+
+
 _INSTALLED: list[bool] = []
 _LOCK = threading.Lock()
 
@@ -183,30 +190,36 @@ def recomputing(where: Slots, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def run(*a: Any, **kw: Any) -> Any:
         bound = later()
-        # A compiled step's placeholders (units module='s hooks enter inside the graph,
-        # which cannot enter again here) are bound as they were: a recompute that reads
-        # one fails on the meta device, said as what it is; one that does not, runs.
-        apart = step is not None and step.compiled and any(_meta(v) for _, _, v in bound)
-        with keep(), bind(bound):
-            try:
-                return fn(*a, **kw)
-            # What reading a placeholder raises: an op mixing meta and real tensors
-            # (RuntimeError, torch's recompute check among them), or one without a meta
-            # kernel (NotImplementedError). Anything else, or no placeholder, as it is.
-            except (RuntimeError, NotImplementedError) as exc:
-                if not (apart and "meta" in str(exc)):
-                    raise
-                what = getattr(fn, "__qualname__", type(fn).__name__)
-                raise ValueError(
-                    f"fzero: a torch.utils.checkpoint of {what} ran outside a compiled "
-                    "step's graph (the loss compiles in pieces) over a unit that module='s "
-                    "hooks enter, and its recompute in the backward cannot enter it again: "
-                    "enter that unit before the loss (no module=), checkpoint it with "
-                    "fzero.remat, or step it eagerly"
-                ) from exc
+        with keep(), bind(bound), placeholders_said(step, bound, fn, "torch.utils.checkpoint"):
+            return fn(*a, **kw)
 
     run._fzero_rebinds = True  # type: ignore[attr-defined]
     return run
+
+
+@contextlib.contextmanager
+def placeholders_said(step: Any, bound: Any, fn: Any, how: str) -> Iterator[None]:
+    """Around a recompute: a compiled step's placeholders (units module='s hooks enter
+    inside the graph, which cannot enter again here) are bound as they were, and a
+    recompute that reads one fails on the meta device: said as what it is (`how`: the
+    checkpoint's name). One that reads none runs."""
+    apart = step is not None and step.compiled and any(_meta(v) for _, _, v in bound)
+    try:
+        yield
+    # What reading a placeholder raises: an op mixing meta and real tensors
+    # (RuntimeError, torch's recompute check among them), or one without a meta kernel
+    # (NotImplementedError). Anything else, or no placeholder, as it is.
+    except (RuntimeError, NotImplementedError) as exc:
+        if not (apart and "meta" in str(exc)):
+            raise
+        what = getattr(fn, "__qualname__", type(fn).__name__)
+        raise ValueError(
+            f"fzero: a {how} of {what} ran outside a compiled step's graph (the loss "
+            "compiles in pieces, and fzero.remat always breaks the graph) over a unit that "
+            "module='s hooks enter, and its recompute in the backward cannot enter it "
+            "again: checkpoint the unit's body rather than the unit (inside it), enter "
+            "that unit before the loss (no module=), or step it eagerly"
+        ) from exc
 
 
 def kept() -> Callable[[], contextlib.AbstractContextManager[None]]:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._bindings import Bindings, bind, bindings, recall, slots
-from ._checkpoints import kept
+from ._checkpoints import current_step, kept, placeholders_said
 
 
 def remat(module: nn.Module) -> Callable[..., Any]:
@@ -61,9 +61,11 @@ def rebound(
     now: Bindings | None = bindings(slots([module]))
     later = recall(now)
     keep = kept()  # for checkpoints nested in the recompute
+    step = current_step()
 
     def run(*a: Any, **kw: Any) -> Any:
-        with keep(), bind(now if now is not None else later()):  # else: the recompute
+        bound = now if now is not None else later()  # else: the recompute
+        with keep(), bind(bound), placeholders_said(step, bound, fn, "fzero.remat"):
             return fn(*a, **kw)
 
     run._fzero_rebinds = True  # type: ignore[attr-defined]  # torch's checkpoint: as it is

@@ -107,3 +107,36 @@ def test_checkpointing_around_units_communicates_no_more_than_inside_them(stage:
         # but from the second step the last two blocks, which stay gathered into the backward
         assert inside_gathers == steps * (1 + 2 * blocks) - (steps - 1) * 2
     assert outside_reduced == inside_reduced
+
+
+def compiled_remat(mesh: fzero.Mesh, how: str) -> str:
+    """A compiled stage-3 step with module hooks: remat around a unit ("outside") or
+    inside its body ("inside")."""
+    model, xs, ys = make(how, mesh.size)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=fzero.units.by_module(model, Block))
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, module=model, compile="aot_eager")
+    sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+    with pytest.warns(RuntimeWarning, match="breaks torch.compile's graph"):
+        try:
+            step(state, (xs[0, sl], ys[0, sl]))
+        except ValueError as exc:
+            return str(exc)
+    return "trained"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_compiled_remat_around_a_hooked_unit_is_refused_naming_the_remedy() -> None:
+    # fzero.remat breaks the graph; around a unit module='s hooks enter it recorded the
+    # compiled step's placeholders, and its recompute failed inside torch on the meta
+    # device. Its body checkpointed (the remedy named) trains.
+    for said in run(2, compiled_remat, "outside"):
+        assert said.startswith("fzero: a fzero.remat of Block ran outside"), said
+        assert "checkpoint the unit's body rather than the unit" in said
+    assert run(2, compiled_remat, "inside") == ["trained"] * 2
