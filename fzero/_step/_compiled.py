@@ -66,8 +66,8 @@ from ._dynamo import (
     own_code,
     quiet,
     raised_in_trace,
-    recompiled,
     unentered_use,
+    warn_recompiled,
 )
 from ._entries import (
     AllReduce,
@@ -179,7 +179,7 @@ class CompiledLoss:
         self.arrived = True  # this call's barrier is behind it (or there is none)
         self.compiled = self._compile(fullgraph=True)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's
-        self.last: Any = None  # the batch a rank without data runs again (containers copied)
+        self.last: Any = None  # the batch a rank without data runs again (`kept_batch`)
 
     def __call__(
         self, leaves: list[torch.Tensor], fulls: list[Any], batch: Any, buffers: Any = None
@@ -188,14 +188,14 @@ class CompiledLoss:
         a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         self.arrived = self.meets is None
-        # Kept by a step's, or a gathering forward's, for a rank without data next time.
+        # For a rank without data next time, by a step's, or a gathering forward's.
         kept = kept_batch(batch) if torch.is_grad_enabled() or self.meets is not None else None
         out = self._call(leaves, fulls, batch, buffers)
         if self._communicates():  # an open comm_ledger cannot see them: it says so
             graph_ran()
         shapes = batch_shapes(batch)
         if self.shapes is not None and graphs_compiled() > before:
-            warnings.warn(recompiled(self.rank, self.shapes, shapes), RuntimeWarning, stacklevel=2)
+            warn_recompiled(self.rank, self.shapes, shapes, self.pieces)
         self.shapes, self.last = shapes, kept
         return out
 

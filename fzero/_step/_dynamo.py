@@ -239,22 +239,35 @@ def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)]
 
 
-def recompiled(rank: int, before: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str:
-    """Says that a compiled step's loss was compiled again, and why as far as fzero sees."""
+def recompiled(
+    rank: int, before: list[tuple[int, ...]], now: list[tuple[int, ...]], pieces: bool = False
+) -> str:
+    """Says that a compiled step's loss was compiled again, and why as far as fzero sees
+    (`pieces`: it runs in pieces, where a path not taken before compiles its first)."""
     config = torch._dynamo.config
     limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
-    why = (
-        f"its batch's shapes changed, {before} -> {now}: after one such recompile "
-        "torch.compile marks the dimension dynamic"
-        if before != now
-        else "a guard of its graphs failed (a dtype, device or Python value the loss reads)"
-    )
+    if before != now:
+        why = (
+            f"its batch's shapes changed, {before} -> {now}: after one such recompile "
+            "torch.compile marks the dimension dynamic"
+        )
+    elif pieces:
+        why = "a piece ran for the first time (a path not taken before), or a guard failed"
+    else:
+        why = "a guard of its graphs failed (a dtype, device or Python value the loss reads)"
     return (
         f"fzero: rank {rank}: the compiled step's loss was compiled again ({why}); a step "
         f"function compiles at most {limit} graphs (torch._dynamo.config.recompile_limit), "
         "past which it is compiled in pieces, and past their limit runs eagerly; "
         "TORCH_LOGS=recompiles names each guard that failed"
     )
+
+
+def warn_recompiled(
+    rank: int, before: list[tuple[int, ...]], now: list[tuple[int, ...]], pieces: bool
+) -> None:
+    """The RuntimeWarning of `recompiled`, at the compiled loss's caller."""
+    warnings.warn(recompiled(rank, before, now, pieces), RuntimeWarning, stacklevel=3)
 
 
 def in_pieces(rank: int, why: str) -> str:
