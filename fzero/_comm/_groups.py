@@ -35,15 +35,44 @@ def agree_shard_size(shard_size: Any, world: Axis) -> int:
     return mine
 
 
-def _new_group(ranks: list[int], parent: Axis, backend: str | None = None) -> Any:
-    """A group over `ranks` (global) with `parent`'s timeout."""
-    # Only the members build it (local synchronization): a mesh over a sub-group must not
-    # need every process of the job. And it waits as long as the user's group does, not
-    # torch's default for new groups (30 minutes): a peer that stops calling a collective
-    # must fail the others within the timeout the user chose.
-    return dist.new_group(
-        ranks, backend=backend, timeout=timeout_of(parent.group), use_local_synchronization=True
-    )
+def _new_group(
+    ranks: list[int], parent: Axis, backend: str | None = None, every: Any = None
+) -> Any:
+    """A group over `ranks` (global) with `parent`'s timeout: it waits as long as the
+    user's group does, not torch's default for new groups (30 minutes), so a peer that
+    stops calling a collective fails the others within the timeout the user chose.
+
+    `every`: all the groups of this kind, `ranks` among them, the same list on every rank
+    of `parent`. Where `parent` spans the whole job, every rank makes every one of them in
+    that order, as DeviceMesh does: torch names such a group by a count every rank keeps
+    alike. Otherwise only the members make theirs (a mesh over a sub-group must not need
+    every process of the job), and torch names it by a count of the groups each member
+    has registered, which the job's other groups may have left apart: checked first."""
+    timeout = timeout_of(parent.group)
+    if every is not None and parent.size == dist.get_world_size():
+        made = [(g, dist.new_group(g, backend=backend, timeout=timeout)) for g in every]
+        return next(group for g, group in made if g == ranks)
+    _check_names(parent)
+    return dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+
+
+def _check_names(parent: Axis) -> None:
+    """Raises on every rank of `parent` where its ranks have registered different numbers
+    of process groups: the members of a group made with local synchronization would name
+    it apart (torch hashes that count in) and wait for each other until the timeout."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    if parent.size == 1 or names is None:
+        return
+    counts: list[Any] = [None] * parent.size
+    dist.all_gather_object(counts, len(names), group=parent.group)
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"rank {parent.rank}: the mesh's ranks have made different numbers of process "
+            f"groups ({counts}, by rank), and torch would name the groups this mesh makes "
+            "over them apart (a hang until the timeout). Build fzero's meshes first, or "
+            "over the whole job, or make the same groups on each of its ranks"
+        )
 
 
 def timeout_of(group: Any) -> timedelta | None:
@@ -103,7 +132,8 @@ def control_group(world: Axis) -> Any:
     mixed "cpu:gloo,cuda:nccl"), else a new gloo group (collective over `world`)."""
     if world.size == 1 or backend_for(world.group, torch.device("cpu")) is not None:
         return world.group
-    return _new_group([world.global_rank(r) for r in range(world.size)], world, backend="gloo")
+    ranks = [world.global_rank(r) for r in range(world.size)]
+    return _new_group(ranks, world, backend="gloo", every=[ranks])
 
 
 def twin_group(axis: Axis) -> Any:
@@ -111,16 +141,20 @@ def twin_group(axis: Axis) -> Any:
     where it has no gloo backend for CPU tensors or one rank (collective over `axis`)."""
     if axis.size == 1 or backend_for(axis.group, torch.device("cpu")) != "gloo":
         return None
-    return _new_group([axis.global_rank(r) for r in range(axis.size)], axis, backend="gloo")
+    ranks = [axis.global_rank(r) for r in range(axis.size)]
+    return _new_group(ranks, axis, backend="gloo", every=[ranks])
 
 
 def new_axes(world: Axis, s: int) -> tuple[Any, Any]:
     """The process groups of a 2-D mesh for this rank: its group of `s` consecutive ranks
     of `world` (the shard axis) and the ranks at its place in every group (replicas)."""
     g, i = divmod(world.rank, s)
-    shard = _new_group([world.global_rank(g * s + j) for j in range(s)], world)
-    replica = _new_group([world.global_rank(h * s + i) for h in range(world.size // s)], world)
-    return shard, replica
+    n = world.size // s
+    shards = [[world.global_rank(h * s + j) for j in range(s)] for h in range(n)]
+    replicas = [[world.global_rank(h * s + j) for h in range(n)] for j in range(s)]
+    return _new_group(shards[g], world, every=shards), _new_group(
+        replicas[i], world, every=replicas
+    )
 
 
 def new_secondary(shard: Axis, k: int) -> Axis:
@@ -134,8 +168,8 @@ def new_secondary(shard: Axis, k: int) -> Axis:
             f"the {shard.size} ranks that shard on every rank (got {out})"
         )
     g, j = divmod(shard.rank, k)
-    group = _new_group([shard.global_rank(g * k + m) for m in range(k)], shard)
-    return Axis("secondary", group, j, k)
+    every = [[shard.global_rank(h * k + m) for m in range(k)] for h in range(shard.size // k)]
+    return Axis("secondary", _new_group(every[g], shard, every=every), j, k)
 
 
 def new_secondary_peers(shard: Axis, k: int) -> Axis:
@@ -144,8 +178,8 @@ def new_secondary_peers(shard: Axis, k: int) -> Axis:
     then over its group of k (collective over `shard`'s ranks, k already agreed)."""
     g, j = divmod(shard.rank, k)
     groups = shard.size // k
-    group = _new_group([shard.global_rank(h * k + j) for h in range(groups)], shard)
-    return Axis("shard", group, g, groups)
+    every = [[shard.global_rank(h * k + m) for h in range(groups)] for m in range(k)]
+    return Axis("shard", _new_group(every[j], shard, every=every), g, groups)
 
 
 # What gloo and NCCL say when a peer never arrives or has gone (their errors are plain

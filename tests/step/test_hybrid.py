@@ -465,3 +465,52 @@ def test_a_state_from_another_mesh_shape_is_refused() -> None:
 
     for msg in errors_on_every_rank(4, fn):
         assert "the state is sharded over 4 ranks, the mesh shards over 2" in msg
+
+
+def _after_a_group_of_their_own(mesh: fzero.Mesh, xs: Any, ys: Any, hpz: bool) -> Any:
+    """The job made a group of two ranks before the mesh (every rank calls new_group, as
+    torch asks; only its members register it), then a 2-D mesh with hpZ."""
+    import torch.distributed as dist
+
+    dist.new_group([0, 1])
+    hybrid = fzero.ProcessGroupMesh(shard_size=2)
+    kw = {"reshard_after_forward": 2} if hpz else {}
+    return _train(hybrid, _model(7), xs, ys, "pure", stage=3, **kw)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("hpz", [False, True])
+def test_a_mesh_after_the_jobs_own_groups_trains(hpz: bool) -> None:
+    # Its groups were made by their members alone, which torch names by a count of the
+    # groups each has registered: ranks 0-1 counted one more, and every rank waited for
+    # the others under another name until the timeout.
+    model = _model(7)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    xs, ys = _data(7, 4)
+    ref = _reference(start, xs, ys)
+    for params in run(4, _after_a_group_of_their_own, xs, ys, hpz):
+        _check(params, ref, start)
+
+
+def _sub_mesh_after_uneven_groups(mesh: fzero.Mesh) -> str:
+    """Ranks 1-3 build a mesh over themselves after ranks 0-1 made a group of their own:
+    its groups are made by their members alone, whose counts differ."""
+    import torch.distributed as dist
+
+    dist.new_group([0, 1])
+    sub = dist.new_group([1, 2, 3])
+    if mesh.rank == 0:
+        return "not in it"
+    try:
+        fzero.ProcessGroupMesh(group=sub)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_sub_group_mesh_whose_ranks_made_other_groups_is_refused() -> None:
+    said = run(4, _sub_mesh_after_uneven_groups)
+    for msg in said[1:]:
+        assert "the mesh's ranks have made different numbers of process groups" in msg, said
