@@ -302,24 +302,26 @@ def all_reduce_async(
     check_alive()
     with _plain_tensors():
         flat = _unwrap(flat).detach()
+        contiguous = torch.contiguous_format
         if dtype is not None and dtype != flat.dtype:
-            out = flat.to(dtype)
+            out = flat.to(dtype, memory_format=contiguous)
         else:
-            out = flat.contiguous() if owned else flat.clone()
+            out = flat.contiguous() if owned else flat.clone(memory_format=contiguous)
         if mesh.size == 1 or out.numel() == 0:
             return out, None
         if mesh.replicas == 1 or mesh.shard_size == 1:
             axis = mesh.shard if mesh.replicas == 1 else mesh.replica
             return out, _all_reduce_on(out, axis)
-        n, s = out.numel(), mesh.shard_size
-        padded = torch.nn.functional.pad(out, (0, -n % s)) if n % s else out
+        # Cut along its elements, whatever its shape (a buffer's: 0-d, or a matrix).
+        n, s, line = out.numel(), mesh.shard_size, out.view(-1)
+        padded = torch.nn.functional.pad(line, (0, -n % s)) if n % s else line
         part, work = reduce_scatter_async(padded, mesh)  # summed across groups on wait
 
         def gather_back() -> None:
             work.wait()
             all_gather(part, mesh, out=padded)
-            if padded is not out:
-                out.copy_(padded[:n])
+            if padded is not line:
+                line.copy_(padded[:n])
 
         return out, _Then(None, gather_back)
 

@@ -514,3 +514,34 @@ def test_a_sub_group_mesh_whose_ranks_made_other_groups_is_refused() -> None:
     said = run(4, _sub_mesh_after_uneven_groups)
     for msg in said[1:]:
         assert "the mesh's ranks have made different numbers of process groups" in msg, said
+
+
+BUFFER_SHAPES = [(), (3,), (4, 3), (5, 2, 2)]
+
+
+def _buffers_meaned(mesh: fzero.Mesh) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each rank's loss sets every buffer to (rank + 1) times a pattern; buffer_sync="mean"."""
+    bases = [
+        torch.arange(1.0, 1 + torch.Size(s).numel(), dtype=torch.float64).reshape(s)
+        for s in BUFFER_SHAPES
+    ]
+    params = {"w": torch.ones(4, dtype=torch.float64)}
+    buffers = {f"b{i}": torch.zeros_like(b) for i, b in enumerate(bases)}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=1, buffers=buffers)
+
+    def loss(p: Any, b: Any, x: torch.Tensor) -> Any:
+        return (p["w"] * x).sum(), {f"b{i}": v * (mesh.rank + 1) for i, v in enumerate(bases)}
+
+    step = fzero.sharded_step(loss, opt, mesh, stage=1, buffer_sync="mean")
+    state, _ = step(state, torch.ones(4, dtype=torch.float64))
+    return [state.buffers[f"b{i}"] for i in range(len(bases))], bases
+
+
+@pytest.mark.multiprocess
+def test_buffers_of_any_shape_are_averaged_on_a_2d_mesh() -> None:
+    # The hierarchical all-reduce padded and cut a buffer along its last dimension and its
+    # rows: a 0-d or matrix buffer failed, with another error on each rank.
+    for got, bases in fzero.Simulation(6, collective_timeout=30, shard_size=3).run(_buffers_meaned):
+        for g, b in zip(got, bases):
+            torch.testing.assert_close(g, b * 3.5, rtol=0, atol=0)  # the mean of 1..6
