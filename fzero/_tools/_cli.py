@@ -105,8 +105,8 @@ def comm_table(args: argparse.Namespace) -> list[str]:
     shape = (
         f"groups of {args.shard_size} shard, the groups replicate"
         if args.shard_size
-        else ("sharded over all ranks" + (f", hpZ groups of {args.hpz}" if args.hpz else ""))
-    )
+        else "sharded over all ranks"
+    ) + (f", hpZ groups of {args.hpz}" if args.hpz else "")
     quant = [name for name, on in (("qwZ", args.qwz), ("qgZ", args.qgz)) if on]
     out = [
         f"Communication per rank per step, inside / across groups ({shape}"

@@ -66,8 +66,9 @@ def estimate_comm(
     if shard_size is not None and shard_size < world_size:  # HSDP: 1/S crosses groups
         if spec.reduce == "all_reduce":
             inside = all_reduce
-        elif gathers:
-            inside = reduce + 2 * gather  # the forward's and the backward's gathers
+        elif gathers:  # the forward's and the backward's gathers (hpZ's exact: from the
+            # secondary copy, the values the forward computed with)
+            inside = reduce + gather + (num_params * elem_bytes if hpz else gather)
         else:
             inside = reduce + after
         return Traffic(inside, 2 * (num_params / shard_size) * (q if quant_reduce else elem_bytes))
