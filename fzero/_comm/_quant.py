@@ -32,7 +32,9 @@ class QuantizedComm(NamedTuple):
     Attributes:
       weights: qwZ. Stage 3's all-gathers of parameter shards (forward and backward)
         travel quantized; every rank, the shard's owner included, computes with the
-        dequantized values, so ranks agree and the masters stay exact.
+        dequantized values, so ranks agree and the masters stay exact. Where a gather
+        sends nothing (one rank, or a shard axis of one) the weights are still rounded
+        so: the same arithmetic at every world size, for no bytes saved there.
       grads: qgZ. Gradient reduce-scatters (stages 1-3) run as a quantized all-to-all
         and a float32 sum of what arrives (the owner's own slice exact); across the
         groups of a 2-D mesh the reduced shard is exchanged quantized again, and every
