@@ -152,9 +152,8 @@ def new_axes(world: Axis, s: int) -> tuple[Any, Any]:
     n = world.size // s
     shards = [[world.global_rank(h * s + j) for j in range(s)] for h in range(n)]
     replicas = [[world.global_rank(h * s + j) for h in range(n)] for j in range(s)]
-    return _new_group(shards[g], world, every=shards), _new_group(
-        replicas[i], world, every=replicas
-    )
+    shard = _new_group(shards[g], world, every=shards)
+    return shard, _new_group(replicas[i], world, every=replicas)
 
 
 def new_secondary(shard: Axis, k: int) -> Axis:

@@ -9,8 +9,9 @@ and arrives as `codes * scale`. Per element the error is at most
 (half a step of the block's scale; the scale is kept a normal float32 so tiny blocks
 cannot underflow it, and the factor covers float32 rounding of the divide and the
 multiply), plus half an ulp of a dtype narrower than float32 (bf16, fp16), which the
-value is rounded back to on arrival. A block's zeros, including padding, arrive as exact zeros. One byte per
-element plus four per block: 3.94x fewer bytes than float32 at the default 256.
+value is rounded back to on arrival. A block's zeros, including padding, arrive as exact
+zeros. One byte per element plus four per block: 3.94x fewer bytes than float32 at the
+default 256.
 
 A block holding inf or NaN travels with a NaN scale and arrives as NaN: the receivers,
 not the sender, find out, so every rank that must fail fails together (a sender that
