@@ -56,23 +56,3 @@ def agree_present(micro: list[Any], mesh: Mesh, stands_in: bool = False) -> None
                 "as many"
             )
         )
-
-
-def check_pieces(pieces: list[list[int]], regathers: bool) -> None:
-    """Raises on every rank where some run a stage-3 loss in pieces and the others as one
-    graph (`pieces`: each rank's flag), and their backwards would gather apart
-    (`regathers`: resharded units): a whole graph gathers each unit again for its
-    backward, a piece run eagerly (past its own recompile limit) keeps the forward's.
-    Their collectives would pair a gather with a reduction, until the timeout."""
-    apart = [r for r, (p,) in enumerate(pieces) if p]
-    if regathers and 0 < len(apart) < len(pieces):
-        raise _comm.agreed(
-            ValueError(
-                f"rank(s) {apart} run this compiled loss in pieces (their trace broke, or "
-                "reached torch._dynamo.config.recompile_limit: their warning says which) "
-                "and the other ranks as one graph: at stage 3 with resharding their "
-                "backwards would not pair. Give every rank batches alike in structure "
-                "(a rank's own Python values or shapes recompile it alone), raise the "
-                "recompile limit, or pass reshard_after_forward=False"
-            )
-        )

@@ -56,7 +56,6 @@ from .._comm import Mesh, QuantizedComm, graph_ran
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
-from ._compile_checks import check_pieces
 from ._dynamo import (
     batch_shapes,
     compile_loss,
@@ -204,12 +203,10 @@ class CompiledLoss:
         its first gather: called as a graph holding a collective starts to run
         (`compile_loss`'s `before_run`), or by an entry run eagerly. A rank whose trace
         raised runs no graph; without it, its peers would wait in their graph's unpolled
-        first gather until the timeout (docs/design.md, [Note: failing together]). It
-        carries whether each rank runs the loss in pieces (`check_pieces`)."""
+        first gather until the timeout (docs/design.md, [Note: failing together])."""
         if not self.arrived:  # False only where there is a barrier (`__call__`)
             self.arrived = True
-            said = _comm.all_gather_ints_async([self.pieces], self.meets)()
-            check_pieces(said, self.reshard and torch.is_grad_enabled())
+            _comm.barrier(self.meets)
 
     def _communicates(self) -> bool:
         """Whether this call's graph runs collectives (stage 3's gathers, or reductions)."""

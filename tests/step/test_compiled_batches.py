@@ -5,7 +5,6 @@ the real one through. Against one process with torch.optim over the present batc
 from __future__ import annotations
 
 import collections
-import warnings
 from typing import Any
 
 import pytest
@@ -108,49 +107,6 @@ def test_a_rank_without_data_runs_its_last_batch_with_its_containers_copied(comp
     want = _reference(popping_loss, steps)
     for got in run(2, later_step_without_data, compile):
         fzero.assert_trees_close(got, want, rtol=1e-12, atol=1e-12)
-
-
-def _stacked_loss(p: Any, batch: Any) -> torch.Tensor:
-    xs, y = batch
-    h = torch.stack(xs).mean(0)
-    for unit in ("a", "b"):
-        layer = fzero.gathered(p, unit)
-        h = torch.tanh(h @ layer["w"])
-    return ((h[:, :3] - y) ** 2).mean()
-
-
-def recompiles_alone(mesh: fzero.Mesh) -> str:
-    """Rank 1's batches are lists of a growing number of tensors: each length compiles
-    again, until it reaches dynamo's recompile limit (2 here) and runs in pieces; rank
-    0's never change."""
-    params = {"a": {"w": _params()["a"]["w"][:, :5].clone()}, "b": {"w": torch.eye(5, dtype=F64)}}
-    opt = fzero.optim.sgd(lr=0.1)
-    state = fzero.shard_state(params, opt, mesh, stage=3, units=["a", "b"])
-    step = fzero.sharded_step(
-        _stacked_loss, opt, mesh, stage=3, compile="aot_eager", just_in_time=True
-    )
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # "compiled again", "in pieces"
-        for t in range(5):
-            g = torch.Generator().manual_seed(t)
-            k = 2 if mesh.rank == 0 else t + 1
-            xs = [torch.randn(4, 5, generator=g, dtype=F64) for _ in range(k)]
-            try:
-                state, _ = step(state, (xs, torch.randn(4, 3, generator=g, dtype=F64)))
-            except ValueError as exc:
-                return f"step {t}: {exc}"
-    return "no error"
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_one_rank_in_pieces_at_stage_3_is_refused_on_every_rank() -> None:
-    # Its eager pieces kept the forward's gathers for the backward where the others'
-    # graph gathered again: a gather paired with a reduction, until the timeout.
-    said = run(2, recompiles_alone)
-    assert said[0] == said[1], said
-    assert "rank(s) [1] run this compiled loss in pieces" in said[0], said
-    assert "reshard_after_forward=False" in said[0]
 
 
 def numpy_loss(p: Any, batch: Any) -> torch.Tensor:
