@@ -67,9 +67,11 @@ class Writes:
     def named(self, exc: BaseException, buffers: list[tuple[int, torch.Tensor]]) -> str | None:
         """The leaf autograd refused a write to (`exc`), read off the tensors the failing
         frames hold: the one lying in one of the full `buffers` (by bucket)."""
-        by_storage = {f.untyped_storage().data_ptr(): (i, f) for i, f in buffers if f.numel()}
+        # A gathered buffer freed already has no memory (address 0): no leaf to name there.
+        by_storage = {f.untyped_storage().data_ptr(): (i, f) for i, f in buffers}
+        by_storage.pop(0, None)
         for t in _frame_tensors(exc.__traceback__):
-            hit = by_storage.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            hit = by_storage.get(t.untyped_storage().data_ptr())
             if hit is None:
                 continue
             i, full = hit
