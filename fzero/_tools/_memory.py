@@ -174,7 +174,12 @@ def profiled_bytes(prof: torch.profiler.profile) -> tuple[int, int]:
     recorded alive at once, and those alive at its end, from the allocator's own events
     (what `torch.cuda.max_memory_allocated` sums on a GPU). Frees of tensors made before
     the profile are not counted. For the tests and benchmarks that measure memory apart
-    from fzero's accounting."""
+    from fzero's accounting.
+
+    The profiler records the threads it profiles only: a free on another (gloo drops a
+    collective's buffer on its worker thread when that thread holds the last reference)
+    goes unseen. An allocation at an address still counted shows such a free, and is
+    taken as one; a buffer freed unseen and never reused stays counted."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -188,8 +193,8 @@ def profiled_bytes(prof: torch.profiler.profile) -> tuple[int, int]:
     now = peak = 0
     for _, ptr, size in sorted(events):
         if size > 0:
+            now += size - sizes.get(ptr, 0)
             sizes[ptr] = size
-            now += size
         elif ptr in sizes:
             now -= sizes.pop(ptr)
         peak = max(peak, now)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fzero
-from tests.support import graphs_made, map_every_allocation, peak_rss_rise, run, tensor_bytes
+from tests.support import graphs_made, least_live, map_every_allocation, peak_rss_rise, run
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -325,15 +325,16 @@ def test_16_bit_communication_halves_the_bytes(stage: int) -> None:
 def memory(mesh: fzero.Mesh, stage: int) -> Any:
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    with tensor_bytes() as made:  # the allocator's record, beside fzero's report
-        state = fzero.shard_state(
+    state, live = least_live(  # the allocator's record, beside fzero's report
+        lambda: fzero.shard_state(
             params,
             fzero.optim.adam(lr=0.01),
             mesh,
             stage=stage,
             precision=fzero.Precision(param_dtype=BF16),
         )
-    return fzero.memory_report(state), sum(p.numel() for p in params.values()), made["live"]
+    )
+    return fzero.memory_report(state), sum(p.numel() for p in params.values()), live
 
 
 @pytest.mark.multiprocess
