@@ -9,7 +9,7 @@ from .. import _comm
 from .._comm import Mesh
 from .._core import PyTree, ShardLayout, Stage, leaf_paths, tree_flatten, tree_unflatten
 from ._initializers import Init, Wants
-from ._precision import Precision, check_castable
+from ._precision import Precision, check_castable, gathered_leaves
 
 
 def materialize(
@@ -33,7 +33,8 @@ def materialize(
         if precision is not None:
             values = _leaf_values(flats, layout, rank, stage)
             check_castable(values, precision.param_dtype, rank, "param_dtype")
-            check_castable(values, precision.gather_dtype, rank, "gather_dtype")
+            gathered = gathered_leaves(stage, layout.frozen)
+            check_castable(values, precision.gather_dtype, rank, "gather_dtype", gathered)
     except Exception as exc:  # every rank must learn of it before it is raised
         error = exc
     _agree(error, digests, mesh)

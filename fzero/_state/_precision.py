@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,7 +20,6 @@ from .._core import (
     device_of,
     leaf_paths,
     tree_flatten,
-    tree_map,
     tree_unflatten,
 )
 from .._engine import gather_params
@@ -88,13 +88,23 @@ class Precision:
                 raise TypeError(f"Precision.{name}: {dtype} is not supported (8-bit floats)")
 
 
-def check_castable(params: PyTree, dtype: torch.dtype | None, rank: int, what: str) -> None:
-    """Raises ValueError naming the first leaf whose values overflow when cast to `dtype`."""
+def check_castable(
+    params: PyTree,
+    dtype: torch.dtype | None,
+    rank: int,
+    what: str,
+    only: Sequence[bool] | None = None,
+) -> None:
+    """Raises ValueError naming the first leaf whose values overflow when cast to `dtype`;
+    given `only` (per leaf, in flatten order), the leaves it marks alone."""
     if dtype is None:
         return
     top = torch.finfo(dtype).max
-    for path, leaf in zip(leaf_paths(params), tree_flatten(params)[0]):
-        if leaf.dtype == dtype or leaf.numel() == 0 or leaf.dtype.itemsize < dtype.itemsize:
+    leaves = tree_flatten(params)[0]
+    for path, leaf, wanted in zip(leaf_paths(params), leaves, only or [True] * len(leaves)):
+        if not wanted or leaf.dtype == dtype or leaf.numel() == 0:
+            continue
+        if leaf.dtype.itemsize < dtype.itemsize:
             continue
         finite = leaf.detach()[torch.isfinite(leaf.detach())]
         big = finite.abs().max().item() if finite.numel() else 0.0
@@ -117,16 +127,36 @@ def cast_params(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
     )
 
 
-def compute_params(params: PyTree, precision: Precision, stage: Stage) -> PyTree:
-    """The parameters the loss sees at step 0: cast to `param_dtype`, and where a stage
-    all-gathers them after every update (1-2), rounded through `gather_dtype`, exactly
-    as every later all-gather delivers them."""
+def gathered_leaves(stage: Stage, frozen: Sequence[bool]) -> list[bool]:
+    """Per leaf: does it travel in `gather_dtype`? Every leaf at stage 3 (gathered for each
+    forward), the trainable ones at stages 1-2 (gathered after each update: nothing
+    updates a frozen one), none at stage 0."""
+    if stage.shards_params:
+        return [True] * len(frozen)
+    return [stage.regathers and not f for f in frozen]
+
+
+def compute_params(
+    params: PyTree, precision: Precision, stage: Stage, frozen: Sequence[bool] | None = None
+) -> PyTree:
+    """The parameters the loss sees at step 0: cast to `param_dtype`, and the trainable
+    ones (`frozen`: per leaf, none if None) rounded through `gather_dtype` where a stage
+    all-gathers them after every update (1-2), exactly as every later all-gather delivers
+    them. Frozen leaves are never gathered there and keep their cast values bitwise."""
     cast = cast_params(params, precision.param_dtype)
     gather = precision.gather_dtype
     if gather is None or not stage.regathers:
         return cast
+    leaves, treedef = tree_flatten(cast)
+    frozen = frozen or [False] * len(leaves)
     # Integer leaves (a batch counter) are never gathered in `gather_dtype`: left exact.
-    return tree_map(lambda x: x.to(gather).to(x.dtype) if x.is_floating_point() else x, cast)
+    return tree_unflatten(
+        treedef,
+        [
+            x.to(gather).to(x.dtype) if x.is_floating_point() and not f else x
+            for x, f in zip(leaves, frozen)
+        ],
+    )
 
 
 def master_layout(
@@ -194,7 +224,7 @@ def to_mixed(
       layout, and the full-precision values kept as masters (None if none are needed).
     """
     full_like = meta_like(layout) if stage.shards_params else params
-    cast = compute_params(full_like, precision, stage)
+    cast = compute_params(full_like, precision, stage, layout.frozen)
     lay = build_layout(cast, layout.world_size, layout.kind, layout.specs, list(layout.frozen))
     if not needs_master(precision, lay, stage):
         return params, layout, None

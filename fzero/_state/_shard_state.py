@@ -42,6 +42,7 @@ from ._precision import (
     cast_params,
     check_castable,
     compute_params,
+    gathered_leaves,
     held_shards,
     master_layout,
     needs_master,
@@ -170,14 +171,14 @@ def shard_state(
         check_offload(offload, spec.number)
         if precision is not None and init is None:
             check_castable(params, precision.param_dtype, mesh.rank, "param_dtype")
-            check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype")
+            gathered = gathered_leaves(spec, frozen_flags)
+            check_castable(params, precision.gather_dtype, mesh.rank, "gather_dtype", gathered)
             # The layout from the compute dtypes alone; the values are cast a bucket at a
             # time as they are packed, never as a second whole tree.
             meta = tree_map(lambda x: x.detach().to("meta"), params)
-            lay = build_layout(
-                compute_params(meta, precision, spec), mesh.shard_size, layout, units, frozen_flags
-            )
-            convert = partial(compute_params, precision=precision, stage=spec)
+            cast_meta = compute_params(meta, precision, spec, frozen_flags)
+            lay = build_layout(cast_meta, mesh.shard_size, layout, units, frozen_flags)
+            convert = partial(_converted, precision=precision, stage=spec)
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
@@ -237,8 +238,14 @@ def placed(
     return out
 
 
-# What a leaf goes through before it is packed (casting to the compute dtype), or nothing.
-Convert = Callable[[torch.Tensor], torch.Tensor] | None
+# What a leaf (and whether its bucket is frozen) goes through before it is packed
+# (casting to the compute dtype), or nothing.
+Convert = Callable[[torch.Tensor, bool], torch.Tensor] | None
+
+
+def _converted(leaf: torch.Tensor, frozen: bool, precision: Precision, stage: Stage) -> Any:
+    """`leaf` as `compute_params` makes it, frozen or not."""
+    return compute_params(leaf, precision, stage, [frozen])
 
 
 def _shard_params(
@@ -276,7 +283,7 @@ def _packed(b: Bucket, leaves: list[Any], convert: Convert) -> torch.Tensor:
     if convert is not None:
         leaves = list(leaves)
         for s in b.slots:
-            leaves[s.index] = convert(leaves[s.index])
+            leaves[s.index] = convert(leaves[s.index], b.frozen)
     return pack(b, leaves, 0, b.full_numel)
 
 

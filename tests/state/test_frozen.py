@@ -149,3 +149,63 @@ def test_a_tree_that_dropped_the_modules_frozen_flags_is_named_once() -> None:
         assert len(said) == 1, said
         assert "['layers.0.weight', 'scale']" in said[0] and "frozen=" in said[0]
     assert run(2, _module_freezes, True) == [[], []]  # the flags kept: frozen, nothing said
+
+
+def _gathered_in_bf16(mesh: fzero.Mesh, stage: int, xs: torch.Tensor, ys: torch.Tensor) -> Any:
+    """float64 leaves, `frozen=["base"]`, gathered in bfloat16 (FairScale's
+    `broadcast_fp16`): the parameters after two steps, masters included, and the frozen
+    weight as the loss saw it."""
+    opt = fzero.optim.adam(lr=0.01)
+    prec = fzero.Precision(gather_dtype=torch.bfloat16)
+    state = fzero.shard_state(GATHER_CASE, opt, mesh, stage=stage, frozen=["base"], precision=prec)
+    seen = []
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        seen.append(p["base"].detach().clone())
+        return ((torch.tanh(batch[0] @ p["base"]) @ p["head"] - batch[1]) ** 2).mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage)
+    for t in range(xs.shape[0]):
+        sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+        state, _ = step(state, (xs[t, sl], ys[t, sl]))
+    return fzero.master_params(state, mesh), seen[-1]
+
+
+GATHER_CASE = {
+    "base": torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)),
+    "head": torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4)),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_frozen_leaf_is_not_rounded_through_the_gather_dtype_it_never_travels_in(
+    stage: int,
+) -> None:
+    """Stages 1-2 gather trainable leaves in `gather_dtype` after each update; a frozen one
+    is never gathered there and keeps its values bitwise (it was rounded to bfloat16 for
+    good, found by a second reader). Stage 3 gathers every unit for its forward: the loss
+    sees the frozen leaf rounded, the state keeps it exact. Against torch.optim.Adam on
+    one process, its forward on the parameters as each stage's gathers deliver them."""
+    gen = torch.Generator().manual_seed(5)
+    xs = torch.randn(2, 4, 4, dtype=torch.float64, generator=gen)
+    ys = torch.randn(2, 4, 2, dtype=torch.float64, generator=gen)
+
+    def rounded(x: torch.Tensor, yes: bool) -> torch.Tensor:
+        return x.to(torch.bfloat16).to(x.dtype) if yes else x
+
+    base = GATHER_CASE["base"].clone()
+    head = GATHER_CASE["head"].clone().requires_grad_()
+    opt = torch.optim.Adam([head], lr=0.01, foreach=False)
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        used = rounded(head.detach(), stage > 0).requires_grad_()
+        out = torch.tanh(xs[t] @ rounded(base, stage == 3)) @ used
+        ((out - ys[t]) ** 2).mean().backward()
+        head.grad = used.grad
+        opt.step()
+    for params, seen in run(2, _gathered_in_bf16, stage, xs, ys):
+        assert torch.equal(params["base"], GATHER_CASE["base"])
+        assert torch.equal(seen, rounded(GATHER_CASE["base"], stage == 3))
+        assert not torch.equal(params["head"], GATHER_CASE["head"])  # trained
+        torch.testing.assert_close(params["head"], head.detach(), rtol=1e-10, atol=1e-12)
