@@ -17,6 +17,7 @@ buffers follow only the ranks that ran a forward.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -66,7 +67,7 @@ class Weighed:
 
 def _weight_value(weight: Any, rank: int) -> float:
     if isinstance(weight, torch.Tensor):
-        if weight.numel() != 1 or weight.is_complex():
+        if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
             raise bad_loss(
                 ValueError(
                     f"rank {rank}: loss_fn's weight must be a real number or one-element "
@@ -74,7 +75,9 @@ def _weight_value(weight: Any, rank: int) -> float:
                 )
             )
         weight = weight.detach().item()
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+    # numbers.Real takes numpy's scalars (np.int64 from a batch's length) as well; a
+    # bool is a mistake more likely than a weight of 0 or 1.
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
         raise bad_loss(
             TypeError(
                 f"rank {rank}: loss_fn's weight must be a number or tensor, got "

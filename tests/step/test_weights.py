@@ -8,6 +8,7 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -129,9 +130,12 @@ def train(
     opt = make_optimizer(optimizer)
     units = UNITS if jit else None
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
-    base = pair_loss if kind == "pair" else scalar_loss
+    base = scalar_loss if kind == "scalar" else pair_loss
 
     def loss_fn(p: Any, batch: tuple) -> Any:
+        if kind == "pair numpy":  # the token count as numpy gives it: np.int64
+            total, count = pair_loss(p, batch, jit)
+            return total, np.int64(round(float(count)))
         return base(p, batch, jit)
 
     step = fzero.sharded_step(
@@ -235,6 +239,17 @@ def test_weighted_mean_is_not_the_mean_of_rank_means() -> None:
     totals = sum(float(pair_loss(params, b)[0]) for b in step0)
     tokens = sum(float(b[2].sum()) for b in step0)
     assert results[0][1][0] == pytest.approx(totals / tokens, rel=1e-12)
+
+
+@pytest.mark.multiprocess
+def test_a_weight_from_numpy_counts_as_the_number_it_is() -> None:
+    """np.int64 is a numbers.Real, as a batch's token count often is (it was refused)."""
+    params = make_params(DIMS, torch.float64, 3)
+    data = make_data([[[2], [1]], [[1], [3]]], seed=4)
+    expected = reference(params, data, "pair", "adam")
+    assert max_abs_diff(expected, params) > 1e-3
+    for got, _, _ in run(2, train, params, data, "pair numpy", "adam", 2, None, False):
+        fzero.assert_trees_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 def _rank_means_reference(params: Any, data: list) -> Any:
@@ -452,6 +467,8 @@ def bad_weights(mesh: fzero.Mesh, how: str) -> None:
         total, weight = pair_loss(p, batch, jit)
         if how == "mixed kinds" and mesh.rank == 1:
             return total / weight
+        if how == "bool tensor":
+            return total, weight > 0
         return (
             total,
             {"negative": -weight, "three": weight}.get(how, weight),
@@ -470,6 +487,11 @@ def bad_weights(mesh: fzero.Mesh, how: str) -> None:
     [
         ("mixed kinds", ValueError, r"^loss_fn returned \(total, weight\) 1 times and a "),
         ("negative", ValueError, r"rank \d: loss_fn's weight must be finite and >= 0, got -"),
+        (
+            "bool tensor",
+            ValueError,
+            r"rank \d: .*one-element tensor, got shape \(\) dtype torch.bool",
+        ),
         ("tuple of 3", TypeError, r"rank \d: loss_fn returned a tuple of 3"),
         (
             "first step without data",
