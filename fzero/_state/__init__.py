@@ -17,6 +17,7 @@ from ._construction import deferred as deferred
 from ._construction import is_deferred as is_deferred
 from ._donation import check_live as check_live
 from ._donation import mark_consumed as mark_consumed
+from ._frozen import frozen_leaves as frozen_leaves
 from ._initializers import FileInit as FileInit
 from ._initializers import Init as Init
 from ._initializers import LeafInit as LeafInit
@@ -41,7 +42,6 @@ from ._precision import master_params as master_params
 from ._precision import meta_like as meta_like
 from ._precision import to_mixed as to_mixed
 from ._shard_state import ShardedState as ShardedState
-from ._shard_state import frozen_leaves as frozen_leaves
 from ._shard_state import init_optimizer as init_optimizer
 from ._shard_state import replicate_buffers as replicate_buffers
 from ._shard_state import shard_state as shard_state

@@ -22,7 +22,6 @@ from .._core import (
     UnitSpec,
     build_layout,
     check_distinct,
-    covers,
     device_of,
     leaf_paths,
     pack,
@@ -34,6 +33,7 @@ from ..optim import Optimizer
 from ..optim._base import check_optimizer, check_slices
 from ._agree_layout import agree_layout
 from ._deferred import check_init, materialize
+from ._frozen import frozen_leaves
 from ._initializers import Init
 from ._loss_scale import DynamicLossScale, LossScaleState
 from ._offload import Offload, Placement, check_offload, place
@@ -371,26 +371,6 @@ def replicate_buffers(buffers: PyTree, mesh: Mesh, what: str) -> PyTree:
         if other != everyone[0]:
             raise ValueError(f"{what}: rank {rank}'s buffers differ from rank 0's")
     return tree_map(lambda x: _comm.broadcast_(x.detach().clone(), mesh), buffers)
-
-
-def frozen_leaves(params: PyTree, frozen: Any) -> list[bool]:
-    """Per leaf: frozen? From a bool tree, path prefixes, or the leaves' requires_grad."""
-    leaves = tree_flatten(params)[0]
-    if frozen is None:
-        flags = [bool(getattr(x, "requires_grad", False)) for x in leaves]
-        return [not f for f in flags] if any(flags) else [False] * len(leaves)
-    if isinstance(frozen, (list, tuple)) and all(isinstance(p, str) for p in frozen):
-        paths = leaf_paths(params)
-        for prefix in frozen:
-            if not prefix or not any(covers(prefix, p) for p in paths):
-                raise ValueError(f"frozen prefix {prefix!r} matches no parameter path")
-        return [any(covers(prefix, p) for prefix in frozen) for p in paths]
-    mask, mdef = tree_flatten(frozen)
-    if mdef != tree_flatten(params)[1] or not all(isinstance(m, bool) for m in mask):
-        raise ValueError(
-            "frozen must be a pytree of bools shaped like params, or a list of path prefixes"
-        )
-    return list(mask)
 
 
 def _units_of_bytes(
