@@ -142,7 +142,7 @@ def by_leaf(
 def from_file(
     path: str | os.PathLike[str],
     *,
-    key: Callable[[str], str] | None = None,
+    key: Callable[[str], str | None] | None = None,
     missing: Init | None = None,
 ) -> Init:
     """Values read from a safetensors file or a torch.save'd state dict, by range, or from
@@ -164,11 +164,17 @@ def from_file(
         model's state dict, or `checkpoint.export_dcp`'s), read through torch's DCP reader, each
         rank the rows that hold its ranges (its metadata is a pickle: read checkpoints
         you trust).
-      key: maps a leaf path to the file's name for it (e.g. a prefix to strip or add);
-        default: the path itself.
+      key: maps a leaf path to the file's name for it, or to None for a leaf the file is
+        not meant to hold (an adapter the model adds); default: the path itself. A
+        base model's file read into a model with a head, or the reverse, needs none:
+        the one prefix that lines their names up (`transformer.`, `bert.`) is added or
+        stripped, as Hugging Face does with `base_model_prefix`.
       missing: an initializer for leaves the file lacks (a new head when fine-tuning,
         non-persistent buffers such as RoPE's `inv_freq`), e.g. `from_module(...)`;
-        without it a missing leaf is an error naming it.
+        without it a missing leaf is an error naming it. Layer leaves the file lacks
+        while its layers' tensors go unread are an error even so (the same weights under
+        other names, as `transformers` renames some architectures' on load), and
+        tensors left unread beside leaves made afresh are a warning naming both.
 
     Returns:
       An initializer for `shard_state(..., init=)`.

@@ -20,6 +20,7 @@ from torch import nn
 
 from .._core import as_bytes, open_tensors
 from ._construction import recorded_at
+from ._file_names import check_unread, match_names
 from ._record import seeded
 
 # leaf path -> [(lo, hi, out)]: elements [lo, hi) of the flattened leaf go into `out`.
@@ -273,20 +274,24 @@ class FileInit(Init):
     """Reads each rank's ranges from a safetensors or torch.save file, or from the files
     of an index (a sharded checkpoint), or a directory holding either."""
 
-    def __init__(self, path: str, key: Callable[[str], str] | None, missing: Init | None):
+    def __init__(self, path: str, key: Callable[[str], str | None] | None, missing: Init | None):
         self.path, self.key, self.missing = path, key or (lambda p: p), missing
         self.device = torch.device("cpu") if missing is None else missing.device
 
     def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
         f = open_tensors(self.path)
         try:
-            absent = []
+            names = {path: self.key(path) for path in likes}
+            found = match_names(names, f.entries)
+            names.update(found)
+            absent = [p for p in likes if p not in found]
+            read = set(found.values())
+            unread = {n: e.shape for n, e in f.entries.items() if n not in read}
             for path, like in likes.items():
-                name = self.key(path)
-                e = f.entries.get(name)
-                if e is None:
-                    absent.append(path)
+                if path not in found:
                     continue
+                name = found[path]
+                e = f.entries[name]
                 if e.shape != tuple(like.shape):
                     raise ValueError(
                         f"fzero.init.from_file: {self.path} holds {name!r} with shape "
@@ -298,12 +303,15 @@ class FileInit(Init):
         finally:
             f.close()
         if absent and self.missing is None:
-            some = sorted(f.entries)[:3]
+            some = sorted(unread or f.entries)[:3]
+            held = f"{len(unread)} tensors no leaf read, e.g." if unread else "e.g."
             raise ValueError(
-                f"fzero.init.from_file: {self.path} has no tensor {self.key(absent[0])!r} "
-                f"({len(absent)} leaves missing; it holds e.g. {some}); pass key= to map "
-                "leaf paths to its names, or missing= to initialise the others"
+                f"fzero.init.from_file: {self.path} has no tensor "
+                f"{names[absent[0]] or absent[0]!r} "
+                f"({len(absent)} leaves missing; it holds {held} {some}); pass key= to map "
+                "leaf paths to its names, or missing= to initialise what it lacks"
             )
+        check_unread(self.path, {p: tuple(likes[p].shape) for p in absent}, unread, names)
         if absent:
             assert self.missing is not None
             sub = {p: wants[p] for p in absent if p in wants}
