@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -53,9 +54,12 @@ def export_pretrained(
       mesh: the mesh.
       module: the model, so that the files name what its `state_dict()` does less its tied
         aliases (as `save_pretrained`: a tied weight is stored once, under its first
-        name) and its non-persistent buffers; without it, every leaf and buffer.
+        name), its non-persistent buffers and its `_keys_to_ignore_on_save`; without it,
+        every leaf and buffer.
       config: written as `config.json`: a `transformers` config (its `save_pretrained`) or
-        a dict; None writes none.
+        a dict; None writes none. Given `module` too, as `save_pretrained` writes it: the
+        module's class under `architectures` (on a copy), and `generation_config.json`
+        for a model that generates.
       max_shard_size: the largest file, in bytes or as "5GB", "500MB", "20KiB" (decimal
         units, binary with an "i"), as `save_pretrained`'s; a tensor larger than it gets
         a file of its own.
@@ -71,6 +75,9 @@ def export_pretrained(
         )
     directory = os.fspath(directory)
     _, transient = _names(module)
+    # A model's `_keys_to_ignore_on_save` (Marian's sinusoidal positions), left out as
+    # `save_pretrained` leaves them: `from_pretrained` makes them again.
+    transient |= frozenset(getattr(module, "_keys_to_ignore_on_save", None) or ())
     full = full_precision(state, mesh)
 
     specs: dict[str, Spec] = {}  # every tensor written (rank 0): the index's total size
@@ -112,7 +119,7 @@ def export_pretrained(
             if stale and old not in names:
                 os.remove(os.path.join(directory, old))
         if config is not None:
-            _write_config(config, directory)
+            _write_config(config, directory, module)
         fsync_dir(directory)
 
     # Tied aliases are left out (no aliases passed): `from_pretrained` ties them again.
@@ -145,9 +152,19 @@ def _bytes(size: int | str) -> int:
     return max(1, int(float(m.group(1)) * units[m.group(2)]))
 
 
-def _write_config(config: Any, directory: str) -> None:
+def _write_config(config: Any, directory: str, module: nn.Module | None) -> None:
+    """`config.json`, and as `save_pretrained` writes them from the model: its class under
+    `architectures` (what pipelines and the hub read), and `generation_config.json` for a
+    model that generates."""
     if hasattr(config, "save_pretrained"):
+        if module is not None:
+            config = copy.deepcopy(config)  # the caller's is left as it was
+            config.architectures = [type(module).__name__]
         config.save_pretrained(directory)
+        generation = getattr(module, "generation_config", None)
+        can_generate = getattr(module, "can_generate", None)
+        if generation is not None and callable(can_generate) and can_generate():
+            generation.save_pretrained(directory)
     else:
         _write_text(os.path.join(directory, "config.json"), json.dumps(config, indent=2) + "\n")
 

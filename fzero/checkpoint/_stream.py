@@ -325,12 +325,14 @@ def export_safetensors(
     With `split`, the tensors (name -> dtype, shape, in the file order) go to several
     files, `{file: names}`, all written in the same pass over the units; `finish(files)`
     then runs on rank 0 once every file is in place (an index, say), and its error is
-    every rank's."""
+    every rank's. `transient` names what is left out: non-persistent buffers, and for
+    `export_pretrained` a model's `_keys_to_ignore_on_save`."""
     lay, rank = state.layout, mesh.rank
     names: dict[int, list[str]] = {i: [lay.paths[i]] for i in range(len(lay.paths))}
     for name, canonical in (aliases or {}).items():
         if name != canonical and canonical in lay.path_index:
             names[lay.path_index[canonical]].append(name)
+    names = {i: [n for n in ns if n not in transient] for i, ns in names.items()}
     error, writers, where = None, [], {}
     if rank == 0:
         try:

@@ -87,3 +87,54 @@ def test_a_pretrained_directory_loads_as_from_pretrained_or_is_refused(
         assert wrong == [], f"{case}: {wrong[:4]} differ from from_pretrained's"
         params = {k for k, _ in reference.named_parameters()} - set(info["missing_keys"])
         assert params <= set(got), f"{case}: {sorted(params - set(got))[:4]}"
+
+
+def _tensor_names(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    out: set[str] = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            out.update(f.keys())
+    return out
+
+
+def _export(mesh: fzero.Mesh, directory: str, auto: Any, config: Any) -> None:
+    model = fzero.init.deferred(auto.from_config, config, seed=3)
+    state = fzero.shard_state(
+        dict(model.named_parameters()), fzero.optim.sgd(0.1), mesh, stage=3,
+        buffers=dict(model.named_buffers()), init=fzero.init.from_module(model),
+    )  # fmt: skip
+    fzero.checkpoint.export_pretrained(state, directory, mesh, module=model, config=config)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "roberta", "marian"])
+def test_export_pretrained_writes_what_save_pretrained_writes(tmp_path: Path, case: str) -> None:
+    """The same tensor names (Marian's `_keys_to_ignore_on_save`: its sinusoidal positions
+    left out), the model's class under `architectures`, and `generation_config.json`
+    for a model that generates; against transformers' own save_pretrained."""
+    import json
+
+    import transformers as t
+
+    if case == "marian":
+        auto, config = t.AutoModelForSeq2SeqLM, t.MarianConfig(
+            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=61,
+            max_position_embeddings=32, pad_token_id=60, decoder_start_token_id=60,
+        )  # fmt: skip
+    else:
+        auto, config = _architectures()[case]
+    # Ours first: save_pretrained sets `architectures` on the config it is given.
+    run_ok = outcomes(2, _export, str(tmp_path / "ours"), auto, config)
+    assert all(o.error is None for o in run_ok), [o.message for o in run_ok]
+    torch.manual_seed(3)
+    auto.from_config(config).save_pretrained(tmp_path / "theirs")
+    theirs, ours = tmp_path / "theirs", tmp_path / "ours"
+    assert _tensor_names(ours) == _tensor_names(theirs)
+    read = [json.loads((d / "config.json").read_text()) for d in (theirs, ours)]
+    assert read[1]["architectures"] == read[0]["architectures"] == [type(
+        auto.from_config(config)).__name__]  # fmt: skip
+    assert (ours / "generation_config.json").exists() == (
+        theirs / "generation_config.json"
+    ).exists()
