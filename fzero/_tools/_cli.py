@@ -148,6 +148,11 @@ def _estimate(args: argparse.Namespace) -> int:
     def b(x: float) -> str:
         return f"{x:g}"
 
+    if args.offload_fraction is not None and not args.offload:
+        raise UsageError("--offload-fraction needs --offload (host or disk)")
+    fraction = 1.0 if args.offload_fraction is None else args.offload_fraction
+    comm = args.shard_size or args.hpz or args.qwz or args.qgz or args.comm_bytes is not None
+    args.comm_bytes = 2.0 if args.comm_bytes is None else args.comm_bytes
     try:  # estimate_memory validates stages and sizes: its ValueErrors are usage errors
         lines = estimate_table(
             args.params,
@@ -158,7 +163,7 @@ def _estimate(args: argparse.Namespace) -> int:
             optim_bytes=args.optim_bytes,
             unit=args.unit,
             offload=args.offload,
-            fraction=args.offload_fraction,
+            fraction=fraction,
             params_offload=args.offload_params,
         )
     except ValueError as exc:
@@ -170,7 +175,7 @@ def _estimate(args: argparse.Namespace) -> int:
         f"(params + grads + optimizer state{': mixed-precision Adam' if adam else ''})\n"
     )
     if args.offload:
-        share = "" if args.offload_fraction == 1 else f"{args.offload_fraction:g} of "
+        share = "" if fraction == 1 else f"{fraction:g} of "
         print(
             f"Offload (ZeRO-Offload / ZeRO-Infinity): {share}the optimizer state, fp32 masters "
             f"included, on the {args.offload}"
@@ -178,7 +183,7 @@ def _estimate(args: argparse.Namespace) -> int:
             f"; each cell is device + offloaded.\n"
         )
     print("\n".join(lines))
-    if args.shard_size or args.hpz or args.qwz or args.qgz:  # the mesh shape was asked about
+    if comm:  # the mesh shape, or what travels, was asked about
         print("\n".join(["", *comm_table(args)]))
     print(
         "\nZeRO (arXiv 1910.02054, section 5): stage 1 shards the optimizer state, stage 2 also "
@@ -317,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the optimizer state (masters included) off the device: shard_state(offload=)",
     )
     est.add_argument(
-        "--offload-fraction", type=float, default=1.0, metavar="F", help="its share, in (0, 1]"
+        "--offload-fraction", type=float, default=None, metavar="F", help="its share, in (0, 1]"
     )
     est.add_argument(
         "--offload-params",
@@ -343,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--comm-bytes",
         type=nonnegative_float,
-        default=2.0,
-        help="bytes per element communicated (2: bf16)",
+        default=None,
+        help="bytes per element communicated (2: bf16); prints the communication table",
     )
     sub.add_parser(
         "bench",

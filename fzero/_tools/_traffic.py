@@ -51,11 +51,13 @@ def estimate_comm(
       elem_bytes: bytes per element otherwise (2 for bf16).
 
     Returns:
-      `Traffic(inside, across)`.
+      `Traffic(inside, across)`; nothing at one rank.
     """
     spec = stage_of(stage)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size == 1:  # nothing to send: fzero's collectives return at one rank
+        return Traffic(0.0, 0.0)
     q = 1 + 4 / block  # bytes per element as int8 blocks
     gathers = spec.enter == "all_gather"  # parameters gathered for the forward (and backward)
     quant_reduce = qgz and spec.reduce == "reduce_scatter"

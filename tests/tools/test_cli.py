@@ -190,3 +190,21 @@ def test_estimate_prints_the_offload_arithmetic(capsys: pytest.CaptureFixture[st
     row = next(line for line in out.splitlines() if line[:10].strip() == "1").split()
     assert " ".join(row[1:]) == "- 28 GB + 84 GB 28 GB + 84 GB 14 GB + 98 GB"
     assert "the parameter shards on the host too" in out
+
+
+def test_estimate_does_what_every_flag_asks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A flag that changes nothing printed was silently ignored: a share of an offload not
+    asked for is refused, as --offload-params alone is, and --comm-bytes prints the table
+    it sizes. One rank communicates nothing."""
+    base = ["estimate", "--params", "7B", "--world-sizes", "1,8"]
+    assert "--offload-fraction needs --offload" in _error_line(
+        capsys, [*base, "--offload-fraction", "0.5"]
+    )
+    assert main([*base, "--comm-bytes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 bytes per element otherwise" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if " / " in line}
+    assert set(rows["1"]) == {"0", "B", "/"}  # "0 B / 0 B" in every stage
+    assert rows["8"][:4] == ["0", "B", "/", "14"]  # stage 0: 2 x 7B x 1 byte, across
