@@ -104,7 +104,10 @@ class RecordedInit(Init):
                 raise ValueError(
                     f"fzero.init.from_module: the module has no recorded parameter or buffer "
                     f"{path!r}: pass the module's own dict(model.named_parameters()) / "
-                    "named_buffers(), as fzero.init.deferred built them"
+                    "named_buffers(), as fzero.init.deferred built them. If the model was "
+                    "changed after deferred returned it (resize_token_embeddings, a new "
+                    "head), its construction has no record of the new tensor: make the "
+                    "change inside the function given to deferred"
                 )
             targets[path] = found
         recordings = {id(rec): rec for rec, _ in targets.values()}

@@ -387,4 +387,7 @@ def test_a_deferred_leaf_replaced_or_materialized_since_is_not_replayed() -> Non
 
     (said,) = run(1, fn)
     assert "no recorded parameter or buffer 'w'" in said[0], said
+    # The usual cause (resize_token_embeddings after deferred), and its remedy.
+    assert "changed after deferred returned it" in said[0], said
+    assert "inside the function given to deferred" in said[0], said
     assert "no longer the meta tensor fzero.init.deferred made" in said[1], said
