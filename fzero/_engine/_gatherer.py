@@ -86,7 +86,7 @@ class Gatherer(ParamSource):
         self.quant, self.secondary, self.keep_last = s.quant_gather, s.secondary, s.keep_last
         self.ledger, self.pool, self.check = ctx.ledger, ctx.pool, check
         self.order = list(order)
-        self.calls = 0  # just-in-time entries the forward has made
+        self.calls = self.entries = 0  # just-in-time entries the forward has resharded, made
         self.records: dict[Entry, _Gathered] = {}
         self.kept: list[_Gathered] = []  # entries that `keep_last` exempts from resharding
         self.needed: set[str] = set()  # units whose parameters this rank's backward may use
@@ -129,11 +129,10 @@ class Gatherer(ParamSource):
 
     def _reshards(self) -> bool:
         """Whether the forward's next just-in-time entry is resharded: all but the last
-        `keep_last` of as many entries as last step made (the first step, or with nothing
-        to keep, as in a forward without a backward: every one). Every rank decides
-        alike, so their sequences of re-gathers pair up."""
+        `keep_last` of as many as last step made, and any past those (all on a first step
+        or with nothing kept). Every rank decides alike: their re-gathers pair up."""
         self.calls += 1
-        if not self.keep_last or not self.order:
+        if not self.keep_last or not self.order or self.calls > len(self.order):
             return True
         return len(self.order) - self.calls >= self.keep_last
 
@@ -213,11 +212,13 @@ class Gatherer(ParamSource):
             budget -= self.layout.unit_numel(unit)
 
     def entered(self, unit: str) -> None:
-        """Starts gathering the unit that followed `unit` last step, unless already started."""
-        if not self.prefetch or unit not in self.order:
-            return
-        k = self.order.index(unit) + 1
-        if k < len(self.order) and self.order[k] != unit:
+        """Starts gathering the unit after this entry in last step's order (after `unit`'s
+        first entry there where this forward left that order), unless already started."""
+        self.entries += 1
+        k = self.entries
+        if not (k <= len(self.order) and self.order[k - 1] == unit):
+            k = self.order.index(unit) + 1 if unit in self.order else len(self.order)
+        if self.prefetch and k < len(self.order) and self.order[k] != unit:
             self._ahead(self.order[k])
 
     def _ahead(self, unit: str) -> None:
