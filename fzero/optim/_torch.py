@@ -65,8 +65,18 @@ def _edits_grads(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, A
     `update_` hands those copies. One seen to leave them alone over three steps on two
     small tensors is handed the gradients themselves, saving a full copy of the
     gradient shard per step. One that cannot be tried on the host (`capturable`, a
-    device-only option) gets copies.
+    device-only option) gets copies. Where the options leave the implementation to
+    torch, it is tried on its foreach path too: torch's default for CUDA tensors, not
+    the host's.
     """
+    paths = [kwargs]
+    takes = inspect.signature(optimizer_cls.__init__).parameters
+    if "foreach" in takes and not any(kwargs.get(k) is not None for k in ("foreach", "fused")):
+        paths.append({**kwargs, "foreach": True})
+    return any(_edits_on(optimizer_cls, options) for options in paths)
+
+
+def _edits_on(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> bool:
     g = torch.Generator().manual_seed(1)
     params = [torch.randn(n, generator=g, dtype=torch.float32) for n in (5, 8)]
     opt = optimizer_cls(params, **kwargs)

@@ -364,6 +364,26 @@ def test_from_torch_hands_over_the_gradients_unless_torch_edits_them(
     assert (seen != given_ptrs) == copied, (seen, given_ptrs)
 
 
+def test_from_torch_copies_gradients_that_cudas_default_path_would_edit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without foreach= or fused=, torch picks its path by device: the single-tensor one
+    on the host, where fzero's probe runs, the foreach one on CUDA, whose Nesterov step
+    adds the momentum into the gradients (a second reader found the caller's gradients
+    overwritten, 0.5 to 0.95 to 2.21). CUDA's choice is made here as torch's own
+    function would make it for CUDA tensors, after the probe."""
+    import torch.optim.sgd as torch_sgd
+
+    opt = optim.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True)
+    monkeypatch.setattr(torch_sgd, "_default_to_fused_or_foreach", lambda *a, **k: (False, True))
+    params, grads = {"w": torch.ones(4)}, {"w": torch.full((4,), 0.5)}
+    state = opt.init(params)
+    for _ in range(2):
+        params, state = opt.update(grads, state, params)
+    assert torch.equal(grads["w"], torch.full((4,), 0.5))
+    assert not torch.equal(params["w"], torch.ones(4))  # it stepped
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("params", [(), {}, {"a": ()}])
 def test_empty_pytree(name: str, params: Any) -> None:
