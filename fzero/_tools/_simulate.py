@@ -32,7 +32,8 @@ from .._comm import ProcessGroupMesh
 
 
 class RankFailure(RuntimeError):
-    """A simulated rank died without raising a Python exception (signal, os._exit, timeout)."""
+    """A simulated rank died without raising a Python exception (signal, os._exit, timeout)
+    or exited (sys.exit)."""
 
 
 @dataclass(frozen=True)
@@ -316,5 +317,12 @@ def _remote_error(
             exc = None
     if exc is None:
         exc = RuntimeError(summary)
+    if isinstance(exc, SystemExit):
+        # Raised in the caller it would end the program with the rank's status and no
+        # word (status 0 for sys.exit(0): a failed run that CI sees pass).
+        exc = RankFailure(
+            f"fzero.simulate: rank {rank} of {world_size} called sys.exit({exc.code!r}) "
+            "before returning a result"
+        )
     exc.add_note(f"raised on simulated rank {rank} of {world_size}; remote traceback:\n{tb}")
     return exc

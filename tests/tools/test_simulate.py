@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,21 @@ def test_one_shared_module_through_functional_call_matches_single_process(stage:
 
 
 # --- failures: raised promptly, attributed to a rank, nothing left running --------------------
+
+
+def _exits(mesh: fzero.Mesh, code: int) -> int:
+    if mesh.rank == 1:
+        sys.exit(code)  # argparse's --help, in code shared with a command line
+    return mesh.rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("code", [0, 2])
+def test_a_rank_that_calls_sys_exit_is_a_rank_failure_not_the_callers_exit(code: int) -> None:
+    """Re-raised in the caller, the rank's SystemExit ended the caller's program without a
+    word, with status 0 for sys.exit(0): a failed run CI would see pass."""
+    with pytest.raises(fzero.RankFailure, match=rf"rank 1 of 2 called sys.exit\({code}\)"):
+        fzero.Simulation(2, timeout=60).run(_exits, code)
 
 
 @pytest.mark.slow
