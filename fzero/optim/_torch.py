@@ -147,6 +147,12 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
         ``kwargs`` are invalid hyper-parameters.
     """
     _check_optimizer_cls(optimizer_cls)
+    if callable(kwargs.get("lr")) and not isinstance(kwargs["lr"], torch.Tensor):
+        raise TypeError(
+            f"from_torch({optimizer_cls.__name__}): lr= is a schedule; a torch optimizer's "
+            "hyper-parameters are fixed here. fzero's own optimizers take lr=lambda step: "
+            "... (optim.from_torch_scheduler makes one from a torch scheduler)"
+        )
     # Instantiate once on a dummy tensor so bad hyper-parameters fail here, at
     # construction time, rather than at the first update.
     optimizer_cls([torch.zeros(1)], **kwargs)

@@ -514,6 +514,13 @@ def test_from_torch_rejects_non_optimizers(bad: Any) -> None:
         optim.from_torch(bad)
 
 
+def test_from_torch_refuses_a_schedule_naming_the_optimizers_that_take_one() -> None:
+    # torch's constructor raised "'<=' not supported between instances of 'float' and
+    # 'function'"; training.md's table offered schedules on every optimizer.
+    with pytest.raises(TypeError, match=r"from_torch\(RMSprop\): lr= is a schedule.*lambda"):
+        optim.from_torch(torch.optim.RMSprop, lr=lambda step: 0.01)
+
+
 def test_from_torch_rejects_lbfgs_clearly() -> None:
     with pytest.raises(ValueError, match="closure"):
         optim.from_torch(torch.optim.LBFGS, lr=1.0)
