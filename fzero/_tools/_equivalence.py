@@ -138,10 +138,25 @@ def assert_stages_equivalent(
             failures.append(problem)
     if failures:
         how = f" compiled ({compile!r})" if compile else ""
+        # A loss drawing random numbers (dropout) cannot match: say so, if the reference
+        # itself trains otherwise when run again.
+        again, _ = train_reference(loss_fn, params, batches, cls, kwargs, groups, module=module)
+        same = all(
+            torch.equal(a, b) for a, b in zip(tree_flatten(again)[0], tree_flatten(expected)[0])
+        )
         raise AssertionError(
             f"{len(failures)} of {len(stages)} ZeRO stages{how} on {world_size} ranks do not train "
             f"like one process running torch.optim.{cls.__name__}({_kwargs_text(kwargs)}) on "
-            "the concatenated batches:\n" + "\n".join(f"  {p}" for p in failures)
+            "the concatenated batches:\n"
+            + "\n".join(f"  {p}" for p in failures)
+            + (
+                ""
+                if same
+                else "\nThe one-process reference trains otherwise when run again: the loss "
+                "is not deterministic (dropout, or another draw from torch's generator). "
+                "Compare with it off (model.eval()), or draw from a generator seeded by the "
+                "batch."
+            )
         )
 
 

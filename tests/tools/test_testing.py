@@ -433,6 +433,24 @@ def test_fails_on_a_loss_that_differs_on_rank_1() -> None:
         )
     for stage in range(4):
         assert f"stage {stage}, rank 0: leaf 'layers.0." in str(info.value)
+    assert "not deterministic" not in str(info.value)  # the reference itself is
+
+
+@pytest.mark.multiprocess
+def test_a_loss_with_dropout_fails_saying_the_reference_is_not_deterministic() -> None:
+    """One process draws one mask for the whole batch, each rank its own: no stage can
+    match, and the failure blamed fzero alone (a second reader's find)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).double()
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with pytest.raises(AssertionError, match=r"not deterministic.*model\.eval"):
+        testing.assert_stages_equivalent(
+            loss_fn, params, _mlp_batches([3, 2], 2, steps=1), (torch.optim.SGD, {"lr": 0.1}),
+            stages=(0,),
+        )  # fmt: skip
 
 
 @pytest.mark.slow
