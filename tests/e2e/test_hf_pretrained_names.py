@@ -17,7 +17,7 @@ from tests.e2e.test_hf import _architectures
 from tests.faults.harness import outcomes
 from tests.support import state_values
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = pytest.mark.multiprocess
 
 
 def _cases() -> dict[str, tuple[Any, Any, Any, bool]]:

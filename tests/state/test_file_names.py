@@ -16,7 +16,7 @@ import fzero
 from tests.faults.harness import outcomes, raised_together
 from tests.state.test_sharded_files import Net
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = pytest.mark.multiprocess
 
 
 class WithHead(nn.Module):
