@@ -186,8 +186,9 @@ def run_demo(
         f"\nformula: ZeRO per-rank model states for Adam without mixed precision ({nbytes} B per"
         f" parameter,\n{2 * nbytes} B of moments) and bytes sent per step (2Ψ elements at stages"
         " 0-2, 3Ψ at stage 3,\nZeRO section 7). Measured bytes add < world-size elements of"
-        " padding per unit and the\noptimizer's 8-byte step counter; stage 3 gathers its root"
-        " unit (the final norm) only once,\ndoes not gather again the embeddings (their backward"
+        " padding per unit, the\noptimizer's 8-byte step counter, and the ranks' few bytes a"
+        " step of agreement (the\nledger's control records); stage 3 gathers its root unit"
+        " (the final norm) only once,\ndoes not gather again the embeddings (their backward"
         " needs no weights), and from the\nsecond step keeps the forward's last two units"
         " gathered for the backward."
     )
