@@ -11,7 +11,9 @@ failing together]). Later steps agree on their micro-batch count in the call che
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import warnings
 from typing import Any
 
@@ -55,9 +57,50 @@ def configuration(o: StepOptions, state: ShardedState, optimizer: Optimizer) -> 
 
 
 def optimizer_kind(optimizer: Optimizer) -> str:
-    """The optimizer's kind and hyperparameters, as far as they show."""
-    update = optimizer.update
-    return f"{getattr(update, '__module__', '?')}.{getattr(update, '__qualname__', '?')}"
+    """The optimizer's kind and hyperparameters: its in-place update's name and what its
+    closure holds (numbers, names, the torch class and options of `from_torch`, the
+    optimizers a `chain` or `param_groups` holds, a schedule's own), a digest past 200
+    characters; a function of the user's by its name. Every fzero optimizer's `update`
+    is `from_inplace`'s: its name alone told no two apart (ranks at other learning rates
+    trained on, each its own shard)."""
+    said = _described(optimizer.update_ or optimizer.update, 0)
+    return said if len(said) <= 200 else f"{said[:120]}... (digest {_digest(said)})"
+
+
+def _described(fn: Any, depth: int) -> str:
+    fn = inspect.unwrap(fn)  # torch.no_grad's wrapper: the function it wraps
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    # A function of the user's (a schedule, a transform) by its name only: what it holds
+    # may differ by rank and rightly so (the rank, for logging).
+    if code is None or not cells or depth > 3 or not name.startswith("fzero."):
+        return name
+    held = []
+    for var, cell in zip(code.co_freevars, cells, strict=True):
+        with contextlib.suppress(ValueError):  # a cell not yet filled
+            held.append(f"{var}={_value(cell.cell_contents, depth + 1)}")
+    return f"{name}({', '.join(held)})"
+
+
+def _value(v: Any, depth: int) -> str:
+    """`v` as every rank holding the same would write it: no addresses, no tensor data
+    but a single number's."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    if isinstance(v, torch.Tensor):
+        return repr(v.item()) if v.numel() == 1 and v.device.type != "meta" else "Tensor"
+    if isinstance(v, type):
+        return v.__qualname__
+    if isinstance(v, Optimizer):
+        return _described(v.update_ or v.update, depth)
+    if isinstance(v, (tuple, list)) and depth <= 3:
+        return "(" + ", ".join(_value(x, depth + 1) for x in v) + ")"
+    if isinstance(v, dict) and depth <= 3:
+        items = sorted(v.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{k}: {_value(x, depth + 1)}" for k, x in items) + "}"
+    if callable(v):
+        return _described(v, depth)
+    return type(v).__name__
 
 
 def check_optimizer_state(

@@ -237,7 +237,9 @@ def _differ(mesh: fzero.Mesh, what: str) -> None:
     state_units = ["a"] if what == "units" and odd else UNITS
     net = model()
     params = {k: v.detach().clone() for k, v in net.named_parameters()}
-    opt = fzero.optim.adam(lr=0.05)
+    opt = fzero.optim.adam(lr=0.5 if odd and what == "optimizer" else 0.05)
+    if what == "torch optimizer":  # from_torch: the class and its options, shown
+        opt = fzero.optim.from_torch(torch.optim.SGD if odd else torch.optim.Adam, lr=0.05)
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=state_units)
     x = torch.ones(2, D, dtype=torch.float64)
 
@@ -253,6 +255,17 @@ def _differ(mesh: fzero.Mesh, what: str) -> None:
 def test_options_that_differ_across_ranks_raise_on_every_rank_naming_each_value(what: str) -> None:
     outs = outcomes(4, _differ, what)
     raised_together(outs, ValueError, "the ranks' steps differ", what, "rank 0:", "rank 3:")
+
+
+@pytest.mark.parametrize(
+    ("what", "shown"), [("optimizer", "lr=0.5"), ("torch optimizer", "optimizer_cls=SGD")]
+)
+def test_optimizers_that_differ_across_ranks_raise_on_every_rank(what: str, shown: str) -> None:
+    """Every fzero optimizer's `update` is one function (`from_inplace`'s), so ranks at
+    other learning rates, or with other torch classes, trained on, each rank updating its
+    own shard its own way (a second reader's find)."""
+    outs = outcomes(4, _differ, what)
+    raised_together(outs, ValueError, "the ranks' steps differ (optimizer: rank 0:", shown)
 
 
 def test_a_step_for_another_stage_on_some_ranks_raises_on_every_rank() -> None:
