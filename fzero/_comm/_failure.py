@@ -283,7 +283,7 @@ def together(rank: int, size: int, where: str) -> Iterator[None]:
     issued = _issued
     try:
         yield
-    except Exception as exc:
+    except BaseException as exc:  # KeyboardInterrupt too: a handler's save comes next
         if size > 1 and not is_agreed(exc):
             publish(exc, rank, where, _issued > issued)
         raise

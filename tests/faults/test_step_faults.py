@@ -73,7 +73,9 @@ def reference(steps: list[int], world: int) -> dict[str, torch.Tensor]:
 
 
 # -- an exception inside one rank's loss: published, raised by every rank -----------------
-def _loss_raises_on_rank_1(mesh: fzero.Mesh, stage: int, hooks: bool) -> None:
+def _loss_raises_on_rank_1(
+    mesh: fzero.Mesh, stage: int, hooks: bool, error: type[BaseException] = RuntimeError
+) -> None:
     state, opt, net = setup(mesh, stage)
     x, y = batches(mesh.size, 4)
 
@@ -81,7 +83,7 @@ def _loss_raises_on_rank_1(mesh: fzero.Mesh, stage: int, hooks: bool) -> None:
         xb, yb, t = batch
         out = functional_call(net, p, (xb,))
         if mesh.rank == 1 and t == 1:
-            raise RuntimeError("rank 1's data loader handed a corrupt batch")
+            raise error("rank 1's data loader handed a corrupt batch")
         return (out - yb).square().mean()
 
     step = fzero.sharded_step(
@@ -97,6 +99,26 @@ def test_an_exception_in_one_ranks_loss_raises_on_every_rank(stage: int, hooks: 
     outs = outcomes(3, _loss_raises_on_rank_1, stage, hooks)
     raised_together(outs, RuntimeError, "corrupt batch")
     assert [o.peer for o in outs] == [True, False, True]
+
+
+def _interrupted(mesh: fzero.Mesh, stage: int) -> tuple[str, float]:
+    """Rank 1 interrupted (Ctrl-C) inside its loss; each rank's error, and when, caught
+    as a handler would before saving."""
+    try:
+        _loss_raises_on_rank_1(mesh, stage, True, KeyboardInterrupt)
+    except BaseException as exc:  # the interrupt is the point
+        return f"{type(exc).__name__}: {exc}", time.time()
+    return "returned", time.time()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_interrupt_in_one_ranks_loss_raises_on_every_rank(stage: int) -> None:
+    """A KeyboardInterrupt is no Exception: it was not published, and the peers waited
+    for the collective timeout, then named no rank (a second reader's find)."""
+    (said0, at0), (said1, at1) = fzero.Simulation(2, collective_timeout=20).run(_interrupted, stage)
+    assert said1 == "KeyboardInterrupt: rank 1's data loader handed a corrupt batch"
+    assert said0.startswith("PeerError: ") and "corrupt batch" in said0, said0
+    assert abs(at0 - at1) < BOUND
 
 
 def _then_again(mesh: fzero.Mesh) -> None:
