@@ -57,9 +57,9 @@ def configuration(o: StepOptions, state: ShardedState, optimizer: Optimizer) -> 
 
 
 def optimizer_kind(optimizer: Optimizer) -> str:
-    """The optimizer's kind and hyperparameters: its in-place update's name and what its
-    closure holds (numbers, names, the torch class and options of `from_torch`, the
-    optimizers a `chain` or `param_groups` holds, a schedule's own), a digest past 200
+    """The optimizer's kind and hyperparameters: its in-place update's name and the
+    immutable values its closure holds (numbers, names, the torch class and options of
+    `from_torch`, the optimizers a `chain` or `param_groups` holds), a digest past 200
     characters; a function of the user's by its name. Every fzero optimizer's `update`
     is `from_inplace`'s: its name alone told no two apart (ranks at other learning rates
     trained on, each its own shard)."""
@@ -93,11 +93,13 @@ def _value(v: Any, depth: int) -> str:
         return v.__qualname__
     if isinstance(v, Optimizer):
         return _described(v.update_ or v.update, depth)
-    if isinstance(v, (tuple, list)) and depth <= 3:
+    # A tuple's contents, and a list of optimizers (param_groups'); not a dict, a set or
+    # another list's, which may be a cache filled with what this rank holds.
+    optimizers = isinstance(v, list) and all(isinstance(x, Optimizer) for x in v)
+    if (isinstance(v, tuple) or optimizers) and depth <= 3:
         return "(" + ", ".join(_value(x, depth + 1) for x in v) + ")"
-    if isinstance(v, dict) and depth <= 3:
-        items = sorted(v.items(), key=lambda kv: str(kv[0]))
-        return "{" + ", ".join(f"{k}: {_value(x, depth + 1)}" for k, x in items) + "}"
+    if isinstance(v, (dict, list, set)):
+        return type(v).__name__
     if callable(v):
         return _described(v, depth)
     return type(v).__name__

@@ -157,6 +157,9 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
     # construction time, rather than at the first update.
     optimizer_cls([torch.zeros(1)], **kwargs)
     copy_grads = _edits_grads(optimizer_cls, kwargs)
+    # Held as a tuple, not the dict: a step compares what an optimizer's closure holds
+    # across ranks, immutable values only (a dict there may be a cache).
+    settings = tuple(sorted(kwargs.items()))
 
     def init(params: Params) -> OptState:
         return optree.tree_map(lambda _: {}, params)
@@ -175,7 +178,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
                 # them: there is nothing to update, and Adafactor divides by numel().
                 if p.numel() > 0:
                     p.grad = g.detach().clone() if copy_grads else g.detach()
-            optimizer = optimizer_cls(tensors, **kwargs)
+            optimizer = optimizer_cls(tensors, **dict(settings))
             for p, leaf_state in zip(tensors, state_leaves, strict=True):
                 # An empty dict keeps whatever the constructor set up (Adagrad
                 # initialises its state eagerly) so torch's own fresh-state path runs.
