@@ -259,7 +259,10 @@ def _fzero_optimizer(
         return optim.param_groups(functools.partial(optim.from_torch, cls), groups, **kwargs)
     # How torch runs its kernels, not what they compute: fzero's own take none of them.
     same = {k: v for k, v in kwargs.items() if k not in _TORCH_ONLY}
-    return optim.param_groups(own[cls], groups, **same)
+    make = own[cls]
+    if same.pop("decoupled_weight_decay", cls is torch.optim.AdamW):  # torch's Adam as AdamW
+        make = optim.adamw
+    return optim.param_groups(make, groups, **same)
 
 
 _TORCH_ONLY = frozenset({"foreach", "fused", "capturable", "differentiable"})

@@ -222,6 +222,13 @@ def test_checks_param_groups_and_fails_an_optimizer_without_them() -> None:
     # Another torch class: torch's own state through from_torch, in the same groups.
     rmsprop = (torch.optim.RMSprop, {"lr": 0.01, "weight_decay": 0.1, "momentum": 0.5})
     testing.assert_stages_equivalent(*args, rmsprop, groups=groups, stages=[1, 3])
+    # torch's Adam with decoupled weight decay is AdamW (fzero's adam took no such
+    # argument: a TypeError, found by a second reader).
+    decoupled = (
+        torch.optim.Adam,
+        {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True},
+    )
+    testing.assert_stages_equivalent(*args, decoupled, groups=groups, stages=[0])
 
 
 @pytest.mark.multiprocess
