@@ -284,7 +284,8 @@ def together(rank: int, size: int, where: str) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:  # KeyboardInterrupt too: a handler's save comes next
-        if size > 1 and not is_agreed(exc):
+        # Not a generator closed around a `bind` block: every rank's consumer stopped.
+        if size > 1 and not is_agreed(exc) and not isinstance(exc, GeneratorExit):
             publish(exc, rank, where, _issued > issued)
         raise
     finally:

@@ -569,3 +569,36 @@ def test_an_exception_inside_one_ranks_bind_block_raises_on_every_rank() -> None
     outs = outcomes(3, _bind_raises_on_rank_1)
     raised_together(outs, ValueError, "label it does not know")
     assert [o.peer for o in outs] == [True, False, True]
+
+
+def _closed_generator(mesh: fzero.Mesh) -> Any:
+    """A streaming evaluation: a generator yielding from inside `bind`, which every rank
+    stops after its first batch (`close()` raises GeneratorExit inside the block), then
+    a step; the parameters after it."""
+    state, opt, net = setup(mesh, 3)
+
+    def predictions(batches: list) -> Any:
+        with fzero.bind(net, state, mesh) as m:
+            for x in batches:
+                yield m(x)
+
+    x, y = batches(mesh.size, 4)
+    gen = predictions([mine(x[0], mesh.rank)] * 3)
+    next(gen)
+    gen.close()
+    step = fzero.sharded_step(
+        lambda p, b: (functional_call(net, p, (b[0],)) - b[1]).square().mean(),
+        opt, mesh, stage=3, units=UNITS,
+    )  # fmt: skip
+    state, _ = step(state, (mine(x[1], mesh.rank), mine(y[1], mesh.rank)))
+    return fzero.gather_params(state.params, mesh)
+
+
+def test_a_generator_closed_inside_bind_is_no_failure() -> None:
+    """GeneratorExit inside a call is every rank stopping its consumer, not one rank
+    failing: published as a failure, it failed every later call (a second reader's find,
+    after the interrupt above was made to publish)."""
+    want = reference([1], 2)
+    for o in outcomes(2, _closed_generator):
+        assert o.error is None, o.message
+        fzero.assert_trees_close(o.value, want, rtol=1e-10, atol=1e-12)
