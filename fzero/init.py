@@ -171,10 +171,11 @@ def from_file(
         stripped, as Hugging Face does with `base_model_prefix`.
       missing: an initializer for leaves the file lacks (a new head when fine-tuning,
         non-persistent buffers such as RoPE's `inv_freq`), e.g. `from_module(...)`;
-        without it a missing leaf is an error naming it. Layer leaves the file lacks
-        while its layers' tensors go unread are an error even so (the same weights under
-        other names, as `transformers` renames some architectures' on load), and
-        tensors left unread beside leaves made afresh are a warning naming both.
+        without it a missing leaf is an error naming it. Layer matrices the file lacks
+        while as many elements of its layers' matrices go unread are an error even so
+        (the same weights under other names, as `transformers` renames some
+        architectures' on load); tensors left unread beside leaves made afresh of their
+        shapes, or of other counts in the layers, are a warning naming both.
 
     Returns:
       An initializer for `shard_state(..., init=)`.

@@ -6,13 +6,13 @@ A checkpoint's names are not always the module's. A base model's file (the hub's
 `base_model_prefix` there, and so does `match_names`, finding the one prefix that
 lines the names up. A file whose layers hold their weights under other names (what
 `transformers` converts on load: fused MoE experts, ViT's attention) must not have those
-leaves made afresh by `missing=`: `check_unread` refuses that, and says what it left
-unread where a file simply holds more than the model (a pretraining head) or lacks
-something (a new head).
+leaves made afresh by `missing=`: `check_unread` refuses that where the element counts
+say so, and otherwise names what it left unread beside what it made afresh.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Collection, Mapping
 
@@ -62,42 +62,54 @@ def check_unread(
       names: each leaf path's name in the file's terms; None where `key=` said the file
         has none (an adapter the model adds), which is not checked.
 
-    Leaves of numbered layers (`...layers.3.`) that the file lacks, while tensors of two
-    or more dimensions in its numbered layers went unread, are the same weights under
-    other names: a ValueError. Otherwise a leaf made afresh with the shape of a tensor
-    left unread may be one (an embedding under another name): a warning names both, as
-    Hugging Face's "were not used" and "newly initialized" do. Other tensors left unread
-    (a tied weight's second name, a pretraining head) are said nothing of.
+    Matrices (two or more dimensions) of numbered layers (`...layers.3.`) that the file
+    lacks, while as many elements of its layers' matrices went unread, are the same
+    weights under other names (a renaming or a fusing keeps the count): a ValueError.
+    Counts that differ (a checkpoint's old causal masks beside an adapter), or a leaf
+    made afresh with the shape of a tensor left unread (an embedding under another
+    name), are a warning naming both, as Hugging Face's "were not used" and "newly
+    initialized" are. Other tensors left unread (a tied weight's second name, a
+    pretraining head) are said nothing of.
     """
     absent = {p: shape for p, shape in absent.items() if names[p] is not None}
     if not absent or not unread:
         return
-    layered = [u for u, shape in sorted(unread.items()) if len(shape) >= 2 and _layer(u)]
-    clash = [names[p] for p in absent if _layer(names[p] or "")]
-    if layered and clash:
-        raise ValueError(
-            f"fzero.init.from_file: {path} holds the layers' weights under other names "
-            f"than the model's: {len(layered)} of its layers' tensors are read by no leaf "
-            f"(e.g. {layered[:3]}), and {len(clash)} layer leaves are not in it (e.g. "
-            f"{clash[:3]}), which missing= would make afresh. transformers renames (and "
-            "fuses) some architectures' weights as it loads them (MoE experts, ViT's "
-            "attention), from_file reads tensors by name: pass key= where it is a renaming, "
-            "or build the model with transformers' from_pretrained and shard its own "
-            "dict(model.named_parameters()) without init=. Leaves the file is not meant "
-            "to hold (adapters) are declared so by key= returning None for them"
-        )
+    layered = {u: s for u, s in sorted(unread.items()) if len(s) >= 2 and _layer(u)}
+    made = {names[p] or p: s for p, s in sorted(absent.items()) if len(s) >= 2}
+    made = {n: s for n, s in made.items() if _layer(n)}
+    if layered and made:
+        if _count(layered) == _count(made):
+            raise ValueError(
+                f"fzero.init.from_file: {path} holds the layers' weights under other names "
+                f"than the model's: {len(layered)} of its layers' matrices are read by no "
+                f"leaf (e.g. {list(layered)[:3]}), and {len(made)} layer matrices of the "
+                f"model, as many elements, are not in it (e.g. {list(made)[:3]}), which "
+                "missing= would make afresh. transformers renames (and fuses) some "
+                "architectures' weights as it loads them (MoE experts, ViT's attention), "
+                "from_file reads tensors by name: pass key= where it is a renaming, or "
+                "build the model with transformers' from_pretrained and shard its own "
+                "dict(model.named_parameters()) without init="
+            )
+        _warn(path, list(layered), list(made))
+        return
     shapes = set(absent.values())
     alike = sorted(u for u, shape in unread.items() if shape in shapes)
     if alike:
-        made = sorted(
-            names[p] or p for p, shape in absent.items() if shape in set(map(unread.get, alike))
-        )
-        warnings.warn(
-            f"fzero.init.from_file: {path}: its tensors {alike[:3]} were read by no leaf, "
-            f"and missing= made leaves of their shapes afresh ({made[:3]}); if they are the "
-            "same weights under other names, pass key=",
-            stacklevel=2,
-        )
+        seen = set(map(unread.get, alike))
+        _warn(path, alike, sorted(names[p] or p for p, s in absent.items() if s in seen))
+
+
+def _warn(path: str, unread: list[str], made: list[str]) -> None:
+    warnings.warn(
+        f"fzero.init.from_file: {path}: its tensors {unread[:3]} were read by no leaf, "
+        f"and missing= made {made[:3]} afresh; if they are the same weights under other "
+        "names, pass key= (returning None for a leaf the file is not meant to hold)",
+        stacklevel=3,
+    )
+
+
+def _count(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
 
 
 def _layer(name: str) -> str | None:
