@@ -82,6 +82,11 @@ def _described(fn: Any, depth: int) -> str:
     return f"{name}({', '.join(held)})"
 
 
+def _stepper(v: Any) -> bool:
+    """An fzero optimizer or gradient transformation: a NamedTuple with an `update`."""
+    return isinstance(v, tuple) and hasattr(v, "_fields") and "update" in v._fields
+
+
 def _value(v: Any, depth: int) -> str:
     """`v` as every rank holding the same would write it: no addresses, no tensor data
     but a single number's."""
@@ -91,12 +96,12 @@ def _value(v: Any, depth: int) -> str:
         return repr(v.item()) if v.numel() == 1 and v.device.type != "meta" else "Tensor"
     if isinstance(v, type):
         return v.__qualname__
-    if isinstance(v, Optimizer):
-        return _described(v.update_ or v.update, depth)
-    # A tuple's contents, and a list of optimizers (param_groups'); not a dict, a set or
-    # another list's, which may be a cache filled with what this rank holds.
-    optimizers = isinstance(v, list) and all(isinstance(x, Optimizer) for x in v)
-    if (isinstance(v, tuple) or optimizers) and depth <= 3:
+    if _stepper(v):  # an Optimizer, a GradientTransformation
+        return _described(getattr(v, "update_", None) or v.update, depth)
+    # A tuple's contents, and a list of optimizers or transformations (param_groups',
+    # chain's); not a dict, a set or another list's: a cache of what this rank holds.
+    steppers = isinstance(v, list) and all(map(_stepper, v))
+    if (isinstance(v, tuple) or steppers) and depth <= 3:
         return "(" + ", ".join(_value(x, depth + 1) for x in v) + ")"
     if isinstance(v, (dict, list, set)):
         return type(v).__name__

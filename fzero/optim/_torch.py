@@ -79,8 +79,8 @@ def _edits_grads(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, A
 def _edits_on(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> bool:
     g = torch.Generator().manual_seed(1)
     params = [torch.randn(n, generator=g, dtype=torch.float32) for n in (5, 8)]
-    opt = optimizer_cls(params, **kwargs)
     try:
+        opt = optimizer_cls(params, **kwargs)
         with torch.no_grad():
             for _ in range(3):
                 grads = [torch.randn(p.shape, generator=g) for p in params]

@@ -262,6 +262,9 @@ def _differ(mesh: fzero.Mesh, what: str) -> None:
     opt = fzero.optim.adam(lr=0.5 if odd and what == "optimizer" else 0.05)
     if what == "torch optimizer":  # from_torch: the class and its options, shown
         opt = fzero.optim.from_torch(torch.optim.SGD if odd else torch.optim.Adam, lr=0.05)
+    if what == "clipping":  # a chain's transformations
+        clip = fzero.optim.clip_by_global_norm(2.0 if odd else 1.0)
+        opt = fzero.optim.chain(clip, fzero.optim.adam(lr=0.05))
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=state_units)
     x = torch.ones(2, D, dtype=torch.float64)
 
@@ -280,7 +283,8 @@ def test_options_that_differ_across_ranks_raise_on_every_rank_naming_each_value(
 
 
 @pytest.mark.parametrize(
-    ("what", "shown"), [("optimizer", "lr=0.5"), ("torch optimizer", "optimizer_cls=SGD")]
+    ("what", "shown"),
+    [("optimizer", "lr=0.5"), ("torch optimizer", "optimizer_cls=SGD"), ("clipping", "")],
 )
 def test_optimizers_that_differ_across_ranks_raise_on_every_rank(what: str, shown: str) -> None:
     """Every fzero optimizer's `update` is one function (`from_inplace`'s), so ranks at
