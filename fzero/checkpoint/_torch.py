@@ -135,8 +135,9 @@ def import_torch(
       units: as in `shard_state`.
       frozen: as in `shard_state`.
       step: the number of updates already applied. Adam's is read from its "step"; torch's
-        SGD keeps none, so by default it is 1 if momentum buffers exist, else 0 (it only
-        matters to learning-rate schedules).
+        SGD keeps none, so by default it is 1 if momentum buffers exist, else 0. It
+        matters to learning-rate schedules, and to SGD: 0 with momentum buffers is
+        refused (fzero's SGD would take its next update for its first).
       device: where the state is built (None: `mesh.device`).
       buffers: the module's buffers, as `shard_state(buffers=)` takes them
         (`dict(model.named_buffers())`): a buffer the state dict holds takes its value,
@@ -283,6 +284,14 @@ def torch_states_of(
         if len(steps) > 1:
             raise CheckpointError(f"parameters are at different steps {sorted(steps)}")
         stepped = any(states.values())
+        if kind == "SgdState" and stepped and step == 0:
+            # fzero's SGD takes step 0 for its first, which sets the buffer to the
+            # gradient (torch's step without a buffer): the imported momentum would go.
+            raise CheckpointError(
+                "step=0 with SGD momentum buffers: fzero's SGD would take its next update "
+                "for its first and replace the buffers by the gradient; pass the number of "
+                "updates applied (>= 1), or leave step= out (1)"
+            )
         count = int(steps.pop()) if steps else (step if step is not None else int(stepped))
         for i, st in states.items():
             per_leaf[i] = {}
