@@ -9,6 +9,7 @@ size, with or without a `Precision`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -20,9 +21,7 @@ from .._state import (
     LossScaleState,
     Precision,
     ShardedState,
-    cast_params,
     master_params,
-    meta_like,
 )
 from .._state import to_mixed as mixed
 from ._schema import CheckpointError
@@ -46,35 +45,44 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
         )
         params = Shards(bufs, lay, mesh.shard_rank)
         return ShardedState(params, state.opt_state, state.step, lay, state.stage, state.buffers)
-    if isinstance(state.master, Shards):
-        dtypes = {b.dtype for b in state.master.layout.buckets if not b.frozen}
-    else:
-        dtypes = {x.dtype for x in tree_flatten(state.master)[0]}
-    if len(dtypes) != 1:
-        raise NotImplementedError(
-            f"checkpoint.save: master copies in several dtypes ({sorted(map(str, dtypes))}) "
-            "cannot be saved yet; use one dtype for the original parameters"
-        )
-    (dtype,) = dtypes
+    dtypes = _saved_dtypes(state)
     if stage_of(state.stage).shards_params:
         mlay = state.master.layout
-        flay = build_layout(
-            cast_params(meta_like(lay), dtype),
-            mesh.shard_size,
-            lay.kind,
-            lay.specs,
-            list(lay.frozen),
+        saved = tree_unflatten(
+            lay.treedef,
+            [torch.empty(s, dtype=d, device="meta") for s, d in zip(lay.shapes, dtypes)],
         )
+        flay = build_layout(saved, mesh.shard_size, lay.kind, lay.specs, list(lay.frozen))
         bufs = tuple(
-            p.to(dtype) if b.frozen else m
-            for p, m, b in zip(state.params.buffers, state.master.buffers, mlay.buckets)
+            p.to(f.dtype) if b.frozen else m
+            for p, m, b, f in zip(
+                state.params.buffers, state.master.buffers, mlay.buckets, flay.buckets
+            )
         )
         params: PyTree = Shards(bufs, flay, mesh.shard_rank)
     else:
-        full = cast_params(master_params(state, mesh), dtype)  # frozen leaves cast up: exact
+        leaves = lay.leaves(master_params(state, mesh))
+        full = tree_unflatten(lay.treedef, [x.to(d) for x, d in zip(leaves, dtypes)])
         flay = build_layout(full, mesh.shard_size, lay.kind, lay.specs, list(lay.frozen))
         params = flay.unflatten(flay.flatten(full))
     return ShardedState(params, state.opt_state, state.step, flay, state.stage, state.buffers)
+
+
+def _saved_dtypes(state: ShardedState) -> list[torch.dtype]:
+    """Each leaf's dtype in a checkpoint of a mixed-precision `state`: a trainable leaf's
+    master dtype (several, where the original parameters had several: a bf16 model keeping
+    fp32 routers); a frozen floating leaf's, the widest master dtype (a cast up: exact)."""
+    lay = state.layout
+    if isinstance(state.master, Shards):
+        masters = list(state.master.layout.dtypes)
+    else:
+        masters = [None if x is None else x.dtype for x in lay.leaves(state.master)]
+    trained = sorted({d for d, f in zip(masters, lay.frozen) if not f and d is not None}, key=str)
+    widest = functools.reduce(torch.promote_types, trained) if trained else None
+    return [
+        ((widest or held) if held.is_floating_point else held) if f else m
+        for held, m, f in zip(lay.dtypes, masters, lay.frozen)
+    ]
 
 
 def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedState:
