@@ -20,8 +20,8 @@ from ._tensorfile import Entry, TensorFile
 
 # What a directory may hold, in Hugging Face's order of preference (`from_pretrained`).
 _NAMES = (
-    "model.safetensors.index.json",
     "model.safetensors",
+    "model.safetensors.index.json",
     "pytorch_model.bin.index.json",
     "pytorch_model.bin",
 )

@@ -22,7 +22,9 @@ from ._stream import Spec
 from ._stream import export_safetensors as stream_safetensors
 
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Shard files, and what a killed export leaves: the temporary files of ours and the index.
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}(-\d+)?\.safetensors")
+_LEFT = re.compile(r"(model(-\d{5}-of-\d{5}(-\d+)?)?\.safetensors(\.index\.json)?)\.tmp-\d+")
 
 
 @_comm.collective("checkpoint.export_pretrained")
@@ -45,8 +47,10 @@ def export_pretrained(
     full tensors. `transformers.AutoModel*.from_pretrained(directory)` loads the result
     (strictly: every key the model expects, no other), and `fzero.init.from_file(directory)`
     reads it back into shards. Under mixed precision the masters are written. Each file is
-    written atomically (temporary file, fsync, rename), the index last; shard files of an
-    earlier export that the new index does not name are removed.
+    written atomically (temporary file, fsync, rename), the index last, under names the
+    directory's current index does not use (`...-of-0000n-1.safetensors` where the
+    earlier export holds Hugging Face's): a run killed before the index is replaced leaves
+    the earlier export whole. The earlier export's files are then removed.
 
     Args:
       state: this rank's ShardedState.
@@ -96,11 +100,7 @@ def export_pretrained(
             size += n
         if len(groups) == 1:
             return {os.path.join(directory, _SINGLE): groups[0]}
-        k = len(groups)
-        return {
-            os.path.join(directory, f"model-{i + 1:05d}-of-{k:05d}.safetensors"): g
-            for i, g in enumerate(groups)
-        }
+        return dict(zip(_shard_files(directory, len(groups)), groups))
 
     def finish(files: dict[str, list[str]]) -> None:
         names = {os.path.basename(f) for f in files}
@@ -115,7 +115,7 @@ def export_pretrained(
             _write_text(os.path.join(directory, _INDEX), json.dumps(index, indent=2) + "\n")
             names.add(_INDEX)
         for old in os.listdir(directory):  # an earlier export's files, now stale
-            stale = old in (_SINGLE, _INDEX) or _SHARD.fullmatch(old)
+            stale = old in (_SINGLE, _INDEX) or _SHARD.fullmatch(old) or _LEFT.fullmatch(old)
             if stale and old not in names:
                 os.remove(os.path.join(directory, old))
         if config is not None:
@@ -135,6 +135,31 @@ def export_pretrained(
         finish,
         "checkpoint.export_pretrained",
     )
+
+
+def _shard_files(directory: str, k: int) -> list[str]:
+    """The paths of `k` shard files that the directory's current index does not name.
+
+    The index is the export's commit point: until it is replaced, it must name only the
+    earlier export's files, so a run killed midway leaves that export whole (`save_pretrained`
+    replaces same-named files one by one, and a kill leaves old and new tensors mixed).
+    Hugging Face's names where they are free; else the same names with a number added.
+    """
+    taken: set[str] = set()
+    try:
+        with open(os.path.join(directory, _INDEX)) as f:
+            taken = set(json.load(f)["weight_map"].values())
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        taken = {n for n in os.listdir(directory) if _SHARD.fullmatch(n)}  # unreadable: all
+    generation = 0
+    while True:
+        tag = f"-{generation}" if generation else ""
+        names = [f"model-{i + 1:05d}-of-{k:05d}{tag}.safetensors" for i in range(k)]
+        if taken.isdisjoint(names):
+            return [os.path.join(directory, n) for n in names]
+        generation += 1
 
 
 def _bytes(size: int | str) -> int:

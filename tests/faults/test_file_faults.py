@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import fzero
-from tests.faults.harness import outcomes, raised_together
+from tests.faults.harness import TIMEOUT, outcomes, raised_together
 
 # Every case starts rank processes and takes about a second.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -271,6 +271,69 @@ def test_a_failed_sharded_export_leaves_every_file_of_the_previous_one(tmp_path:
     }
     want, _ = _expected_params()  # the first export's: the untrained parameters
     fzero.assert_trees_close(got, want, rtol=0, atol=0)
+
+
+def _pretrained_twice_killed(mesh: fzero.Mesh, target: str, at: str) -> Any:
+    """A sharded `export_pretrained`, then one of trained values during which rank 0 is
+    killed (the OOM killer, a preemption) just after the rename of its first `at` file."""
+    state, _ = _big_state(mesh, 3)
+    fzero.checkpoint.export_pretrained(state, target, mesh, max_shard_size=5000)
+    state, _ = fzero.sharded_step(
+        lambda p, b: sum(x.sum() for x in p.values()), fzero.optim.adam(lr=0.1), mesh, stage=3
+    )(state, 0)
+    trained = fzero.gather_params(state.params, mesh)
+    if mesh.rank == 0:
+        real = os.replace
+
+        def replace(src: str, dst: str) -> None:
+            real(src, dst)
+            if os.fspath(dst).endswith(at):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        os.replace = replace  # this rank's process only (ranks are forked)
+        torch.save(trained, f"{target}.trained.pt")
+    fzero.checkpoint.export_pretrained(state, target, mesh, max_shard_size=5000)
+
+
+def _read_export(target: str) -> dict[str, torch.Tensor]:
+    """The tensors a loader finds, as `from_pretrained` looks: the single file first."""
+    single = Path(target) / "model.safetensors"
+    if single.exists():
+        return safetensors.torch.load_file(str(single))
+    index = json.loads((Path(target) / "model.safetensors.index.json").read_text())
+    return {
+        name: safetensors.torch.load_file(str(Path(target) / f))[name]
+        for name, f in index["weight_map"].items()
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("at", "which"), [(".safetensors", "first"), (".index.json", "second")])
+def test_an_export_killed_midway_leaves_one_whole_export(
+    tmp_path: Path, at: str, which: str
+) -> None:
+    # save_pretrained's way, files replaced one by one under the same names, left the old
+    # index naming a new first file beside old others: a loadable mix, no error.
+    target = str(tmp_path / "model")
+    simulation = fzero.Simulation(2, collective_timeout=TIMEOUT, timeout=90)
+    with pytest.raises(fzero.RankFailure, match="rank 0 of 2 died"):
+        simulation.run(_pretrained_twice_killed, target, at)
+    untrained, _ = _expected_params()
+    trained = torch.load(f"{target}.trained.pt", weights_only=True)
+    assert not torch.equal(trained["0.weight"], untrained["0.weight"])
+    want = untrained if which == "first" else trained
+    fzero.assert_trees_close(_read_export(target), want, rtol=0, atol=0)
+    # The next export over it succeeds and leaves its own files only.
+    simulation.run(_pretrained_again, target)
+    files = sorted(p.name for p in Path(target).iterdir())
+    index = json.loads((Path(target) / "model.safetensors.index.json").read_text())
+    assert files == sorted({"model.safetensors.index.json", *index["weight_map"].values()})
+    fzero.assert_trees_close(_read_export(target), untrained, rtol=0, atol=0)
+
+
+def _pretrained_again(mesh: fzero.Mesh, target: str) -> None:
+    state, _ = _big_state(mesh, 3)
+    fzero.checkpoint.export_pretrained(state, target, mesh, max_shard_size=5000)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -89,6 +89,20 @@ def test_a_directory_prefers_safetensors_as_hugging_face_does(tmp_path: Path) ->
         fzero.assert_trees_close(o.value, weights(), rtol=0, atol=0)
 
 
+def test_a_directory_prefers_the_single_file_to_an_index_as_hugging_face_does(
+    tmp_path: Path,
+) -> None:
+    # from_pretrained reads model.safetensors where a directory holds it beside an index
+    # (an export from one file to several, killed before the file's removal): fzero read
+    # the index, so the two loaded other values from one directory.
+    save_sharded(tmp_path, "safetensors")
+    single = {k: v + 1 for k, v in weights().items()}
+    safetensors.torch.save_file(single, str(tmp_path / "model.safetensors"))
+    for o in outcomes(2, _load, str(tmp_path), 3):
+        assert o.error is None, o.message
+        fzero.assert_trees_close(o.value, single, rtol=0, atol=0)
+
+
 def _broken(directory: Path, how: str) -> Any:
     save_sharded(directory, "safetensors")
     index = directory / "model.safetensors.index.json"
