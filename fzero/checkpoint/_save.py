@@ -115,7 +115,7 @@ def _save(state: ShardedState, path: str, mesh: Mesh) -> str:
         error = exc
     try:
         everyone = agree(error, (tmp, rep), mesh, what)
-    except CheckpointError:
+    except BaseException:  # a peer's failure may be any error (PeerError), or an interrupt
         if tmp is not None:  # rank 0 made it; another rank failed
             shutil.rmtree(os.path.join(path, tmp), ignore_errors=True)
         raise
@@ -161,7 +161,7 @@ def _save(state: ShardedState, path: str, mesh: Mesh) -> str:
             except Exception as exc:
                 error = exc
         return os.path.join(path, agree(error, name, mesh, what)[0])
-    except CheckpointError:
+    except BaseException:
         # A failed save leaves no debris: the previous checkpoint is as it was.
         if mesh.rank == 0:
             shutil.rmtree(os.path.join(path, tmp), ignore_errors=True)

@@ -336,6 +336,35 @@ def _pretrained_again(mesh: fzero.Mesh, target: str) -> None:
     fzero.checkpoint.export_pretrained(state, target, mesh, max_shard_size=5000)
 
 
+def _save_interrupted_on_rank_1(mesh: fzero.Mesh, target: str) -> bool | None:
+    """A good save, then one that a Ctrl-C stops on rank 1 as it writes its file."""
+    state, _ = _big_state(mesh, 1)
+    fzero.checkpoint.save(state, target, mesh)
+    if mesh.rank == 1:
+
+        def interrupted(*args: Any, **kwargs: Any) -> Any:
+            raise KeyboardInterrupt
+
+        fzero.checkpoint._disk.write_tensors = interrupted  # this rank's process only
+    try:
+        fzero.checkpoint.save(state, target, mesh)
+    except (KeyboardInterrupt, fzero.PeerError) as exc:  # rank 1's own, rank 0's a peer's
+        return isinstance(exc, fzero.PeerError)
+    return None
+
+
+def test_a_save_a_peer_interrupts_leaves_no_temporary_directory(tmp_path: Path) -> None:
+    # Rank 0 removed the save's temporary directory only on a CheckpointError; a peer's
+    # interrupt reached it as a PeerError of KeyboardInterrupt, and the directory stayed.
+    target = str(tmp_path / "ckpt")
+    simulation = fzero.Simulation(2, collective_timeout=TIMEOUT, timeout=90)
+    assert simulation.run(_save_interrupted_on_rank_1, target) == [True, False]
+    assert [p.name for p in Path(target).iterdir() if ".tmp-" in p.name] == []
+    want, _ = _expected_params()
+    state = fzero.simulate(1, lambda mesh: _resume(mesh, target))[0]
+    fzero.assert_trees_close(state, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("kind", WRITES)
 def test_a_full_disk_raises_the_os_error_on_every_rank_and_keeps_the_previous_file(
