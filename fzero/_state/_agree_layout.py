@@ -11,11 +11,11 @@ from .._core import ShardLayout, UnitSpec, spec_of
 
 @_comm.agreement
 def agree_layout(
-    lay: ShardLayout | None, problem: str | None, stage: tuple[int, bool], mesh: Mesh
+    lay: ShardLayout | None, problem: str | None, stage: tuple[int, bool, bool], mesh: Mesh
 ) -> None:
     """`shard_state`'s check: raises on every rank unless all ranks have valid params of one
-    layout and one stage (`problem`: this rank's error, if any; `stage`: its number, and
-    whether values come from an init)."""
+    layout and one stage (`problem`: this rank's error, if any; `stage`: its number,
+    whether values come from an init, and whether the state is offloaded)."""
     mine = (problem, stage, None if lay is None else lay.fingerprint())
     everyone = _comm.all_gather_object(mine, mesh)
     for rank, (prob, _, _) in enumerate(everyone):
@@ -30,6 +30,9 @@ def agree_layout(
         if st[1] != ref_stage[1]:
             has = "passed" if st[1] else "did not pass"
             raise ValueError(f"shard_state: rank {rank} {has} init=, rank 0 did the opposite")
+        if st[2] != ref_stage[2]:  # placing the state is collective: it would hang
+            has = "passed" if st[2] else "did not pass"
+            raise ValueError(f"shard_state: rank {rank} {has} offload=, rank 0 did the opposite")
         if fp != ref:
             raise ValueError(
                 f"shard_state: rank {rank}'s params differ from rank 0's: {_first_diff(ref, fp)}"

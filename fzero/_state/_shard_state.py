@@ -182,7 +182,7 @@ def shard_state(
         problem = None
     except (TypeError, ValueError) as exc:
         lay, problem = None, f"{type(exc).__name__}: {exc}"
-    agree_layout(lay, problem, (spec.number, init is not None), mesh)
+    agree_layout(lay, problem, (spec.number, init is not None, offload is not None), mesh)
     if init is not None:
         state = _from_init(
             init, lay, optimizer, mesh, spec, buffers, precision, loss_scale, offload is None

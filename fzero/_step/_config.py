@@ -39,6 +39,7 @@ def configuration(o: StepOptions, state: ShardedState, optimizer: Optimizer) -> 
         "parameters": f"{len(lay.paths)} leaves, digest {_digest(shapes)}",
         "frozen": repr([b.frozen for b in lay.buckets]),
         "precision": repr(state.precision),
+        "offloaded": repr(state.offload is not None),  # its masters are gathered to export
         "loss scaler": type(state.scaler).__name__,
         "buffers": "none" if state.buffers is None else _digest(str(leaf_paths(state.buffers))),
         "optimizer": optimizer_kind(optimizer),

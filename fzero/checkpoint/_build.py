@@ -156,6 +156,14 @@ def resume(
     return state
 
 
+def check_offloaded(offloaded: list[bool], what: str) -> None:
+    """Refuses ranks that differ in passing `offload=` (every rank's flag, agreed): an
+    offloaded state's masters are gathered to save or export it, and its peers' are not."""
+    if len(set(offloaded)) > 1:
+        said = ", ".join(f"rank {r}: {'yes' if o else 'no'}" for r, o in enumerate(offloaded))
+        raise CheckpointError(f"{what}: the ranks differ in passing offload= ({said})")
+
+
 def check_torch_keys(schema: Schema, optimizer: Optimizer) -> None:
     """Refuses a torch optimizer's saved state (`from_torch`: a dict per tensor) that does
     not fit `optimizer`'s: torch reads a tensor's state without its keys as fresh (SGD's

@@ -20,7 +20,7 @@ from .._core import (
 )
 from .._state import DynamicLossScale, Offload, Precision, ShardedState, frozen_leaves
 from ..optim import Optimizer
-from ._build import resume
+from ._build import check_offloaded, resume
 from ._groups import natural_order
 from ._schema import CheckpointError, Key, agree
 from ._torch import TorchStates, extras, replicated, torch_states_of
@@ -174,7 +174,7 @@ def import_dcp(
             )  # fmt: skip
         except Exception as exc:
             error = exc
-        agree(error, None, mesh, where)
+        check_offloaded(agree(error, offload is not None, mesh, where), where)
     finally:
         if files is not None:
             files.close()

@@ -26,7 +26,7 @@ from .._core import (
 from .._state import ShardedState, cast_params, check_live, frozen_leaves
 from ..optim import Optimizer
 from . import _disk as disk
-from ._build import resume
+from ._build import check_offloaded, resume
 from ._extra import (
     extra_metadata,
     extra_tensors,
@@ -290,11 +290,17 @@ def load(
         error = exc
     # Every rank must read one version: a save committing while they resolve `LATEST`, or
     # a filesystem that shows ranks other files, would mix two checkpoints' shards.
-    seen = agree(error, os.path.basename(directory), mesh, f"checkpoint.load({path!r})")
+    seen = agree(
+        error,
+        (os.path.basename(directory), offload is not None),
+        mesh,
+        f"checkpoint.load({path!r})",
+    )
     try:
-        if len(set(seen)) > 1:
-            said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+        if len({v for v, _ in seen}) > 1:
+            said = ", ".join(f"rank {r}: {v}" for r, (v, _) in enumerate(seen))
             raise CheckpointError(f"the ranks resolved different versions of {path!r} ({said})")
+        check_offloaded([o for _, o in seen], f"checkpoint.load({path!r})")
         body = disk.read_metadata(directory)
         like = _as_saved(directory, body, params_like, precision)
         lay = _target_layout(directory, body, like, mesh.shard_size, layout, units, frozen)

@@ -31,7 +31,7 @@ from .._state import (
     replicate_buffers,
 )
 from ..optim import Optimizer
-from ._build import resume
+from ._build import check_offloaded, resume
 from ._chain import at, chained
 from ._groups import loaded_order
 from ._schema import CheckpointError, Key, Local, Schema, agree, merge, pieces_of, report, walk
@@ -187,7 +187,8 @@ def import_torch(
         )  # fmt: skip
     except Exception as exc:
         error = exc
-    agree(error, None, mesh, "checkpoint.import_torch")
+    offloaded = agree(error, offload is not None, mesh, "checkpoint.import_torch")
+    check_offloaded(offloaded, "checkpoint.import_torch")
     assert state is not None
     return replicated(state, precision, mesh, "checkpoint.import_torch")
 

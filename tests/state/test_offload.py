@@ -8,6 +8,7 @@ moves where the arithmetic runs, never what it computes).
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fzero
+from fzero._core import leaf_paths
 from tests.state.test_precision import (
     BF16,
     FP16,
@@ -501,6 +503,18 @@ def bad(mesh: fzero.Mesh, what: str, path: str) -> Any:
             params, opt, mesh, stage=1, offload=fzero.Offload("disk", 1.0, path)
         )
         return step(state, batch)
+    one = fzero.Offload() if mesh.rank == 0 else None  # offloaded on rank 0 alone
+    if what == "one rank":
+        return fzero.shard_state(params, opt, mesh, stage=2, offload=one)
+    if what == "load on one rank":
+        fzero.checkpoint.save(fzero.shard_state(params, opt, mesh, stage=2), path, mesh)
+        return fzero.checkpoint.load(path, mesh, opt, params, stage=2, offload=one)
+    if what == "import on one rank":
+        flat = dict(zip(leaf_paths(params), optree.tree_leaves(params)))
+        torch_opt = torch.optim.Adam(list(flat.values()))  # never stepped: no state
+        return fzero.checkpoint.import_torch(
+            flat, torch_opt.state_dict(), opt, mesh, stage=2, offload=one, params_like=params
+        )
     return fzero.shard_state(params, opt, mesh, stage=2, offload=fzero.Offload("disk", 1.0, path))
 
 
@@ -521,6 +535,16 @@ def test_bad_offloads_are_refused_on_every_rank(tmp_path: Path) -> None:
     for pure in ("pure step", "pure step later"):  # the later one was checked at first only
         raised_together(
             outcomes(2, bad, pure, str(tmp_path)), ValueError, "donate=False", "in place"
+        )
+    # Placing a state is collective: offload= on some ranks alone left them waiting for
+    # the others (shard_state), or, loaded, in master_params' gathers its peers never made.
+    raised_together(outcomes(2, bad, "one rank", ""), ValueError, "rank 1 did not pass offload=")
+    for what, call in (("load", "checkpoint.load"), ("import", "checkpoint.import_torch")):
+        raised_together(
+            outcomes(2, bad, f"{what} on one rank", str(tmp_path / what)),
+            ValueError,
+            call,
+            "the ranks differ in passing offload= (rank 0: yes, rank 1: no)",
         )
     a_file = tmp_path / "a-file"
     a_file.write_text("")
