@@ -54,6 +54,7 @@ def estimate_table(
     offload: str | None = None,
     fraction: float = 1.0,
     params_offload: bool = False,
+    shard_size: int | None = None,
 ) -> list[str]:
     """The ZeRO paper's Table 1 for one model: model-state memory per rank.
 
@@ -69,17 +70,19 @@ def estimate_table(
       offload, fraction: as `estimate_memory`'s; each cell is then "device + offloaded"
         (stage 0, which cannot offload: "-").
       params_offload: the stage-3 column with the parameter shards' share on the host too.
+      shard_size: a 2-D mesh's group size S: the state is sharded over S ranks, not N (a
+        world size S does not divide: "-").
 
     Returns:
       The table's lines.
     """
 
     def cell(n: int, s: int) -> str:
-        if offload is not None and s == 0:
+        if (offload is not None and s == 0) or (shard_size and n % shard_size):
             return "-"
         e = estimate_memory(
             num_params,
-            n,
+            min(n, shard_size or n),  # what the state is sharded over
             s,
             param_bytes=param_bytes,
             grad_bytes=grad_bytes,
@@ -165,14 +168,16 @@ def _estimate(args: argparse.Namespace) -> int:
             offload=args.offload,
             fraction=fraction,
             params_offload=args.offload_params,
+            shard_size=args.shard_size,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     per = f"{b(args.param_bytes)} + {b(args.grad_bytes)} + {b(args.optim_bytes)}"
     adam = (args.param_bytes, args.grad_bytes, args.optim_bytes) == (2, 2, 12)
+    over = f", sharded over groups of {args.shard_size} ranks" if args.shard_size else ""
     print(
         f"Model-state memory per rank: {format_count(args.params)} parameters x ({per}) bytes\n"
-        f"(params + grads + optimizer state{': mixed-precision Adam' if adam else ''})\n"
+        f"(params + grads + optimizer state{': mixed-precision Adam' if adam else ''}{over})\n"
     )
     if args.offload:
         share = "" if fraction == 1 else f"{fraction:g} of "

@@ -165,6 +165,19 @@ def test_estimate_prints_communication_per_axis(capsys: Any) -> None:
     assert "hpZ groups of 2; qwZ + qgZ int8" in out and "4 KB / 2.03 KB" in out
 
 
+def test_estimate_shards_memory_over_the_groups_of_a_2d_mesh(capsys: Any) -> None:
+    # HSDP shards the state over a group of S ranks: the memory table divided by N.
+    argv = "estimate --params 1000 --world-sizes 3,4 --param-bytes 4 --grad-bytes 4".split()  # noqa: SIM905
+    assert main([*argv, "--optim-bytes", "8", "--shard-size", "2", "--unit", "B"]) == 0
+    out = capsys.readouterr().out
+    memory = out.split("Communication")[0].splitlines()  # the table before the traffic's
+    rows = {line.split()[0]: line.split()[1:] for line in memory if line[:10].strip()}
+    # Stage 1: 4 + 4 bytes a parameter kept whole, 8 / 2; stage 3: 16 / 2.
+    assert " ".join(rows["4"][:8]) == "16,000 B 12,000 B 10,000 B 8,000 B"
+    assert rows["3"][:4] == ["-"] * 4  # 2 does not divide 3: no such mesh
+    assert "sharded over groups of 2 ranks" in out
+
+
 def test_estimate_prints_the_offload_arithmetic(capsys: pytest.CaptureFixture[str]) -> None:
     # ZeRO-Offload's case: 7B parameters of mixed-precision Adam on one rank. The 12
     # bytes a parameter of fp32 masters and moments leave the device; 2 + 2 stay.
