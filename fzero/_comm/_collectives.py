@@ -265,13 +265,14 @@ def _reduce_scatter_quantized(
     full: torch.Tensor, axis: Axis, block: int
 ) -> tuple[torch.Tensor, Any]:
     # qgZ: each rank's slice for rank j travels to j as int8 blocks (an all-to-all, the
-    # reduce-scatter's volume in a quarter of the bytes), and j sums in float32.
+    # reduce-scatter's volume in a quarter of the bytes), and j sums in float32 (float64
+    # for float64 gradients: its own part exact there too).
     rows = full.view(axis.size, -1)
     codes, scales = _quant.quantize(rows, block)
     got_codes, w1 = _all_to_all(codes, axis)
     got_scales, w2 = _all_to_all(scales, axis)
     out = full.new_empty(rows.shape[1])
-    own = rows[axis.rank].float()
+    own = rows[axis.rank].to(torch.promote_types(torch.float32, full.dtype))
     return out, _SumArrived([w1, w2], (got_codes, got_scales), own, out, axis, block)
 
 

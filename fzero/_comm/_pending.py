@@ -119,8 +119,8 @@ class _Dequantize(_Works):
 
 
 class _SumArrived(_Works):
-    """A quantized all-to-all in flight: on wait, the float32 sum in rank order of what
-    arrived (this rank's own row exact) into `out`."""
+    """A quantized all-to-all in flight: on wait, the sum in rank order of what arrived
+    (this rank's own row exact), in `own`'s dtype (float32 or float64), into `out`."""
 
     def __init__(
         self,
@@ -138,7 +138,7 @@ class _SumArrived(_Works):
         super().wait()
         if self.got is None:
             return
-        vals = _quant.dequantize(*self.got, self.block, torch.float32)
+        vals = _quant.dequantize(*self.got, self.block, self.own.dtype)
         vals[self.axis.rank] = self.own
         self.out.copy_(vals.sum(0))
         self.got = None

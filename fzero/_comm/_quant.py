@@ -37,7 +37,8 @@ class QuantizedComm(NamedTuple):
         sends nothing (one rank, or a shard axis of one) the weights are still rounded
         so: the same arithmetic at every world size, for no bytes saved there.
       grads: qgZ. Gradient reduce-scatters (stages 1-3) run as a quantized all-to-all
-        and a float32 sum of what arrives (the owner's own slice exact); across the
+        and a float32 sum of what arrives (float64 for float64 gradients; the owner's
+        own slice exact); across the
         groups of a 2-D mesh the reduced shard is exchanged quantized again, and every
         replica ends with the same dequantized values.
       block: elements per scale.

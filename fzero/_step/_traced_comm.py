@@ -184,13 +184,14 @@ def _scatter_sum(table: torch.Tensor, group: Any, rows: int, me: int, axes: Axes
         return table.reshape(-1)
     if axes.qg is not None:
         # qgZ: row r travels to rank r as int8 blocks (an all-to-all of the codes and one
-        # of the scales), which sums what arrives in float32, in rank order, its own row
-        # exact: the eager engine's `_reduce_scatter_quantized`.
+        # of the scales), which sums what arrives in float32 (float64 for float64), in
+        # rank order, its own row exact: the eager engine's `_reduce_scatter_quantized`.
         codes, scales = quantize(table, axes.qg)
         codes = fc.all_to_all_single(codes.reshape(-1), None, None, group).view(codes.shape)
         scales = fc.all_to_all_single(scales.reshape(-1), None, None, group).view(scales.shape)
-        vals = dequantize(codes, scales, axes.qg, torch.float32)
-        vals = torch.cat([vals[:me], table[me : me + 1].float(), vals[me + 1 :]])
+        acc = torch.promote_types(torch.float32, table.dtype)
+        vals = dequantize(codes, scales, axes.qg, acc)
+        vals = torch.cat([vals[:me], table[me : me + 1].to(acc), vals[me + 1 :]])
         return vals.sum(0).to(table.dtype)
     if axes.gloo and table.nbytes <= ALL_TO_ALL_MAX_BYTES:
         # Gloo's reduce-scatter is an all-reduce underneath: twice the bytes, and on the

@@ -140,6 +140,24 @@ def test_compiled_steps_quantized_collectives_within_the_same_bounds(
     _collectives_within_bounds(shape, cases, compiled=True)
 
 
+def _owner_part_f64(mesh: fzero.Mesh) -> list[torch.Tensor]:
+    full = torch.zeros(2, 8, dtype=torch.float64)  # the peer's rows: zeros, sent exactly
+    full[mesh.rank] = 1.0 + 1e-12  # this rank's own row, which never travels
+    part, work = _comm.reduce_scatter_async(full.view(-1), mesh, quant=4)
+    if work is not None:
+        work.wait()
+    return [part, _traced(mesh, 4)[1](full.view(-1))]
+
+
+@pytest.mark.multiprocess
+def test_a_float64_owners_part_of_a_quantized_reduce_scatter_is_exact() -> None:
+    # It was cast to float32 and summed there: 1e-12 lost, against a bound of 0.
+    for eager, compiled in fzero.Simulation(2, collective_timeout=30).run(_owner_part_f64):
+        for part in (eager, compiled):
+            assert part.dtype == torch.float64
+            assert torch.equal(part, torch.full((8,), 1.0 + 1e-12, dtype=torch.float64))
+
+
 def _traced(mesh: fzero.Mesh, block: int) -> tuple[Any, Any]:
     """A compiled step's quantized gather and reduce-scatter (1-D results), traced."""
     from fzero._step._traced_comm import entry_axes, gather_rows, reduce_rows
