@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any
 
 import optree
@@ -59,6 +60,8 @@ class Offload:
     def __post_init__(self) -> None:
         if self.to not in TIERS:
             raise ValueError(f"Offload.to must be one of {TIERS}, got {self.to!r}")
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, Real):
+            raise TypeError(f"Offload.fraction must be a number, got {self.fraction!r}")
         if not 0.0 < float(self.fraction) <= 1.0:
             raise ValueError(f"Offload.fraction must be in (0, 1], got {self.fraction!r}")
         if self.to == "disk" and not self.directory:

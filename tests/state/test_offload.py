@@ -524,6 +524,9 @@ def test_bad_offloads_are_refused_on_every_rank(tmp_path: Path) -> None:
     for fraction in (0.0, -0.5, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
             fzero.Offload("host", fraction)
+    for fraction in ("0.5", True, None):  # a string passed, then failed inside the step
+        with pytest.raises(TypeError, match="fraction must be a number"):
+            fzero.Offload("host", fraction)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs directory="):
         fzero.Offload("disk")
     with pytest.raises(ValueError, match="one of"):
