@@ -141,6 +141,13 @@ def load_buffers(
         raise CheckpointError(
             f"buffers_like has buffers {paths}, the checkpoint {[e['path'] for e in saved]}"
         )
+    for e, like in zip(saved, tree_flatten(buffers_like)[0]):
+        shape = getattr(like, "shape", None)
+        if shape is not None and list(shape) != e["shape"]:  # another model's buffer
+            raise CheckpointError(
+                f"buffer {e['path']!r} is {tuple(e['shape'])} in the checkpoint, "
+                f"{tuple(shape)} in buffers_like"
+            )
     return tree_unflatten(tree_flatten(buffers_like)[1], values)
 
 

@@ -673,7 +673,12 @@ def save_and_load_buffers(mesh: fzero.Mesh, path: str, stage: int, like: bool) -
     state, _ = step(state, torch.randn(5, 3, dtype=torch.float64) + mesh.rank)
     ck.save(state, path, mesh)
     loaded = ck.load(path, mesh, opt, params, stage=stage, buffers_like=buffers if like else None)
-    return state.buffers, loaded.buffers
+    wider = {**buffers, "1.running_mean": torch.zeros(5, dtype=torch.float64)}
+    try:  # another model's buffers: refused, not loaded in the checkpoint's shapes
+        ck.load(path, mesh, opt, params, stage=stage, buffers_like=wider)
+    except ck.CheckpointError as exc:
+        return state.buffers, loaded.buffers, str(exc)
+    return state.buffers, loaded.buffers, "loaded"
 
 
 @pytest.mark.multiprocess
@@ -681,7 +686,8 @@ def save_and_load_buffers(mesh: fzero.Mesh, path: str, stage: int, like: bool) -
 def test_buffers_are_saved_and_loaded(tmp_path: Path, stage: int, like: bool) -> None:
     """BatchNorm's running statistics and batch count come back bitwise, in the given
     structure (or as a dict by path)."""
-    for saved, loaded in run(2, save_and_load_buffers, str(tmp_path / "c"), stage, like):
+    for saved, loaded, wider in run(2, save_and_load_buffers, str(tmp_path / "c"), stage, like):
+        assert "buffer '1.running_mean' is (4,) in the checkpoint, (5,) in buffers_like" in wider
         assert (
             set(saved)
             == set(loaded)
