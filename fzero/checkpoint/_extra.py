@@ -77,10 +77,10 @@ def _saved_dtypes(state: ShardedState) -> list[torch.dtype]:
         masters = list(state.master.layout.dtypes)
     else:
         masters = [None if x is None else x.dtype for x in lay.leaves(state.master)]
-    trained = sorted({d for d, f in zip(masters, lay.frozen) if not f and d is not None}, key=str)
-    widest = functools.reduce(torch.promote_types, trained) if trained else None
+    trained = [d for d, f in zip(masters, lay.frozen) if not f and d is not None]
+    up = functools.partial(functools.reduce, torch.promote_types)
     return [
-        ((widest or held) if held.is_floating_point else held) if f else m
+        (up(trained, held) if held.is_floating_point else held) if f else m
         for held, m, f in zip(lay.dtypes, masters, lay.frozen)
     ]
 
