@@ -17,8 +17,7 @@ from .. import _comm
 from .._comm import Mesh
 from .._core import fsync_dir, leaf_paths, tree_flatten
 from .._state import ShardedState
-from ._export import _names
-from ._extra import full_precision
+from ._export import _names, exported
 from ._groups import Hyperparams, param_groups
 from ._save import check_state
 from ._schema import agree
@@ -58,7 +57,8 @@ def export_dcp(
       directory: the checkpoint to create (rank 0 writes; every rank must see it after).
       mesh: the mesh.
       module: the model, so the keys are its `state_dict()`'s: every name of a tied
-        parameter, and no non-persistent buffer. Without it, every leaf and buffer.
+        parameter, and no non-persistent buffer (persistent ones the state does not
+        hold, from the module). Without it, every leaf and buffer of the state.
       optimizer_key: where the optimizer state goes (e.g. "optim"): `{key: {"state":
         {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{**hyperparams,
         "params": [fqn, ...]}]}}`, as `export_torch` maps fzero's adam/adamw/sgd and
@@ -72,7 +72,7 @@ def export_dcp(
     check_state(state, mesh, "checkpoint.export_dcp")
     directory = os.fspath(directory)
     aliases, transient = _names(module)
-    full = full_precision(state, mesh)
+    full = exported(state, mesh, module, transient)
     if optimizer_key is not None:
         writer = _Writer(directory) if mesh.rank == 0 else None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from .. import _comm
 from .._comm import Mesh
+from .._core import leaf_paths, tree_flatten
 from .._state import ShardedState
 from ._extra import full_precision
 from ._groups import Hyperparams
@@ -61,7 +63,8 @@ def export_torch(
         trainable parameter in exactly one group.
       module: the model, so the model dict names what `module.state_dict()` does: every
         name of a tied parameter (e.g. both "tok.weight" and "head.weight"), and the
-        state's buffers less the non-persistent ones, so `load_state_dict(strict=True)`
+        state's buffers less the non-persistent ones (the module's persistent buffers
+        the state does not hold, from the module), so `load_state_dict(strict=True)`
         accepts it. Without it, every buffer of the state is included.
 
     Returns:
@@ -69,8 +72,9 @@ def export_torch(
     """
     check_state(state, mesh, "checkpoint.export_torch")
     # Under mixed precision the export is the masters: the weights at full precision.
-    full = full_precision(state, mesh)
-    return stream_torch(full, path, mesh, hyperparams, *_names(module))
+    aliases, transient = _names(module)
+    full = exported(state, mesh, module, transient)
+    return stream_torch(full, path, mesh, hyperparams, aliases, transient)
 
 
 @_comm.collective("checkpoint.export_safetensors")
@@ -97,15 +101,17 @@ def export_safetensors(
       path: the file rank 0 writes (atomically: temporary file, fsync, rename).
       mesh: the mesh.
       module: the model, so the file names what `module.state_dict()` does: every name of
-        a tied tensor (the bytes repeated), and no non-persistent buffer, so
-        `load_state_dict(strict=True)` accepts it. Without it, every buffer is written.
+        a tied tensor (the bytes repeated), and no non-persistent buffer (persistent
+        ones the state does not hold, from the module), so `load_state_dict(strict=True)`
+        accepts it. Without it, every buffer of the state is written.
       dtype: the dtype weights are written in (e.g. torch.bfloat16); None keeps theirs.
         Buffers keep their dtype.
       metadata: string pairs for the header's `__metadata__` (e.g. {"format": "pt"}).
     """
     check_state(state, mesh, "checkpoint.export_safetensors")
-    full = full_precision(state, mesh)
-    stream_safetensors(full, path, mesh, *_names(module), dtype, metadata)
+    aliases, transient = _names(module)
+    full = exported(state, mesh, module, transient)
+    stream_safetensors(full, path, mesh, aliases, transient, dtype, metadata)
 
 
 def _names(module: nn.Module | None) -> tuple[dict[str, str] | None, frozenset[str]]:
@@ -121,3 +127,35 @@ def _names(module: nn.Module | None) -> tuple[dict[str, str] | None, frozenset[s
         for b in m._non_persistent_buffers_set
     )
     return aliases, transient
+
+
+def exported(
+    state: ShardedState, mesh: Mesh, module: nn.Module | None, transient: frozenset[str]
+) -> ShardedState:
+    """`state` as an export writes it: at full precision (the masters), with the persistent
+    buffers of `module` that it does not hold. A state made without `buffers=` trains
+    with the module's own (the loss reads them through `functional_call`; BatchNorm
+    updates them there), which `module.state_dict()` and `save_pretrained` hold."""
+    full = full_precision(state, mesh)
+    if module is None:
+        return full
+    held = {}
+    if full.buffers is not None:
+        held = dict(zip(leaf_paths(full.buffers), tree_flatten(full.buffers)[0]))
+    lacking = {
+        n: b
+        for n, b in module.named_buffers()
+        if n not in transient and n not in held and n not in full.layout.path_index
+    }
+    if not lacking:
+        return full
+    meta = [n for n, b in lacking.items() if b.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"module= has persistent buffers the state does not hold, and no values for "
+            f"them (on the meta device): {meta[:3]} ({len(meta)} in all); pass "
+            "buffers=dict(model.named_buffers()) to shard_state so that the export writes them"
+        )
+    return dataclasses.replace(
+        full, buffers={**held, **{n: b.detach() for n, b in lacking.items()}}
+    )

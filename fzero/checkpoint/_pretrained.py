@@ -15,8 +15,7 @@ from .. import _comm
 from .._comm import Mesh
 from .._core import fsync_dir
 from .._state import ShardedState
-from ._export import _names
-from ._extra import full_precision
+from ._export import _names, exported
 from ._save import check_state
 from ._stream import Spec
 from ._stream import export_safetensors as stream_safetensors
@@ -58,8 +57,9 @@ def export_pretrained(
       mesh: the mesh.
       module: the model, so that the files name what its `state_dict()` does less its tied
         aliases (as `save_pretrained`: a tied weight is stored once, under its first
-        name), its non-persistent buffers and its `_keys_to_ignore_on_save`; without it,
-        every leaf and buffer.
+        name), its non-persistent buffers and its `_keys_to_ignore_on_save`, and with its
+        persistent buffers the state does not hold (a state made without `buffers=`
+        trained with the module's own); without it, every leaf and buffer of the state.
       config: written as `config.json`: a `transformers` config (its `save_pretrained`) or
         a dict; None writes none. Given `module` too, as `save_pretrained` writes it: the
         module's class under `architectures` (on a copy), and `generation_config.json`
@@ -82,7 +82,7 @@ def export_pretrained(
     # A model's `_keys_to_ignore_on_save` (Marian's sinusoidal positions), left out as
     # `save_pretrained` leaves them: `from_pretrained` makes them again.
     transient |= frozenset(getattr(module, "_keys_to_ignore_on_save", None) or ())
-    full = full_precision(state, mesh)
+    full = exported(state, mesh, module, transient)
 
     specs: dict[str, Spec] = {}  # every tensor written (rank 0): the index's total size
 
