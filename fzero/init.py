@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._state import FileInit, Init, LeafInit, ModuleInit, RecordedInit, is_deferred
+from ._state import FileInit, Init, LeafInit, ModuleInit, RecordedInit, ValuesInit, is_deferred
 from ._state import deferred as _deferred
 
 __all__ = ["Init", "by_leaf", "deferred", "from_file", "from_module"]
@@ -84,10 +84,12 @@ def from_module(
     `missing=`, those the file lacks).
 
     Either way every rank makes the same values, whatever the world size, stage, layout
-    or units, and the module is left on the meta device.
+    or units, and the module is left on the meta device. A module built with values
+    (eagerly) gives its own: each rank copies out the ranges it keeps (`missing=` of a
+    file read into a model built as usual).
 
     Args:
-      module: the model, from `deferred` or built on the meta device; `shard_state`'s
+      module: the model, from `deferred`, built on the meta device, or with values; `shard_state`'s
         params and buffers are its `dict(model.named_parameters())` and
         `dict(model.named_buffers())`.
       seed: what `torch.manual_seed` would be given before the eager construction;
@@ -113,6 +115,21 @@ def from_module(
                 "module from fzero.init.deferred replays its own construction"
             )
         return RecordedInit(module, seed, device)
+    tensors = [*module.parameters(), *module.buffers()]
+    if tensors and not any(t.is_meta for t in tensors):
+        if seed is not None or init:
+            raise ValueError(
+                "fzero.init.from_module: the module was built with values, which are read "
+                "as they are; seed= and init= are for a module from fzero.init.deferred or "
+                "built on the meta device"
+            )
+        return ValuesInit(module, device)
+    if not all(t.is_meta for t in tensors):
+        raise ValueError(
+            "fzero.init.from_module: the module holds tensors with values beside tensors on "
+            "the meta device (partly materialized): build it whole on the meta device, "
+            "or with fzero.init.deferred, or whole with values"
+        )
     return ModuleInit(module, 0 if seed is None else seed, device, init or {})
 
 
@@ -152,14 +169,16 @@ def from_file(
     straight from the file into its shards, so a pretrained model is loaded into shards
     without any rank holding it whole. Values are converted to the parameters' dtypes,
     as `load_state_dict` does. Both `torch.save(model.state_dict())` files and fzero's
-    `checkpoint.export_torch` files are read.
+    `checkpoint.export_torch` files are read. Buffers the file holds are read from it,
+    also those of a model built with values (its BatchNorm statistics, as
+    `from_pretrained` reads them); buffers with values that it lacks keep them.
 
     Args:
       path: the file (format detected from its contents); an index of several files
         (`model.safetensors.index.json`, `pytorch_model.bin.index.json`: each tensor is
         read from the file its `weight_map` names); or a directory holding one of
-        `model.safetensors.index.json`, `model.safetensors`, `pytorch_model.bin.index.json`,
-        `pytorch_model.bin` (the first found, Hugging Face's order); or a
+        `model.safetensors`, `model.safetensors.index.json`, `pytorch_model.bin`,
+        `pytorch_model.bin.index.json` (the first found, Hugging Face's order); or a
         `torch.distributed.checkpoint` directory (FSDP2's or torchtitan's `dcp.save` of a
         model's state dict, or `checkpoint.export_dcp`'s), read through torch's DCP reader, each
         rank the rows that hold its ranges (its metadata is a pickle: read checkpoints

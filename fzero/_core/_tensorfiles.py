@@ -22,8 +22,8 @@ from ._tensorfile import Entry, TensorFile
 _NAMES = (
     "model.safetensors",
     "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
     "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
 )
 
 

@@ -21,7 +21,8 @@ def materialize(
     precision: Precision | None,
 ) -> tuple[tuple[torch.Tensor, ...], PyTree]:
     """This rank's bucket buffers (its slices at stage 3, else full) and `buffers`, with
-    the values `init` makes; buffers not on the meta device are kept as given.
+    the values `init` makes; buffers not on the meta device are kept as given, unless
+    the init reads them from a file that holds them.
 
     Collective: raises on every rank if any rank's init failed, made other values than
     rank 0's, or made values that overflow the precision's dtypes.
@@ -60,7 +61,8 @@ def _fill(
     init: Init, layout: ShardLayout, rank: int, sharded: bool, buffers: PyTree
 ) -> tuple[tuple[torch.Tensor, ...], PyTree, dict[str, str]]:
     """This rank's bucket buffers (its slices if `sharded`, else full) and `buffers`, with
-    the values `init` makes. Buffers that are not on the meta device are kept as given.
+    the values `init` makes. Buffers that are not on the meta device are kept as given,
+    unless the init reads them from a file that holds them.
 
     Returns:
       `(bucket buffers, buffers, digests)`.
@@ -85,15 +87,22 @@ def _fill(
     held = None
     if buffers is not None:
         leaves, treedef = tree_flatten(buffers)
+        paths = leaf_paths(buffers)
+        real = [p for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and not x.is_meta]
+        # A buffer with values of its own is still read from a file holding it (a
+        # pretrained model's BatchNorm statistics, Marian's `final_logits_bias`), as
+        # `from_pretrained` reads it; one the init would make afresh keeps its values.
+        read = init.holds([*layout.paths, *real]) if real else set()
         values = []
-        for path, x in zip(leaf_paths(buffers), leaves):
-            if not isinstance(x, torch.Tensor) or x.device.type != "meta":
+        for path, x in zip(paths, leaves):
+            if not isinstance(x, torch.Tensor) or not (x.is_meta or path in read):
                 values.append(x)
                 continue
             if path in likes:
                 raise ValueError(f"buffer {path!r} has the path of a parameter")
             v = torch.empty(x.shape, dtype=x.dtype, device=init.device)
-            wants[path], likes[path] = [(0, v.numel(), v.view(-1))], x
+            wants[path] = [(0, v.numel(), v.view(-1))]
+            likes[path] = torch.empty(x.shape, dtype=x.dtype, device="meta")
             values.append(v)
         held = tree_unflatten(treedef, values)
     return tuple(flats), held, init.fill(wants, likes)

@@ -37,6 +37,10 @@ class Init(abc.ABC):
         """Fills every range in `wants`; checks it can make every leaf of `likes` (meta
         tensors: paths, shapes, dtypes). Returns digests that every rank must agree on."""
 
+    def holds(self, paths: list[str]) -> set[str]:
+        """Those of `paths` this init reads from a source rather than makes: none."""
+        return set()
+
 
 def deliver(path: str, value: torch.Tensor, wants: Wants, like: torch.Tensor, what: str) -> None:
     """Copies the wanted ranges of the full leaf `value` (checked against `like`)."""
@@ -131,6 +135,27 @@ class RecordedInit(Init):
                 )
             deliver(path, value, wants, likes[path], "fzero.init.from_module")
             out[path] = digest(value)
+        return out
+
+
+class ValuesInit(Init):
+    """A module built with values (eagerly): its own tensors, the ranges each rank keeps."""
+
+    def __init__(self, module: nn.Module, device: Any):
+        self.module, self.device = module, torch.device(device)
+
+    def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        named.update(self.module.named_buffers(remove_duplicate=False))
+        out = {}
+        for path, like in likes.items():
+            if path not in named:
+                raise ValueError(
+                    f"fzero.init.from_module: the module has no parameter or buffer {path!r}:"
+                    " pass the module's own dict(model.named_parameters()) / named_buffers()"
+                )
+            deliver(path, named[path], wants, like, "fzero.init.from_module")
+            out[path] = digest(named[path])
         return out
 
 
@@ -280,6 +305,14 @@ class FileInit(Init):
     def __init__(self, path: str, key: Callable[[str], str | None] | None, missing: Init | None):
         self.path, self.key, self.missing = path, key or (lambda p: p), missing
         self.device = torch.device("cpu") if missing is None else missing.device
+
+    def holds(self, paths: list[str]) -> set[str]:
+        """Those of `paths` the file holds, named as `fill` names them."""
+        f = open_tensors(self.path)
+        try:
+            return set(match_names({p: self.key(p) for p in paths}, f.entries))
+        finally:
+            f.close()
 
     def fill(self, wants: Wants, likes: dict[str, torch.Tensor]) -> dict[str, str]:
         f = open_tensors(self.path)
