@@ -338,6 +338,11 @@ class FileInit(Init):
             out = {"<file>": f.digest()}
         finally:
             f.close()
+        if absent and self.missing is None and names[absent[0]] is None:
+            raise ValueError(
+                f"fzero.init.from_file: key= says {self.path} does not hold {absent[0]!r} "
+                f"({len(absent)} leaves so, or missing): pass missing= to make them"
+            )
         if absent and self.missing is None:
             some = sorted(unread or f.entries)[:3]
             held = f"{len(unread)} tensors no leaf read, e.g." if unread else "e.g."

@@ -42,10 +42,13 @@ def eager(cls: type[nn.Module], seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in cls().named_parameters()}
 
 
-def _load(mesh: fzero.Mesh, path: str, cls: type[nn.Module], key: Any = None) -> Any:
+def _load(
+    mesh: fzero.Mesh, path: str, cls: type[nn.Module], key: Any = None, missing: bool = True
+) -> Any:
     model = fzero.init.deferred(cls, seed=7)
     params = dict(model.named_parameters())
-    init = fzero.init.from_file(path, key=key, missing=fzero.init.from_module(model))
+    made = fzero.init.from_module(model) if missing else None
+    init = fzero.init.from_file(path, key=key, missing=made)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         state = fzero.shard_state(params, fzero.optim.sgd(0.1), mesh, stage=3, init=init)
@@ -120,6 +123,14 @@ def test_an_adapter_beside_an_old_mask_is_named_and_key_returning_none_declares_
             for name, v in got.items():
                 want = torch.ones(2, 6) if name.endswith(".adapter") else pretrained[name]
                 assert torch.equal(v, want), name
+    # Declared absent without missing=: said so (it read "pass key=", which was passed).
+    raised_together(
+        outcomes(2, _load, path, Adapted, key, False),
+        ValueError,
+        "key= says",
+        "does not hold 'blocks.0.adapter'",
+        "pass missing=",
+    )
 
 
 def test_a_leaf_made_afresh_beside_an_unread_tensor_of_its_shape_is_named(tmp_path: Path) -> None:
