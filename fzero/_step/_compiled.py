@@ -51,12 +51,12 @@ from typing import Any
 import optree
 import torch
 
-from .. import _comm
 from .._comm import Mesh, QuantizedComm, graph_ran
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
 from ._dynamo import (
+    arrive_alike,
     batch_shapes,
     compile_loss,
     graph_break,
@@ -172,7 +172,7 @@ class CompiledLoss:
         # traces optree's Python side, not a PyTreeSpec made outside).
         self.index = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
         self.cuts = [cuts(b) for b in layout.buckets]
-        self.backend, self.pieces = backend, False
+        self.backend, self.pieces, self.why = backend, False, ""
         # Stage 3's forward gathers after every rank's trace (`_arrive`); stages 0-2 have none.
         self.meets = mesh if stage.shards_params and not local and mesh.size > 1 else None
         self.arrived = True  # this call's barrier is behind it (or there is none)
@@ -206,7 +206,7 @@ class CompiledLoss:
         first gather until the timeout (docs/design.md, [Note: failing together])."""
         if not self.arrived:  # False only where there is a barrier (`__call__`)
             self.arrived = True
-            _comm.barrier(self.meets)
+            arrive_alike(self.meets, self.pieces, self.why, self.reshard and bool(self.jit))
 
     def _communicates(self) -> bool:
         """Whether this call's graph runs collectives (stage 3's gathers, or reductions)."""
@@ -248,7 +248,7 @@ class CompiledLoss:
         """The loss breaks dynamo's graph, or its recompiles reached dynamo's limit: compiled
         again without `fullgraph`, in pieces with eager Python between them, said once."""
         warnings.warn(in_pieces(self.rank, why), RuntimeWarning, stacklevel=4)
-        self.pieces = True
+        self.pieces, self.why = True, why
         self.compiled = self._compile(fullgraph=False)
 
     def _compile(self, fullgraph: bool) -> Any:

@@ -16,6 +16,8 @@ from typing import Any
 import optree
 import torch
 
+from .. import _comm
+from .._comm import Mesh
 from .._core import NAMESPACE
 
 _INSTANTIATED = r".*autograd\.function\.Function'> should not be instantiated"
@@ -277,4 +279,27 @@ def in_pieces(rank: int, why: str) -> str:
         "code between them run eagerly (and a piece past its own recompile limit too): "
         "the same training, less of it compiled (TORCH_LOGS=graph_breaks lists every "
         "break, TORCH_LOGS=recompiles every recompile)"
+    )
+
+
+def arrive_alike(mesh: Mesh, pieces: bool, why: str, recomputes: bool) -> None:
+    """A compiled stage-3 call's barrier (`CompiledLoss._arrive`), carrying whether this
+    rank's loss is compiled in pieces. Where the backward gathers again (`recomputes`:
+    resharded just-in-time units), a rank in pieces keeps the gathers that cross a break
+    instead, and ranks that differ would pair a gather with a reduction until the
+    timeout: they raise instead, every rank alike, before any gather."""
+    flags = [f for (f,) in _comm.all_gather_ints_async([int(pieces)], mesh)()]
+    if not recomputes or len(set(flags)) == 1 or not torch.is_grad_enabled():
+        return
+    whys = _comm.all_gather_object(why, mesh)
+    said = "; ".join(f"rank {r}: it {w}" for r, w in enumerate(whys) if flags[r])
+    raise _comm.agreed(
+        ValueError(
+            f"fzero: the compiled loss is in pieces on some ranks only ({said}): at stage 3 "
+            "with resharding, a rank in pieces keeps the gathered parameters that cross a "
+            "break for the backward where the others gather them again, and their "
+            "collectives would pair wrongly. Give every rank the same code path in the loss "
+            "(log from one rank outside it), or pass reshard_after_forward=False or "
+            "compile=False"
+        )
     )

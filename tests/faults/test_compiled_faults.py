@@ -106,7 +106,7 @@ def test_a_loss_in_pieces_whose_later_piece_fails_one_ranks_trace_raises_its_err
     assert outs[0].message == outs[1].message
 
 
-def _breaks_on_rank_0(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
+def _breaks_on_rank_0(mesh: fzero.Mesh, reshard: bool) -> dict[str, torch.Tensor]:
     """Rank 0's loss breaks the graph between two just-in-time gathers (a log line on
     rank 0 alone), rank 1's does not: one graph there, two here, and one barrier each."""
     state, opt, net = setup(mesh, 3)
@@ -124,6 +124,7 @@ def _breaks_on_rank_0(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
     step = fzero.sharded_step(
         loss_fn, opt, mesh, stage=3, units=UNITS, just_in_time=True, compile="aot_eager",
         reduce_bucket_bytes=0,  # a's gather and b's apart
+        reshard_after_forward=reshard,
     )  # fmt: skip
     with warnings.catch_warnings():  # "compiled in pieces", on rank 0
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -133,12 +134,25 @@ def _breaks_on_rank_0(mesh: fzero.Mesh) -> dict[str, torch.Tensor]:
 
 
 def test_ranks_whose_losses_break_the_graph_differently_train_like_one_process() -> None:
-    outs = outcomes(2, _breaks_on_rank_0)
+    outs = outcomes(2, _breaks_on_rank_0, False)
     want = reference([0, 1, 2], 2)
     for o in outs:
         assert o.error is None, o.message
         fzero.assert_trees_close(o.value, want, rtol=1e-10, atol=1e-12)
         assert not torch.equal(o.value["a.weight"], model().a.weight)
+
+
+def test_ranks_whose_losses_break_the_graph_differently_at_stage_3_resharding_raise() -> None:
+    # A rank in pieces keeps the gathers that cross a break where a rank compiled whole
+    # may gather again for its backward: their collectives paired a gather with a
+    # reduction and waited for the timeout (a block that logs on rank 0 only, through
+    # module hooks). Every rank raises instead, before any gather.
+    raised_together(
+        outcomes(2, _breaks_on_rank_0, True),
+        ValueError,
+        "in pieces on some ranks only (rank 0: it breaks torch.compile's graph",
+        "reshard_after_forward=False",
+    )
 
 
 def test_a_rank_whose_graph_raises_mid_run_has_its_error_raised_by_the_rank_left_waiting() -> None:
