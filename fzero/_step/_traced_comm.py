@@ -193,7 +193,9 @@ def _scatter_sum(table: torch.Tensor, group: Any, rows: int, me: int, axes: Axes
         vals = dequantize(codes, scales, axes.qg, acc)
         vals = torch.cat([vals[:me], table[me : me + 1].to(acc), vals[me + 1 :]])
         return vals.sum(0).to(table.dtype)
-    if axes.gloo and table.nbytes <= ALL_TO_ALL_MAX_BYTES:
+    # Not `nbytes`: a loss in pieces shared by steps of other widths may trace the
+    # table with symbolic sizes, whose product (a guard) dynamo takes and `nbytes` not.
+    if axes.gloo and table.numel() * table.element_size() <= ALL_TO_ALL_MAX_BYTES:
         # Gloo's reduce-scatter is an all-reduce underneath: twice the bytes, and on the
         # CPU its time is the cores' the backward computes on. An all-to-all moves the
         # reduce-scatter's volume; rank r receives every rank's row r and sums them left
