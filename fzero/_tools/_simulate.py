@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +56,9 @@ class Simulation:
 
     Ranks are forked, so `fn` may be a closure from a notebook. If this process has
     already initialised CUDA (a forked child could not use it) they are spawned instead,
-    and `fn` and its arguments must be picklable: defined at module level.
+    and `fn` and its arguments must be picklable: defined at module level, not in a
+    notebook's cell (refused, saying so). Ranks die with this process (on Linux), even
+    killed by a signal; the next run removes such a run's store directory.
     """
 
     world_size: int
@@ -74,13 +79,22 @@ class Simulation:
             or (self.world_size < 1)
         ):
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        _check_timeouts(self.collective_timeout, self.timeout)
         if sys.platform == "win32":
             raise RuntimeError("fzero.simulate forks its ranks, which Windows cannot do")
         method = "spawn" if torch.cuda.is_initialized() else "fork"
         if method == "spawn":
             _check_picklable(fn, args, kwargs)
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError(
+                "fzero.simulate: this process already has a default process group "
+                "(torch.distributed.init_process_group), which forked ranks would inherit "
+                "and could not make their own; simulate from a process without one, or "
+                "call torch.distributed.destroy_process_group() first"
+            )
         ctx = mp.get_context(method)
-        store_dir = tempfile.mkdtemp(prefix="fzero-sim-")
+        _remove_orphaned_stores()
+        store_dir = tempfile.mkdtemp(prefix=f"fzero-sim-{os.getpid()}-")
         conns, procs = [], []
         try:
             with warnings.catch_warnings():
@@ -99,7 +113,7 @@ class Simulation:
                     send.close()
                     conns.append(recv)
                     procs.append(proc)
-            return self._collect(conns, procs)
+            return self._collect(conns, procs, method)
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -110,7 +124,7 @@ class Simulation:
                 conn.close()
             shutil.rmtree(store_dir, ignore_errors=True)
 
-    def _collect(self, conns: list[Any], procs: list[Any]) -> list[Any]:
+    def _collect(self, conns: list[Any], procs: list[Any], method: str) -> list[Any]:
         n = self.world_size
         results: dict[int, Any] = {}
         errors: list[BaseException] = []  # in order of arrival
@@ -160,8 +174,13 @@ class Simulation:
                 grace = time.monotonic() + 2.0
         if died:
             rank, how = died[0]
+            hint = ""
+            if method == "spawn" and how != "exit code 0" and not how.startswith("signal"):
+                hint = (  # its own stderr says why: a notebook's is the server's terminal
+                    "; a spawned rank that cannot unpickle fn or its arguments exits so"
+                )
             failure = RankFailure(
-                f"fzero.simulate: rank {rank} of {n} died ({how}) before returning a result"
+                f"fzero.simulate: rank {rank} of {n} died ({how}) before returning a result{hint}"
             )
             raise failure from (errors[0] if errors else None)
         if errors:
@@ -227,6 +246,7 @@ def _rank_main(
     kwargs: dict[str, Any],
 ) -> None:
     parent = os.getppid()
+    _die_with_parent(parent)
     # GNU OpenMP is not fork-safe: a child of a parent that already ran a multi-threaded
     # op hangs in its first parallel region unless it drops to one thread first.
     torch.set_num_threads(1)
@@ -246,9 +266,9 @@ def _rank_main(
                 rank=rank,
                 world_size=sim.world_size,
             )
-            mesh = ProcessGroupMesh(shard_size=sim.shard_size, device=sim.device)
         except RuntimeError as exc:
             raise RuntimeError(f"gloo could not connect the ranks: {exc}") from exc
+        mesh = ProcessGroupMesh(shard_size=sim.shard_size, device=sim.device)
         result = fn(mesh, *args, **kwargs)
         data = _dump("ok", result)
     except BaseException as exc:
@@ -279,9 +299,60 @@ def _linger(parent: int) -> None:
     os._exit(0)
 
 
-def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Has the kernel kill this rank when the parent dies (Linux): a parent killed by a
+    signal runs no `finally` to kill its ranks, and one computing or waiting would go on
+    for its loop's length or the collective timeout. Elsewhere `_linger` watches."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
-        pickle.dumps((fn, args, kwargs))
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request was made
+        os._exit(1)
+
+
+def _remove_orphaned_stores() -> None:
+    """Removes the store directories of runs whose parent was killed (no `finally` ran)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        m = re.fullmatch(r"fzero-sim-(\d+)-\w+", name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:  # gone: its ranks died with it (`_die_with_parent`)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:  # another user's process: not ours to judge
+            continue
+
+
+def _check_timeouts(collective: Any, whole: Any) -> None:
+    if isinstance(collective, bool) or not isinstance(collective, (int, float)) or collective <= 0:
+        raise ValueError(
+            f"collective_timeout must be a positive number of seconds, got {collective!r}"
+        )
+    if whole is not None and (
+        isinstance(whole, bool) or not isinstance(whole, (int, float)) or whole <= 0
+    ):
+        raise ValueError(f"timeout must be None or a positive number of seconds, got {whole!r}")
+
+
+class _SpawnPickler(pickle.Pickler):
+    """Refuses what a spawned rank could not unpickle: a function or class of an
+    interactive `__main__` (a notebook's cell), pickled by a name its `__main__` lacks."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            raise pickle.PicklingError(f"{obj.__qualname__} is defined in this session's __main__")
+        return NotImplemented
+
+
+def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    interactive = not hasattr(sys.modules.get("__main__"), "__file__")
+    try:
+        (_SpawnPickler if interactive else pickle.Pickler)(io.BytesIO()).dump((fn, args, kwargs))
     except Exception as exc:
         raise TypeError(
             "fzero.simulate: CUDA is already initialised in this process, and a forked rank "

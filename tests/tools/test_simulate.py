@@ -333,6 +333,77 @@ def test_world_size_must_be_a_positive_int(world_size: Any) -> None:
         fzero.Simulation(world_size).run(lambda mesh: None)
 
 
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"collective_timeout": 0}, "collective_timeout must be a positive number"),
+        ({"collective_timeout": -5}, "collective_timeout must be a positive number"),
+        ({"timeout": -1}, "timeout must be None or a positive number"),
+    ],
+)
+def test_timeouts_must_be_positive(settings: dict[str, Any], said: str) -> None:
+    # They were reported as gloo failing to connect the ranks, or a run not done in -1 s.
+    with pytest.raises(ValueError, match=said):
+        fzero.Simulation(2, **settings).run(lambda mesh: None)
+
+
+@pytest.mark.multiprocess
+def test_a_bad_mesh_is_its_own_error_not_a_connection_failure() -> None:
+    with pytest.raises(RuntimeError, match="nonsense") as info:
+        fzero.Simulation(2, collective_timeout=10, timeout=30, device="nonsense").run(
+            lambda mesh: None
+        )
+    assert "could not connect" not in str(info.value)
+
+
+_WITH_A_GROUP = """
+import os, tempfile
+import torch.distributed as dist
+import fzero
+store = os.path.join(tempfile.mkdtemp(), "store")
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+try:
+    fzero.simulate(2, lambda mesh: mesh.rank)
+except RuntimeError as exc:
+    print(exc)
+"""
+
+_SPAWNED_FROM_A_SESSION = """
+import torch
+import fzero
+torch.cuda.is_initialized = lambda: True  # as after a notebook touched CUDA: spawned ranks
+
+def fn(mesh):  # a notebook cell's: the spawned rank's __main__ has no such name
+    return mesh.rank
+
+try:
+    fzero.Simulation(2, collective_timeout=10, timeout=60).run(fn)
+except TypeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("program", "said"),
+    [
+        (_WITH_A_GROUP, "already has a default process group"),
+        (_SPAWNED_FROM_A_SESSION, "fn is defined in this session's __main__"),
+    ],
+)
+def test_what_a_session_cannot_simulate_is_said_before_any_rank_runs(
+    program: str, said: str
+) -> None:
+    # A process group inherited by the forked ranks failed in torch's words; a notebook's
+    # function passed pickling by name, and the spawned rank died with "exit code 1".
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert said in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ranks_that_finish_at_once_leave_no_peer_still_connecting() -> None:
@@ -366,10 +437,10 @@ import os, sys, time
 import fzero
 
 def fn(mesh):
+    print(os.getpid(), flush=True)
     if mesh.rank == 0:
-        print(os.getpid(), flush=True)  # rank 0 is done and waits for its parent
-        return 0
-    time.sleep(3)  # the parent is killed meanwhile
+        return 0  # rank 0 is done and waits for its parent
+    time.sleep(60)  # rank 1 computes; the parent is killed meanwhile
     return 1
 
 fzero.Simulation(2, collective_timeout=30).run(fn)
@@ -381,15 +452,21 @@ fzero.Simulation(2, collective_timeout=30).run(fn)
 def test_ranks_waiting_on_a_killed_parent_leave_on_their_own() -> None:
     import subprocess
     import sys
+    import tempfile
 
     with subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE) as parent:
         assert parent.stdout is not None
-        rank0 = int(parent.stdout.readline())
+        ranks = [int(parent.stdout.readline()) for _ in range(2)]
         os.kill(parent.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while _running(rank0) and time.monotonic() < deadline:
+    while any(map(_running, ranks)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(rank0), "a finished rank outlived its killed parent"
+    # The busy rank too: it went on computing for its loop's length.
+    assert not any(map(_running, ranks)), "a rank outlived its killed parent"
+    store = [p for p in Path(tempfile.gettempdir()).glob(f"fzero-sim-{parent.pid}-*")]
+    assert store, "the killed run's store is where the next run looks for it"
+    fzero.Simulation(1, collective_timeout=10).run(lambda mesh: None)
+    assert not any(p.exists() for p in store), "the next run removes a killed run's store"
 
 
 def _running(pid: int) -> bool:
