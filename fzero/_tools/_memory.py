@@ -115,6 +115,8 @@ class MemoryReport(NamedTuple):
         host memory or to disk (`shard_state(offload=)`), and in `host` the parameter
         shards held there beside their masters (`Offload(params=True)`); 0 without
         offload.
+      buffers: bytes of the state's buffers (whole on every rank: a rotary table, a
+        causal mask, BatchNorm's statistics) and of its loss scaler.
     """
 
     params: int
@@ -125,10 +127,11 @@ class MemoryReport(NamedTuple):
     reserved: int | None = None
     host: int = 0
     disk: int = 0
+    buffers: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.opt_state
+        return self.params + self.opt_state + self.buffers
 
     @property
     def on_device(self) -> int:
@@ -137,7 +140,7 @@ class MemoryReport(NamedTuple):
 
 
 def memory_report(state: ShardedState) -> MemoryReport:
-    """Measures the bytes of the parameters and optimizer state this rank holds.
+    """Measures the bytes of the parameters, optimizer state and buffers this rank holds.
 
     Under mixed precision `opt_state` includes the master copies, as in ZeRO's
     arithmetic. Gradients are not part of a state between steps (fzero's steps hold them only inside
@@ -159,7 +162,10 @@ def memory_report(state: ShardedState) -> MemoryReport:
     off = offloaded_bytes(state)
     tier = None if state.offload is None else state.offload.offload.to
     host = (off if tier == "host" else 0) + offloaded_param_bytes(state)
-    report = MemoryReport(params, opt, device, host=host, disk=off if tier == "disk" else 0)
+    held = (state.params, state.opt_state, state.master)
+    buffers = tree_nbytes((*held, state.buffers, state.scaler)) - tree_nbytes(held)
+    disk = off if tier == "disk" else 0
+    report = MemoryReport(params, opt, device, host=host, disk=disk, buffers=buffers)
     if device is None or device.type != "cuda":
         return report
     return report._replace(

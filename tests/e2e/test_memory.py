@@ -80,6 +80,28 @@ def test_memory_report_counts_shared_storage_once() -> None:
 
 
 @pytest.mark.multiprocess
+def test_memory_report_counts_the_buffers_and_the_scaler() -> None:
+    # A rotary table or a causal mask is a state's too: the report left buffers out.
+    def fn(mesh: fzero.Mesh) -> Any:
+        buffers = {"mask": torch.ones(256, 256), "steps": torch.zeros((), dtype=torch.int64)}
+        state = fzero.shard_state(
+            PARAMS,
+            fzero.optim.sgd(),
+            mesh,
+            stage=3,
+            buffers=buffers,
+            precision=fzero.Precision(param_dtype=torch.float16),
+            loss_scale=fzero.DynamicLossScale(),
+        )
+        scaler = state.scaler.scale.nbytes + state.scaler.growth_tracker.nbytes
+        return fzero.memory_report(state), 256 * 256 * 4 + 8 + scaler
+
+    for report, want in run(2, fn):
+        assert report.buffers == want
+        assert report.total == report.params + report.opt_state + want
+
+
+@pytest.mark.multiprocess
 def test_stage_3_keeps_a_quarter_of_the_parameters_at_four_ranks() -> None:
     def fn(mesh: fzero.Mesh) -> Any:
         return [
