@@ -50,7 +50,9 @@ def estimate_memory(
 
     Args:
       num_params: Ψ, the number of parameters.
-      world_size: N, the number of data-parallel ranks.
+      world_size: N, the number of ranks the state is sharded over: on a 2-D mesh
+        (HSDP) its shard size S, not the number of ranks (as `fzero estimate
+        --shard-size S` counts it).
       stage: 0-3.
       param_bytes: bytes per parameter as held for compute.
       grad_bytes: bytes per gradient element.
