@@ -15,11 +15,12 @@ from torch._C._functorch import get_unwrapped, is_gradtrackingtensor
 
 from . import _quant
 from ._axis import Axis
-from ._failure import Polled, check_alive
+from ._failure import check_alive
 from ._gloo import _gather_by_broadcast, _is_gloo, _reduce_scatter_gloo
 from ._ledger import record
 from ._mesh import Mesh
 from ._pending import _CastOnWait, _Dequantize, _SumArrived, _Then
+from ._polled import Polled
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ._failure import check_alive
-from ._failure import wait as _wait
 from ._ledger import record
 from ._mesh import Mesh
+from ._polled import wait as _wait
 
 BITS = 62  # flags per int64 word, clear of the sign bit
 

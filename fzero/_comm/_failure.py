@@ -25,16 +25,10 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-# How long a wait blocks before it first looks at the store: a wait that ends sooner never
-# asks it. Later slices double up to POLL_MAX, so that a long wait (a slow peer, rank 0
-# writing a file) asks the store at most every POLL_MAX: the bound on how late a peer
-# learns of a failure, and what N waiting ranks cost the store's host.
-POLL, POLL_MAX = 0.1, 0.4
 # The store outlives a torchrun attempt (the agent's store serves every restart): keys
 # name the attempt, so a restarted job's call n never reads the failed attempt's.
 _ATTEMPT = "{}/{}".format(
@@ -47,6 +41,10 @@ _COUNT = "fzero/" + _ATTEMPT + "/failures/{}"  # per call: ranks that failed in 
 # later call, so a peer waiting in one (the step after, which the failed step's last
 # collective let it reach) finds it here.
 _BROKEN = "fzero/" + _ATTEMPT + "/broken"
+# The last failure of a call its rank issued no collective in (every rank of a forward
+# at stages 0-2, say): its peers that left that call whole wait in a later one for a
+# rank that will not come, unless every rank failed in it too (`_lone_failure`).
+_LONE = "fzero/" + _ATTEMPT + "/lone"
 
 # The fzero calls this process is inside, innermost last, each by its number: every rank
 # makes the same calls in the same order (they are collective), so a call's number is the
@@ -110,7 +108,7 @@ def _store() -> Any:
         return None
 
 
-def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
+def publish(exc: BaseException, rank: int, where: str, issued: bool, size: int = 0) -> None:
     """Tells the ranks inside this call that this one (`rank`) failed with `exc` inside
     `where` (the first failure of a call wins). `issued`: this rank issued collectives in
     the call, which may be left pending, so its own later calls raise it at once."""
@@ -119,9 +117,12 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
     record = {
         "rank": rank,
         "where": where,
-        "message": str(exc),
+        # A KeyboardInterrupt says nothing: its peers' error names it instead.
+        "message": str(exc) or type(exc).__name__,
         "type": _builtin_base(exc),
+        "name": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         "call": call,
+        "size": size,
     }
     if isinstance(exc, OSError):
         record.update(errno=exc.errno, strerror=exc.strerror, filename=exc.filename)
@@ -139,6 +140,8 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool) -> None:
         store.add(_COUNT.format(call), 1)
         if issued:
             store.compare_set(_BROKEN, "", said)
+        else:
+            store.set(_LONE, said)
     _note(
         exc,
         f"fzero: rank {rank} raised this inside {where}; every other rank waiting there "
@@ -169,9 +172,24 @@ def failed() -> dict[str, Any] | None:
         if _calls and store.check([_BROKEN]):
             _failed = json.loads(store.get(_BROKEN))
             return _failed
+        if _calls and store.check([_LONE]):
+            _failed = _lone_failure(store, json.loads(store.get(_LONE)))
     except Exception:
         return None
     return _failed
+
+
+def _lone_failure(store: Any, record: dict[str, Any]) -> dict[str, Any] | None:
+    """`record`, a failure of an earlier call than this rank's, if its rank failed there
+    alone (not every rank: then nothing is pending and the job goes on): this rank left
+    that call whole and waits in a later one for a rank that will not come. Said in the
+    store as a rank left waiting in that call (`_STUCK`), which the failed rank's next
+    call reads (`_settle`): the job has failed, on every rank alike."""
+    n = int(record["call"])
+    if n >= _calls[0] or int(store.add(_COUNT.format(n), 0)) >= int(record.get("size", 0)):
+        return None
+    store.set(_STUCK.format(n), "1")
+    return record
 
 
 def peer_error(record: dict[str, Any]) -> PeerError:
@@ -190,7 +208,11 @@ def peer_error(record: dict[str, Any]) -> PeerError:
     except Exception:  # a class whose constructor wants more (UnicodeDecodeError, ...)
         exc = PeerError(record["message"])
     exc.rank = int(record["rank"])
-    _note(exc, f"fzero: rank {exc.rank} failed inside {record['where']}; this rank raises it too")
+    name = record.get("name", record.get("type", ""))
+    _note(
+        exc,
+        f"fzero: rank {exc.rank} failed inside {record['where']} ({name}); this rank raises it too",
+    )
     return exc
 
 
@@ -286,7 +308,7 @@ def together(rank: int, size: int, where: str) -> Iterator[None]:
     except BaseException as exc:  # KeyboardInterrupt too: a handler's save comes next
         # Not a generator closed around a `bind` block: every rank's consumer stopped.
         if size > 1 and not is_agreed(exc) and not isinstance(exc, GeneratorExit):
-            publish(exc, rank, where, _issued > issued)
+            publish(exc, rank, where, _issued > issued, size)
         raise
     finally:
         _calls.pop()
@@ -342,49 +364,3 @@ def collective(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
         return call
 
     return wrap
-
-
-def wait(work: Any) -> None:
-    """`work.wait()`, looking for a peer's published failure every `POLL` while it waits,
-    and when the wait fails (a peer gone or timed out): its failure is what is raised."""
-    slice_ = POLL
-    while True:
-        try:
-            work.wait(timedelta(seconds=slice_))
-            return
-        except RuntimeError:
-            # The slice ran out (c10d's "Operation timed out!"), unless the collective is
-            # complete: then it failed, or ended just now, and a plain wait says which.
-            if work.is_completed():
-                _finish(work)
-                return
-        record = failed()
-        if record is not None:
-            raise peer_error(record)
-        slice_ = min(2 * slice_, POLL_MAX)
-
-
-def _finish(work: Any) -> None:
-    try:
-        work.wait()
-    except RuntimeError as exc:
-        peer = published()
-        if peer is not None:
-            raise peer from exc
-        raise
-
-
-class Polled:
-    """A CPU collective in flight whose `wait()` polls for peers' failures (`wait`).
-
-    Not for gloo's point-to-point works: a send or receive that outlives a timed wait
-    signals the timeout to the whole context, breaking the group; those are waited for
-    plainly."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-
-    def wait(self) -> None:
-        wait(self.work)

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from ._axis import Axis
-from ._failure import Polled
 from ._groups import backend_for
 from ._pending import _CastOnWait, _SumOnWait, _SumRows, _Works
+from ._polled import Polled
 
 
 def _gather_by_broadcast(shard: torch.Tensor, out: torch.Tensor, axis: Axis) -> _Works:

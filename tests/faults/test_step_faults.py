@@ -121,6 +121,67 @@ def test_an_interrupt_in_one_ranks_loss_raises_on_every_rank(stage: int) -> None
     assert abs(at0 - at1) < BOUND
 
 
+def _bare_interrupt(mesh: fzero.Mesh) -> str:
+    """Rank 1's Ctrl-C with no message, inside its loss."""
+    state, opt, net = setup(mesh, 0)
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        if mesh.rank == 1:
+            raise KeyboardInterrupt
+        return functional_call(net, p, (batch,)).sum()
+
+    batch = torch.ones(2, 4, dtype=torch.float64)
+    try:
+        fzero.sharded_step(loss_fn, opt, mesh, stage=0)(state, batch)
+    except BaseException as exc:  # the interrupt is the point
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+def test_a_bare_interrupt_is_named_on_its_peers() -> None:
+    # Its message is empty: the peer raised PeerError('') and never said KeyboardInterrupt.
+    said = fzero.Simulation(2, collective_timeout=20).run(_bare_interrupt)
+    assert said == ["PeerError: KeyboardInterrupt", "KeyboardInterrupt: "]
+
+
+def _forward_fails_alone(mesh: fzero.Mesh, stage: int) -> None:
+    """Rank 2's evaluation raises at stages 0-2, where `sharded_forward` sends nothing: its
+    peers leave the forward whole and go on to the next step. It lingers in a handler
+    (logging, say) before its error ends its process."""
+    state, opt, net = setup(mesh, stage, hooks=False)
+    x, y = batches(mesh.size, 2)
+    step = fzero.sharded_step(
+        lambda p, b: (functional_call(net, p, (b[0],)) - b[1]).square().mean(),
+        opt, mesh, stage=stage, units=UNITS,
+    )  # fmt: skip
+
+    def evaluate(p: Any, batch: Any) -> torch.Tensor:
+        if mesh.rank == 2:
+            raise ValueError("rank 2's evaluation set is empty")
+        return functional_call(net, p, (batch,))
+
+    forward = fzero.sharded_forward(evaluate, mesh)
+    state, _ = step(state, (mine(x[0], mesh.rank), mine(y[0], mesh.rank)))
+    try:
+        forward(state, mine(x[1], mesh.rank))
+    except ValueError:
+        time.sleep(6)  # the handler: its process stays alive meanwhile
+        raise
+    step(state, (mine(x[1], mesh.rank), mine(y[1], mesh.rank)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_forward_that_fails_alone_reaches_its_peers_next_step(stage: int) -> None:
+    # The peers waited in the next step until the failed rank's process ended, then
+    # blamed a healthy rank for the closed connection, and never said the error.
+    outs = outcomes(3, _forward_fails_alone, stage)
+    assert [o.peer for o in outs] == [True, True, False]
+    assert all(o.isinstance(ValueError) and "evaluation set is empty" in o.message for o in outs)
+    peers = [o.at for o in outs[:2]]
+    assert max(peers) - min(peers) < BOUND and outs[2].at - max(peers) > 3  # in its 6 s
+
+
 def _then_again(mesh: fzero.Mesh) -> None:
     """A step after a published failure raises at once: its collectives could never end."""
     with contextlib.suppress(RuntimeError):
