@@ -186,6 +186,7 @@ def main() -> None:
             f"wrote {args.out}",
             flush=True,
         )
+    dist.barrier()  # every rank past its last collective: gloo may abort one that is not
     dist.destroy_process_group()
 
 

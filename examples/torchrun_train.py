@@ -142,6 +142,7 @@ def main() -> None:
             + (f"; saved {args.out}" if args.out else ""),
             flush=True,
         )
+    dist.barrier()  # every rank past its last collective: gloo may abort one that is not
     dist.destroy_process_group()
 
 
