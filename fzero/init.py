@@ -115,7 +115,9 @@ def from_module(
                 "module from fzero.init.deferred replays its own construction"
             )
         return RecordedInit(module, seed, device)
-    tensors = [*module.parameters(), *module.buffers()]
+    # By the parameters: buffers with values beside meta parameters (accelerate's
+    # init_empty_weights) are kept as given, as any buffer off the meta device.
+    tensors = list(module.parameters())
     if tensors and not any(t.is_meta for t in tensors):
         if seed is not None or init:
             raise ValueError(
@@ -126,9 +128,9 @@ def from_module(
         return ValuesInit(module, device)
     if not all(t.is_meta for t in tensors):
         raise ValueError(
-            "fzero.init.from_module: the module holds tensors with values beside tensors on "
-            "the meta device (partly materialized): build it whole on the meta device, "
-            "or with fzero.init.deferred, or whole with values"
+            "fzero.init.from_module: the module holds parameters with values beside "
+            "parameters on the meta device (partly materialized): build them all on the "
+            "meta device, or with fzero.init.deferred, or all with values"
         )
     return ModuleInit(module, 0 if seed is None else seed, device, init or {})
 

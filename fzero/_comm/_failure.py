@@ -186,7 +186,8 @@ def _lone_failure(store: Any, record: dict[str, Any]) -> dict[str, Any] | None:
     store as a rank left waiting in that call (`_STUCK`), which the failed rank's next
     call reads (`_settle`): the job has failed, on every rank alike."""
     n = int(record["call"])
-    if n >= _calls[0] or int(store.add(_COUNT.format(n), 0)) >= int(record.get("size", 0)):
+    left = n not in _calls and n < _calls[-1]  # a call this rank made and left
+    if not left or int(store.add(_COUNT.format(n), 0)) >= int(record.get("size", 0)):
         return None
     store.set(_STUCK.format(n), "1")
     return record

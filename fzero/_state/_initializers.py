@@ -154,6 +154,11 @@ class ValuesInit(Init):
                     f"fzero.init.from_module: the module has no parameter or buffer {path!r}:"
                     " pass the module's own dict(model.named_parameters()) / named_buffers()"
                 )
+            if named[path].is_meta:  # a buffer left on meta beside parameters with values
+                raise ValueError(
+                    f"fzero.init.from_module: the module's {path!r} is on the meta device, "
+                    "without values, beside parameters with values"
+                )
             deliver(path, named[path], wants, like, "fzero.init.from_module")
             out[path] = digest(named[path])
         return out

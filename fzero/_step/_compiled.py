@@ -175,7 +175,7 @@ class CompiledLoss:
         self.backend, self.pieces, self.why = backend, False, ""
         # Stage 3's forward gathers after every rank's trace (`_arrive`); stages 0-2 have none.
         self.meets = mesh if stage.shards_params and not local and mesh.size > 1 else None
-        self.arrived = True  # this call's barrier is behind it (or there is none)
+        self.arrived, self.recomputes = True, False  # this call's barrier is behind it
         self.compiled = self._compile(fullgraph=True)
         self.shapes: list[tuple[int, ...]] | None = None  # the last call's batch's
         self.last: Any = None  # the batch a rank without data runs again (`kept_batch`)
@@ -187,6 +187,7 @@ class CompiledLoss:
         a RuntimeWarning where a later call compiled again."""
         before = graphs_compiled()
         self.arrived = self.meets is None
+        self.recomputes = self.reshard and bool(self.jit) and torch.is_grad_enabled()
         # For a rank without data next time, by a step's, or a gathering forward's.
         kept = kept_batch(batch) if torch.is_grad_enabled() or self.meets is not None else None
         out = self._call(leaves, fulls, batch, buffers)
@@ -206,7 +207,7 @@ class CompiledLoss:
         first gather until the timeout (docs/design.md, [Note: failing together])."""
         if not self.arrived:  # False only where there is a barrier (`__call__`)
             self.arrived = True
-            arrive_alike(self.meets, self.pieces, self.why, self.reshard and bool(self.jit))
+            arrive_alike(self.meets, self.pieces, self.why, self.recomputes)
 
     def _communicates(self) -> bool:
         """Whether this call's graph runs collectives (stage 3's gathers, or reductions)."""

@@ -285,14 +285,15 @@ def in_pieces(rank: int, why: str) -> str:
 def arrive_alike(mesh: Mesh, pieces: bool, why: str, recomputes: bool) -> None:
     """A compiled stage-3 call's barrier (`CompiledLoss._arrive`), carrying whether this
     rank's loss is compiled in pieces. Where the backward gathers again (`recomputes`:
-    resharded just-in-time units), a rank in pieces keeps the gathers that cross a break
-    instead, and ranks that differ would pair a gather with a reduction until the
-    timeout: they raise instead, every rank alike, before any gather."""
-    flags = [f for (f,) in _comm.all_gather_ints_async([int(pieces)], mesh)()]
-    if not recomputes or len(set(flags)) == 1 or not torch.is_grad_enabled():
+    resharded just-in-time units, in a call with gradients), a rank in pieces keeps the
+    gathers that cross a break instead, and ranks that differ would pair a gather with a
+    reduction until the timeout: they raise instead, every rank alike, before any gather."""
+    # Every branch below reads gathered values only: every rank takes it alike.
+    flags = _comm.all_gather_ints_async([int(pieces), int(recomputes)], mesh)()
+    if not any(r for _, r in flags) or len({p for p, _ in flags}) == 1:
         return
     whys = _comm.all_gather_object(why, mesh)
-    said = "; ".join(f"rank {r}: it {w}" for r, w in enumerate(whys) if flags[r])
+    said = "; ".join(f"rank {r}: it {w}" for r, w in enumerate(whys) if flags[r][0])
     raise _comm.agreed(
         ValueError(
             f"fzero: the compiled loss is in pieces on some ranks only ({said}): at stage 3 "

@@ -8,11 +8,8 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
-import re
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 import types
@@ -25,6 +22,7 @@ import torch
 
 from .. import _comm
 from .._comm import ProcessGroupMesh
+from ._sim_store import make_store, remove_store
 
 # Ranks are processes, not threads: `torch.func.functional_call` swaps a module's
 # parameters in place for the duration of a call, so threads sharing one module race and
@@ -93,8 +91,7 @@ class Simulation:
                 "call torch.distributed.destroy_process_group() first"
             )
         ctx = mp.get_context(method)
-        _remove_orphaned_stores()
-        store_dir = tempfile.mkdtemp(prefix=f"fzero-sim-{os.getpid()}-")
+        store_dir, lock = make_store()
         conns, procs = [], []
         try:
             with warnings.catch_warnings():
@@ -122,7 +119,7 @@ class Simulation:
                 proc.join()
             for conn in conns:
                 conn.close()
-            shutil.rmtree(store_dir, ignore_errors=True)
+            remove_store(store_dir, lock)
 
     def _collect(self, conns: list[Any], procs: list[Any], method: str) -> list[Any]:
         n = self.world_size
@@ -311,21 +308,6 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # it died before the request was made
         os._exit(1)
-
-
-def _remove_orphaned_stores() -> None:
-    """Removes the store directories of runs whose parent was killed (no `finally` ran)."""
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        m = re.fullmatch(r"fzero-sim-(\d+)-\w+", name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:  # gone: its ranks died with it (`_die_with_parent`)
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except OSError:  # another user's process: not ours to judge
-            continue
 
 
 def _check_timeouts(collective: Any, whole: Any) -> None:

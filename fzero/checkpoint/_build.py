@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .. import _comm
 from .._comm import Mesh
 from .._core import Bucket, ShardLayout, Shards, Stage
 from .._state import Offload, Precision, ShardedState, place
@@ -161,7 +162,10 @@ def check_offloaded(offloaded: list[bool], what: str) -> None:
     offloaded state's masters are gathered to save or export it, and its peers' are not."""
     if len(set(offloaded)) > 1:
         said = ", ".join(f"rank {r}: {'yes' if o else 'no'}" for r, o in enumerate(offloaded))
-        raise CheckpointError(f"{what}: the ranks differ in passing offload= ({said})")
+        # Every rank holds every flag (an agreement's): they raise alike, nothing pending.
+        raise _comm.agreed(
+            CheckpointError(f"{what}: the ranks differ in passing offload= ({said})")
+        )
 
 
 def check_torch_keys(schema: Schema, optimizer: Optimizer) -> None:

@@ -136,26 +136,24 @@ def exported(
     buffers of `module` that it does not hold. A state made without `buffers=` trains
     with the module's own (the loss reads them through `functional_call`; BatchNorm
     updates them there), which `module.state_dict()` and `save_pretrained` hold."""
-    full = full_precision(state, mesh)
-    if module is None:
-        return full
     held = {}
-    if full.buffers is not None:
-        held = dict(zip(leaf_paths(full.buffers), tree_flatten(full.buffers)[0]))
+    if state.buffers is not None:
+        held = dict(zip(leaf_paths(state.buffers), tree_flatten(state.buffers)[0]))
     lacking = {
         n: b
-        for n, b in module.named_buffers()
-        if n not in transient and n not in held and n not in full.layout.path_index
+        for n, b in (module.named_buffers() if module is not None else ())
+        if n not in transient and n not in held and n not in state.layout.path_index
     }
-    if not lacking:
-        return full
     meta = [n for n, b in lacking.items() if b.device.type == "meta"]
-    if meta:
+    if meta:  # before any collective (full_precision's gathers): the job stays usable
         raise ValueError(
             f"module= has persistent buffers the state does not hold, and no values for "
             f"them (on the meta device): {meta[:3]} ({len(meta)} in all); pass "
             "buffers=dict(model.named_buffers()) to shard_state so that the export writes them"
         )
+    full = full_precision(state, mesh)
+    if not lacking:
+        return full
     return dataclasses.replace(
         full, buffers={**held, **{n: b.detach() for n, b in lacking.items()}}
     )

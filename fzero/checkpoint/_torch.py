@@ -75,7 +75,6 @@ class DictSource:
         return (e.node, e.sub)
 
 
-@_comm.collective("checkpoint.import_torch")
 def _as_given(path: str, value: torch.Tensor, given: Any) -> torch.Tensor:
     """`value` in the dtype of the model's leaf `given`, whose shape it must have."""
     shape, dtype = getattr(given, "shape", None), getattr(given, "dtype", None)
@@ -86,6 +85,7 @@ def _as_given(path: str, value: torch.Tensor, given: Any) -> torch.Tensor:
     return value if dtype is None else value.to(dtype)
 
 
+@_comm.collective("checkpoint.import_torch")
 def import_torch(
     model_state_dict: dict[str, torch.Tensor],
     optim_state_dict: dict[str, Any],

@@ -76,6 +76,31 @@ def test_a_model_built_with_values_reads_the_files_buffers_and_keeps_its_own_hea
         assert torch.equal(buffers["mask"], torch.tensor([1.0, 0.0]))  # not in the file
 
 
+def meta_parameters_real_buffers(mesh: fzero.Mesh) -> Any:
+    """accelerate's init_empty_weights (include_buffers=False): parameters on meta, buffers
+    with values, which are kept as given."""
+    net = Net()
+    for m in net.modules():
+        for name, p in list(m._parameters.items()):
+            m._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"))
+    state = fzero.shard_state(
+        dict(net.named_parameters()),
+        fzero.optim.sgd(lr=0.1),
+        mesh,
+        stage=3,
+        buffers=dict(net.named_buffers()),
+        init=fzero.init.from_module(net),
+    )
+    return state.buffers["mask"], fzero.gather_params(state.params, mesh)["body.weight"]
+
+
+def test_meta_parameters_beside_buffers_with_values_are_made_and_the_buffers_kept() -> None:
+    for mask, weight in run(2, meta_parameters_real_buffers):
+        assert torch.equal(mask, torch.tensor([1.0, 0.0]))
+        torch.manual_seed(0)  # from_module's default seed: Linear's reset_parameters
+        assert torch.equal(weight, nn.Linear(3, 4).weight.detach())
+
+
 def half_meta(mesh: fzero.Mesh) -> None:
     net = Net()
     net.head = net.head.to("meta")

@@ -506,15 +506,27 @@ def bad(mesh: fzero.Mesh, what: str, path: str) -> Any:
     one = fzero.Offload() if mesh.rank == 0 else None  # offloaded on rank 0 alone
     if what == "one rank":
         return fzero.shard_state(params, opt, mesh, stage=2, offload=one)
-    if what == "load on one rank":
-        fzero.checkpoint.save(fzero.shard_state(params, opt, mesh, stage=2), path, mesh)
-        return fzero.checkpoint.load(path, mesh, opt, params, stage=2, offload=one)
-    if what == "import on one rank":
+    if what.endswith("on one rank"):
+        state = fzero.shard_state(params, opt, mesh, stage=2)
         flat = dict(zip(leaf_paths(params), optree.tree_leaves(params)))
-        torch_opt = torch.optim.Adam(list(flat.values()))  # never stepped: no state
-        return fzero.checkpoint.import_torch(
-            flat, torch_opt.state_dict(), opt, mesh, stage=2, offload=one, params_like=params
-        )
+        try:
+            if what == "load on one rank":
+                fzero.checkpoint.save(state, path, mesh)
+                fzero.checkpoint.load(path, mesh, opt, params, stage=2, offload=one)
+            elif what == "import on one rank":
+                torch_opt = torch.optim.Adam(list(flat.values()))  # never stepped: no state
+                fzero.checkpoint.import_torch(
+                    flat, torch_opt.state_dict(), opt, mesh, stage=2, offload=one,
+                    params_like=params,
+                )  # fmt: skip
+            else:
+                fzero.checkpoint.export_dcp(state, path, mesh)
+                fzero.checkpoint.import_dcp(
+                    path, opt, mesh, flat, stage=2, offload=one, optimizer_key=None
+                )
+        except ValueError:  # agreed: nothing pending, the next call works
+            fzero.shard_state(params, opt, mesh, stage=2)
+            raise
     return fzero.shard_state(params, opt, mesh, stage=2, offload=fzero.Offload("disk", 1.0, path))
 
 
@@ -542,13 +554,16 @@ def test_bad_offloads_are_refused_on_every_rank(tmp_path: Path) -> None:
     # Placing a state is collective: offload= on some ranks alone left them waiting for
     # the others (shard_state), or, loaded, in master_params' gathers its peers never made.
     raised_together(outcomes(2, bad, "one rank", ""), ValueError, "rank 1 did not pass offload=")
-    for what, call in (("load", "checkpoint.load"), ("import", "checkpoint.import_torch")):
+    for what, call in (
+        ("load", "checkpoint.load"),
+        ("import", "checkpoint.import_torch"),
+        ("import_dcp", "checkpoint.import_dcp"),
+    ):
+        outs = outcomes(2, bad, f"{what} on one rank", str(tmp_path / what))
         raised_together(
-            outcomes(2, bad, f"{what} on one rank", str(tmp_path / what)),
-            ValueError,
-            call,
-            "the ranks differ in passing offload= (rank 0: yes, rank 1: no)",
+            outs, ValueError, call, "the ranks differ in passing offload= (rank 0: yes, rank 1: no)"
         )
+        assert not any(o.peer for o in outs)  # the next call ran: the job stays usable
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     raised_together(
