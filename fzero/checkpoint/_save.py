@@ -162,7 +162,8 @@ def _save(state: ShardedState, path: str, mesh: Mesh) -> str:
                 error = exc
         return os.path.join(path, agree(error, name, mesh, what)[0])
     except BaseException:
-        # A failed save leaves no debris: the previous checkpoint is as it was.
+        # A failed save leaves no debris: the previous checkpoint is as it was (unless the
+        # commit itself succeeded and only its agreement failed: the new one is LATEST).
         if mesh.rank == 0:
             shutil.rmtree(os.path.join(path, tmp), ignore_errors=True)
         raise
