@@ -26,7 +26,7 @@ import torch
 from . import _unitspec as unitspec
 from ._flat import Bucket, Slot, cut, pack
 from ._leaves import check_leaves
-from ._tree import PyTree, leaf_paths, tree_flatten, tree_unflatten
+from ._tree import NAMESPACE, PyTree, leaf_paths, tree_flatten, tree_unflatten
 from ._unitspec import UnitSpec, spec_of
 
 KINDS = ("flat", "tensor")
@@ -124,6 +124,17 @@ class ShardLayout:
             full = [None if f else next(it) for f in frozen]
             if tree_flatten(tree_unflatten(self.treedef, full))[1] == treedef:
                 return full
+        # A trainable leaf given as None (`autograd.grad(..., allow_unused=True)`): named.
+        given, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+        like = tree_unflatten(self.treedef, list(range(len(self.paths))))
+        unused = []
+        if spec == optree.tree_structure(like, none_is_leaf=True, namespace=NAMESPACE):
+            unused = [p for p, x, f in zip(self.paths, given, self.frozen) if x is None and not f]
+        if unused:
+            raise ValueError(
+                f"{what}: leaf {unused[0]!r} is None ({len(unused)} trainable leaves so): a "
+                "trainable leaf needs a tensor (torch.zeros_like for a gradient never reached)"
+            )
         raise ValueError(f"{what} has structure {treedef}, the layout expects {self.treedef}")
 
     def flatten(self, tree: PyTree, what: str = "tree") -> tuple[torch.Tensor, ...]:

@@ -26,6 +26,7 @@ from ._by_hand import gather_params_into as gather_params_into
 from ._by_hand import local_shard as local_shard
 from ._by_hand import reduce_scatter_grads as reduce_scatter_grads
 from ._callcheck import CallCheck as CallCheck
+from ._callcheck import micro_batches_differ as micro_batches_differ
 from ._checkpoints import checkpoints_rebound as checkpoints_rebound
 from ._context import Context as Context
 from ._context import context as context

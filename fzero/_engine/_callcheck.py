@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .. import _comm
 from .._comm import Mesh
@@ -39,14 +39,7 @@ class Agreement(NamedTuple):
             raise _loss_errors(self.error, mesh) from self.error
         counts = [e[_MICRO] for e in everyone]
         if len(set(counts)) > 1:
-            said = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-            raise _comm.agreed(
-                ValueError(
-                    f"the ranks stepped different numbers of micro-batches ({said}). Every "
-                    "rank accumulates over the same number each step (their backwards reduce "
-                    "together): pad a short rank's list with None (a micro-batch without data)"
-                )
-            )
+            raise micro_batches_differ(counts)
         if all(e[:2] == everyone[0][:2] for e in everyone):
             words = [0] * (cut - _HEADER)
             for e in everyone:
@@ -219,3 +212,15 @@ class CallCheck:
         self.finish()
         assert self.words is not None, "CallCheck.carried: no words were sent"
         return self.words
+
+
+def micro_batches_differ(counts: list[Any]) -> Exception:
+    """The error, agreed, for ranks that stepped different numbers of micro-batches."""
+    said = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+    return _comm.agreed(
+        ValueError(
+            f"the ranks stepped different numbers of micro-batches ({said}). Every rank "
+            "accumulates over the same number each step (their backwards reduce together): "
+            "pad a short rank's list with None (a micro-batch without data)"
+        )
+    )

@@ -38,6 +38,7 @@ from ._offload import piece_buckets as piece_buckets
 from ._offload import place as place
 from ._precision import Precision as Precision
 from ._precision import cast_params as cast_params
+from ._precision import gathered_masters as gathered_masters
 from ._precision import held_shards as held_shards
 from ._precision import master_params as master_params
 from ._precision import meta_like as meta_like

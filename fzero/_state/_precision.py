@@ -20,6 +20,7 @@ from .._core import (
     device_of,
     leaf_paths,
     tree_flatten,
+    tree_map,
     tree_unflatten,
 )
 from .._engine import gather_params
@@ -261,8 +262,22 @@ def master_params(state: Any, mesh: Mesh) -> PyTree:
       mesh: the mesh.
 
     Returns:
-      A tree with the parameters' structure and shapes; trainable leaves in the master dtype.
+      A tree with the parameters' structure and shapes; trainable leaves in the master
+      dtype. Its own tensors, at every stage: a later step does not change them (where
+      they would be the state's own, they are copies).
     """
+    out = gathered_masters(state, mesh)
+    own = {
+        x.untyped_storage().data_ptr()
+        for x in tree_flatten((state.params, state.master))[0]
+        if isinstance(x, torch.Tensor)
+    }
+    return tree_map(lambda x: x.clone() if x.untyped_storage().data_ptr() in own else x, out)
+
+
+def gathered_masters(state: Any, mesh: Mesh) -> PyTree:
+    """`master_params`, where the state's own tensors are returned as they are (stages 0-2
+    without masters; stage 0's masters): for a caller that copies them anyway."""
     params = gather_params(state.params, mesh)
     if state.master is None:
         return params

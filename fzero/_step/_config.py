@@ -22,6 +22,7 @@ import torch
 from .. import _comm
 from .._comm import Mesh
 from .._core import leaf_paths, stage_of, tree_map
+from .._engine import micro_batches_differ
 from .._state import ShardedState, init_optimizer
 from ..optim import Optimizer
 from ._options import StepOptions
@@ -228,6 +229,8 @@ def agree(
         raise _comm.agreed(cls(said)) from error  # the cause, on the rank that had it
     configs = [e["config"] for e in everyone]
     differ = [k for k in configs[0] if len({repr(c.get(k)) for c in configs}) > 1]
+    if differ == ["micro-batches"]:  # a short rank's list, as at any later step
+        raise micro_batches_differ([c["micro-batches"] for c in configs])
     if differ:
         lines = "; ".join(
             f"{k}: " + ", ".join(f"rank {r}: {c.get(k)}" for r, c in enumerate(configs))

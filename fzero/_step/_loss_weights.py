@@ -74,7 +74,17 @@ def _weight_value(weight: Any, rank: int) -> float:
                     f"tensor, got shape {tuple(weight.shape)} dtype {weight.dtype}"
                 )
             )
-        weight = weight.detach().item()
+        if weight.requires_grad:  # its gradient would be dropped: Σ total / Σ weight is not
+            raise bad_loss(  # differentiated in its denominator
+                ValueError(
+                    f"rank {rank}: loss_fn's weight requires grad: weights are counts, "
+                    "constants of the parameters (the update divides by their sum, not "
+                    "differentiated); .detach() it if that is meant"
+                )
+            )
+        if weight.is_meta:
+            raise bad_loss(ValueError(f"rank {rank}: loss_fn's weight is on the meta device"))
+        weight = weight.item()
     # numbers.Real takes numpy's scalars (np.int64 from a batch's length) as well; a
     # bool is a mistake more likely than a weight of 0 or 1.
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real):

@@ -21,7 +21,7 @@ from .._state import (
     LossScaleState,
     Precision,
     ShardedState,
-    master_params,
+    gathered_masters,
 )
 from .._state import to_mixed as mixed
 from ._schema import CheckpointError
@@ -61,7 +61,7 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
         )
         params: PyTree = Shards(bufs, flay, mesh.shard_rank)
     else:
-        leaves = lay.leaves(master_params(state, mesh))
+        leaves = lay.leaves(gathered_masters(state, mesh))
         full = tree_unflatten(lay.treedef, [x.to(d) for x, d in zip(leaves, dtypes)])
         flay = build_layout(full, mesh.shard_size, lay.kind, lay.specs, list(lay.frozen))
         params = flay.unflatten(flay.flatten(full))

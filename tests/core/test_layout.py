@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -104,3 +105,13 @@ def test_mixed_dtypes_get_one_bucket_each() -> None:
 def test_paths_name_nested_leaves() -> None:
     tree = {"layers": [{"w": torch.zeros(1)}, {"w": torch.zeros(1)}], "scale": torch.zeros(())}
     assert build_layout(tree, 1).paths == ("layers.0.w", "layers.1.w", "scale")
+
+
+def test_a_trainable_leaf_given_as_none_is_named() -> None:
+    # autograd.grad(..., allow_unused=True) gives None for a leaf the loss never reached:
+    # it was a bare comparison of two tree structures.
+    params = {"a": torch.ones(3), "b": torch.ones(2), "c": torch.ones(1)}
+    lay = fzero.build_layout(params, 2, frozen=[False, False, True])
+    with pytest.raises(ValueError, match=r"grads: leaf 'b' is None \(1 trainable leaves so\)"):
+        lay.leaves({"a": torch.ones(3), "b": None, "c": None}, "grads")
+    assert lay.leaves({"a": torch.ones(3), "b": torch.ones(2), "c": None})[2] is None  # frozen

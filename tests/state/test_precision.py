@@ -791,3 +791,26 @@ def test_local_accumulation_sums_in_the_float32_reduce_dtype(n: int, stage: int)
         close(masters, ref["masters"], rtol=0, atol=1e-6)
         assert live == 0  # the wider sums counted at their own size, in and out
         assert fzero._core._tree.max_abs_diff(masters, ref["start"]) > 1e-3
+
+
+def _kept_masters(mesh: fzero.Mesh, stage: int, mixed: bool) -> tuple[Any, Any, Any]:
+    params = {"w": torch.randn(6, 3, generator=torch.Generator().manual_seed(0))}
+    opt = fzero.optim.sgd(lr=0.5)
+    precision = fzero.Precision(param_dtype=torch.bfloat16) if mixed else None
+    state = fzero.shard_state(params, opt, mesh, stage=stage, precision=precision)
+    kept = fzero.master_params(state, mesh)
+    before = {k: v.clone() for k, v in kept.items()}
+    step = fzero.sharded_step(lambda p, x: (p["w"].float() * x).sum(), opt, mesh, stage=stage)
+    state, _ = step(state, torch.ones(6, 3))
+    return kept, before, fzero.master_params(state, mesh)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_kept_master_params_is_a_snapshot_at_every_stage(mixed: bool) -> None:
+    # At stages 0-2 without masters (and stage 0's masters) it was the state's own
+    # tensors: the next step changed a "best so far" kept from it.
+    for stage in range(4):
+        for kept, before, after in run(2, _kept_masters, stage, mixed):
+            assert torch.equal(kept["w"], before["w"]), (stage, mixed)
+            assert not torch.equal(after["w"], before["w"])  # the step moved the state

@@ -469,6 +469,8 @@ def bad_weights(mesh: fzero.Mesh, how: str) -> None:
             return total / weight
         if how == "bool tensor":
             return total, weight > 0
+        if how == "learned weight":  # a soft mask of the parameters: its gradient dropped
+            return total, torch.as_tensor(weight, dtype=total.dtype) * p["scale"].exp()
         return (
             total,
             {"negative": -weight, "three": weight}.get(how, weight),
@@ -493,6 +495,7 @@ def bad_weights(mesh: fzero.Mesh, how: str) -> None:
             r"rank \d: .*one-element tensor, got shape \(\) dtype torch.bool",
         ),
         ("tuple of 3", TypeError, r"rank \d: loss_fn returned a tuple of 3"),
+        ("learned weight", ValueError, r"rank \d: loss_fn's weight requires grad: weights are"),
         (
             "first step without data",
             ValueError,
