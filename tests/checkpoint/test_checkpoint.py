@@ -276,7 +276,9 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path)
             run(2, save_and_die, job, point, victim, path)
         assert_same_export(run(3, load_and_export, job, path)[0], first, f"killed at {point}")
     leftovers = sorted(os.listdir(path))
-    assert sum(n.startswith(".tmp-") for n in leftovers) == 2, leftovers  # interrupted saves
+    # Interrupted saves: rank 0 killed leaves its temporary directory; rank 1 killed, rank 0
+    # removes it as the failure reaches it (unless the run's end kills it first).
+    assert 1 <= sum(n.startswith(".tmp-") for n in leftovers) <= 2, leftovers
     assert sum(n.startswith("v-") for n in leftovers) == 2, leftovers  # one killed before LATEST
     # The next save succeeds, becomes LATEST and clears the debris.
     second = run(2, train_and_save, job, 2, 1, "tensor", None, path)[0]
