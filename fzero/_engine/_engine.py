@@ -190,11 +190,18 @@ class Engine:
         if entry is not None:
             self.source.computes(entry)
 
-    def leave(self, unit: str) -> None:
-        """The forward of `unit`'s latest entry is over (its module hook ran)."""
+    def leave(self, unit: str, output: Any = None) -> Any:
+        """The forward of `unit`'s latest entry is over (its module hook ran): `output`,
+        the unit's, with copies of its tensors that share memory with the gathered
+        parameters freed now (a positional table returned as a slice of the weight, a
+        class token expanded; they would point into freed memory off the CPU's pool)."""
         entry = self._latest(unit)
-        if entry is not None:
-            self.source.left(entry)
+        if entry is None:
+            return output
+        if output is not None and getattr(self.source, "reshard", False):
+            output = unaliased(output, [full for _, full in self.source.aliases([entry])])
+        self.source.left(entry)
+        return output
 
     def _latest(self, unit: str) -> Entry | None:
         """The forward's latest entry of `unit` (None inside the backward, or none)."""

@@ -43,7 +43,7 @@ class _Enters(Protocol):
 
     def computes(self, unit: str) -> None: ...
 
-    def leave(self, unit: str) -> None: ...
+    def leave(self, unit: str, output: Any = None) -> Any: ...
 
 
 @dataclass
@@ -133,16 +133,17 @@ class ModuleHooks:
         return hook
 
     def _post(self, unit: str, j: int) -> Any:
-        def hook(sub: nn.Module, args: Any, output: Any) -> None:
+        def hook(sub: nn.Module, args: Any, output: Any) -> Any:
             for owner, name, old, _ in reversed(self.swapped[unit, j].pop()):
                 owner._parameters[name] = old
             entry = self.open.get(unit)
             if entry is None or j not in entry.started:
-                return
+                return None
             entry.done.add(j)
             if len(entry.done) == len(self.hooked[unit]):
                 del self.open[unit]
-                self.engine.leave(unit)
+                return self.engine.leave(unit, output)  # the output, unaliased
+            return None
 
         return hook
 

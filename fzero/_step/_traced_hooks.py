@@ -54,8 +54,8 @@ class TracedHooks:
     def computes(self, unit: str) -> None:
         pass
 
-    def leave(self, unit: str) -> None:
-        pass
+    def leave(self, unit: str, output: Any = None) -> Any:
+        return output
 
 
 def ghosts(layout: ShardLayout, units: Mapping[str, Members]) -> list[tuple[int, Any, Any]]:
