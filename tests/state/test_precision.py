@@ -659,22 +659,29 @@ def test_mixed_precision_checkpoints_resume_bitwise(
         assert straight[2:] == resumed[2:]
 
 
-def save_mixed_dtypes(mesh: fzero.Mesh, path: str) -> None:
+def save_mixed_dtypes(mesh: fzero.Mesh, path: str) -> Any:
     params = {"a": {"w": torch.ones(3)}, "b": {"w": torch.ones(3, dtype=torch.float64)}}
     prec = fzero.Precision(param_dtype=BF16)
-    state = fzero.shard_state(
-        params, fzero.optim.sgd(lr=0.1), mesh, stage=2, units=["a", "b"], precision=prec
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=2, units=["a", "b"], precision=prec)
+    step = fzero.sharded_step(
+        lambda p, x: (p["a"]["w"] * p["b"]["w"] * x).sum(), opt, mesh, stage=2
     )
+    state, _ = step(state, torch.tensor(1.0 + mesh.rank / 3))
     fzero.checkpoint.save(state, path, mesh)
+    loaded = fzero.checkpoint.load(path, mesh, opt, params, stage=3, precision=prec)
+    return fzero.master_params(state, mesh), fzero.master_params(loaded, mesh)
 
 
 @pytest.mark.multiprocess
-def test_masters_of_several_dtypes_refuse_to_checkpoint(tmp_path: Any) -> None:
-    """float32 and float64 originals in separate units keep masters of both dtypes; the
-    format stores one, so save says so on every rank instead of writing a wrong file."""
-    with pytest.raises(NotImplementedError, match=r"several dtypes \(\['torch.float32', "):
-        run(2, save_mixed_dtypes, str(tmp_path / "c"))
-    assert not (tmp_path / "c" / "LATEST").exists()
+def test_masters_of_several_dtypes_checkpoint_in_their_own_dtypes(tmp_path: Any) -> None:
+    """float32 and float64 originals in separate units keep masters of both dtypes: each is
+    saved in its own (save refused them, NotImplementedError), and loads back bitwise."""
+    for saved, loaded in run(2, save_mixed_dtypes, str(tmp_path / "c")):
+        assert saved["b"]["w"].dtype == torch.float64 and saved["a"]["w"].dtype == torch.float32
+        assert not torch.equal(saved["b"]["w"], torch.ones(3, dtype=torch.float64))  # moved
+        fzero.assert_trees_close(loaded, saved, rtol=0, atol=0)
+        assert loaded["b"]["w"].dtype == torch.float64
 
 
 def test_step_zero_rounding_through_the_gather_dtype_leaves_integer_leaves_exact() -> None:
