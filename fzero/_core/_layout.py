@@ -125,11 +125,17 @@ class ShardLayout:
             if tree_flatten(tree_unflatten(self.treedef, full))[1] == treedef:
                 return full
         # A trainable leaf given as None (`autograd.grad(..., allow_unused=True)`): named.
+        # Flattened with None as a leaf: a None of the parameters' own tree holds a place.
         given, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
         like = tree_unflatten(self.treedef, list(range(len(self.paths))))
+        index, like_spec = optree.tree_flatten(like, none_is_leaf=True, namespace=NAMESPACE)
         unused = []
-        if spec == optree.tree_structure(like, none_is_leaf=True, namespace=NAMESPACE):
-            unused = [p for p, x, f in zip(self.paths, given, self.frozen) if x is None and not f]
+        if spec == like_spec:
+            unused = [
+                self.paths[i]
+                for i, x in zip(index, given)
+                if i is not None and x is None and not self.frozen[i]
+            ]
         if unused:
             raise ValueError(
                 f"{what}: leaf {unused[0]!r} is None ({len(unused)} trainable leaves so): a "

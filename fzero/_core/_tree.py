@@ -8,6 +8,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.utils._pytree as torch_pytree
 
 # fzero's own pytree nodes (Shards, ShardedState) are registered in this namespace, so
 # every tree operation inside fzero passes it; a user's plain optree call sees them as leaves.
@@ -34,27 +35,33 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
 def unaliased(tree: PyTree, *owners: PyTree) -> PyTree:
     """`tree` with copies of its tensors that share memory with a tensor of `owners` (a
     weight returned as it is, or a view of one): memory the owner reuses or updates in
-    place after the tree is handed back. Tensors that share none are returned as they are.
+    place after the tree is handed back. Tensors that share none are returned as they are,
+    and a tree with none of them as it is. Containers fzero's trees leave whole are looked
+    into as torch's pytree sees them (Hugging Face's `ModelOutput` is registered there).
     """
-    tensors = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
-    if not tensors:  # owners are not walked for a tree without tensors
-        return tree
     owned = {
         x.untyped_storage().data_ptr()
         for owner in owners
         for x in tree_flatten(owner)[0]
         if isinstance(x, torch.Tensor)
     }
-    if not owned:
+    if not owned:  # nothing to share memory with: the tree is not walked
         return tree
-    return tree_map(
-        lambda x: (
-            x.clone()
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in owned
-            else x
-        ),
-        tree,
-    )
+
+    def shares(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in owned
+
+    def copied(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.clone() if shares(x) else x
+        if any(map(shares, torch_pytree.tree_leaves(x))):
+            return torch_pytree.tree_map_only(torch.Tensor, copied, x)
+        return x
+
+    leaves = tree_flatten(tree)[0]
+    if not any(shares(t) for x in leaves for t in torch_pytree.tree_leaves(x)):
+        return tree
+    return tree_map(copied, tree)
 
 
 def _entry_name(entry: Any) -> str:

@@ -190,17 +190,16 @@ class Engine:
         if entry is not None:
             self.source.computes(entry)
 
-    def leave(self, unit: str, output: Any = None) -> Any:
-        """The forward of `unit`'s latest entry is over (its module hook ran): `output`,
-        the unit's, with copies of its tensors that share memory with the gathered
-        parameters freed now (a positional table returned as a slice of the weight, a
-        class token expanded; they would point into freed memory off the CPU's pool)."""
+    def leave(self, unit: str, output: Any = None, done: bool = True) -> Any:
+        """A member's forward of `unit`'s latest entry is over (`done`: the last one's, then
+        its gathered buffers are freed): `output` with copies of what shares memory with
+        them (`self.pe[:n]`, a class token expanded: freed memory off the CPU's pool)."""
         entry = self._latest(unit)
         if entry is None:
             return output
-        if output is not None and getattr(self.source, "reshard", False):
-            output = unaliased(output, [full for _, full in self.source.aliases([entry])])
-        self.source.left(entry)
+        output = unaliased(output, self.source.freed(entry))  # nothing freed: no walk
+        if done:
+            self.source.left(entry)
         return output
 
     def _latest(self, unit: str) -> Entry | None:

@@ -240,12 +240,12 @@ class Gatherer(ParamSource):
         """The forward is done with `entry` (its submodule's forward hook ran): frees its
         gathered parameters now, not when their last reference goes (gloo's worker thread
         holds a finished collective's tensors until it gets round to releasing them)."""
-        rec = self.records[entry]
-        for ref in rec.followed:
-            full = ref()
-            if full is not None:
-                self._free(full)
-        rec.followed = []
+        for full in self.freed(entry):
+            self._free(full)
+        self.records[entry].followed = []
+
+    def freed(self, entry: Entry) -> list[torch.Tensor]:
+        return [f for f in (r() for r in self.records[entry].followed) if f is not None]
 
     def _free(self, full: torch.Tensor) -> None:
         """Frees `full`'s memory now (its views stay valid objects, with no data), or, a

@@ -43,7 +43,7 @@ class _Enters(Protocol):
 
     def computes(self, unit: str) -> None: ...
 
-    def leave(self, unit: str, output: Any = None) -> Any: ...
+    def leave(self, unit: str, output: Any = None, done: bool = True) -> Any: ...
 
 
 @dataclass
@@ -140,10 +140,10 @@ class ModuleHooks:
             if entry is None or j not in entry.started:
                 return None
             entry.done.add(j)
-            if len(entry.done) == len(self.hooked[unit]):
+            done = len(entry.done) == len(self.hooked[unit])
+            if done:
                 del self.open[unit]
-                return self.engine.leave(unit, output)  # the output, unaliased
-            return None
+            return self.engine.leave(unit, output, done)  # the output, unaliased
 
         return hook
 

@@ -49,6 +49,10 @@ class ParamSource(Protocol):
         by a donating step)."""
         ...
 
+    def freed(self, entry: Entry) -> list[torch.Tensor]:
+        """The full buffers `left(entry)` frees now: none, but a resharding gather's."""
+        return []
+
     def start(self, upfront: Sequence[str]) -> None:
         """The forward starts; `upfront` are the units it enters before the loss runs."""
 

@@ -54,7 +54,7 @@ class TracedHooks:
     def computes(self, unit: str) -> None:
         pass
 
-    def leave(self, unit: str, output: Any = None) -> Any:
+    def leave(self, unit: str, output: Any = None, done: bool = True) -> Any:
         return output
 
 

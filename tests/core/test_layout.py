@@ -115,3 +115,7 @@ def test_a_trainable_leaf_given_as_none_is_named() -> None:
     with pytest.raises(ValueError, match=r"grads: leaf 'b' is None \(1 trainable leaves so\)"):
         lay.leaves({"a": torch.ones(3), "b": None, "c": None}, "grads")
     assert lay.leaves({"a": torch.ones(3), "b": torch.ones(2), "c": None})[2] is None  # frozen
+    # A None of the parameters' own tree holds no leaf's place.
+    lay = fzero.build_layout({"a": None, "b": torch.ones(2), "c": torch.ones(1)}, 2)
+    with pytest.raises(ValueError, match=r"grads: leaf 'c' is None"):
+        lay.leaves({"a": None, "b": torch.ones(2), "c": None}, "grads")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
+from transformers.modeling_outputs import BaseModelOutput
 
 import fzero
 import fzero._engine._pool as pool
@@ -25,28 +26,38 @@ pytestmark = pytest.mark.multiprocess
 
 
 class PosEmb(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, wrapped: bool) -> None:
         super().__init__()
         self.pe = nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+        self.wrapped = wrapped
 
-    def forward(self, i: int) -> torch.Tensor:
-        return self.pe[i : i + 1]  # a view of the gathered parameter
+    def forward(self, i: int) -> Any:
+        out = self.pe[i : i + 1]  # a view of the gathered parameter
+        return BaseModelOutput(last_hidden_state=out) if self.wrapped else out
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, wrapped: bool = False) -> None:
         super().__init__()
-        self.pos = PosEmb()
+        self.pos = PosEmb(wrapped)
+        self.head = nn.Linear(4, 4, dtype=torch.float64)
         self.layers = nn.ModuleList(nn.Linear(4, 4, dtype=torch.float64) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.pos(2)  # used after four other units' forwards
+        p = self.pos(2)  # used after other units' forwards
+        p = p.last_hidden_state if isinstance(p, BaseModelOutput) else p
+        x = self.head(x)  # the second member of a unit ("pos", "head"): after pos's end
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x + p
 
 
-UNITS = ["pos", *(f"layers.{i}" for i in range(4))]
+LAYERS = [f"layers.{i}" for i in range(4)]
+SHAPES = {
+    "a unit of its own": ["pos", "head", *LAYERS],
+    "a unit's first member": [("pos", "head"), *LAYERS],
+    "a ModelOutput": ["pos", "head", *LAYERS],
+}
 
 
 def batches() -> list[torch.Tensor]:
@@ -64,25 +75,28 @@ def reference(net: Net) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in net.named_parameters()}
 
 
-def train(mesh: fzero.Mesh, net: Net) -> dict[str, Any]:
+def train(mesh: fzero.Mesh, net: Net, units: list[Any]) -> dict[str, Any]:
     pool.Pool.pools = lambda self, buf: False  # the device's path: buffers freed, not pooled
     opt = fzero.optim.adamw(lr=0.05)
     params = {k: v.detach().clone() for k, v in net.named_parameters()}
-    state = fzero.shard_state(params, opt, mesh, stage=3, units=UNITS)
+    state = fzero.shard_state(params, opt, mesh, stage=3, units=units)
 
     def loss_fn(p: Any, x: torch.Tensor) -> torch.Tensor:
         return functional_call(net, p, (x,)).square().mean()
 
-    step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, units=UNITS, module=net)
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=3, units=units, module=net)
     for x in batches():
         state, _ = step(state, x[3 * mesh.rank : 3 * mesh.rank + 3])
     return fzero.gather_params(state.params, mesh)
 
 
-def test_a_units_output_aliasing_its_freed_parameters_trains_like_torch() -> None:
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_units_output_aliasing_its_freed_parameters_trains_like_torch(shape: str) -> None:
+    # A unit's first member's output, and one inside a ModelOutput (a leaf of fzero's
+    # trees), were missed by the first fix.
     torch.manual_seed(0)
-    net = Net()
+    net = Net(wrapped=shape == "a ModelOutput")
     want = reference(net)
-    for got in run(2, train, net):
+    for got in run(2, train, net, SHAPES[shape]):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         assert not torch.equal(got["pos.pe"], net.pos.pe.detach())
