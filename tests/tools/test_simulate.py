@@ -450,6 +450,7 @@ fzero.Simulation(2, collective_timeout=30).run(fn)
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ranks_waiting_on_a_killed_parent_leave_on_their_own() -> None:
+    import fcntl
     import subprocess
     import sys
     import tempfile
@@ -466,6 +467,19 @@ def test_ranks_waiting_on_a_killed_parent_leave_on_their_own() -> None:
     assert not any(map(_running, ranks)), "a rank outlived its killed parent"
     store = set(Path(tempfile.gettempdir()).glob("fzero-sim-*")) - before
     assert store, "the killed run's store is where the next run looks for it"
+    # A killed rank shows as a zombie once its main thread is gone; its lock goes with its
+    # last thread (a gloo thread may still be closing its sockets): wait for that.
+    for lock in (p / "lock" for p in store):
+        with open(lock) as f:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(f, fcntl.LOCK_UN)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "a killed run's lock is still held"
+                    time.sleep(0.05)
     fzero.Simulation(1, collective_timeout=10).run(lambda mesh: None)
     assert not any(p.exists() for p in store), "the next run removes a killed run's store"
 
