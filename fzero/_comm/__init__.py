@@ -15,6 +15,8 @@ asynchronous ones (`work` None when already done). Imports only `fzero._core`.
 """
 
 from ._axis import Axis as Axis
+from ._calls import call as call
+from ._calls import collective as collective
 from ._collectives import all_gather as all_gather
 from ._collectives import all_gather_async as all_gather_async
 from ._collectives import all_gather_many_async as all_gather_many_async
@@ -34,7 +36,6 @@ from ._failure import PeerError as PeerError
 from ._failure import agreed as agreed
 from ._failure import agreement as agreement
 from ._failure import check_alive as check_alive
-from ._failure import collective as collective
 from ._failure import is_agreed as is_agreed
 from ._failure import published as published
 from ._failure import raise_if_failed as raise_if_failed

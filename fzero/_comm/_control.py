@@ -32,13 +32,15 @@ def unpack_flags(words: Sequence[int], n: int) -> list[bool]:
     return [bool(words[k // BITS] >> (k % BITS) & 1) for k in range(n)]
 
 
-def all_gather_ints_async(values: list[int], mesh: Mesh) -> Callable[[], list[list[int]]]:
+def all_gather_ints_async(
+    values: list[int], mesh: Mesh, counted: bool = True
+) -> Callable[[], list[list[int]]]:
     """Starts gathering every rank's short list of int64 `values` (the same length on every
     rank); the returned function waits and gives them in rank order. One small all-gather
     (not `all_gather_async`, which on gloo broadcasts once per rank), for checks that run
     every step behind other work. Sent from the CPU on the control axis, so waiting for
-    it never waits for the GPU's queue."""
-    check_alive()
+    it never waits for the GPU's queue. `counted`: see `check_alive`."""
+    check_alive(counted)
     mine = torch.tensor(values, dtype=torch.int64, device="cpu")
     if mesh.size == 1:
         return lambda: [values]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-import inspect
 import json
 import os
 import time
@@ -282,13 +281,19 @@ def raise_if_failed() -> None:
         raise peer_error(record)
 
 
-def check_alive() -> None:
+def check_alive(counted: bool = True) -> None:
     """Before a collective: raises the job's failure if this process knows of one (a
-    collective after it would pair with ones that can never complete)."""
+    collective after it would pair with ones that can never complete). `counted`: the
+    collective may be left pending by a failure after it (not one waited for at once)."""
     global _issued
     if _failed is not None:
         raise peer_error(_failed)
-    _issued += 1
+    _issued += int(counted)
+
+
+def outermost() -> bool:
+    """Whether the innermost fzero call this process is inside is its outermost one."""
+    return len(_calls) == 1
 
 
 @contextlib.contextmanager
@@ -342,26 +347,3 @@ def _settle(size: int) -> None:
 
 
 _SETTLE = 60.0  # seconds `_settle` waits for slow peers to fail alike or report
-
-
-def collective(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorates a collective function with a `mesh` argument: its calls fail together
-    (`together`) under the name `where`."""
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                mesh = signature.bind_partial(*args, **kwargs).arguments.get("mesh")
-            except TypeError:  # the call's own error says it better
-                mesh = None
-            if not (hasattr(mesh, "rank") and hasattr(mesh, "size")):
-                return fn(*args, **kwargs)
-            with together(mesh.rank, mesh.size, where):
-                return fn(*args, **kwargs)
-
-        return call
-
-    return wrap

@@ -250,6 +250,7 @@ def to_mixed(
     return lay.unflatten(lay.flatten(cast)), lay, trainable
 
 
+@_comm.collective("master_params")
 def master_params(state: Any, mesh: Mesh) -> PyTree:
     """The full tree of what the optimizer trains, on every rank: the master copies under
     mixed precision (frozen leaves: the parameters as held), else the parameters.

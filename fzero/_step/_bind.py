@@ -51,7 +51,7 @@ def bind(
       `model`, bound.
     """
     forwarder = Forwarder(mesh, model, False, prefetch, None)
-    with _comm.together(mesh.rank, mesh.size, "bind"):
+    with _comm.call(mesh, "bind", sends=getattr(state, "stage", 3) == 3):
         engine = forwarder.engine(state)
         casts = forward_casts(model, forwarder.hooked(state), state.precision)
         kept = restored(

@@ -95,7 +95,9 @@ def sharded_forward(
     backend = ("inductor" if compile is True else compile) or None
 
     def forward(state: ShardedState, batch: Any) -> Any:
-        with _comm.together(mesh.rank, mesh.size, "sharded_forward"):
+        # Stages 0-2 send nothing in a forward: no call to check (one rank may sample).
+        stage = getattr(state, "stage", 3)
+        with _comm.call(mesh, "sharded_forward", sends=stage == 3):
             if backend is not None:
                 return _compiled_forward(state, batch)
             return _forward(state, batch)

@@ -154,12 +154,14 @@ def sharded_step(
         has_aux=has_aux,
     )
     cache = StepCache()
+    # Two step functions are two calls: a rank in its evaluation step while another trains
+    called = f"sharded_step({getattr(loss_fn, '__qualname__', type(loss_fn).__name__)})"
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         with (
             collector_paused(),
             differentiating("sharded_step", mesh.rank),
-            _comm.together(mesh.rank, mesh.size, "sharded_step"),
+            _comm.call(mesh, called),
         ):
             return _step(state, batch)
 
