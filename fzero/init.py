@@ -80,8 +80,12 @@ def from_module(
     order an eager construction initializes them in when each module fills what it owns
     at the end of its `__init__`, as torch's layers do (models that initialize otherwise,
     such as Hugging Face's, need `deferred`). A tied tensor takes the values its first
-    holder gives it. Only submodules owning a leaf asked for run (with `from_file`'s
-    `missing=`, those the file lacks).
+    holder in `named_parameters()` gives it: the eager values where the tie hands that
+    holder's tensor to the later one (`head.weight = tok.weight`, GPT-2's); a model tied
+    the other way (`tok.weight = head.weight`) needs `deferred`, which sees the tie. A
+    submodule owning no leaf asked for (with `from_file`'s `missing=`, one the file
+    holds) runs on scratch tensors, so that later submodules draw what they drew eagerly;
+    one of those without `reset_parameters()` is refused unless `init=` names it.
 
     Either way every rank makes the same values, whatever the world size, stage, layout
     or units, and the module is left on the meta device. A module built with values

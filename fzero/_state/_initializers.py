@@ -181,6 +181,7 @@ class ModuleInit(Init):
         owner = {id(t): n for n, t in self.module.named_parameters()}
         owner.update({id(t): n for n, t in self.module.named_buffers()})
         out: dict[str, str] = {}
+        unreplayed = ""  # a module passed over whose draws could not be replayed
         with seeded(self.seed, self.device), torch.no_grad():
             for prefix, m in _post_order(self.module):
                 own = [*m._parameters.items(), *m._buffers.items()]
@@ -192,7 +193,21 @@ class ModuleInit(Init):
                         with contextlib.suppress(ValueError):  # its values are not used
                             for _ in self._replay(prefix, m):
                                 pass
+                    elif any(t is not None for _, t in own):
+                        unreplayed = unreplayed or f"{prefix or '<root>'!r} ({type(m).__name__})"
                     continue
+                if unreplayed:
+                    # Its eager construction may have drawn (MultiheadAttention's xavier):
+                    # every later draw would differ from the eager model's.
+                    raise ValueError(
+                        f"fzero.init.from_module: module {unreplayed} comes before "
+                        f"{prefix or '<root>'!r}, whose values are asked for, and has no "
+                        "reset_parameters() to replay: what its construction drew cannot be "
+                        "drawn again, so the later modules' values would not be the eager "
+                        f"model's. Pass init={{{unreplayed.split(' ')[0]}: fn}} (fn(module) "
+                        "fills its tensors as its __init__ does), or build the model under "
+                        "fzero.init.deferred"
+                    )
                 for name, orig, value in self._replay(prefix, m):
                     full = f"{prefix}.{name}" if prefix else name
                     if owner.get(id(orig)) != full or full not in likes:
