@@ -195,6 +195,25 @@ def say_frozen_trained(module: Any, state: ShardedState, rank: int) -> None:
         )
 
 
+def say_flag_changed(path: str, module: Any, rank: int) -> None:
+    """Raises where `module=`'s parameter `path` was frozen or unfrozen (`requires_grad_`)
+    since the step function's first step under this state's layout."""
+    if not path:
+        return
+    now = dict(module.named_parameters(remove_duplicate=False))[path].requires_grad
+    how = (
+        "was unfrozen (requires_grad_(True)): the state holds it frozen, with no optimizer "
+        "state; make a new state from fzero.master_params with shard_state(..., frozen=...)"
+        if now
+        else "was frozen (requires_grad_(False)): the state still trains it; save a "
+        "checkpoint and load it with checkpoint.load(..., frozen=...)"
+    )
+    raise ValueError(
+        f"fzero: rank {rank}: module='s parameter {path!r} {how}. A state's frozen leaves "
+        "are fixed when it is made, and torch.optim would now train it otherwise"
+    )
+
+
 def _skeleton(x: Any) -> Any:
     """The containers of an optimizer state, without what fills in as it steps: a dict
     (torch's per-parameter state, empty until the first step) counts as any dict."""

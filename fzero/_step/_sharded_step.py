@@ -46,6 +46,7 @@ from ._config import (
     check_module,
     check_optimizer_state,
     configuration,
+    say_flag_changed,
     say_frozen_trained,
 )
 from ._entries import jit_units
@@ -173,6 +174,7 @@ def sharded_step(
             if state.offload is not None:  # a later state may be another tier's
                 check_offload(state.offload.offload, state.stage, o.donate)
             micro = micro_batches(batch, o.accumulate, cache.micro)
+        say_flag_changed(cache.flag_changed(state.layout, o.module), o.module, mesh.rank)
         # Parameters' gradient hooks, read each step (one may be registered at any time);
         # a compiled step refuses them.
         trained = cache.trained_parameters(state.layout, o.module)

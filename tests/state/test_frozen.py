@@ -209,3 +209,45 @@ def test_a_frozen_leaf_is_not_rounded_through_the_gather_dtype_it_never_travels_
         assert torch.equal(seen, rounded(GATHER_CASE["base"], stage == 3))
         assert not torch.equal(params["head"], GATHER_CASE["head"])  # trained
         torch.testing.assert_close(params["head"], head.detach(), rtol=1e-10, atol=1e-12)
+
+
+def _flag_changed_after(mesh: fzero.Mesh, stage: int, path: str, freeze: bool) -> Any:
+    """Two steps with `module=`; then `path`'s requires_grad flipped and a third step:
+    what it raised."""
+    case = make_case([3, 4, 4, 2], 2, seed=9)
+    model = case["model"]
+    model.get_parameter(path).requires_grad_(freeze)  # trainable until frozen, or frozen
+    params = {
+        k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in model.named_parameters()
+    }
+    opt = fzero.optim.adam(lr=0.05)
+    state = fzero.shard_state(params, opt, mesh, stage=stage)
+    step = fzero.sharded_step(
+        lambda p, b: ((functional_call(model, p, (b[0],)) - b[1]) ** 2).mean(),
+        opt, mesh, stage=stage, module=model,
+    )  # fmt: skip
+    sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the case's unused layer, said
+        for t in range(2):
+            state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
+    model.get_parameter(path).requires_grad_(not freeze)
+    try:
+        step(state, (case["xs"][2, sl], case["ys"][2, sl]))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_parameter_frozen_or_unfrozen_after_the_first_step_is_refused(
+    stage: int, freeze: bool
+) -> None:
+    """torch.optim stops training a parameter once `requires_grad_(False)` (its grad stays
+    None) and trains one unfrozen; the state's frozen leaves are fixed, so a flip after the
+    first step trained on (or stayed frozen) without a word (found by a second reader)."""
+    for said in run(2, _flag_changed_after, stage, "layers.2.weight", freeze):
+        assert "'layers.2.weight'" in said, said
+        assert ("was frozen" if freeze else "was unfrozen") in said, said
