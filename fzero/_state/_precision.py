@@ -48,7 +48,10 @@ class Precision:
       buffer_dtype: dtype module buffers (BatchNorm statistics) are kept in. None keeps
         theirs, which is usually what you want: statistics stay in fp32.
       master_dtype: dtype of the master copies. None: the promotion of the original
-        parameter dtypes of each buffer (fp32 for fp32 models).
+        parameter dtypes of each buffer (fp32 for fp32 models). Set alone (no
+        `param_dtype`) over parameters of another dtype, a bfloat16 model say, the
+        parameters stay in their dtype for compute and the optimizer updates masters
+        in this one (DeepSpeed's bf16 with fp32 masters).
       output_dtype: given `sharded_step(module=)` (or `sharded_forward`'s, `bind`'s
         model), the module's floating-point outputs are cast to it: float32 logits for
         the loss, say. FSDP2's `output_dtype` is per `fully_shard` call, so that modules
@@ -190,8 +193,15 @@ def needs_master(precision: Precision | None, layout: ShardLayout, stage: Stage)
     """Whether the parameters the loss sees are rounded copies of what the optimizer keeps."""
     if precision is None:
         return False
-    return precision.param_dtype is not None or (
-        precision.gather_dtype is not None and stage.regathers
+    # master_dtype alone (bf16 parameters, fp32 masters): masters wherever it is not the
+    # dtype a trainable bucket computes in, else it would be ignored without a word.
+    other = precision.master_dtype is not None and any(
+        b.dtype != precision.master_dtype for b in layout.buckets if not b.frozen
+    )
+    return (
+        precision.param_dtype is not None
+        or (precision.gather_dtype is not None and stage.regathers)
+        or other
     )
 
 

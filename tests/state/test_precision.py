@@ -821,3 +821,46 @@ def test_a_kept_master_params_is_a_snapshot_at_every_stage(mixed: bool) -> None:
         for kept, before, after in run(2, _kept_masters, stage, mixed):
             assert torch.equal(kept["w"], before["w"]), (stage, mixed)
             assert not torch.equal(after["w"], before["w"])  # the step moved the state
+
+
+def _bf16_model_fp32_masters(
+    mesh: fzero.Mesh, xs: torch.Tensor, ys: torch.Tensor, stage: int
+) -> Any:
+    torch.manual_seed(0)
+    model = Net().to(BF16)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.01)
+    prec = fzero.Precision(master_dtype=FP32)  # no param_dtype: the model's own, bf16
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=UNITS, precision=prec)
+    step = fzero.sharded_step(make_loss(model, BF16), opt, mesh, stage=stage, units=UNITS)
+    for t in range(xs.shape[0]):
+        state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+    return fzero.master_params(state, mesh), fzero.gather_params(state.params, mesh)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_master_dtype_alone_keeps_masters_of_a_bf16_model(stage: int) -> None:
+    """`Precision(master_dtype=float32)` over a bfloat16 model (DeepSpeed's bf16 with fp32
+    masters): the optimizer updates float32 masters. It was ignored without a word: the
+    bf16 parameters were updated in place (found by a second reader). Against
+    torch.optim.Adam on float32 copies of the bf16 values, the loss on their bf16 cast."""
+    xs, ys = data(2, 4)
+    torch.manual_seed(0)
+    start = {k: v.detach().to(BF16) for k, v in Net().named_parameters()}
+    masters = {k: v.float().requires_grad_() for k, v in start.items()}
+    opt = torch.optim.Adam(list(masters.values()), lr=0.01, foreach=False)
+    loss_fn = make_loss(Net(), BF16)
+    for t in range(xs.shape[0]):
+        opt.zero_grad()
+        shared = {k: m.to(BF16) for k, m in masters.items()}
+        sum(loss_fn(shared, (xs[t, r], ys[t, r])) for r in range(2)).backward()
+        for m in masters.values():
+            m.grad /= 2
+        opt.step()
+    for got, params in run(2, _bf16_model_fp32_masters, xs, ys, stage):
+        for k, m in masters.items():
+            assert got[k].dtype == FP32 and params[k].dtype == BF16
+            assert not torch.equal(got[k], start[k].float())  # trained
+            torch.testing.assert_close(got[k], m.detach(), rtol=0, atol=0, msg=k)
+            assert torch.equal(params[k], m.detach().to(BF16))
