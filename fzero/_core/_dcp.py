@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._tensorfile import Entry
+from ._tensor_index import Entry
 
 METADATA = ".metadata"
 

@@ -13,47 +13,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import os
-import pickle
 import struct
-import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import optree
 import torch
 
-# safetensors dtype names (the format's specification) <-> torch dtypes.
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_SAFETENSORS_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class Entry:
-    """Where one tensor's bytes lie in a file."""
-
-    offset: int  # byte offset of element 0 of the storage span below
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None = None  # None: contiguous
-    span: int = 0  # elements of the storage span a non-contiguous tensor lives in
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+from ._tensor_index import SAFETENSORS_NAMES, safetensors_entries, torch_entries
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -69,9 +37,9 @@ class TensorFile:
         with open(self.path, "rb") as f:
             magic = f.read(4)
         if magic == b"PK\x03\x04":  # torch.save's zip format
-            self.entries = _torch_entries(self.path)
+            self.entries = torch_entries(self.path)
         else:
-            self.entries = _safetensors_entries(self.path)
+            self.entries = safetensors_entries(self.path)
         self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
 
     def close(self) -> None:
@@ -127,121 +95,6 @@ class TensorFile:
 
 
 _SAMPLE = 64  # bytes read per sample of a tensor for `TensorFile.digest`
-
-
-def _safetensors_entries(path: str) -> dict[str, Entry]:
-    """The tensors of a safetensors file, its header checked as strictly as the
-    `safetensors` library checks it: a file that library refuses is refused here, never
-    read as garbage (a dtype whose size disagrees with its byte span, spans outside the
-    file or overlapping, a data region not wholly indexed)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: neither a safetensors nor a torch.save file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * 2**20 or 8 + n > size:
-            raise ValueError(
-                f"{path}: neither a safetensors nor a torch.save file (its first 8 bytes "
-                f"announce a {n}-byte header in a {size}-byte file)"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise ValueError(f"{path}: not a safetensors file ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise ValueError(f"{path}: safetensors __metadata__ must map strings to strings")
-    data = size - 8 - n
-    out, spans = {}, []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end, dtype, shape = _checked_entry(path, name, info, data)
-        spans.append((begin, end, name))
-        out[name] = Entry(8 + n + begin, dtype, shape)
-    cursor, last = 0, None
-    for begin, end, name in sorted(spans):
-        if begin != cursor:
-            what = (
-                f"overlaps {last!r}"
-                if begin < cursor
-                else f"leaves bytes {cursor}-{begin} unindexed"
-            )
-            raise ValueError(f"{path}: tensor {name!r} (bytes {begin}-{end}) {what}")
-        cursor, last = end, name
-    if cursor != data:
-        raise ValueError(f"{path}: the tensors index {cursor} of the {data} data bytes")
-    return out
-
-
-def _checked_entry(
-    path: str, name: str, info: Any, data: int
-) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
-    """One header entry's byte span, dtype and shape, or a ValueError naming the tensor."""
-    if not isinstance(info, dict):
-        raise ValueError(f"{path}: tensor {name!r} has no dtype, shape and data_offsets")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in SAFETENSORS_DTYPES:
-        raise ValueError(f"{path}: tensor {name!r} has dtype {dtype!r}, not supported")
-    if not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
-        raise ValueError(f"{path}: tensor {name!r} has shape {shape!r}, data_offsets {offsets!r}")
-    begin, end = offsets
-    nbytes = SAFETENSORS_DTYPES[dtype].itemsize * math.prod(shape)
-    if end - begin != nbytes:
-        raise ValueError(
-            f"{path}: tensor {name!r} is {dtype} {shape} ({nbytes} bytes) but its data_offsets "
-            f"span {end - begin} bytes"
-        )
-    if end > data:
-        raise ValueError(f"{path}: tensor {name!r} ends at byte {end} of {data}: truncated?")
-    return begin, end, SAFETENSORS_DTYPES[dtype], tuple(shape)
-
-
-def _naturals(v: Any) -> bool:
-    """Whether `v` is a JSON list of non-negative ints."""
-    return isinstance(v, list) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
-    )
-
-
-def _torch_entries(path: str) -> dict[str, Entry]:
-    # Loading onto the meta device reads only the pickle and reports every storage's byte
-    # offset in the file (torch's layout control); no tensor data is read.
-    try:
-        obj = torch.load(path, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as exc:  # a global that is not a tensor's: never run
-        first = str(exc).split("WeightsUnpickler error:", 1)[-1].strip().split(".")[0]
-        raise ValueError(
-            f"{path}: not a file of tensors only; torch.load(weights_only=True) refused it "
-            f"({first}), and fzero runs no code from a file"
-        ) from None
-    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
-        obj = obj["model"]  # fzero's export_torch format: {"model": ..., "optimizer": ...}
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(
-            f"{path}: expected a torch.save'd state dict (a flat dict of tensors), got "
-            f"{type(obj).__name__}"
-        )
-    with zipfile.ZipFile(path) as z:  # torch.load reads a recompressed archive; offsets don't
-        if any(i.compress_type and "/data/" in i.filename for i in z.infolist()):
-            raise ValueError(f"{path}: its tensors are compressed: torch.save it again")
-    out, size = {}, os.path.getsize(path)
-    for name, t in obj.items():
-        base = t.untyped_storage()._checkpoint_offset
-        if base + t.untyped_storage().nbytes() > size:
-            raise ValueError(f"{path}: tensor {name!r} ends past the end of the file: truncated?")
-        start = base + t.storage_offset() * t.element_size()
-        if t.is_contiguous():
-            out[name] = Entry(start, t.dtype, tuple(t.shape))
-        else:
-            span = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-            out[name] = Entry(start, t.dtype, tuple(t.shape), tuple(t.stride()), span)
-    return out
 
 
 class OffsetWriter:
@@ -335,11 +188,11 @@ def safetensors_writer(
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     cursor = 0
     for name, (dtype, shape) in specs.items():
-        if dtype not in _SAFETENSORS_NAMES:
+        if dtype not in SAFETENSORS_NAMES:
             raise TypeError(f"tensor {name!r}: safetensors cannot hold {dtype}")
         nbytes = dtype.itemsize * int(torch.Size(shape).numel())
         header[name] = {
-            "dtype": _SAFETENSORS_NAMES[dtype],
+            "dtype": SAFETENSORS_NAMES[dtype],
             "shape": list(shape),
             "data_offsets": [cursor, cursor + nbytes],
         }

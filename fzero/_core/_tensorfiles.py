@@ -16,7 +16,8 @@ import os
 import torch
 
 from ._dcp import DcpFiles, is_dcp
-from ._tensorfile import Entry, TensorFile
+from ._tensor_index import Entry
+from ._tensorfile import TensorFile
 
 # What a directory may hold, in Hugging Face's order of preference (`from_pretrained`).
 _NAMES = (

@@ -152,6 +152,56 @@ def test_a_torch_file_whose_tensors_are_compressed_is_refused(tmp_path: Path) ->
     raised_together(outs, ValueError, "model.pt: its tensors are compressed")
 
 
+def test_a_torch_file_of_the_other_byte_order_is_refused(tmp_path: Path) -> None:
+    # Its bytes would be read unswapped; torch's own meta-device load of it crashed the
+    # rank (signal 11), found by a second reader.
+    import zipfile
+
+    saved, marked = tmp_path / "saved.pt", tmp_path / "model.pt"
+    torch.save(tensors(), saved)
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(marked, "w") as dst:
+        for info in src.infolist():
+            big = info.filename.endswith("/byteorder")
+            dst.writestr(info, b"big" if big else src.read(info))
+    outs = outcomes(2, _load, str(marked), 3)
+    raised_together(outs, ValueError, "model.pt: a torch.save file written on a big-endian")
+
+
+@pytest.mark.parametrize(
+    ("saved", "said"),
+    [
+        ("legacy", "model.pt: a torch.save file in the legacy format"),
+        ("training", "but its 'state_dict' is a dict (a training checkpoint?"),
+    ],
+)
+def test_torch_files_fzero_cannot_read_say_what_they_are(
+    tmp_path: Path, saved: str, said: str
+) -> None:
+    path = tmp_path / "model.pt"
+    if saved == "legacy":
+        torch.save(tensors(), path, _use_new_zipfile_serialization=False)
+    else:  # Lightning's and most training loops' checkpoints
+        torch.save({"state_dict": tensors(), "epoch": 1}, path)
+    raised_together(outcomes(2, _load, str(path), 1), ValueError, said)
+
+
+def test_float8_and_unsigned_safetensors_convert_like_torch(tmp_path: Path) -> None:
+    """A file whose tensors are float8 or uint16 (F8_E4M3, F8_E5M2, U16) was refused whole;
+    each converts into the float32 leaf as torch's .to() converts it."""
+    stored = dict(
+        zip(tensors(), (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint8))
+    )
+    path = tmp_path / "model.safetensors"
+    values = {
+        k: (v.abs() * 9 if d.is_signed is False else v).to(d)
+        for (k, v), d in zip(tensors().items(), stored.values())
+    }
+    safetensors.torch.save_file(values, str(path))
+    for o in outcomes(2, _load, str(path), 3):
+        assert o.error is None, o.message
+        fzero.assert_trees_close(o.value, {k: v.float() for k, v in values.items()}, rtol=0, atol=0)
+
+
 class _Payload:
     def __init__(self, marker: str) -> None:
         self.marker = marker
