@@ -68,7 +68,9 @@ def assert_stages_equivalent(
     after the last step, and the per-step losses averaged over ranks, must match.
 
     Args:
-      loss_fn: `(params, batch) -> scalar tensor`, as for `fzero.sharded_step`.
+      loss_fn: `(params, batch) -> scalar tensor` or `(total, weight)`, as for
+        `fzero.sharded_step`; it must read every parameter from `params` (one read off
+        the model itself is named: a ValueError).
       params: the initial parameter tree; not modified. Leaves that do not require grad,
         where others do, are frozen in both.
       batches: per step, one micro-batch per rank in rank order (`split_batch`).
@@ -99,7 +101,8 @@ def assert_stages_equivalent(
       AssertionError: naming each failing stage with its first differing leaf, the
         largest |Δ| and the tolerance, the first step whose loss differs, or a stage whose
         parameters did not move where the reference's did.
-      ValueError: if `batches` is empty or ragged, or the reference moves nothing.
+      ValueError: if `batches` is empty or ragged, the reference moves nothing, or the
+        loss reads a tensor that requires grad from outside `params`.
     """
     cls, kwargs = _optimizer_spec(optimizer)
     world_size = _world_size(batches)

@@ -48,41 +48,102 @@ def train_reference(
         paths = [p for p, t in zip(leaf_paths(params), trainable) if t]
         opt = cls(_torch_groups(paths, trained, groups), **kwargs)
     losses = []
-    for micro_batches in batches:
-        opt.zero_grad()
-        tree = tree_unflatten(treedef, tensors)
-        with _bound(module, dict(zip(leaf_paths(params), tensors))):
-            loss = _backward(loss_fn, tree, micro_batches, trained, order)
-        for x in trained:
-            if x.grad is None:
-                x.grad = torch.zeros_like(x)
-        opt.step()
-        losses.append(loss.item())
+    # The model is the user's: the reference's forwards must leave its buffers (BatchNorm's
+    # running statistics) as they were; the ranks' run in their own processes.
+    kept = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        for micro_batches in batches:
+            opt.zero_grad()
+            tree = tree_unflatten(treedef, tensors)
+            with _bound(module, dict(zip(leaf_paths(params), tensors))):
+                loss = _backward(loss_fn, tree, micro_batches, trained, order, module)
+            for x in trained:
+                if x.grad is None:
+                    x.grad = torch.zeros_like(x)
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        with torch.no_grad():
+            for b, was in kept:
+                b.copy_(was)
     return tree_unflatten(treedef, [x.detach() for x in tensors]), losses
 
 
 def _backward(
-    loss_fn: Callable[[PyTree, Any], torch.Tensor],
+    loss_fn: Callable[[PyTree, Any], Any],
     tree: PyTree,
     micro_batches: Sequence[Any],
     trained: list[torch.Tensor],
     order: str,
+    module: nn.Module | None = None,
 ) -> torch.Tensor:
-    """One step's backward (`train_reference`'s `order`); its mean loss."""
+    """One step's backward (`train_reference`'s `order`); its loss: the mean of the
+    micro-batches' losses, or of `(total, weight)` pairs Σ total / Σ weight (the weights
+    counts, not differentiated), as `sharded_step` reduces them."""
+    outs = [loss_fn(tree, b) for b in micro_batches] if order == "loss" else []
     if order == "loss":
-        loss = torch.stack([loss_fn(tree, b) for b in micro_batches]).mean()
+        for out in outs:
+            _no_strays(out, trained, module)
+        totals, weights = _terms(outs)
+        summed = torch.stack(totals)
+        loss = summed.mean() if weights is None else summed.sum() / weights
         loss.backward()
-    else:
-        each = []
-        for b in micro_batches:
-            one = loss_fn(tree, b)
-            one.backward()
-            each.append(one.detach())
-        loss = torch.stack(each).mean()
-        for x in trained:
-            if x.grad is not None:
-                x.grad /= len(micro_batches)
-    return loss
+        return loss.detach()
+    each = []
+    for b in micro_batches:  # "ranks": one backward a micro-batch, summed in rank order
+        out = loss_fn(tree, b)
+        _no_strays(out, trained, module)
+        (total,), weight = _terms([out])
+        total.backward()
+        each.append((total.detach(), weight))
+    paired = each[0][1] is not None
+    weights = sum(w for _, w in each) if paired else len(each)
+    for x in trained:
+        if x.grad is not None:
+            x.grad /= weights
+    totals = torch.stack([t for t, _ in each])
+    return totals.sum() / weights if paired else totals.mean()
+
+
+def _terms(outs: list[Any]) -> tuple[list[torch.Tensor], float | None]:
+    """The micro-batches' loss terms and the weight they are divided by: None for scalars
+    (their mean); the weights' sum for `(total, weight)` pairs."""
+    pairs = [isinstance(o, (tuple, list)) and len(o) == 2 for o in outs]
+    if any(pairs) and not all(pairs):
+        raise ValueError(
+            "fzero.testing: loss_fn returned a scalar for some micro-batches and a "
+            "(total, weight) pair for others"
+        )
+    if not any(pairs):
+        return list(outs), None
+    weights = [float(w.detach() if isinstance(w, torch.Tensor) else w) for _, w in outs]
+    return [t for t, _ in outs], sum(weights)
+
+
+def _no_strays(out: Any, trained: list[torch.Tensor], module: nn.Module | None) -> None:
+    """Raises naming a tensor that requires grad which the loss read but was not given in
+    its tree (a parameter read off the model itself): the ranks would drop its gradient
+    alike, and the check would pass where training the model itself differs."""
+    roots = list(out) if isinstance(out, (tuple, list)) else [out]
+    ours = {id(x) for x in trained}
+    names = {} if module is None else {id(p): n for n, p in module.named_parameters()}
+    stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor)]
+    seen: set[Any] = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None and id(leaf) not in ours:
+            what = names.get(id(leaf), f"a {tuple(leaf.shape)} {leaf.dtype} tensor")
+            raise ValueError(
+                f"fzero.testing: the loss reads {what!s} (it requires grad) from outside the "
+                "params tree it is given: fzero trains only the tree's leaves, and its "
+                "gradient would be dropped on every stage alike. Read every parameter from "
+                "the tree (torch.func.functional_call(model, params, ...))"
+            )
+        stack.extend(f for f, _ in fn.next_functions)
 
 
 @contextlib.contextmanager
