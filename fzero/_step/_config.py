@@ -61,12 +61,11 @@ def configuration(o: StepOptions, state: ShardedState, optimizer: Optimizer) -> 
 def optimizer_kind(optimizer: Optimizer) -> str:
     """The optimizer's kind and hyperparameters: its in-place update's name and the
     immutable values its closure holds (numbers, names, the torch class and options of
-    `from_torch`, the optimizers a `chain` or `param_groups` holds), a digest past 200
-    characters; a function of the user's by its name. Every fzero optimizer's `update`
-    is `from_inplace`'s: its name alone told no two apart (ranks at other learning rates
-    trained on, each its own shard)."""
-    said = _described(optimizer.update_ or optimizer.update, 0)
-    return said if len(said) <= 200 else f"{said[:120]}... (digest {_digest(said)})"
+    `from_torch`, the optimizers a `chain` or `param_groups` holds); a function of the
+    user's by its name. Every fzero optimizer's `update` is `from_inplace`'s: its name
+    alone told no two apart (ranks at other learning rates trained on, each its own
+    shard)."""
+    return _described(optimizer.update_ or optimizer.update, 0)
 
 
 def _described(fn: Any, depth: int) -> str:
@@ -134,7 +133,8 @@ def check_optimizer_state(
     if want != got:
         raise TypeError(
             f"rank {rank}: the state's optimizer state is not this step's optimizer's: it "
-            f"holds {_short(got)}, while the step's optimizer ({optimizer_kind(optimizer)}) "
+            f"holds {_short(got)}, while the step's optimizer "
+            f"({_short(optimizer_kind(optimizer))}) "
             f"makes {_short(want)}. Build the state with the optimizer that steps it "
             "(shard_state(..., optimizer) and sharded_step(..., optimizer) take the same one)"
         )
@@ -252,7 +252,10 @@ def agree(
         raise micro_batches_differ([c["micro-batches"] for c in configs])
     if differ:
         lines = "; ".join(
-            f"{k}: " + ", ".join(f"rank {r}: {c.get(k)}" for r, c in enumerate(configs))
+            f"{k}: "
+            + ", ".join(
+                f"rank {r}: {v}" for r, v in enumerate(_where_differ([c.get(k) for c in configs]))
+            )
             for k in differ
         )
         raise _comm.agreed(
@@ -263,6 +266,21 @@ def agree(
             )
         )
     return [bool(e["present"]) for e in everyone]
+
+
+def _where_differ(values: list[Any], width: int = 100) -> list[Any]:
+    """Long values (an optimizer's chain of transformations and hyper-parameters) cut to
+    where the ranks' first differ, with a few characters of context: a common start cut
+    at a fixed length hid the difference itself (clipping's max_norm behind Adam's)."""
+    texts = [str(v) for v in values]
+    if max(map(len, texts)) <= width:
+        return values
+    first = next((i for i, cs in enumerate(zip(*texts)) if len(set(cs)) > 1), min(map(len, texts)))
+    lo = max(0, first - 30)
+    return [
+        ("..." if lo else "") + t[lo : lo + width] + ("..." if lo + width < len(t) else "")
+        for t in texts
+    ]
 
 
 def _naming(rank: int, message: str) -> str:
