@@ -84,8 +84,10 @@ def from_module(
     holder's tensor to the later one (`head.weight = tok.weight`, GPT-2's); a model tied
     the other way (`tok.weight = head.weight`) needs `deferred`, which sees the tie. A
     submodule owning no leaf asked for (with `from_file`'s `missing=`, one the file
-    holds) runs on scratch tensors, so that later submodules draw what they drew eagerly;
-    one of those without `reset_parameters()` is refused unless `init=` names it.
+    holds) runs its init on scratch tensors, so that later submodules draw what they drew
+    eagerly (torch's private `_reset_parameters` too: MultiheadAttention's); one with no
+    init at all is taken to draw nothing (a norm's ones), and one that draws in its
+    `__init__` needs `init=` naming it (or `deferred`).
 
     Either way every rank makes the same values, whatever the world size, stage, layout
     or units, and the module is left on the meta device. A module built with values

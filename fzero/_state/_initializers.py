@@ -181,33 +181,20 @@ class ModuleInit(Init):
         owner = {id(t): n for n, t in self.module.named_parameters()}
         owner.update({id(t): n for n, t in self.module.named_buffers()})
         out: dict[str, str] = {}
-        unreplayed = ""  # a module passed over whose draws could not be replayed
         with seeded(self.seed, self.device), torch.no_grad():
             for prefix, m in _post_order(self.module):
                 own = [*m._parameters.items(), *m._buffers.items()]
                 if not any(owner.get(id(t)) in likes for _, t in own if t is not None):
                     # Nothing of it is asked for (from_file's missing=: it is in the file).
-                    # Its init still runs where it has one, on scratch tensors, so that
-                    # later modules draw what they drew in the eager construction.
-                    if self._has_init(prefix, m):
+                    # Its init still runs, on scratch tensors, so that later modules draw
+                    # what they drew in the eager construction; torch's private
+                    # `_reset_parameters` too (MultiheadAttention's xavier draws). A module
+                    # with neither is taken to draw nothing (a norm's ones).
+                    if self._has_init(prefix, m, private=True):
                         with contextlib.suppress(ValueError):  # its values are not used
-                            for _ in self._replay(prefix, m):
+                            for _ in self._replay(prefix, m, private=True):
                                 pass
-                    elif any(t is not None for _, t in own):
-                        unreplayed = unreplayed or f"{prefix or '<root>'!r} ({type(m).__name__})"
                     continue
-                if unreplayed:
-                    # Its eager construction may have drawn (MultiheadAttention's xavier):
-                    # every later draw would differ from the eager model's.
-                    raise ValueError(
-                        f"fzero.init.from_module: module {unreplayed} comes before "
-                        f"{prefix or '<root>'!r}, whose values are asked for, and has no "
-                        "reset_parameters() to replay: what its construction drew cannot be "
-                        "drawn again, so the later modules' values would not be the eager "
-                        f"model's. Pass init={{{unreplayed.split(' ')[0]}: fn}} (fn(module) "
-                        "fills its tensors as its __init__ does), or build the model under "
-                        "fzero.init.deferred"
-                    )
                 for name, orig, value in self._replay(prefix, m):
                     full = f"{prefix}.{name}" if prefix else name
                     if owner.get(id(orig)) != full or full not in likes:
@@ -223,14 +210,17 @@ class ModuleInit(Init):
             )
         return out
 
-    def _replay(self, prefix: str, m: nn.Module) -> Iterator[tuple[str, torch.Tensor, Any]]:
-        """Materializes `m`'s own tensors, runs its init, yields (name, original, value),
-        and puts the originals (meta tensors) back."""
+    def _replay(
+        self, prefix: str, m: nn.Module, private: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor, Any]]:
+        """Materializes `m`'s own tensors, runs its init (`private`: torch's
+        `_reset_parameters` too, for its draws alone), yields (name, original, value), and
+        puts the originals (meta tensors) back."""
         own = [("p", n, t) for n, t in m._parameters.items() if t is not None]
         own += [("b", n, t) for n, t in m._buffers.items() if t is not None]
         if not own:
             return
-        fn = self._init_of(prefix, m, [n for _, n, _ in own])
+        fn = self._init_of(prefix, m, [n for _, n, _ in own], private)
         fresh = {}
         for kind, name, t in own:
             x = _poisoned(torch.empty(t.shape, dtype=t.dtype, device=self.device))
@@ -257,14 +247,17 @@ class ModuleInit(Init):
                 _check_written(value, prefix, m, name)
             yield name, orig, value
 
-    def _has_init(self, prefix: str, m: nn.Module) -> bool:
+    def _has_init(self, prefix: str, m: nn.Module, private: bool = False) -> bool:
         return (
             prefix in self.init
             or any(cls in self.init for cls in type(m).__mro__)
             or callable(getattr(m, "reset_parameters", None))
+            or (private and callable(getattr(m, "_reset_parameters", None)))
         )
 
-    def _init_of(self, prefix: str, m: nn.Module, names: list[str]) -> Callable[[nn.Module], Any]:
+    def _init_of(
+        self, prefix: str, m: nn.Module, names: list[str], private: bool = False
+    ) -> Callable[[nn.Module], Any]:
         if prefix in self.init:
             return self.init[prefix]
         for cls in type(m).__mro__:
@@ -273,6 +266,10 @@ class ModuleInit(Init):
         reset = getattr(m, "reset_parameters", None)
         if callable(reset):
             return lambda module: module.reset_parameters()
+        # Not where its values are used: MultiheadAttention's also writes its child's bias,
+        # which a replay of the parent alone cannot reach.
+        if private and callable(getattr(m, "_reset_parameters", None)):
+            return lambda module: module._reset_parameters()
         raise ValueError(
             f"fzero.init.from_module: module {prefix or '<root>'!r} ({type(m).__name__}) owns "
             f"{names} but has no reset_parameters(); define one that fills every tensor "

@@ -1,11 +1,9 @@
 """A meta-device model's construction replayed around a file's tensors (`from_file`'s
-`missing=from_module(...)`): the missing leaves must be the eager model's, bitwise, or
-the init is refused, never silently other values."""
+`missing=from_module(...)`): the missing leaves must be the eager model's, bitwise."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -28,10 +26,10 @@ class AttentionThenHead(nn.Module):
         self.head = nn.Linear(4, 3)
 
 
-def _head_from_file(mesh: fzero.Mesh, file: str, init: dict | None) -> dict[str, torch.Tensor]:
+def _head_from_file(mesh: fzero.Mesh, file: str) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = AttentionThenHead()
-    missing = fzero.init.from_module(model, seed=0, init=init)
+    missing = fzero.init.from_module(model, seed=0)
     state = fzero.shard_state(
         dict(model.named_parameters()),
         fzero.optim.sgd(lr=0.1),
@@ -42,19 +40,15 @@ def _head_from_file(mesh: fzero.Mesh, file: str, init: dict | None) -> dict[str,
     return {k: v.clone() for k, v in fzero.gather_params(state.params, mesh).items()}
 
 
-def test_a_module_passed_over_without_reset_parameters_is_refused_or_replayed(
-    tmp_path: Path,
-) -> None:
+def test_a_module_passed_over_draws_what_its_private_reset_drew(tmp_path: Path) -> None:
+    """The attention is in the file; its `_reset_parameters` runs on scratch tensors all
+    the same, so the head after it draws what it drew eagerly (it was 0.9 off: the
+    attention was passed over without a draw; found by a second reader)."""
     torch.manual_seed(0)
     eager = AttentionThenHead()
     want = {k: v.detach() for k, v in eager.named_parameters()}
     file = str(tmp_path / "attn.safetensors")
     save_file({k: v for k, v in want.items() if k.startswith("attn.")}, file)
-
-    with pytest.raises(ValueError, match=r"'attn' \(MultiheadAttention\).*'head'.*init=\{'attn'"):
-        run(2, _head_from_file, file, None)
-
-    replay: dict[Any, Any] = {"attn": lambda m: m._reset_parameters()}
-    for got in run(2, _head_from_file, file, replay):
+    for got in run(2, _head_from_file, file):
         for k, v in want.items():
             assert torch.equal(got[k], v), k
