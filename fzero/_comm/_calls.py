@@ -4,9 +4,10 @@ Every rank must make the same collective fzero calls in the same order. A rank w
 data ran out a batch early breaks that: it saves, or evaluates, while its peers step,
 and the two calls' collectives pair wrongly (a hang, or gloo aborting the process on
 sizes that differ; on NCCL, data of equal sizes exchanged between unrelated calls).
-So each outermost call that communicates opens with one small exchange on the control
-axis of what it is ([Note: the same call]): ranks in different calls all raise at once,
-before either call issued anything else, and the job stays usable.
+So each outermost call that communicates exchanges what it is on the control axis
+([Note: the same call]), started as it is entered and waited for before its first
+collective: ranks in different calls all raise at once, before either call issued
+anything else, and the job stays usable.
 """
 
 from __future__ import annotations
@@ -17,44 +18,72 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._control import all_gather_ints_async
-from ._failure import agreed, outermost, together
+from ._control import all_gather_ints_async, all_gather_object
+from ._failure import agreed, before_next_collective, together
 
 _WORDS = 8  # int64 words of a call's name (64 bytes, longer names cut: never a false alarm)
+_open = 0  # sending calls this process is inside: only the outermost checks
 
 
 @contextlib.contextmanager
-def call(mesh: Any, where: str, sends: bool = True) -> Iterator[None]:
+def call(mesh: Any, where: str, sends: bool = True, problem: str = "") -> Iterator[None]:
     """Runs the fzero call `where` on `mesh` so that it fails on every rank (`together`)
-    and, where it is the outermost call and `sends` (it issues collectives), first checks
-    that every rank of the mesh is in a call of the same name.
+    and, where it is the outermost call that sends anything (`sends`), checks that every
+    rank of the mesh is in a call of the same name before its first collective.
+
+    Args:
+      mesh: the call's mesh.
+      where: the call's name.
+      sends: whether the call issues collectives (a forward at stages 0-2 does not, and
+        one rank may make it alone).
+      problem: this rank's reason to refuse the call, found before it ("" if none):
+        raised on every rank alike, with the name check.
 
     Raises:
-      ValueError: on every rank alike, when the ranks' calls differ.
+      ValueError: on every rank alike, when the ranks' calls differ or a rank's
+        `problem` is not "".
     """
-    with together(mesh.rank, mesh.size, where):
-        if sends and mesh.size > 1 and hasattr(mesh, "control") and outermost():
-            same_call(mesh, where)
-        yield
+    global _open
+    check = sends and _open == 0 and mesh.size > 1 and hasattr(mesh, "control")
+    with together(mesh.rank, mesh.size, where, numbered=sends):
+        pending = _start(mesh, where, problem) if check else None
+        _open += int(sends)
+        try:
+            if pending is not None and problem:
+                pending()  # this rank refuses: no need to run the call's first part
+            elif pending is not None:
+                before_next_collective(pending)
+            yield
+        finally:
+            _open -= int(sends)
+            if pending is not None and before_next_collective(None) is pending:
+                pending()  # a call that issued nothing still pairs its check
 
 
-def same_call(mesh: Any, where: str) -> None:
-    """Raises on every rank alike unless every rank of `mesh` is in a call named `where`."""
-    words = _words(where)
-    # Not a pending collective of the call: a failure after it is still the rank's alone.
-    everyone = all_gather_ints_async(words, mesh, counted=False)()
-    if all(w == words for w in everyone):
-        return
-    listed = ", ".join(f"rank {r} in {_name(w)}" for r, w in enumerate(everyone))
-    raise agreed(
-        ValueError(
-            f"fzero: the ranks are in different fzero calls ({listed}). Every rank must "
-            "make the same collective calls in the same order: a rank whose data ran out "
-            "early, or a call made on one rank only (`if rank == 0:` around a save or "
-            "master_params), is the usual cause. A rank without data steps with "
-            "step(state, None) (docs/training.md, Uneven work)"
-        )
-    )
+def _start(mesh: Any, where: str, problem: str) -> Callable[[], None]:
+    """Starts the all-gather of this call's name (and whether this rank refuses it);
+    returns what waits for it and raises as every rank alike."""
+    # Not a pending collective of the call once waited: a failure after it is the rank's own.
+    wait = all_gather_ints_async([*_words(where), int(bool(problem))], mesh, counted=False)
+
+    def check() -> None:
+        everyone = wait()
+        if any(w[:_WORDS] != everyone[0][:_WORDS] for w in everyone):
+            listed = ", ".join(f"rank {r} in {_name(w[:_WORDS])}" for r, w in enumerate(everyone))
+            raise agreed(
+                ValueError(
+                    f"fzero: the ranks are in different fzero calls ({listed}). Every rank "
+                    "must make the same collective calls in the same order: a rank whose "
+                    "data ran out early, or a call made on one rank only (`if rank == 0:` "
+                    "around a save or master_params), is the usual cause. A rank without "
+                    "data steps with step(state, None) (docs/training.md, Uneven work)"
+                )
+            )
+        if any(w[_WORDS] for w in everyone):
+            said = all_gather_object(problem, mesh, counted=False)
+            raise agreed(ValueError("; ".join(p for p in said if p)))
+
+    return check
 
 
 def _words(where: str) -> list[int]:
@@ -70,9 +99,10 @@ def _name(words: list[int]) -> str:
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def collective(where: str, sends: bool = True) -> Decorator:
+def collective(where: str, sends: Callable[..., bool] | bool = True) -> Decorator:
     """Decorates a collective function with a `mesh` argument: its calls are `call`s named
-    `where` (fail together, checked to be the same call on every rank)."""
+    `where` (fail together, checked to be the same call on every rank). `sends`: whether
+    a call issues collectives, or a function of the call's arguments saying so."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(fn)
@@ -80,12 +110,13 @@ def collective(where: str, sends: bool = True) -> Decorator:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
-                mesh = signature.bind_partial(*args, **kwargs).arguments.get("mesh")
+                bound = signature.bind_partial(*args, **kwargs).arguments
             except TypeError:  # the call's own error says it better
-                mesh = None
+                bound = {}
+            mesh = bound.get("mesh")
             if not (hasattr(mesh, "rank") and hasattr(mesh, "size")):
                 return fn(*args, **kwargs)
-            with call(mesh, where, sends):
+            with call(mesh, where, sends(**bound) if callable(sends) else sends):
                 return fn(*args, **kwargs)
 
         return run

@@ -62,16 +62,16 @@ def barrier(mesh: Mesh) -> None:
     all_gather_ints_async([0], mesh)()
 
 
-def all_gather_object(obj: Any, mesh: Mesh) -> list[Any]:
+def all_gather_object(obj: Any, mesh: Mesh, counted: bool = True) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (small metadata only; on the control
-    axis, from the CPU)."""
-    check_alive()
+    axis, from the CPU). `counted`: see `check_alive`."""
+    check_alive(counted)
     if mesh.size == 1:
         return [obj]
     # torch's all_gather_object waits where no peer's failure can be seen: the same two
     # collectives (sizes, then the padded bytes), waited for as every other.
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = all_gather_ints_async([data.numel()], mesh)()
+    sizes = all_gather_ints_async([data.numel()], mesh, counted)()
     most = max(s[0] for s in sizes)
     mine = torch.zeros(most, dtype=torch.uint8, device="cpu")
     mine[: data.numel()] = data

@@ -288,26 +288,37 @@ def check_alive(counted: bool = True) -> None:
     global _issued
     if _failed is not None:
         raise peer_error(_failed)
+    if _before:  # a call's check waited for before its first collective (`_calls`)
+        _before.pop()()
     _issued += int(counted)
 
 
-def outermost() -> bool:
-    """Whether the innermost fzero call this process is inside is its outermost one."""
-    return len(_calls) == 1
+def before_next_collective(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Has `check_alive` run `fn` once, before the next collective (None: drops the one
+    set); returns the one it replaces, if it has not run."""
+    was = _before.pop() if _before else None
+    if fn is not None:
+        _before.append(fn)
+    return was
+
+
+_before: list[Callable[[], None]] = []
 
 
 @contextlib.contextmanager
-def together(rank: int, size: int, where: str) -> Iterator[None]:
+def together(rank: int, size: int, where: str, numbered: bool = True) -> Iterator[None]:
     """Runs an fzero call (`where`) so that it fails on every rank: an error this rank
     raises that its peers cannot know of is published (`publish`) as it leaves. Raises
-    at once if the job already failed."""
+    at once if the job already failed. `numbered`: the call sends something, and so has
+    a number of its own; one that sends nothing (a forward at stages 0-2, which one rank
+    may make alone) shares the next one's, the call its peers wait in if it fails."""
     global _made
     if _alone:
         _settle(size)
     if _failed is not None:
         raise peer_error(_failed)
-    _made += 1
-    _calls.append(_made)
+    _made += int(numbered)
+    _calls.append(_made if numbered else _calls[-1] if _calls else _made + 1)
     issued = _issued
     try:
         yield

@@ -33,6 +33,7 @@ from ._leaves import check_leaves as check_leaves
 from ._shards import Shards as Shards
 from ._stages import STAGES as STAGES
 from ._stages import Stage as Stage
+from ._stages import gathers_to_compute as gathers_to_compute
 from ._stages import stage_of as stage_of
 from ._tensorfile import OffsetWriter as OffsetWriter
 from ._tensorfile import TensorFile as TensorFile

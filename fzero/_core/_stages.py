@@ -77,3 +77,12 @@ def stage_of(stage: Any) -> Stage:
     if not isinstance(stage, int) or isinstance(stage, bool) or stage not in range(len(STAGES)):
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (ZeRO stages), got {stage!r}")
     return STAGES[stage]
+
+
+def gathers_to_compute(stage: Any) -> bool:
+    """Whether a forward at `stage` (a number or `Stage`) gathers parameters; True for
+    what is not a stage, whose call then raises its own error."""
+    try:
+        return stage_of(stage).shards_params
+    except ValueError:
+        return True

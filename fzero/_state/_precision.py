@@ -18,6 +18,7 @@ from .._core import (
     build_layout,
     cut,
     device_of,
+    gathers_to_compute,
     leaf_paths,
     tree_flatten,
     tree_map,
@@ -260,7 +261,13 @@ def to_mixed(
     return lay.unflatten(lay.flatten(cast)), lay, trainable
 
 
-@_comm.collective("master_params")
+def _sends(state: Any, mesh: Any = None) -> bool:
+    """Whether `master_params` gathers: stage 3's parameters, or sharded masters."""
+    stage = getattr(state, "stage", None)
+    return gathers_to_compute(stage) or isinstance(getattr(state, "master", None), Shards)
+
+
+@_comm.collective("master_params", sends=_sends)
 def master_params(state: Any, mesh: Mesh) -> PyTree:
     """The full tree of what the optimizer trains, on every rank: the master copies under
     mixed precision (frozen leaves: the parameters as held), else the parameters.

@@ -10,7 +10,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import _comm
 from .._comm import Mesh
-from .._core import leaf_paths, tree_flatten
+from .._core import gathers_to_compute, leaf_paths, tree_flatten
 from .._engine import restored
 from .._state import ShardedState
 from ._casts import forward_casts
@@ -51,7 +51,7 @@ def bind(
       `model`, bound.
     """
     forwarder = Forwarder(mesh, model, False, prefetch, None)
-    with _comm.call(mesh, "bind", sends=getattr(state, "stage", 3) == 3):
+    with _comm.call(mesh, "bind", sends=gathers_to_compute(getattr(state, "stage", None))):
         engine = forwarder.engine(state)
         casts = forward_casts(model, forwarder.hooked(state), state.precision)
         kept = restored(

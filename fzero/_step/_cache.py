@@ -49,7 +49,7 @@ class StepCache:
     _trained: tuple[Any, Any] = (None, ())  # (layout, module='s parameters it trains)
     _thread: ThreadPoolExecutor | None = None
     _compiled: tuple[Any, Any, Any] = (None, None, None)  # (layout, precision, loss)
-    _flags: tuple[Any, Any, tuple[bool, ...]] = (None, (), ())  # (layout, params, flags)
+    _flags: tuple[Any, Any] = (None, ())  # (layout, (path, parameter, frozen) watched)
 
     def compiled(self, layout: ShardLayout, precision: Any, make: Callable[[], Any]) -> Any:
         """The step's compiled loss for `layout` and `precision` (`_step._compiled`), made
@@ -86,21 +86,23 @@ class StepCache:
             self._trained = (layout, trained_parameters(layout, module))
         return self._trained[1]
 
-    def flag_changed(self, layout: ShardLayout, module: nn.Module | None) -> str:
-        """A leaf of `layout` whose `module=` parameter's `requires_grad` is not what it was
-        at the first step under this layout ("" if none): the state's frozen leaves are
-        fixed, so a parameter frozen or unfrozen since would train unlike torch.optim."""
-        if module is None:
+    def flag_changed(self, layout: ShardLayout | None, module: nn.Module | None) -> str:
+        """A leaf of `layout` whose `module=` parameter's `requires_grad` disagrees with
+        the state's frozen flag, where it agreed at the first step under this layout
+        ("" if none): a parameter frozen or unfrozen since would train unlike
+        torch.optim. (One that disagreed from the start is the first step's warning.)"""
+        if module is None or layout is None:
             return ""
         if self._flags[0] is not layout:
             named = dict(module.named_parameters(remove_duplicate=False))
-            params = tuple((p, named[p]) for p in layout.paths if p in named)
-            self._flags = (layout, params, tuple(t.requires_grad for _, t in params))
+            watched = tuple(
+                (path, named[path], frozen)
+                for path, frozen in zip(layout.paths, layout.frozen)
+                if path in named and named[path].requires_grad != frozen
+            )
+            self._flags = (layout, watched)
             return ""
-        for (path, t), was in zip(self._flags[1], self._flags[2]):
-            if t.requires_grad != was:
-                return path
-        return ""
+        return next((path for path, t, frozen in self._flags[1] if t.requires_grad == frozen), "")
 
     def shared_slots(self, module: nn.Module | None, buffers: Any = None) -> Any:
         """Where `module`'s submodules reached by several paths bind what a step hands

@@ -195,11 +195,12 @@ def say_frozen_trained(module: Any, state: ShardedState, rank: int) -> None:
         )
 
 
-def say_flag_changed(path: str, module: Any, rank: int) -> None:
-    """Raises where `module=`'s parameter `path` was frozen or unfrozen (`requires_grad_`)
-    since the step function's first step under this state's layout."""
+def flag_changed_said(path: str, module: Any, rank: int) -> str:
+    """Why this rank refuses a step ("" if it does not): `module=`'s parameter `path` was
+    frozen or unfrozen (`requires_grad_`) since the step function's first step, so that
+    it now disagrees with the state's frozen leaves."""
     if not path:
-        return
+        return ""
     now = dict(module.named_parameters(remove_duplicate=False))[path].requires_grad
     how = (
         "was unfrozen (requires_grad_(True)): the state holds it frozen, with no optimizer "
@@ -208,7 +209,7 @@ def say_flag_changed(path: str, module: Any, rank: int) -> None:
         else "was frozen (requires_grad_(False)): the state still trains it; save a "
         "checkpoint and load it with checkpoint.load(..., frozen=...)"
     )
-    raise ValueError(
+    return (
         f"fzero: rank {rank}: module='s parameter {path!r} {how}. A state's frozen leaves "
         "are fixed when it is made, and torch.optim would now train it otherwise"
     )

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import _comm
 from .._comm import Mesh, PeerError, is_peer_failure, published
-from .._core import PyTree, Stage, stage_of, unaliased
+from .._core import PyTree, Stage, gathers_to_compute, stage_of, unaliased
 from .._engine import (
     CallCheck,
     Context,
@@ -96,8 +96,8 @@ def sharded_forward(
 
     def forward(state: ShardedState, batch: Any) -> Any:
         # Stages 0-2 send nothing in a forward: no call to check (one rank may sample).
-        stage = getattr(state, "stage", 3)
-        with _comm.call(mesh, "sharded_forward", sends=stage == 3):
+        sends = gathers_to_compute(getattr(state, "stage", None))
+        with _comm.call(mesh, "sharded_forward", sends=sends):
             if backend is not None:
                 return _compiled_forward(state, batch)
             return _forward(state, batch)

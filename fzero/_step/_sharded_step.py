@@ -46,7 +46,7 @@ from ._config import (
     check_module,
     check_optimizer_state,
     configuration,
-    say_flag_changed,
+    flag_changed_said,
     say_frozen_trained,
 )
 from ._entries import jit_units
@@ -159,10 +159,13 @@ def sharded_step(
     called = f"sharded_step({getattr(loss_fn, '__qualname__', type(loss_fn).__name__)})"
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
+        # A module= parameter frozen or unfrozen since: refused with the name check, on
+        # every rank alike, before anything else is sent.
+        flipped = cache.flag_changed(getattr(state, "layout", None), o.module)
         with (
             collector_paused(),
             differentiating("sharded_step", mesh.rank),
-            _comm.call(mesh, called),
+            _comm.call(mesh, called, problem=flag_changed_said(flipped, o.module, mesh.rank)),
         ):
             return _step(state, batch)
 
@@ -174,7 +177,6 @@ def sharded_step(
             if state.offload is not None:  # a later state may be another tier's
                 check_offload(state.offload.offload, state.stage, o.donate)
             micro = micro_batches(batch, o.accumulate, cache.micro)
-        say_flag_changed(cache.flag_changed(state.layout, o.module), o.module, mesh.rank)
         # Parameters' gradient hooks, read each step (one may be registered at any time);
         # a compiled step refuses them.
         trained = cache.trained_parameters(state.layout, o.module)

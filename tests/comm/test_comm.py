@@ -58,9 +58,9 @@ def volumes(
             state, _ = step(state, torch.randn(2, dims[0], dtype=torch.float64))
         ops: dict[str, int] = {}
         control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
-        # Each step opens with the ranks' call names (8 words: fzero._comm._calls).
+        # Each step opens with the ranks' call names (8 words and a refusal flag).
         if mesh.size > 1:
-            assert control[0] == ("all_gather", torch.int64, 8 * mesh.size)
+            assert control[0] == ("all_gather", torch.int64, 9 * mesh.size)
             control = control[1:]
         # One small all-gather: the check's header (the calls' count and digest, presence,
         # the micro-batch count, a loss error: 5 words), with hooks at stage 3 resharding a

@@ -211,15 +211,19 @@ def test_a_frozen_leaf_is_not_rounded_through_the_gather_dtype_it_never_travels_
         torch.testing.assert_close(params["head"], head.detach(), rtol=1e-10, atol=1e-12)
 
 
-def _flag_changed_after(mesh: fzero.Mesh, stage: int, path: str, freeze: bool) -> Any:
-    """Two steps with `module=`; then `path`'s requires_grad flipped and a third step:
-    what it raised."""
+def _flag_changed_after(mesh: fzero.Mesh, stage: int, path: str, freeze: bool, how: str) -> Any:
+    """Two steps with `module=`; then `path`'s requires_grad flipped (on every rank, on
+    rank 1 only, or where the state disagreed with the module from the start: `how`)
+    and the third step. Returns what it raised, and the parameters after the third step
+    is made again on every rank with the flag put back."""
     case = make_case([3, 4, 4, 2], 2, seed=9)
     model = case["model"]
     model.get_parameter(path).requires_grad_(freeze)  # trainable until frozen, or frozen
     params = {
         k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in model.named_parameters()
     }
+    if how == "agree":  # the state says the opposite of the module, which then agrees
+        params[path].requires_grad_(not freeze)
     opt = fzero.optim.adam(lr=0.05)
     state = fzero.shard_state(params, opt, mesh, stage=stage)
     step = fzero.sharded_step(
@@ -231,23 +235,67 @@ def _flag_changed_after(mesh: fzero.Mesh, stage: int, path: str, freeze: bool) -
         warnings.simplefilter("ignore", RuntimeWarning)  # the case's unused layer, said
         for t in range(2):
             state, _ = step(state, (case["xs"][t, sl], case["ys"][t, sl]))
-    model.get_parameter(path).requires_grad_(not freeze)
+    if how != "one" or mesh.rank == 1:
+        model.get_parameter(path).requires_grad_(not freeze)
+    said = "no error"
     try:
-        step(state, (case["xs"][2, sl], case["ys"][2, sl]))
+        state, _ = step(state, (case["xs"][2, sl], case["ys"][2, sl]))
     except ValueError as exc:
-        return str(exc)
-    return "no error"
+        said = str(exc)
+        model.get_parameter(path).requires_grad_(freeze)
+        state, _ = step(state, (case["xs"][2, sl], case["ys"][2, sl]))
+    return said, fzero.master_params(state, mesh)
+
+
+def _flag_reference(path: str, trained: bool) -> dict[str, torch.Tensor]:
+    """torch.optim.Adam over the module's trainable parameters, `path` among them or not,
+    three steps on the whole batch (an unused parameter's gradient: zero, as fzero's)."""
+    case = make_case([3, 4, 4, 2], 2, seed=9)
+    model = copy.deepcopy(case["model"])
+    model.get_parameter(path).requires_grad_(trained)
+    opt = torch.optim.Adam(
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, foreach=False
+    )
+    for t in range(3):
+        opt.zero_grad()
+        ((model(case["xs"][t]) - case["ys"][t]) ** 2).mean().backward()
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("freeze", [True, False])
+@pytest.mark.parametrize("how", ["all", "one"])
 def test_a_parameter_frozen_or_unfrozen_after_the_first_step_is_refused(
-    stage: int, freeze: bool
+    stage: int, freeze: bool, how: str
 ) -> None:
     """torch.optim stops training a parameter once `requires_grad_(False)` (its grad stays
     None) and trains one unfrozen; the state's frozen leaves are fixed, so a flip after the
-    first step trained on (or stayed frozen) without a word (found by a second reader)."""
-    for said in run(2, _flag_changed_after, stage, "layers.2.weight", freeze):
-        assert "'layers.2.weight'" in said, said
+    first step trained on (or stayed frozen) without a word (found by a second reader).
+    Every rank raises alike, even where one rank flipped (its peers learn it with the
+    step's call check), and with the flag put back the job trains on like torch.optim."""
+    path = "layers.2.weight"
+    want = _flag_reference(path, trained=freeze)
+    for said, params in run(2, _flag_changed_after, stage, path, freeze, how):
+        assert f"rank {1 if how == 'one' else 0}: module='s parameter '{path}'" in said, said
         assert ("was frozen" if freeze else "was unfrozen") in said, said
+        for k, v in want.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12, msg=k)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_flip_that_makes_the_module_agree_with_the_state_is_no_error(freeze: bool) -> None:
+    """The state was made disagreeing with the module (`frozen=`, or a tree that dropped
+    the flag, which the first step warns of); a flip that makes them agree changes
+    nothing the state trains: it is no error (a reader of this stop's diff)."""
+    path = "layers.2.weight"
+    want = _flag_reference(path, trained=not freeze)
+    for said, params in run(2, _flag_changed_after, 0, path, freeze, "agree"):
+        assert said == "no error", said
+        for k, v in want.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12, msg=k)

@@ -270,14 +270,14 @@ def comm_bytes(mesh: fzero.Mesh, stage: int, prec: Any) -> Any:
     state, _ = step(state, (xs[0, mesh.rank], ys[0, mesh.rank]))
     with fzero.comm_ledger() as ledger:
         state, _ = step(state, (xs[1, mesh.rank], ys[1, mesh.rank]))
-    # Besides the data, each step checks that the ranks are in the same call (its name, 8
-    # int64 per rank), then that they called the same units and step as many
+    # Besides the data, each step checks that the ranks are in the same call (its name and
+    # a refusal flag, 9 int64 per rank), then that they called the same units and step as many
     # micro-batches, none with a failed loss (5 int64 per rank, and at stage 3 a word of
     # flags: which units a backward uses the parameters of) and, in the same all-gather,
     # agrees on the losses' weights (5 words per rank).
     control = [(r.op, r.dtype, r.elements) for r in ledger.records if r.control]
     assert control == [
-        ("all_gather", torch.int64, 8 * mesh.size),
+        ("all_gather", torch.int64, 9 * mesh.size),
         ("all_gather", torch.int64, (5 + (stage == 3) + 5) * mesh.size),
     ]
     return fzero.CommLedger(ledger.data).by_op(), fzero.master_params(state, mesh)
