@@ -35,3 +35,16 @@ def test_the_clip_and_scaler_benchmark_runs() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines()[1:]]
     assert [r[0] for r in rows] == ["0", "3"] and all(float(r[1]) > 0 for r in rows), out.stdout
+
+
+@pytest.mark.multiprocess
+def test_the_call_check_benchmark_times_both_stages() -> None:
+    script = ROOT / "benchmarks" / "call_check.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--blocks", "2", "--steps", "3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"stage (\d): (\d+\.\d+) ms a step checked, (\d+\.\d+) ms not", out.stdout)
+    assert [r[0] for r in rows] == ["0", "3"], out.stdout
+    assert all(float(on) > 0 and float(off) > 0 for _, on, off in rows), out.stdout
