@@ -25,6 +25,7 @@ from .._core import leaf_paths, stage_of, tree_map
 from .._engine import micro_batches_differ
 from .._state import ShardedState, init_optimizer
 from ..optim import Optimizer
+from ..optim._groups import unlisted
 from ._options import StepOptions
 
 
@@ -69,6 +70,9 @@ def optimizer_kind(optimizer: Optimizer) -> str:
 
 
 def _described(fn: Any, depth: int) -> str:
+    said = getattr(fn, "fzero_description", None)  # what fzero's own object says it holds
+    if isinstance(said, str):
+        return said
     fn = inspect.unwrap(fn)  # torch.no_grad's wrapper: the function it wraps
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
     code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
@@ -114,11 +118,16 @@ def _value(v: Any, depth: int) -> str:
 def check_optimizer_state(
     optimizer: Optimizer, state: ShardedState, rank: int, shard_rank: int
 ) -> None:
-    """Raises a TypeError naming both if `state.opt_state` was not made by `optimizer`:
+    """Raises a ValueError if a param group of `optimizer` lists a path that is no leaf of
+    the state, and a TypeError naming both if `state.opt_state` was not made by `optimizer`:
     its structure against what `optimizer.init` makes of the same parameters (on the
     meta device: nothing is allocated) for this rank's place on the shard axis,
     `shard_rank` (its rank but on a 2-D mesh). A state another optimizer made would
     otherwise step silently (SGD reading an Adam state) or fail deep inside the update."""
+
+    said = unlisted(optimizer, getattr(getattr(state, "layout", None), "paths", ()))
+    if said:
+        raise ValueError(f"rank {rank}: {said}")
 
     def meta(tree: Any) -> Any:
         return tree_map(lambda x: torch.empty_like(x, device="meta"), tree)

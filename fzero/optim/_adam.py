@@ -1,7 +1,12 @@
 """Adam and AdamW, bitwise-equal to ``torch.optim.Adam``/``AdamW`` with ``foreach=False``
-(on the CPU, where it is tested): large leaves op by op, small ones a group at a time;
-fused (`_fused`), large leaves one compiled kernel each, a tree's small ones a group a
-call of torch's own fused list kernel."""
+(on the CPU, where it is tested) for Python-number hyper-parameters: large leaves op by
+op, small ones a group at a time; fused (`_fused`), large leaves one compiled kernel
+each, a tree's small ones a group a call of torch's own fused list kernel.
+
+A tensor `lr` or `betas` is read as a Python float (`.item()`), and the step's scalars
+(the step size, the bias corrections) computed in float64, as for numbers: torch keeps
+them tensors and computes those scalars in the tensor's dtype, so float32 tensor
+hyper-parameters differ from torch's by that rounding (a relative 1e-7 of a step)."""
 
 from __future__ import annotations
 
@@ -240,7 +245,8 @@ def adam(
 
     Args:
       lr: learning rate, or a schedule ``lr(count) -> float`` called with the
-        0-based index of the update being computed (0 for the first update).
+        0-based index of the update being computed (0 for the first update). A tensor
+        is read as its float (see the module's docstring).
       betas: decay rates of the first and second moment estimates, each in [0, 1).
       eps: term added to the denominator for numerical stability.
       weight_decay: L2 penalty coefficient, added to the gradient (``g + wd * p``).
@@ -281,7 +287,8 @@ def adamw(
 
     Args:
       lr: learning rate, or a schedule ``lr(count) -> float`` called with the
-        0-based index of the update being computed (0 for the first update).
+        0-based index of the update being computed (0 for the first update). A tensor
+        is read as its float (see the module's docstring).
       betas: decay rates of the first and second moment estimates, each in [0, 1).
       eps: term added to the denominator for numerical stability.
       weight_decay: decoupled decay; params are first scaled by ``1 - lr * wd``.

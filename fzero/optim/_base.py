@@ -158,14 +158,14 @@ def resolve_lr(lr: ScalarOrSchedule, count: int) -> float:
       count: number of updates already applied (the index of this update).
 
     Returns:
-      The learning rate as a python float, exactly as torch turns a (tensor) lr into a scalar.
+      The learning rate as a python float. torch's SGD reads a tensor lr so too (`.item()`);
+      its Adam keeps it a tensor for the step size's arithmetic (`_adam`'s docstring).
 
     Raises:
       ValueError: if the (scheduled) learning rate is negative or NaN.
     """
     value = lr(count) if callable(lr) else lr
-    # torch converts a tensor lr with `.item()`; float() does the same for 0-d tensors.
-    value = float(value)
+    value = float(value)  # a 0-d tensor's `.item()`
     if math.isnan(value) or value < 0.0:
         raise ValueError(f"Invalid learning rate at step {count}: {value} (must be >= 0)")
     return value

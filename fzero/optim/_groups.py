@@ -61,7 +61,9 @@ def param_groups(
       An Optimizer over the whole parameter tree (or a rank's shard of it).
 
     Raises:
-      ValueError: a group without "params", an argument `make` does not take, groups
+      ValueError: a group without "params", an argument `make` does not take, a path
+        listed by two groups (at a step function's first step: a listed path that is
+        no parameter of the state, on every rank), groups
         of fzero's optimizers whose states differ in structure (AMSGrad in one group
         only, SGD momentum in one); at update time, a parameter no group claims, or
         torch's groups leaving a shared entry of one flat piece apart (ASGD's `mu` once
@@ -73,6 +75,7 @@ def param_groups(
     known = set(signature) if not anything else None
     claims: list[Claim] = []
     made: list[Optimizer] = []
+    listed: dict[str, int] = {}  # a path a group lists by name -> that group
     for k, group in enumerate(groups):
         if not isinstance(group, Mapping) or "params" not in group:
             raise ValueError(f"param_groups: group {k} must be a dict with 'params'")
@@ -81,6 +84,12 @@ def param_groups(
             name = getattr(make, "__name__", "make")
             raise ValueError(f"param_groups: group {k} sets {unknown}, which {name} lacks")
         claims.append(claim(group["params"], k))
+        for path in () if callable(group["params"]) else group["params"]:
+            if path in listed:  # torch refuses a parameter in two groups
+                raise ValueError(
+                    f"param_groups: {path!r} is listed in group {listed[path]} and group {k}"
+                )
+            listed[path] = k
         made.append(make(**{**defaults, **{n: v for n, v in group.items() if n != "params"}}))
     if not made:
         raise ValueError("param_groups: no groups")
@@ -141,10 +150,28 @@ def param_groups(
                 old.copy_(new)
         return params, state
 
+    # Paths a group lists by name: `listed_paths` (checked against the state's leaves).
+    update_.fzero_listed = dict(listed)  # type: ignore[attr-defined]
+
     # A whole-tensor optimizer (from_torch(Adafactor)), or groups whose torch state parts
     # (`check_dict_entries`), run on the tensor layout, whose pieces are whole tensors:
     # `check_slices` refuses the flat one, as without groups.
     return Optimizer(whole.init, from_inplace(update_), update_, whole_tensors, whole.fused)
+
+
+def unlisted(optimizer: Optimizer, paths: Sequence[str]) -> str:
+    """The first path a param group of `optimizer` lists by name that is none of `paths`,
+    the state's leaves (a typo: in torch a group holds the tensors themselves), said as
+    an error's text; "" if there is none."""
+    listed = getattr(optimizer.update_, "fzero_listed", {})
+    known = set(paths)
+    wrong = [(p, k) for p, k in listed.items() if p not in known]
+    if not wrong:
+        return ""
+    return (
+        f"param_groups: group {wrong[0][1]} lists {wrong[0][0]!r}, which is no parameter of "
+        f"the state ({len(wrong)} such paths; the state's paths are like {sorted(known)[:3]})"
+    )
 
 
 def claim(spec: Any, k: int) -> Claim:

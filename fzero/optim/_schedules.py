@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -85,4 +86,30 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
                 check()
         return float(rates[count])
 
+    # What ranks compare at a step function's first call (`_step._config`): the base rate
+    # and the scheduler's settings, which the closure holds only inside the scheduler.
+    schedule.fzero_description = (  # type: ignore[attr-defined]
+        f"fzero.optim.from_torch_scheduler(lr={float(lr)!r}, {_settings(scheduler)})"
+    )
     return schedule
+
+
+def _settings(scheduler: Any) -> str:
+    """A scheduler's class and its plain settings, as every rank building the same one
+    writes them: numbers and names from its state (not the step it is at), and its
+    lambdas by name with a `functools.partial`'s arguments (Hugging Face's schedules)."""
+    moving = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
+    items = []
+    for k, v in sorted(scheduler.state_dict().items()):
+        if k in moving:
+            continue
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            items.append(f"{k}={v!r}")
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v):
+            items.append(f"{k}={tuple(v)!r}")
+    for fn in getattr(scheduler, "lr_lambdas", ()):
+        inner = fn.func if isinstance(fn, functools.partial) else fn
+        args = sorted(fn.keywords.items()) if isinstance(fn, functools.partial) else []
+        name = getattr(inner, "__qualname__", type(inner).__name__)
+        items.append(f"{name}({', '.join(f'{k}={v!r}' for k, v in args)})")
+    return f"{type(scheduler).__qualname__}({', '.join(items)})"

@@ -351,3 +351,25 @@ def test_a_bare_tensor_steps_as_the_factory_does() -> None:
         a, sa = plain.update(g, sa, a)
         b, sb = grouped_.update(g, sb, b)
     assert torch.equal(a, b) and int(sb.count) == 2
+
+
+def test_a_path_in_two_groups_is_refused() -> None:
+    with pytest.raises(ValueError, match="'a' is listed in group 0 and group 1"):
+        optim.param_groups(optim.adamw, [{"params": ["a"]}, {"params": ["a", "b"]}])
+
+
+def _steps_with_a_misspelt_group(mesh: fzero.Mesh) -> None:
+    groups = [{"params": ["w2_typo"], "lr": 1.0}, {"params": lambda path: True}]
+    opt = optim.param_groups(optim.sgd, groups, lr=0.1)
+    params = {"w1": torch.ones(3), "w2": torch.ones(3)}
+    state = fzero.shard_state(params, opt, mesh, stage=1)
+    loss = lambda p, x: (x * (p["w1"] + p["w2"])).sum()  # noqa: E731
+    fzero.sharded_step(loss, opt, mesh, stage=1)(state, torch.ones(3))
+
+
+@pytest.mark.multiprocess
+def test_a_misspelt_path_in_a_group_is_refused_on_every_rank() -> None:
+    """torch's groups hold the tensors themselves; a path list may name none: the leaf
+    fell to a later group and trained at its rate without a word (a second reader's)."""
+    with pytest.raises(ValueError, match="group 0 lists 'w2_typo', which is no parameter"):
+        run(2, _steps_with_a_misspelt_group)

@@ -93,3 +93,41 @@ def test_a_metric_or_momentum_scheduler_is_refused() -> None:
     cycling = functools.partial(lr_scheduler.OneCycleLR, max_lr=0.2, total_steps=7)
     with pytest.raises(ValueError, match="OneCycleLR schedules the momentum too"):
         fzero.optim.from_torch_scheduler(cycling, 0.1)  # refused when built
+
+
+def _kind(make: Callable[[torch.optim.Optimizer], Any], lr: float) -> str:
+    from fzero._step._config import optimizer_kind
+
+    return optimizer_kind(fzero.optim.adamw(lr=fzero.optim.from_torch_scheduler(make, lr)))
+
+
+def test_the_ranks_compare_a_torch_schedulers_settings() -> None:
+    """Ranks compare their optimizers at a step function's first call; a torch scheduler's
+    settings live inside the scheduler object, which was compared by its class alone:
+    ranks with other step sizes or base rates trained apart (a second reader's find)."""
+    step = MAKERS["step"]
+    assert _kind(step, 0.05) == _kind(step, 0.05)  # what two ranks building alike say
+    other_size = functools.partial(lr_scheduler.StepLR, step_size=3, gamma=0.3)
+    assert "step_size=3" in _kind(other_size, 0.05) and _kind(other_size, 0.05) != _kind(step, 0.05)
+    assert _kind(step, 0.05) != _kind(step, 0.1)
+    hf = MAKERS["hf-cosine-warmup"]
+    longer = lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 2, 60)  # noqa: E731
+    assert _kind(hf, 0.05) == _kind(hf, 0.05) and _kind(hf, 0.05) != _kind(longer, 0.05)
+    assert "num_training_steps=60" in _kind(longer, 0.05)
+
+
+def _steps_with_rank_step_size(mesh: fzero.Mesh) -> None:
+    make = functools.partial(lr_scheduler.StepLR, step_size=2 + mesh.rank, gamma=0.3)
+    opt = fzero.optim.adamw(lr=fzero.optim.from_torch_scheduler(make, 0.05))
+    params = {"w": torch.ones(4, 3, dtype=F64)}
+    state = fzero.shard_state(params, opt, mesh, stage=0)
+    loss = lambda p, x: (x @ p["w"]).square().mean()  # noqa: E731
+    fzero.sharded_step(loss, opt, mesh, stage=0)(state, torch.ones(2, 4, dtype=F64))
+
+
+@pytest.mark.multiprocess
+def test_ranks_whose_schedulers_differ_raise_on_every_rank() -> None:
+    with pytest.raises(
+        ValueError, match=r"optimizer: rank 0: .*step_size=2.*rank 1: .*step_size=3"
+    ):
+        run(2, _steps_with_rank_step_size)
