@@ -19,14 +19,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._control import all_gather_ints_async, all_gather_object
-from ._failure import agreed, before_next_collective, together
+from ._failure import agreed, before_next_collective, left_in_flight, together
 
 _WORDS = 8  # int64 words of a call's name (64 bytes, longer names cut: never a false alarm)
 _open = 0  # sending calls this process is inside: only the outermost checks
 
 
 @contextlib.contextmanager
-def call(mesh: Any, where: str, sends: bool = True, problem: str = "") -> Iterator[None]:
+def call(mesh: Any, where: str, sends: bool = True, problem: str | None = None) -> Iterator[None]:
     """Runs the fzero call `where` on `mesh` so that it fails on every rank (`together`)
     and, where it is the outermost call that sends anything (`sends`), checks that every
     rank of the mesh is in a call of the same name before its first collective.
@@ -36,17 +36,23 @@ def call(mesh: Any, where: str, sends: bool = True, problem: str = "") -> Iterat
       where: the call's name.
       sends: whether the call issues collectives (a forward at stages 0-2 does not, and
         one rank may make it alone).
-      problem: this rank's reason to refuse the call, found before it ("" if none):
-        raised on every rank alike, with the name check.
+      problem: for a call that may be refused: this rank's reason ("" if none), found
+        before the call and raised on every rank alike (with the name check, or in an
+        exchange of its own where the call is inside another).
 
     Raises:
       ValueError: on every rank alike, when the ranks' calls differ or a rank's
         `problem` is not "".
     """
     global _open
-    check = sends and _open == 0 and mesh.size > 1 and hasattr(mesh, "control")
+    several = mesh.size > 1 and hasattr(mesh, "control")
+    check = sends and _open == 0 and several
     with together(mesh.rank, mesh.size, where, numbered=sends):
-        pending = _start(mesh, where, problem) if check else None
+        if problem and mesh.size == 1:
+            raise agreed(ValueError(problem))
+        if problem is not None and sends and several and not check:
+            _refusals(mesh, problem)  # inside a call that checked its name: only this
+        pending = _start(mesh, where, problem or "") if check else None
         _open += int(sends)
         try:
             if pending is not None and problem:
@@ -54,10 +60,42 @@ def call(mesh: Any, where: str, sends: bool = True, problem: str = "") -> Iterat
             elif pending is not None:
                 before_next_collective(pending)
             yield
-        finally:
-            _open -= int(sends)
+        except BaseException as exc:
+            if pending is not None and before_next_collective(None) is pending:
+                _settled(pending, exc)
+            raise
+        else:
             if pending is not None and before_next_collective(None) is pending:
                 pending()  # a call that issued nothing still pairs its check
+        finally:
+            _open -= int(sends)
+
+
+_EXIT_WAIT = 10.0  # seconds a failing call waits for its unchecked name's exchange
+
+
+def _settled(pending: Callable[..., None], exc: BaseException) -> None:
+    """A call that raised before its first collective: its name's exchange is in flight.
+    Waited for a while: peers in the same call complete it at once (and a failure every
+    rank made alike leaves nothing pending); where they do not come (not in an fzero call,
+    or interrupted) the call's own error goes on, and the exchange left in flight counts
+    as a collective of the call, which a later one would pair with."""
+    if not isinstance(exc, Exception):  # KeyboardInterrupt: at once
+        left_in_flight()
+        return
+    try:
+        pending(within=_EXIT_WAIT)
+    except TimeoutError:
+        left_in_flight()
+    except Exception:  # a peer's failure, or different calls: the call's own error goes on
+        pass
+
+
+def _refusals(mesh: Any, problem: str) -> None:
+    """Raises every rank's refusal of a call alike (the ranks' texts, joined)."""
+    if any(w[0] for w in all_gather_ints_async([int(bool(problem))], mesh, counted=False)()):
+        said = all_gather_object(problem, mesh, counted=False)
+        raise agreed(ValueError("; ".join(p for p in said if p)))
 
 
 def _start(mesh: Any, where: str, problem: str) -> Callable[[], None]:
@@ -66,8 +104,8 @@ def _start(mesh: Any, where: str, problem: str) -> Callable[[], None]:
     # Not a pending collective of the call once waited: a failure after it is the rank's own.
     wait = all_gather_ints_async([*_words(where), int(bool(problem))], mesh, counted=False)
 
-    def check() -> None:
-        everyone = wait()
+    def check(within: float | None = None) -> None:
+        everyone = wait(within)
         if any(w[:_WORDS] != everyone[0][:_WORDS] for w in everyone):
             listed = ", ".join(f"rank {r} in {_name(w[:_WORDS])}" for r, w in enumerate(everyone))
             raise agreed(

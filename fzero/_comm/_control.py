@@ -34,22 +34,23 @@ def unpack_flags(words: Sequence[int], n: int) -> list[bool]:
 
 def all_gather_ints_async(
     values: list[int], mesh: Mesh, counted: bool = True
-) -> Callable[[], list[list[int]]]:
+) -> Callable[..., list[list[int]]]:
     """Starts gathering every rank's short list of int64 `values` (the same length on every
     rank); the returned function waits and gives them in rank order. One small all-gather
     (not `all_gather_async`, which on gloo broadcasts once per rank), for checks that run
     every step behind other work. Sent from the CPU on the control axis, so waiting for
-    it never waits for the GPU's queue. `counted`: see `check_alive`."""
+    it never waits for the GPU's queue. `counted`: see `check_alive`; the wait's `within`:
+    see `_polled.wait`."""
     check_alive(counted)
     mine = torch.tensor(values, dtype=torch.int64, device="cpu")
     if mesh.size == 1:
-        return lambda: [values]
+        return lambda within=None: [values]
     out = [torch.empty_like(mine) for _ in range(mesh.size)]
     record("all_gather", mine.dtype, mine.numel() * mesh.size, "control", control=True)
     work = dist.all_gather(out, mine, group=mesh.control.group, async_op=True)
 
-    def wait() -> list[list[int]]:
-        _wait(work)
+    def wait(within: float | None = None) -> list[list[int]]:
+        _wait(work, within)
         return [t.tolist() for t in out]
 
     return wait

@@ -48,12 +48,12 @@ _LONE = "fzero/" + _ATTEMPT + "/lone"
 # The fzero calls this process is inside, innermost last, each by its number: every rank
 # makes the same calls in the same order (they are collective), so a call's number is the
 # same on every rank, and a failure published under it concerns only the ranks inside it.
-_calls: list[int] = []
-_made = 0  # calls entered so far
+_calls: list[float] = []
+_made = 0  # numbered calls (those that send: `together`) entered so far
 _issued = 0  # collectives issued so far (`check_alive` counts them)
 # Calls this rank failed in before issuing any collective, with what it published: if a
 # peer was left waiting in one, this rank's own later collectives cannot pair either.
-_alone: dict[int, dict[str, Any]] = {}
+_alone: dict[float, dict[str, Any]] = {}
 
 _failed: dict[str, Any] | None = None  # what this process knows failed (its own or a peer's)
 
@@ -184,8 +184,8 @@ def _lone_failure(store: Any, record: dict[str, Any]) -> dict[str, Any] | None:
     that call whole and waits in a later one for a rank that will not come. Said in the
     store as a rank left waiting in that call (`_STUCK`), which the failed rank's next
     call reads (`_settle`): the job has failed, on every rank alike."""
-    n = int(record["call"])
-    left = n not in _calls and n < _calls[-1]  # a call this rank made and left
+    n = record["call"]  # as published: an int, or a call that sends nothing's half
+    left = n not in _calls and n < _calls[-1]  # a call before this rank's current one
     if not left or int(store.add(_COUNT.format(n), 0)) >= int(record.get("size", 0)):
         return None
     store.set(_STUCK.format(n), "1")
@@ -293,6 +293,14 @@ def check_alive(counted: bool = True) -> None:
     _issued += int(counted)
 
 
+def left_in_flight() -> None:
+    """Counts a collective this call issued and left in flight (a check it gave up
+    waiting for): a failure of the call then leaves the job failed, as after any
+    collective."""
+    global _issued
+    _issued += 1
+
+
 def before_next_collective(fn: Callable[[], None] | None) -> Callable[[], None] | None:
     """Has `check_alive` run `fn` once, before the next collective (None: drops the one
     set); returns the one it replaces, if it has not run."""
@@ -310,15 +318,18 @@ def together(rank: int, size: int, where: str, numbered: bool = True) -> Iterato
     """Runs an fzero call (`where`) so that it fails on every rank: an error this rank
     raises that its peers cannot know of is published (`publish`) as it leaves. Raises
     at once if the job already failed. `numbered`: the call sends something, and so has
-    a number of its own; one that sends nothing (a forward at stages 0-2, which one rank
-    may make alone) shares the next one's, the call its peers wait in if it fails."""
+    a number of its own, the same on every rank; one that sends nothing (a forward at
+    stages 0-2, which one rank may make alone) takes the half after the last one's."""
     global _made
     if _alone:
         _settle(size)
     if _failed is not None:
         raise peer_error(_failed)
     _made += int(numbered)
-    _calls.append(_made if numbered else _calls[-1] if _calls else _made + 1)
+    # A call that sends nothing, outermost, numbers between two that send: its failure is
+    # found by peers that left it (or never made it: one rank sampling alone) as a lone
+    # one, and a failure every rank made in it alike leaves nothing pending.
+    _calls.append(_made if numbered else _calls[-1] if _calls else _made + 0.5)
     issued = _issued
     try:
         yield

@@ -6,6 +6,7 @@ failed rank never joins until the process group's timeout ([Note: failing togeth
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -18,10 +19,13 @@ from ._failure import failed, peer_error, published
 POLL, POLL_MAX = 0.1, 0.4
 
 
-def wait(work: Any) -> None:
+def wait(work: Any, within: float | None = None) -> None:
     """`work.wait()`, looking for a peer's published failure every `POLL` while it waits,
-    and when the wait fails (a peer gone or timed out): its failure is what is raised."""
+    and when the wait fails (a peer gone or timed out): its failure is what is raised.
+    `within`: seconds after which it gives up with a TimeoutError, the work still in
+    flight (None: the process group's timeout)."""
     slice_ = POLL
+    start = time.monotonic()
     while True:
         try:
             work.wait(timedelta(seconds=slice_))
@@ -35,6 +39,8 @@ def wait(work: Any) -> None:
         record = failed()
         if record is not None:
             raise peer_error(record)
+        if within is not None and time.monotonic() - start > within:
+            raise TimeoutError(f"fzero: a control collective still waited for after {within} s")
         slice_ = min(2 * slice_, POLL_MAX)
 
 

@@ -96,12 +96,13 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
 
 def _settings(scheduler: Any) -> str:
     """A scheduler's class and its plain settings, as every rank building the same one
-    writes them: numbers and names from its state (not the step it is at), and its
-    lambdas by name with a `functools.partial`'s arguments (Hugging Face's schedules)."""
+    writes them: numbers and names from its state (not the step it is at), its lambdas
+    by name with a `functools.partial`'s arguments (Hugging Face's schedules), and the
+    schedulers it holds (SequentialLR's, ChainedScheduler's), each so."""
     moving = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
     items = []
     for k, v in sorted(scheduler.state_dict().items()):
-        if k in moving:
+        if k in moving or k == "_schedulers":  # SequentialLR's, ChainedScheduler's: below
             continue
         if isinstance(v, (bool, int, float, str)) or v is None:
             items.append(f"{k}={v!r}")
@@ -112,4 +113,5 @@ def _settings(scheduler: Any) -> str:
         args = sorted(fn.keywords.items()) if isinstance(fn, functools.partial) else []
         name = getattr(inner, "__qualname__", type(inner).__name__)
         items.append(f"{name}({', '.join(f'{k}={v!r}' for k, v in args)})")
+    items += [_settings(inner) for inner in getattr(scheduler, "_schedulers", ())]
     return f"{type(scheduler).__qualname__}({', '.join(items)})"

@@ -114,6 +114,18 @@ def test_the_ranks_compare_a_torch_schedulers_settings() -> None:
     longer = lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 2, 60)  # noqa: E731
     assert _kind(hf, 0.05) == _kind(hf, 0.05) and _kind(hf, 0.05) != _kind(longer, 0.05)
     assert "num_training_steps=60" in _kind(longer, 0.05)
+    for held in (  # schedulers holding schedulers: their settings are compared too
+        lambda g: lambda opt: lr_scheduler.SequentialLR(
+            opt,
+            [lr_scheduler.LinearLR(opt, 0.1, total_iters=2), lr_scheduler.ExponentialLR(opt, g)],
+            milestones=[2],
+        ),
+        lambda g: lambda opt: lr_scheduler.ChainedScheduler(
+            [lr_scheduler.ExponentialLR(opt, g), lr_scheduler.StepLR(opt, 2)]
+        ),
+    ):  # fmt: skip
+        assert _kind(held(0.5), 0.05) == _kind(held(0.5), 0.05)
+        assert _kind(held(0.5), 0.05) != _kind(held(0.9), 0.05)
 
 
 def _steps_with_rank_step_size(mesh: fzero.Mesh) -> None:
