@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._control import all_gather_ints_async, all_gather_object
-from ._failure import agreed, before_next_collective, left_in_flight, together
+from ._failure import agreed, before_next_collective, is_agreed, left_in_flight, together
 
 _WORDS = 8  # int64 words of a call's name (64 bytes, longer names cut: never a false alarm)
 _open = 0  # sending calls this process is inside: only the outermost checks
@@ -51,7 +51,9 @@ def call(mesh: Any, where: str, sends: bool = True, problem: str | None = None) 
         if problem and mesh.size == 1:
             raise agreed(ValueError(problem))
         if problem is not None and sends and several and not check:
-            _refusals(mesh, problem)  # inside a call that checked its name: only this
+            # Inside a call that checked its name: the same exchange, whose shape every
+            # call's first on the control axis has (a rank not nested pairs with it).
+            _start(mesh, where, problem)()
         pending = _start(mesh, where, problem or "") if check else None
         _open += int(sends)
         try:
@@ -87,15 +89,10 @@ def _settled(pending: Callable[..., None], exc: BaseException) -> None:
         pending(within=_EXIT_WAIT)
     except TimeoutError:
         left_in_flight()
-    except Exception:  # a peer's failure, or different calls: the call's own error goes on
-        pass
-
-
-def _refusals(mesh: Any, problem: str) -> None:
-    """Raises every rank's refusal of a call alike (the ranks' texts, joined)."""
-    if any(w[0] for w in all_gather_ints_async([int(bool(problem))], mesh, counted=False)()):
-        said = all_gather_object(problem, mesh, counted=False)
-        raise agreed(ValueError("; ".join(p for p in said if p)))
+    except Exception as said:
+        if is_agreed(said):  # different calls: what every rank raises, the job usable
+            raise said from exc
+        # A peer's failure: the call's own error goes on.
 
 
 def _start(mesh: Any, where: str, problem: str) -> Callable[[], None]:

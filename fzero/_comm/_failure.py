@@ -48,12 +48,20 @@ _LONE = "fzero/" + _ATTEMPT + "/lone"
 # The fzero calls this process is inside, innermost last, each by its number: every rank
 # makes the same calls in the same order (they are collective), so a call's number is the
 # same on every rank, and a failure published under it concerns only the ranks inside it.
-_calls: list[float] = []
+_calls: list[tuple[int, int]] = []
 _made = 0  # numbered calls (those that send: `together`) entered so far
+_between = 0  # outermost calls that send nothing entered since the last numbered one
+
+
+def _key(call: tuple[int, int]) -> str:
+    """A call's number as the store's keys name it."""
+    return f"{call[0]}.{call[1]}"
+
+
 _issued = 0  # collectives issued so far (`check_alive` counts them)
 # Calls this rank failed in before issuing any collective, with what it published: if a
 # peer was left waiting in one, this rank's own later collectives cannot pair either.
-_alone: dict[float, dict[str, Any]] = {}
+_alone: dict[tuple[int, int], dict[str, Any]] = {}
 
 _failed: dict[str, Any] | None = None  # what this process knows failed (its own or a peer's)
 
@@ -112,7 +120,7 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool, size: int =
     `where` (the first failure of a call wins). `issued`: this rank issued collectives in
     the call, which may be left pending, so its own later calls raise it at once."""
     global _failed
-    call = _calls[-1] if _calls else 0
+    call = _calls[-1] if _calls else (0, 0)
     record = {
         "rank": rank,
         "where": where,
@@ -120,7 +128,7 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool, size: int =
         "message": str(exc) or type(exc).__name__,
         "type": _builtin_base(exc),
         "name": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        "call": call,
+        "call": list(call),
         "size": size,
     }
     if isinstance(exc, OSError):
@@ -135,8 +143,8 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool, size: int =
         return
     with contextlib.suppress(Exception):  # a store that is gone too: the peers time out
         said = json.dumps(record, default=str)
-        store.compare_set(_KEY.format(call), "", said)
-        store.add(_COUNT.format(call), 1)
+        store.compare_set(_KEY.format(_key(call)), "", said)
+        store.add(_COUNT.format(_key(call)), 1)
         if issued:
             store.compare_set(_BROKEN, "", said)
         else:
@@ -160,12 +168,12 @@ def failed() -> dict[str, Any] | None:
     try:
         # One key at a time: a store's check([...]) says whether all of them exist.
         for n in _calls:
-            if store.check([_KEY.format(n)]):
-                _failed = json.loads(store.get(_KEY.format(n)))
-                store.set(_STUCK.format(n), "1")  # for a rank that failed alone: `_settle`
+            if store.check([_KEY.format(_key(n))]):
+                _failed = json.loads(store.get(_KEY.format(_key(n))))
+                store.set(_STUCK.format(_key(n)), "1")  # a rank that failed alone: `_settle`
                 return _failed
         for n, record in _alone.items():
-            if store.check([_STUCK.format(n)]):
+            if store.check([_STUCK.format(_key(n))]):
                 _failed = record
                 return _failed
         if _calls and store.check([_BROKEN]):
@@ -184,11 +192,11 @@ def _lone_failure(store: Any, record: dict[str, Any]) -> dict[str, Any] | None:
     that call whole and waits in a later one for a rank that will not come. Said in the
     store as a rank left waiting in that call (`_STUCK`), which the failed rank's next
     call reads (`_settle`): the job has failed, on every rank alike."""
-    n = record["call"]  # as published: an int, or a call that sends nothing's half
+    n = tuple(record["call"])
     left = n not in _calls and n < _calls[-1]  # a call before this rank's current one
-    if not left or int(store.add(_COUNT.format(n), 0)) >= int(record.get("size", 0)):
+    if not left or int(store.add(_COUNT.format(_key(n)), 0)) >= int(record.get("size", 0)):
         return None
-    store.set(_STUCK.format(n), "1")
+    store.set(_STUCK.format(_key(n)), "1")
     return record
 
 
@@ -318,18 +326,25 @@ def together(rank: int, size: int, where: str, numbered: bool = True) -> Iterato
     """Runs an fzero call (`where`) so that it fails on every rank: an error this rank
     raises that its peers cannot know of is published (`publish`) as it leaves. Raises
     at once if the job already failed. `numbered`: the call sends something, and so has
-    a number of its own, the same on every rank; one that sends nothing (a forward at
-    stages 0-2, which one rank may make alone) takes the half after the last one's."""
-    global _made
+    a number of its own, the same on every rank, (n, 0); one that sends nothing (a
+    forward at stages 0-2, which one rank may make alone) is the k-th after call n, (n,
+    k), so that the numbers of the calls that send stay the same on every rank."""
+    global _made, _between
     if _alone:
         _settle(size)
     if _failed is not None:
         raise peer_error(_failed)
-    _made += int(numbered)
-    # A call that sends nothing, outermost, numbers between two that send: its failure is
-    # found by peers that left it (or never made it: one rank sampling alone) as a lone
-    # one, and a failure every rank made in it alike leaves nothing pending.
-    _calls.append(_made if numbered else _calls[-1] if _calls else _made + 0.5)
+    if numbered:
+        _made, _between = _made + 1, 0
+        _calls.append((_made, 0))
+    elif _calls:  # inside another call: its part
+        _calls.append(_calls[-1])
+    else:
+        # Between two calls that send, the k-th that sends nothing: (n, k). Its failure is
+        # found by peers that left it (or never made it: one rank sampling alone) as a
+        # lone one, and one every rank made in it alike leaves nothing pending.
+        _between += 1
+        _calls.append((_made, _between))
     issued = _issued
     try:
         yield
@@ -353,10 +368,13 @@ def _settle(size: int) -> None:
     for n, record in list(_alone.items()):
         while store is not None:
             try:
-                if store.check([_STUCK.format(n)]):
+                if store.check([_STUCK.format(_key(n))]):
                     _failed = record
                     break
-                if int(store.add(_COUNT.format(n), 0)) >= size:
+                if store.check([_BROKEN]):  # a peer's failure left collectives pending
+                    _failed = json.loads(store.get(_BROKEN))
+                    break
+                if int(store.add(_COUNT.format(_key(n)), 0)) >= size:
                     break
             except Exception:  # a store that cannot answer: assume the worst
                 _failed = record

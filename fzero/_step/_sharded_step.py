@@ -155,17 +155,16 @@ def sharded_step(
         has_aux=has_aux,
     )
     cache = StepCache()
-    # Two step functions are two calls: a rank in its evaluation step while another trains
-    called = f"sharded_step({getattr(loss_fn, '__qualname__', type(loss_fn).__name__)})"
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         # A module= parameter frozen or unfrozen since: refused with the name check, on
         # every rank alike, before anything else is sent.
         flipped = cache.flag_changed(getattr(state, "layout", None), o.module)
+        refused = flag_changed_said(flipped, o.module, mesh.rank)
         with (
             collector_paused(),
             differentiating("sharded_step", mesh.rank),
-            _comm.call(mesh, called, problem=flag_changed_said(flipped, o.module, mesh.rank)),
+            _comm.call(mesh, "sharded_step", problem=refused),
         ):
             return _step(state, batch)
 

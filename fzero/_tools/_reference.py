@@ -121,8 +121,8 @@ def _terms(outs: list[Any]) -> tuple[list[torch.Tensor], float | None]:
 
 
 def _no_strays(out: Any, trained: list[torch.Tensor], module: nn.Module | None) -> None:
-    """Raises naming a tensor that requires grad which the loss read but was not given in
-    its tree (a parameter read off the model itself): the ranks would drop its gradient
+    """Raises naming an `nn.Parameter` that requires grad which the loss read but was not
+    given in its tree (read off the model itself): the ranks would drop its gradient
     alike, and the check would pass where training the model itself differs."""
     roots = list(out) if isinstance(out, (tuple, list)) else [out]
     ours = {id(x) for x in trained}
@@ -135,8 +135,9 @@ def _no_strays(out: Any, trained: list[torch.Tensor], module: nn.Module | None) 
             continue
         seen.add(fn)
         leaf = getattr(fn, "variable", None)
-        if leaf is not None and id(leaf) not in ours:
-            what = names.get(id(leaf), f"a {tuple(leaf.shape)} {leaf.dtype} tensor")
+        # A parameter (an input made to require grad, a gradient penalty's, is the loss's)
+        if isinstance(leaf, nn.Parameter) and id(leaf) not in ours:
+            what = names.get(id(leaf), f"a {tuple(leaf.shape)} {leaf.dtype} parameter")
             raise ValueError(
                 f"fzero.testing: the loss reads {what!s} (it requires grad) from outside the "
                 "params tree it is given: fzero trains only the tree's leaves, and its "

@@ -40,7 +40,7 @@ def test_a_loss_reading_the_models_own_parameters_is_named() -> None:
         fit = nn.functional.mse_loss(functional_call(model, p, (x,)), y)
         return fit + 0.1 * sum(w.square().sum() for w in model.parameters())
 
-    with pytest.raises(ValueError, match=r"reads a \(\d.*\) torch.float64 tensor .* outside"):
+    with pytest.raises(ValueError, match=r"reads a \(\d.*\) torch.float64 parameter .* outside"):
         testing.assert_stages_equivalent(
             loss_fn, dict(model.named_parameters()), _batches(2), (torch.optim.SGD, {"lr": 0.1})
         )
