@@ -222,7 +222,12 @@ def meta_like(layout: ShardLayout) -> PyTree:
 
 
 def to_mixed(
-    params: PyTree, layout: ShardLayout, stage: Stage, precision: Precision, rank: int
+    params: PyTree,
+    layout: ShardLayout,
+    stage: Stage,
+    precision: Precision,
+    rank: int,
+    compute: Sequence[torch.dtype] | None = None,
 ) -> tuple[PyTree, ShardLayout, PyTree]:
     """Full-precision parameters as `shard_state(..., precision=)` holds them.
 
@@ -230,13 +235,22 @@ def to_mixed(
       params: what a rank holds at full precision under `layout`: the tree (stages 0-2)
         or its `Shards` (stage 3), e.g. loaded from a checkpoint or materialized by an init.
       layout, stage, precision, rank: theirs.
+      compute: per leaf, the dtype the parameters compute in where `precision` names
+        no `param_dtype` (a bfloat16 model saved with float32 masters: `params_like`'s
+        dtypes); None: the loaded ones.
 
     Returns:
       `(params, layout, master)`: the parameters cast to the compute dtype and their
       layout, and the full-precision values kept as masters (None if none are needed).
     """
     full_like = meta_like(layout) if stage.shards_params else params
-    cast = compute_params(full_like, precision, stage, layout.frozen)
+    computed = full_like
+    if compute is not None and precision.param_dtype is None:
+        leaves, treedef = tree_flatten(full_like)
+        computed = tree_unflatten(
+            treedef, [x.to(d) if x.is_floating_point() else x for x, d in zip(leaves, compute)]
+        )
+    cast = compute_params(computed, precision, stage, layout.frozen)
     lay = build_layout(cast, layout.world_size, layout.kind, layout.specs, list(layout.frozen))
     if not needs_master(precision, lay, stage):
         return params, layout, None

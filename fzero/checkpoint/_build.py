@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -128,13 +128,16 @@ def resume(
     precision: Precision | None = None,
     offload: Offload | None = None,
     extras: Callable[[ShardedState], ShardedState] | None = None,
+    compute: Sequence[torch.dtype] | None = None,
 ) -> ShardedState:
     """This rank's state filled from `src`, as `shard_state` holds it with `precision` and
     `offload`: what `checkpoint.load` and the imports build (not collective).
 
     `extras` adds the buffers and the scaler to the full-precision state before the
-    masters are split off. Offloaded, the optimizer state is made where it goes (a file
-    on disk) and filled there a piece at a time, so the disk tier never holds it whole.
+    masters are split off; `compute`, per leaf, the dtypes the parameters compute in
+    where `precision` names none (a bfloat16 model with float32 masters). Offloaded,
+    the optimizer state is made where it goes (a file on disk) and filled there a piece
+    at a time, so the disk tier never holds it whole.
     """
     check_torch_keys(src.schema, optimizer)
     making = optimizer if offload is None else None
@@ -144,7 +147,7 @@ def resume(
     if extras is not None:
         state = extras(state)
     if precision is not None:
-        state = to_mixed(state, precision, mesh)
+        state = to_mixed(state, precision, mesh, compute)
     if offload is not None:
         state = place(state, offload, mesh, optimizer)
         placement = state.offload

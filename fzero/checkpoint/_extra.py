@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -85,11 +86,17 @@ def _saved_dtypes(state: ShardedState) -> list[torch.dtype]:
     ]
 
 
-def to_mixed(state: ShardedState, precision: Precision, mesh: Mesh) -> ShardedState:
+def to_mixed(
+    state: ShardedState,
+    precision: Precision,
+    mesh: Mesh,
+    compute: Sequence[torch.dtype] | None = None,
+) -> ShardedState:
     """A full-precision loaded `state` as `shard_state(..., precision=)` would hold it:
-    parameters cast to the compute dtype, the loaded values kept as masters."""
+    parameters cast to the compute dtype (`compute`'s per leaf where `precision` names
+    none), the loaded values kept as masters."""
     params, lay, master = mixed(
-        state.params, state.layout, stage_of(state.stage), precision, mesh.shard_rank
+        state.params, state.layout, stage_of(state.stage), precision, mesh.shard_rank, compute
     )
     return dataclasses.replace(state, params=params, layout=lay, master=master, precision=precision)
 

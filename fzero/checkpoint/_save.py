@@ -262,7 +262,9 @@ def load(
         saved has no optimizer state and cannot become trainable here.
       precision: a `fzero.Precision` to continue in mixed precision: the saved values
         (saved at full precision: the masters of a mixed-precision run) become the
-        masters, and the parameters their cast. None loads at full precision.
+        masters, and the parameters their cast (to `param_dtype`, or where it names
+        none, to `params_like`'s dtypes: a bfloat16 model with float32 masters). None
+        loads at full precision.
       loss_scale: the `fzero.DynamicLossScale` rules to continue with; the saved scale and
         growth count are kept. None keeps the saved rules (if the run had a scaler).
       buffers_like: the structure of the saved buffers (e.g. `dict(model.named_buffers())`;
@@ -316,9 +318,12 @@ def load(
                 scaler = load_scaler(src, body, loss_scale, dev)
                 return dataclasses.replace(state, buffers=buffers, scaler=scaler)
 
+            # Precision without param_dtype: the parameters compute in params_like's
+            # dtypes (a bfloat16 model whose float32 masters were saved).
+            compute = [getattr(x, "dtype", None) for x in tree_flatten(params_like)[0]]
             state = resume(
                 src, lay, optimizer, spec, mesh, body["step"], dev, "checkpoint.load",
-                precision=precision, offload=offload, extras=extras,
+                precision=precision, offload=offload, extras=extras, compute=compute,
             )  # fmt: skip
         finally:
             src.close()
