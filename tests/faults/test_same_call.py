@@ -254,6 +254,17 @@ def test_a_flip_is_refused_alone_and_inside_another_call(world: int, nested: boo
         assert "module='s parameter '0.weight' was frozen" in said, said
 
 
+def _raising_at_three(error: BaseException) -> Any:
+    """`train_loss`, raising `error` on a batch of three rows (a step given one fails)."""
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 3:
+            raise error
+        return train_loss(p, x)
+
+    return loss_fn
+
+
 def _fails_while_its_peer_is_elsewhere(mesh: fzero.Mesh) -> tuple[str, float]:
     from fzero._comm import _calls
 
@@ -261,10 +272,7 @@ def _fails_while_its_peer_is_elsewhere(mesh: fzero.Mesh) -> tuple[str, float]:
     opt = fzero.optim.sgd(lr=0.1)
     state = fzero.shard_state(_params(), opt, mesh, stage=0)
 
-    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 3:
-            raise ValueError("rank 0's own loss bug")
-        return train_loss(p, x)
+    loss_fn = _raising_at_three(ValueError("rank 0's own loss bug"))
 
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=0)
     state, _ = step(state, _batches(1, 2)[0, :2])
@@ -315,10 +323,7 @@ def _own_bug_while_peer_saves(mesh: fzero.Mesh, folder: str) -> str:
     opt = fzero.optim.sgd(lr=0.1)
     state = fzero.shard_state(_params(), opt, mesh, stage=0)
 
-    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 3:
-            raise ValueError("rank 0's own loss bug")
-        return train_loss(p, x)
+    loss_fn = _raising_at_three(ValueError("rank 0's own loss bug"))
 
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=0)
     state, _ = step(state, _batches(1, 2)[0, :2])
@@ -350,10 +355,7 @@ def _interrupted_at_other_points(mesh: fzero.Mesh, folder: str) -> float:
     opt = fzero.optim.sgd(lr=0.1)
     state = fzero.shard_state(_params(), opt, mesh, stage=0)
 
-    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 3:
-            raise KeyboardInterrupt
-        return train_loss(p, x)
+    loss_fn = _raising_at_three(KeyboardInterrupt)
 
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=0)
     state, _ = step(state, _batches(1, 2)[0, :2])

@@ -842,14 +842,9 @@ def _bf16_model_fp32_masters(
     return fzero.master_params(state, mesh), fzero.gather_params(state.params, mesh)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_master_dtype_alone_keeps_masters_of_a_bf16_model(stage: int) -> None:
-    """`Precision(master_dtype=float32)` over a bfloat16 model (DeepSpeed's bf16 with fp32
-    masters): the optimizer updates float32 masters. It was ignored without a word: the
-    bf16 parameters were updated in place (found by a second reader). Against
-    torch.optim.Adam on float32 copies of the bf16 values, the loss on their bf16 cast."""
-    xs, ys = data(2, 4)
+def _bf16_reference(xs: torch.Tensor, ys: torch.Tensor) -> tuple[dict, dict]:
+    """torch.optim.Adam on float32 copies of a bfloat16 model's values, the loss on their
+    bfloat16 cast, over two ranks' micro-batches: (the bf16 start, the trained masters)."""
     torch.manual_seed(0)
     start = {k: v.detach().to(BF16) for k, v in Net().named_parameters()}
     masters = {k: v.float().requires_grad_() for k, v in start.items()}
@@ -862,12 +857,24 @@ def test_master_dtype_alone_keeps_masters_of_a_bf16_model(stage: int) -> None:
         for m in masters.values():
             m.grad /= 2
         opt.step()
+    return start, {k: m.detach() for k, m in masters.items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_master_dtype_alone_keeps_masters_of_a_bf16_model(stage: int) -> None:
+    """`Precision(master_dtype=float32)` over a bfloat16 model (DeepSpeed's bf16 with fp32
+    masters): the optimizer updates float32 masters. It was ignored without a word: the
+    bf16 parameters were updated in place (found by a second reader). Against
+    torch.optim.Adam on float32 copies of the bf16 values, the loss on their bf16 cast."""
+    xs, ys = data(2, 4)
+    start, masters = _bf16_reference(xs, ys)
     for got, params in run(2, _bf16_model_fp32_masters, xs, ys, stage):
         for k, m in masters.items():
             assert got[k].dtype == FP32 and params[k].dtype == BF16
             assert not torch.equal(got[k], start[k].float())  # trained
-            torch.testing.assert_close(got[k], m.detach(), rtol=0, atol=0, msg=k)
-            assert torch.equal(params[k], m.detach().to(BF16))
+            torch.testing.assert_close(got[k], m, rtol=0, atol=0, msg=k)
+            assert torch.equal(params[k], m.to(BF16))
 
 
 def _bf16_masters_resumed(
@@ -903,19 +910,9 @@ def test_master_dtype_alone_resumes_with_its_masters(
     parameters computed in float32 with no masters, 3e-4 off torch.optim after four steps
     (a reader of this stop's diff): they compute in params_like's bfloat16 again."""
     xs, ys = data(2, 4)
-    torch.manual_seed(0)
-    start = {k: v.detach().to(BF16) for k, v in Net().named_parameters()}
-    masters = {k: v.float().requires_grad_() for k, v in start.items()}
-    opt = torch.optim.Adam(list(masters.values()), lr=0.01, foreach=False)
-    loss_fn = make_loss(Net(), BF16)
-    for t in range(xs.shape[0]):
-        opt.zero_grad()
-        shared = {k: m.to(BF16) for k, m in masters.items()}
-        sum(loss_fn(shared, (xs[t, r], ys[t, r])) for r in range(2)).backward()
-        for m in masters.values():
-            m.grad /= 2
-        opt.step()
+    start, masters = _bf16_reference(xs, ys)
     for got, params in run(2, _bf16_masters_resumed, xs, ys, stages, str(tmp_path / "ck")):
         for k, m in masters.items():
             assert got[k].dtype == FP32 and params[k].dtype == BF16, k
-            torch.testing.assert_close(got[k], m.detach(), rtol=0, atol=0, msg=k)
+            assert not torch.equal(got[k], start[k].float())  # trained
+            torch.testing.assert_close(got[k], m, rtol=0, atol=0, msg=k)
