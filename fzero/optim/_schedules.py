@@ -40,8 +40,10 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
     memory to speak of) whose rate starts at `lr`; the rate of update k is the one the
     stand-in holds after k calls of `scheduler.step()`, which is what a torch loop
     stepping the scheduler after each `optimizer.step()` uses for its k-th update. Rates
-    are computed once, in order, and remembered, so a resumed run asking for update 5000
-    first steps the stand-in 5000 times (microseconds each).
+    are computed in order and only the last few kept (a run of millions of updates holds
+    no list of them), so a resumed run asking for update 5000 first steps the stand-in
+    5000 times (microseconds each), and one rewound to an earlier count (a checkpoint
+    reloaded in the same process) replays a fresh stand-in from the start.
 
     Args:
       make: `optimizer -> scheduler`, e.g. `lambda opt: CosineAnnealingLR(opt, T_max=100)`
@@ -54,37 +56,11 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
     Returns:
       A schedule `count -> lr` for an fzero optimizer's `lr=`.
     """
-    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(lr))
-    momentum = stand_in.param_groups[0]["momentum"]  # before: OneCycleLR sets it when built
-    scheduler = make(stand_in)
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise TypeError(
-            "from_torch_scheduler: ReduceLROnPlateau steps on a metric, not the step index; "
-            "reduce the rate yourself (a new optimizer closure) when the metric stalls"
-        )
-    if not hasattr(scheduler, "step"):
-        raise TypeError(f"from_torch_scheduler: make(optimizer) returned {scheduler!r}")
-    group = stand_in.param_groups[0]
-    rates = [group["lr"]]
-
-    def check() -> None:
-        if group.get("momentum") != momentum:
-            raise ValueError(
-                f"from_torch_scheduler: {type(scheduler).__name__} schedules the momentum "
-                "too (cycle_momentum=True), which an fzero optimizer's fixed betas cannot "
-                "follow: build it with cycle_momentum=False"
-            )
-
-    check()
+    replay = _Replay(make, float(lr))
+    scheduler = replay.scheduler
 
     def schedule(count: int) -> float:
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
-            warnings.simplefilter("ignore", UserWarning)
-            while len(rates) <= count:
-                scheduler.step()
-                rates.append(group["lr"])
-                check()
-        return float(rates[count])
+        return replay.rate(count)
 
     # What ranks compare at a step function's first call (`_step._config`): the base rate
     # and the scheduler's settings, which the closure holds only inside the scheduler.
@@ -92,6 +68,64 @@ def from_torch_scheduler(make: Callable[[torch.optim.Optimizer], Any], lr: float
         f"fzero.optim.from_torch_scheduler(lr={float(lr)!r}, {_settings(scheduler)})"
     )
     return schedule
+
+
+class _Replay:
+    """A torch scheduler stepped on a stand-in optimizer, rate by rate: the rate of each
+    update count, the last `_KEPT` of them remembered (a compiled update and the
+    unscaled one may ask for a count twice), an earlier one replayed from a fresh stand-in.
+    """
+
+    _KEPT = 8
+
+    def __init__(self, make: Callable[[torch.optim.Optimizer], Any], lr: float) -> None:
+        self.make, self.lr = make, lr
+        self.start()
+
+    def start(self) -> None:
+        """A fresh stand-in (one parameter, no memory to speak of) and its scheduler."""
+        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=self.lr)
+        self.momentum = stand_in.param_groups[0]["momentum"]  # before: OneCycleLR sets it
+        self.scheduler = self.make(stand_in)
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "from_torch_scheduler: ReduceLROnPlateau steps on a metric, not the step "
+                "index; reduce the rate yourself (a new optimizer closure) when the metric "
+                "stalls"
+            )
+        if not hasattr(self.scheduler, "step"):
+            raise TypeError(f"from_torch_scheduler: make(optimizer) returned {self.scheduler!r}")
+        self.group = stand_in.param_groups[0]
+        self.at = 0  # the update count whose rate the stand-in holds
+        self.recent = {0: float(self.group["lr"])}
+        self.check()
+
+    def check(self) -> None:
+        if self.group.get("momentum") != self.momentum:
+            raise ValueError(
+                f"from_torch_scheduler: {type(self.scheduler).__name__} schedules the "
+                "momentum too (cycle_momentum=True), which an fzero optimizer's fixed betas "
+                "cannot follow: build it with cycle_momentum=False"
+            )
+
+    def rate(self, count: int) -> float:
+        """The rate of update `count` (0-based), as a torch loop would use it."""
+        count = int(count)
+        if count < 0:
+            raise ValueError(f"from_torch_scheduler: no rate for update count {count}")
+        if count in self.recent:
+            return self.recent[count]
+        if count < self.at:  # rewound (a checkpoint reloaded): torch schedulers go forward only
+            self.start()
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore", UserWarning)
+            while self.at < count:
+                self.scheduler.step()
+                self.at += 1
+                self.check()
+                self.recent[self.at] = float(self.group["lr"])
+                self.recent.pop(self.at - self._KEPT, None)
+        return self.recent[count]
 
 
 def _settings(scheduler: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,30 @@ def test_a_resumed_run_asks_for_a_late_rate_first() -> None:
     make = MAKERS["hf-cosine-warmup"]
     late = fzero.optim.from_torch_scheduler(make, 0.05)(5)
     assert late == torch_training(make, 6)[3][5]
+
+
+def test_a_rewound_run_gets_the_loops_rates_and_a_long_one_keeps_no_list_of_them() -> None:
+    """A checkpoint reloaded in the same process asks for earlier counts again (torch's
+    schedulers only go forward), and a run of millions of updates must not keep every
+    rate it used (32 bytes an update: 320 MB at ten million, a long-run reader's find)."""
+    make = MAKERS["hf-cosine-warmup"]
+    rates = torch_training(make, 8)[3]
+    schedule = fzero.optim.from_torch_scheduler(make, 0.05)
+    assert [schedule(k) for k in (7, 2, 3, 0, 6, 6, 1)] == [rates[k] for k in (7, 2, 3, 0, 6, 6, 1)]
+    warmup = lambda opt: lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 100))  # noqa: E731
+    schedule = fzero.optim.from_torch_scheduler(warmup, 0.05)
+    tracemalloc.start()
+    try:
+        for k in range(1000):
+            schedule(k)
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(1000, 6000):
+            schedule(k)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 16_000, grown  # 5000 updates: 160 kB when every rate was kept
+    assert schedule(5999) == 0.05
 
 
 def test_a_metric_or_momentum_scheduler_is_refused() -> None:
