@@ -12,7 +12,8 @@ class UnitLedger:
     """Live bytes of full (unsharded) unit parameters and gradients, with their peaks.
 
     Pass one as `ledger=` to `sharded_step` to watch a step: what fzero itself holds
-    beyond the shards, not activations or allocator overhead.
+    beyond the shards, not activations or allocator overhead. `events` grows with every
+    step the ledger watches; `clear()` between steps keeps a long run's ledger small.
     """
 
     live_params: int = 0
@@ -20,6 +21,11 @@ class UnitLedger:
     live_grads: int = 0
     peak_grads: int = 0
     events: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def clear(self) -> None:
+        """Forgets the events and restarts the peaks from what lives now."""
+        self.events.clear()
+        self.peak_params, self.peak_grads = self.live_params, self.live_grads
 
     def _add(self, kind: str, unit: str, nbytes: int) -> None:
         if kind == "params":
