@@ -54,11 +54,6 @@ class QuantizedComm(NamedTuple):
         return self
 
 
-def error_bound(absmax: float) -> float:
-    """The largest error of one element of a block whose largest |value| is `absmax`."""
-    return max(absmax, 127 * _MIN_SCALE) / 254 * (1 + 2.0**-14)
-
-
 def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(codes, scales)` of the rows of `x` (shape `(rows, n)` or `(n,)`): int8 codes of
     the same shape, float32 scales of shape `(rows, ceil(n / block))`, NaN for a block

@@ -221,12 +221,6 @@ class _Cancelled(Exception):
 
 
 @contextlib.contextmanager
-def _on(device: torch.device, stream: Any) -> Iterator[None]:
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        yield
-
-
-@contextlib.contextmanager
 def overlapping(
     streamed: Streamer | None,
     factor: Callable[[], float | None],

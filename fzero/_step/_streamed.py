@@ -30,21 +30,6 @@ from ..optim._fused import FUSED_DTYPES, backend_for
 from ..optim._pieces import assemble, by_piece, pieces_spec, select, walk
 
 
-def streamed_update(
-    optimizer: Optimizer,
-    target: Shards,
-    grads: Shards,
-    opt_state: Any,
-    mesh: Mesh,
-    donate: bool,
-    placement: Placement,
-    deliver: Callable[[int, torch.Tensor], torch.Tensor],
-) -> tuple[Shards, Any, dict[int, torch.Tensor]]:
-    """`sharded_update` of an offloaded state, unit by unit, after the backward (the
-    arguments are `Streamer`'s, and `grads` the gradient shards)."""
-    return Streamer(optimizer, target, opt_state, mesh, donate, placement, deliver).finish(grads)
-
-
 class Streamer:
     """One step's update of an offloaded state, a unit at a time: offloaded buckets as
     their gradients are final (`step_bucket`, from `_overlap`'s host thread while the
