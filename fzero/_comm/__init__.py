@@ -34,7 +34,6 @@ from ._control import pack_flags as pack_flags
 from ._control import unpack_flags as unpack_flags
 from ._failure import PeerError as PeerError
 from ._failure import agreed as agreed
-from ._failure import agreement as agreement
 from ._failure import check_alive as check_alive
 from ._failure import is_agreed as is_agreed
 from ._failure import published as published

@@ -124,30 +124,35 @@ def _leaf_values(
     return out
 
 
-@_comm.agreement
 def _agree(error: Exception | None, digests: dict[str, str], mesh: Mesh) -> None:
-    """Raises on every rank if any rank's init failed or made other values than rank 0's."""
+    """Raises on every rank if any rank's init failed or made other values than rank 0's
+    (agreed: what the exchange says; an error of the exchange itself is this rank's)."""
     mine = (None if error is None else f"{type(error).__name__}: {error}", digests)
     everyone = _comm.all_gather_object(mine, mesh)
     for rank, (problem, _) in enumerate(everyone):
         if problem is not None:  # the same error on every rank, its cause on the failing one
-            raise _kind(problem)(f"shard_state: rank {rank}'s init failed: {problem}") from error
+            said = f"shard_state: rank {rank}'s init failed: {problem}"
+            raise _comm.agreed(_kind(problem)(said)) from error
     ref = everyone[0][1]
     for rank, (_, theirs) in enumerate(everyone[1:], start=1):
         for path in ref:
             if theirs.get(path) != ref[path] and path == "<file>":
-                raise ValueError(
-                    f"shard_state: rank {rank} read a file with other contents than rank "
-                    "0's (its index or a sample of its tensors' bytes differ): every rank "
-                    "must read the same file (a copy on each machine must be byte for byte "
-                    "the same)"
+                raise _comm.agreed(
+                    ValueError(
+                        f"shard_state: rank {rank} read a file with other contents than rank "
+                        "0's (its index or a sample of its tensors' bytes differ): every rank "
+                        "must read the same file (a copy on each machine must be byte for byte "
+                        "the same)"
+                    )
                 )
             if theirs.get(path) != ref[path]:
-                raise ValueError(
-                    f"shard_state: rank {rank}'s init made other values than rank 0's for "
-                    f"{path!r}: the init is not deterministic across ranks (draw random "
-                    "numbers only from the default generator, which fzero seeds, and read "
-                    "the same file on every rank)"
+                raise _comm.agreed(
+                    ValueError(
+                        f"shard_state: rank {rank}'s init made other values than rank 0's for "
+                        f"{path!r}: the init is not deterministic across ranks (draw random "
+                        "numbers only from the default generator, which fzero seeds, and read "
+                        "the same file on every rank)"
+                    )
                 )
 
 

@@ -212,13 +212,12 @@ def shard_state(
     return placed(state, offload, mesh, optimizer)
 
 
-@_comm.agreement
 def placed(
     state: ShardedState, offload: Offload | None, mesh: Mesh, optimizer: Optimizer
 ) -> ShardedState:
     """`state` placed as `offload` says (`place`, which makes the optimizer state where it
     goes), or as it is; a rank that cannot (a directory it cannot write, a disk without
-    room) fails every rank, with its OS error."""
+    room) fails every rank, with its OS error (agreed: what the exchange says)."""
     if offload is None:
         return state
     problem: Any = None
@@ -232,9 +231,10 @@ def placed(
     for rank, prob in enumerate(_comm.all_gather_object(problem, mesh)):
         if isinstance(prob, tuple):
             number, text, filename = prob
-            raise OSError(number, f"{text} (shard_state's offload on rank {rank})", filename)
+            said = f"{text} (shard_state's offload on rank {rank})"
+            raise _comm.agreed(OSError(number, said, filename))
         if prob is not None:
-            raise ValueError(f"shard_state: offload on rank {rank}: {prob}")
+            raise _comm.agreed(ValueError(f"shard_state: offload on rank {rank}: {prob}"))
     return out
 
 
