@@ -5,7 +5,7 @@ Two kinds ([Note: failing together]):
 - **Agreed** errors: a check whose outcome every rank learns from the same exchange (the
   call check, the first step's configuration), so every rank raises the same error at
   the same point, with no collective left half-done: the process group stays usable.
-  `agreed(exc)` marks one (`agreement` every error of a function).
+  `agreed(exc)` marks one, where it is raised from what the exchange said.
 - **Published** errors: an exception on one rank where its peers cannot know (the
   user's loss raising, a disk filling mid-export). The failing rank writes it into the
   job's store (`publish`); every wait of a CPU collective (`wait`) polls the store while
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import functools
 import json
 import os
 import time
@@ -84,21 +83,6 @@ def agreed(exc: BaseException) -> BaseException:
     return exc
 
 
-def agreement(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorates a function whose every error is raised on every rank alike (it compares
-    what the ranks exchanged before it raises): its errors are marked `agreed`."""
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            agreed(exc)
-            raise
-
-    return call
-
-
 def is_agreed(exc: BaseException) -> bool:
     """Whether every rank raises `exc` without being told (agreed, a peer's, or already
     published by an inner call)."""
@@ -133,7 +117,8 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool, size: int =
     }
     if isinstance(exc, OSError):
         record.update(errno=exc.errno, strerror=exc.strerror, filename=exc.filename)
-    exc.__dict__["fzero_published"] = True
+    first = "fzero_published" not in exc.__dict__
+    exc.__dict__.setdefault("fzero_published", []).append(call)
     if issued and _failed is None:
         _failed = record
     elif not issued:
@@ -149,6 +134,8 @@ def publish(exc: BaseException, rank: int, where: str, issued: bool, size: int =
             store.compare_set(_BROKEN, "", said)
         else:
             store.set(_LONE, said)
+    if not first:
+        return
     _note(
         exc,
         f"fzero: rank {rank} raised this inside {where}; every other rank waiting there "
@@ -350,7 +337,11 @@ def together(rank: int, size: int, where: str, numbered: bool = True) -> Iterato
         yield
     except BaseException as exc:  # KeyboardInterrupt too: a handler's save comes next
         # Not a generator closed around a `bind` block: every rank's consumer stopped.
-        if size > 1 and not is_agreed(exc) and not isinstance(exc, GeneratorExit):
+        # Published in each call it leaves, not only the innermost: a peer that left an
+        # inner call whole (a step's update) waits in the outer one's next collective.
+        d = exc.__dict__
+        mine = not (isinstance(exc, (PeerError, GeneratorExit)) or d.get("fzero_agreed"))
+        if size > 1 and mine and _calls[-1] not in d.get("fzero_published", ()):
             publish(exc, rank, where, _issued > issued, size)
         raise
     finally:

@@ -123,6 +123,14 @@ def _bursts(
     return groups
 
 
+def _gathers(params: PyTree, mesh: Any = None, unit: Any = None) -> bool:
+    """Whether `gather_params` gathers (shards), or returns a replicated tree as it is."""
+    return isinstance(params, Shards)
+
+
+# The primitives by hand are fzero calls too: a rank failing in one fails its peers at
+# once, and ranks in different calls raise alike ([Note: the same call]).
+@_comm.collective("gather_params", sends=_gathers)
 def gather_params(params: PyTree, mesh: Mesh, *, unit: UnitSpec | None = None) -> Any:
     """The full parameter tree (or one unit's part of it), on every rank.
 
@@ -188,6 +196,7 @@ def _parts(tree: PyTree, unit: UnitSpec, members: tuple[str, ...]) -> Any:
     return tuple(subtree(tree, p) for p in members)
 
 
+@_comm.collective("reduce_scatter_grads")
 def reduce_scatter_grads(
     grads: PyTree, layout: ShardLayout, mesh: Mesh, *, dtype: torch.dtype | None = None
 ) -> Shards:
@@ -213,6 +222,7 @@ def reduce_scatter_grads(
     return Shards(Now(layout, mesh, dtype).close(entry, flats), layout, mesh.shard_rank)
 
 
+@_comm.collective("all_reduce_grads")
 def all_reduce_grads(grads: PyTree, mesh: Mesh) -> PyTree:
     """The mean over ranks of `grads`, replicated (DDP's all-reduce), as a new tree.
 

@@ -161,10 +161,10 @@ def sharded_step(
         # every rank alike, before anything else is sent.
         flipped = cache.flag_changed(getattr(state, "layout", None), o.module)
         refused = flag_changed_said(flipped, o.module, mesh.rank)
-        with (
+        with (  # the call outermost: what its entry raises on one rank, its peers raise
+            _comm.call(mesh, "sharded_step", problem=refused),
             collector_paused(),
             differentiating("sharded_step", mesh.rank),
-            _comm.call(mesh, "sharded_step", problem=refused),
         ):
             return _step(state, batch)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .. import _comm
 from .._comm import Mesh, all_reduce_sum
 from .._core import (
     PyTree,
@@ -28,6 +29,12 @@ from ..optim._context import ShardContext, grads_owned, shard_context
 from ._streamed import Streamer
 
 
+def _looks_across(params: PyTree = None, mesh: Any = None, **_: Any) -> bool:
+    """Whether `sharded_update` may communicate: shards with a mesh (a global norm)."""
+    return isinstance(params, Shards) and mesh is not None
+
+
+@_comm.collective("sharded_update", sends=_looks_across)
 def sharded_update(
     optimizer: Optimizer,
     params: PyTree,
