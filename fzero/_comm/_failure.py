@@ -333,6 +333,7 @@ def together(rank: int, size: int, where: str, numbered: bool = True) -> Iterato
         _between += 1
         _calls.append((_made, _between))
     issued = _issued
+    _outermost.append(_outermost[-1] if _outermost else where)
     try:
         yield
     except BaseException as exc:  # KeyboardInterrupt too: a handler's save comes next
@@ -342,39 +343,46 @@ def together(rank: int, size: int, where: str, numbered: bool = True) -> Iterato
         d = exc.__dict__
         mine = not (isinstance(exc, (PeerError, GeneratorExit)) or d.get("fzero_agreed"))
         if size > 1 and mine and _calls[-1] not in d.get("fzero_published", ()):
-            publish(exc, rank, where, _issued > issued, size)
+            # Named as the call the user made (a step, not its update inside).
+            publish(exc, rank, _outermost[-1], _issued > issued, size)
         raise
     finally:
         _calls.pop()
+        _outermost.pop()
+
+
+_outermost: list[str] = []  # per call this process is inside: the outermost one's name
 
 
 def _settle(size: int) -> None:
     """Before this rank's next call after failing alone (before issuing a collective):
-    waits until its peers say whether they were left waiting in that call (then the job
-    has failed: `_failed`) or failed in it too (then nothing is pending). A collective
-    issued while a peer still has one pending in the group would pair with it."""
+    waits until its peers say whether they were left waiting in the calls it failed in
+    (then the job has failed: `_failed`) or failed in them too (then nothing is pending).
+    A collective issued while a peer still has one pending in the group would pair with
+    it. One failure leaves several calls at once (a call and the ones nested in it), and a
+    peer marks only the one it waited in: all are settled together, each pass looking at
+    every one."""
     global _failed
     store = _store()
     deadline = time.monotonic() + _SETTLE
-    for n, record in list(_alone.items()):
-        while store is not None:
-            try:
+    left = dict(_alone)
+    _alone.clear()
+    while store is not None and left and _failed is None:
+        try:
+            for n, record in list(left.items()):
                 if store.check([_STUCK.format(_key(n))]):
                     _failed = record
                     break
-                if store.check([_BROKEN]):  # a peer's failure left collectives pending
-                    _failed = json.loads(store.get(_BROKEN))
-                    break
                 if int(store.add(_COUNT.format(_key(n)), 0)) >= size:
-                    break
-            except Exception:  # a store that cannot answer: assume the worst
-                _failed = record
-                break
-            if time.monotonic() > deadline:
-                _failed = record
-                break
+                    del left[n]  # every rank failed in it: nothing pending there
+            if _failed is None and left and store.check([_BROKEN]):
+                _failed = json.loads(store.get(_BROKEN))  # a peer's left collectives pending
+        except Exception:  # a store that cannot answer: assume the worst
+            _failed = next(iter(left.values()))
+        if _failed is None and left and time.monotonic() > deadline:
+            _failed = next(iter(left.values()))
+        if _failed is None and left:
             time.sleep(0.02)
-        del _alone[n]
 
 
 _SETTLE = 60.0  # seconds `_settle` waits for slow peers to fail alike or report

@@ -13,6 +13,7 @@ import torch
 
 import fzero
 from tests.faults.harness import BOUND, TIMEOUT, outcomes, raised_together
+from tests.support import run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -139,3 +140,58 @@ def test_a_step_under_inference_mode_on_one_rank_raises_on_every_rank() -> None:
     outs = outcomes(2, _steps_under_inference_mode_on_rank_1)
     raised_together(outs, RuntimeError, "rank 1: sharded_step", "torch.inference_mode()")
     assert outs[0].peer and not outs[1].peer, outs
+
+
+def _nested_gather_fails_on_rank_1(mesh: fzero.Mesh) -> Any:
+    """Rank 1's gather inside master_params (stage 3) raises before any collective; then
+    every rank calls master_params again, as a handler would."""
+    state = fzero.shard_state(_params(), fzero.optim.sgd(lr=0.1), mesh, stage=3)
+    real = fzero._engine._by_hand.enter
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("no memory for the gather")
+
+    seen = []
+    for attempt in range(2):
+        if mesh.rank == 1 and attempt == 0:
+            fzero._engine._by_hand.enter = failing
+        try:
+            fzero.master_params(state, mesh)
+        except MemoryError as exc:
+            seen.append((isinstance(exc, fzero.PeerError), time.time()))
+        finally:
+            fzero._engine._by_hand.enter = real
+    return seen
+
+
+def test_a_rank_failing_alone_in_a_nested_call_learns_at_once_that_its_peer_waited() -> None:
+    """The failure leaves two calls (the gather and master_params around it) and the
+    peer marks only the one it waited in: the failing rank's next call waited 60 s for
+    word of the other (a reader's find), and now settles both together."""
+    outs = outcomes(2, _nested_gather_fails_on_rank_1)
+    (first0, again0), (first1, again1) = outs[0].value, outs[1].value
+    assert first0[0] and not first1[0] and again0[0] and again1[0], outs
+    assert again1[1] - first1[1] < BOUND, outs
+
+
+def _notes_of_a_failed_update(mesh: fzero.Mesh) -> list[str]:
+    opt = fzero.optim.adam(lr=0.01)
+
+    def update_(g: Any, s: Any, p: Any) -> Any:
+        raise OSError(5, "the update's disk failed") if mesh.rank == 0 else MemoryError()
+
+    state = fzero.shard_state(_params(), opt, mesh, stage=3)
+    step = fzero.sharded_step(_loss, opt._replace(update_=update_), mesh, stage=3)
+    try:
+        step(state, _batch(mesh, 0).double())
+    except (OSError, MemoryError) as exc:
+        return list(getattr(exc, "__notes__", []))
+    return []
+
+
+def test_a_failure_is_named_as_the_call_the_user_made() -> None:
+    """Not the call inside it: a step's update is `sharded_step`'s, on every rank."""
+    notes = [n for ns in run(2, _notes_of_a_failed_update) for n in ns]
+    if hasattr(BaseException, "add_note"):  # Python >= 3.11 carries notes
+        assert notes and all("sharded_step" in n for n in notes), notes
+    assert not any("sharded_update" in n for n in notes), notes
