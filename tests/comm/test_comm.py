@@ -139,16 +139,20 @@ def primitives(mesh: fzero.Mesh) -> Any:
         full = fzero.gather_params(state.params, mesh)
         with fzero.comm_ledger() as inner:
             fzero.reduce_scatter_grads(full, state.layout, mesh)
-    return outer.records, inner.records, outer.by_op(), inner.nbytes
+    return outer.records, inner.data, outer.by_op(data_only=True), sum(r.nbytes for r in inner.data)
 
 
 @pytest.mark.multiprocess
 def test_primitives_record_and_ledgers_nest() -> None:
+    """The data each primitive moves, and beside it (`control`) each call's name: the
+    primitives by hand are fzero calls, checked to be the same call on every rank."""
     outer, inner, by_op, nbytes = fzero.simulate(2, primitives)[0]
     padded = 16  # 16 elements: 15 + 1 padded to a multiple of 2
-    assert [(r.op, r.elements) for r in outer] == [
-        ("all_gather", padded),
-        ("reduce_scatter", padded),
+    assert [(r.op, r.elements, r.control) for r in outer] == [
+        ("all_gather", 2 * 9, True),  # gather_params's name (8 words), a refusal flag
+        ("all_gather", padded, False),
+        ("all_gather", 2 * 9, True),
+        ("reduce_scatter", padded, False),
     ]
     assert [(r.op, r.elements) for r in inner] == [("reduce_scatter", padded)]
     assert by_op == {"all_gather:float32": 4 * padded, "reduce_scatter:float32": 4 * padded}
