@@ -26,7 +26,9 @@ _open = 0  # sending calls this process is inside: only the outermost checks
 
 
 @contextlib.contextmanager
-def call(mesh: Any, where: str, sends: bool = True, problem: str | None = None) -> Iterator[None]:
+def call(
+    mesh: Any, where: str, sends: bool = True, problem: str | Callable[[], str] | None = None
+) -> Iterator[None]:
     """Runs the fzero call `where` on `mesh` so that it fails on every rank (`together`)
     and, where it is the outermost call that sends anything (`sends`), checks that every
     rank of the mesh is in a call of the same name before its first collective.
@@ -36,9 +38,10 @@ def call(mesh: Any, where: str, sends: bool = True, problem: str | None = None) 
       where: the call's name.
       sends: whether the call issues collectives (a forward at stages 0-2 does not, and
         one rank may make it alone).
-      problem: for a call that may be refused: this rank's reason ("" if none), found
-        before the call and raised on every rank alike (with the name check, or in an
-        exchange of its own where the call is inside another).
+      problem: for a call that may be refused: this rank's reason ("" if none), or what
+        finds it (called inside the call, so that an error finding it fails every rank),
+        raised on every rank alike (with the name check, or in an exchange of its own
+        where the call is inside another).
 
     Raises:
       ValueError: on every rank alike, when the ranks' calls differ or a rank's
@@ -48,6 +51,8 @@ def call(mesh: Any, where: str, sends: bool = True, problem: str | None = None) 
     several = mesh.size > 1 and hasattr(mesh, "control")
     check = sends and _open == 0 and several
     with together(mesh.rank, mesh.size, where, numbered=sends):
+        if callable(problem):
+            problem = problem()
         if problem and mesh.size == 1:
             raise agreed(ValueError(problem))
         if problem is not None and sends and several and not check:

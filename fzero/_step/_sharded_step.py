@@ -156,13 +156,15 @@ def sharded_step(
     )
     cache = StepCache()
 
-    def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
-        # A module= parameter frozen or unfrozen since: refused with the name check, on
-        # every rank alike, before anything else is sent.
+    def refused(state: ShardedState) -> str:
+        """A module= parameter frozen or unfrozen since: refused with the name check, on
+        every rank alike, before anything else is sent."""
         flipped = cache.flag_changed(getattr(state, "layout", None), o.module)
-        refused = flag_changed_said(flipped, o.module, mesh.rank)
+        return flag_changed_said(flipped, o.module, mesh.rank)
+
+    def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         with (  # the call outermost: what its entry raises on one rank, its peers raise
-            _comm.call(mesh, "sharded_step", problem=refused),
+            _comm.call(mesh, "sharded_step", problem=lambda: refused(state)),
             collector_paused(),
             differentiating("sharded_step", mesh.rank),
         ):

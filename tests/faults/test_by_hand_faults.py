@@ -195,3 +195,42 @@ def test_a_failure_is_named_as_the_call_the_user_made() -> None:
     if hasattr(BaseException, "add_note"):  # Python >= 3.11 carries notes
         assert notes and all("sharded_step" in n for n in notes), notes
     assert not any("sharded_update" in n for n in notes), notes
+
+
+def _step_entry_fails_on_rank_1(mesh: fzero.Mesh) -> Any:
+    """Rank 1's step raises as it is entered, before its name is exchanged (a
+    KeyboardInterrupt, an out-of-memory in the step's own checks: here the check of
+    `module=`'s frozen flags), at its second step; then every rank steps again."""
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(_params(), opt, mesh, stage=0)
+    step = fzero.sharded_step(_loss, opt, mesh, stage=0)
+    state, _ = step(state, _batch(mesh, 0).double())
+    cache = fzero._step._cache.StepCache
+    real = cache.flag_changed
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("no memory for the step's checks")
+
+    seen = []
+    for attempt in (1, 2):
+        if mesh.rank == 1 and attempt == 1:
+            cache.flag_changed = failing  # type: ignore[method-assign]
+        try:
+            state, _ = step(state, _batch(mesh, attempt).double())
+            seen.append(("returned", time.time()))
+        except MemoryError as exc:
+            seen.append((type(exc).__name__, time.time()))
+        finally:
+            cache.flag_changed = real  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_step_failing_as_it_is_entered_fails_every_rank() -> None:
+    """Before, the error came before the step's call was entered: never published, the
+    peer waited out the collective timeout, and the failing rank's next step paired with
+    the peer's first (a fault injector's find)."""
+    outs = outcomes(2, _step_entry_fails_on_rank_1)
+    (first0, again0), (first1, again1) = outs[0].value, outs[1].value
+    assert first1[0] == "MemoryError" and first0[0] == "PeerError_MemoryError", outs
+    assert again0[0] == again1[0] == "PeerError_MemoryError", outs  # the job has failed
+    assert abs(first0[1] - first1[1]) < BOUND and again1[1] - first1[1] < BOUND, outs
