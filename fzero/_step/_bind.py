@@ -50,8 +50,8 @@ def bind(
     Yields:
       `model`, bound.
     """
-    forwarder = Forwarder(mesh, model, False, prefetch, None)
     with _comm.call(mesh, "bind", sends=gathers_to_compute(getattr(state, "stage", None))):
+        forwarder = Forwarder(mesh, model, False, prefetch, None)  # inside: its errors too
         engine = forwarder.engine(state)
         casts = forward_casts(model, forwarder.hooked(state), state.precision)
         kept = restored(
