@@ -90,6 +90,11 @@ def sharded_update(
     return params.replace_pieces(tuple(new_pieces)), new_state
 
 
+# A step's own update: already inside the step's call, so not a call of its own (no
+# signature binding or nested call on the step's path).
+_step_update = sharded_update.__wrapped__  # type: ignore[attr-defined]
+
+
 def _check_like(grads: PyTree, params: PyTree) -> None:
     """Raises ValueError naming the first leaf where `grads` does not match `params`."""
     g_leaves, g_def = tree_flatten(grads)
@@ -226,7 +231,7 @@ def apply_update(
         bufs = tuple(delivered.get(k, x) for k, x in enumerate(new.buffers))
         return new, opt_state, True, Shards(bufs, new.layout, new.rank)
     with grads_owned():  # the step's own buffers, used once: transforms scale in place
-        new, opt_state = sharded_update(
+        new, opt_state = _step_update(
             optimizer, target, grads, state.opt_state, donate=donate, mesh=mesh
         )
     return new, opt_state, True, new

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 import fzero
 
 TIMEOUT = 20.0  # the process group's collective timeout in these tests
@@ -73,3 +75,12 @@ def raised_together(outs: list[Outcome], cls: type, *needles: str) -> float:
                 + "\n"
             )
     return spread
+
+
+def tiny_params(d: int) -> dict[str, torch.Tensor]:
+    """A float64 layer's weight `w` (d x d) and bias `b`, the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(d, d, generator=g, dtype=torch.float64),
+        "b": torch.randn(d, generator=g, dtype=torch.float64),
+    }

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fzero
-from tests.faults.harness import BOUND, TIMEOUT, outcomes, raised_together
+from tests.faults.harness import BOUND, TIMEOUT, outcomes, raised_together, tiny_params
 from tests.support import run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -21,15 +21,11 @@ D = 6
 
 
 def _params() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "a": torch.randn(D, D, generator=g, dtype=torch.float64),
-        "b": torch.randn(D, generator=g, dtype=torch.float64),
-    }
+    return tiny_params(D)
 
 
 def _loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(x @ p["a"] + p["b"]).square().mean()
+    return torch.tanh(x @ p["w"] + p["b"]).square().mean()
 
 
 def _batch(mesh: fzero.Mesh, t: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fzero
-from tests.faults.harness import outcomes, raised_together
+from tests.faults.harness import outcomes, raised_together, tiny_params
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -21,11 +21,7 @@ D = 6
 
 
 def _params() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(D, D, generator=g, dtype=torch.float64),
-        "b": torch.randn(D, generator=g, dtype=torch.float64),
-    }
+    return tiny_params(D)
 
 
 def _batches(steps: int, world: int) -> torch.Tensor:
