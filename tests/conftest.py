@@ -2,7 +2,9 @@
 
 import os
 
+import pytest
 import torch
+import tqdm
 from hypothesis import HealthCheck, settings
 
 # "ci" is what the README's test command runs: derandomized, so CI is repeatable.
@@ -27,3 +29,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The parent process stays single-threaded so forked simulated ranks never inherit a
 # busy OpenMP pool; it also keeps two-core CI machines from oversubscribing.
 torch.set_num_threads(1)
+
+# torch.fx's interpreter opens a tqdm bar on every graph it runs, which starts tqdm's
+# monitor thread; a rank forked while that thread holds tqdm's lock would hang on it.
+tqdm.tqdm.monitor_interval = 0
+
+_compile_warmed = False
+
+
+@pytest.fixture(autouse=True)
+def _compile_warmed_before_forking(request: pytest.FixtureRequest) -> None:
+    """Before the first test that forks ranks, this process compiles a trivial function.
+
+    A process's first `torch.compile` spends about 2 s importing and setting up dynamo
+    and AOTAutograd; forked ranks inherit that from their parent, so they no longer each
+    pay it in every compiled test (a minute of the suite's time). It is what a parent that
+    had already run a compiled one-process test gave its ranks anyway.
+    """
+    global _compile_warmed
+    if _compile_warmed or request.node.get_closest_marker("multiprocess") is None:
+        return
+    _compile_warmed = True
+    x = torch.ones(2, requires_grad=True)
+    torch.compile(lambda t: (t * 2).sum(), backend="aot_eager")(x).backward()
