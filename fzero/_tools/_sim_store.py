@@ -1,7 +1,7 @@
 """The simulated ranks' store directory, locked while its run lives, removed when it ends.
 
 A parent killed by a signal runs no `finally` to remove it; its ranks die with it
-(`_simulate._die_with_parent`) and the lock with them, so the next run removes it. A lock,
+(`_rank_process._die_with_parent`) and the lock with them, so the next run removes it. A lock,
 not a process id: a `/tmp` shared across PID namespaces (containers) shows other
 processes' ids as gone while they run.
 """

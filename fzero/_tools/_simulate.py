@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -22,6 +21,7 @@ import torch
 
 from .. import _comm
 from .._comm import ProcessGroupMesh
+from ._rank_process import linger, settle_in
 from ._sim_store import make_store, remove_store
 
 # Ranks are processes, not threads: `torch.func.functional_call` swaps a module's
@@ -243,16 +243,7 @@ def _rank_main(
     kwargs: dict[str, Any],
 ) -> None:
     parent = os.getppid()
-    _die_with_parent(parent)
-    # GNU OpenMP is not fork-safe: a child of a parent that already ran a multi-threaded
-    # op hangs in its first parallel region unless it drops to one thread first.
-    torch.set_num_threads(1)
-    # Inductor's compile workers are the parent's too: a forked child that hands them a
-    # kernel waits for an answer that never comes (the pool's threads were not forked;
-    # seen here, a cold compile after in-process ones). Ranks compile in-process.
-    inductor = sys.modules.get("torch._inductor.config")
-    if inductor is not None:
-        inductor.compile_threads = 1
+    settle_in(parent)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     try:
         try:
@@ -278,36 +269,7 @@ def _rank_main(
         data = _dump("err", (exc_bytes, f"{type(exc).__name__}: {exc}", tb))
     conn.send_bytes(data)
     conn.close()
-    _linger(parent)
-
-
-def _linger(parent: int) -> None:
-    """Keeps this rank's sockets open until the parent, holding every rank's word, kills it.
-
-    A rank that exits as soon as it is done closes its sockets under peers still inside
-    gloo: one still connecting the mesh (a quick `fn` on the other ranks: about one run in
-    five at three ranks) or blocked in a collective after this rank failed would report
-    "connection closed by peer" instead of its own result or the cause.
-    """
-    while os.getppid() == parent:  # an orphan (the parent was killed) leaves on its own
-        time.sleep(0.05)
-    # Skip atexit handlers and buffered-IO flushes inherited from the parent (pytest,
-    # Jupyter): they belong to the parent process.
-    os._exit(0)
-
-
-def _die_with_parent(parent: int) -> None:
-    """Has the kernel kill this rank when the parent dies (Linux): a parent killed by a
-    signal runs no `finally` to kill its ranks, and one computing or waiting would go on
-    for its loop's length or the collective timeout. Elsewhere `_linger` watches."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before the request was made
-        os._exit(1)
+    linger(parent)
 
 
 def _check_timeouts(collective: Any, whole: Any) -> None:

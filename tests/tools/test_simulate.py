@@ -325,6 +325,46 @@ def test_ranks_forked_after_a_multithreaded_parent_op_do_not_hang() -> None:
     assert results == [600.0] * 3
 
 
+_KILLED_HOLDING_TQDMS_LOCK = """
+import time, tqdm, fzero
+tqdm.tqdm(total=1, disable=True).close()  # this process made a bar: tqdm's locks exist
+
+def fn(mesh):
+    if mesh.rank == 1:  # inside a bar's making, as torch.fx is many times a compile
+        tqdm.tqdm.get_lock().acquire()
+        time.sleep(60)
+    raise ValueError("rank 0 fails; rank 1, holding the lock, is killed")
+
+try:
+    fzero.Simulation(2, collective_timeout=30, timeout=60).run(fn)
+except ValueError:
+    pass
+tqdm.tqdm(total=1, disable=True).close()
+print("made a bar")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_rank_killed_inside_tqdms_lock_leaves_the_parent_able_to_compile() -> None:
+    # A forked rank inherited tqdm's lock, a semaphore shared with its parent, which
+    # torch.fx takes for every graph it runs; a rank killed holding it (its peer had
+    # failed) left the parent's next bar, so its next compile, waiting forever. In a
+    # process of its own: the hang must not reach this one.
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _KILLED_HOLDING_TQDMS_LOCK],
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the parent's next tqdm bar waited for a lock its killed rank held")
+    assert out.stdout.strip() == "made a bar", (out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.parametrize("world_size", [0, -1, "2", 2.0])
 def test_world_size_must_be_a_positive_int(world_size: Any) -> None:
     with pytest.raises(ValueError, match="world_size must be a positive int"):
