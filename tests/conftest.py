@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-import tqdm
 from hypothesis import HealthCheck, settings
 
 # "ci" is what the README's test command runs: derandomized, so CI is repeatable.
@@ -29,10 +28,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The parent process stays single-threaded so forked simulated ranks never inherit a
 # busy OpenMP pool; it also keeps two-core CI machines from oversubscribing.
 torch.set_num_threads(1)
-
-# torch.fx's interpreter opens a tqdm bar on every graph it runs, which starts tqdm's
-# monitor thread; a rank forked while that thread holds tqdm's lock would hang on it.
-tqdm.tqdm.monitor_interval = 0
 
 _compile_warmed = False
 
