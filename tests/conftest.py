@@ -6,6 +6,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from fzero._tools._equivalence import _compile_here_once
+
 # "ci" is what the README's test command runs: derandomized, so CI is repeatable.
 # "dev" explores more: HYPOTHESIS_PROFILE=dev python -m pytest
 settings.register_profile(
@@ -29,8 +31,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # busy OpenMP pool; it also keeps two-core CI machines from oversubscribing.
 torch.set_num_threads(1)
 
-_compile_warmed = False
-
 
 @pytest.fixture(autouse=True)
 def _compile_warmed_before_forking(request: pytest.FixtureRequest) -> None:
@@ -41,9 +41,5 @@ def _compile_warmed_before_forking(request: pytest.FixtureRequest) -> None:
     pay it in every compiled test (a minute of the suite's time). It is what a parent that
     had already run a compiled one-process test gave its ranks anyway.
     """
-    global _compile_warmed
-    if _compile_warmed or request.node.get_closest_marker("multiprocess") is None:
-        return
-    _compile_warmed = True
-    x = torch.ones(2, requires_grad=True)
-    torch.compile(lambda t: (t * 2).sum(), backend="aot_eager")(x).backward()
+    if request.node.get_closest_marker("multiprocess") is not None:
+        _compile_here_once()  # fzero.testing's own, once a process

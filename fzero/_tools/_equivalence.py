@@ -124,6 +124,8 @@ def assert_stages_equivalent(
     loss_atol = max(atol, loss_atol)
     moved = _moved(params, expected, rtol, atol, per_leaf)
     fz_opt = fzero_optimizer or _fzero_optimizer(cls, kwargs, groups)
+    if compile:
+        _compile_here_once()
     sim = Simulation(world_size, collective_timeout=60.0, timeout=timeout)
     per_rank = sim.run(
         _train_stages, loss_fn, params, batches, fz_opt, tuple(stages), layout, units, module,
@@ -269,6 +271,15 @@ def _fzero_optimizer(
 
 
 _TORCH_ONLY = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+@functools.cache
+def _compile_here_once() -> None:
+    """Compiles a trivial function in this process: the ranks `Simulation` forks from it
+    inherit torch.compile's set-up instead of each paying it (about 2 s a rank, on every
+    call of a property test)."""
+    x = torch.ones(2, requires_grad=True)
+    torch.compile(lambda t: (t * 2).sum(), backend="aot_eager")(x).backward()
 
 
 def _train_stages(
