@@ -101,6 +101,17 @@ def explained(exc: BaseException, rank: int, path: str | None = None) -> ValueEr
     to a trainable parameter (None otherwise). `path`: the leaf, where known."""
     if WRITTEN_VIEW not in str(exc):
         return None
+    if type(exc).__name__ == "InternalTorchDynamoError":
+        # Raised while torch.compile traced the loss, not by a write of this step's: it met
+        # a tensor an earlier step handed a loss, still held by a module, whose flat
+        # buffer has been updated since.
+        return ValueError(
+            f"rank {rank}: torch.compile, tracing the loss, met a tensor an earlier step "
+            f"handed it, which something still holds (autograd: {_first(exc)}). torch's "
+            "functional_call leaves a submodule reached by two paths holding the tensors "
+            "it was given (pytorch#164759): pass the model as sharded_step(module=...), "
+            "and fzero puts its own parameters back after every call"
+        )
     which = f"the trainable parameter {path!r}" if path else "a trainable parameter"
     return ValueError(
         f"rank {rank}: the loss wrote {which} in place (autograd: {_first(exc)}). {_READ_ONLY}"

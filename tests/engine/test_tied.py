@@ -1,6 +1,7 @@
 """Tied weights (a GPT's embedding and output projection) at every stage, uneven shards."""
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from torch.func import functional_call
 
 import fzero
 from fzero._engine._hooks import hookable_units
-from tests.support import run
+from tests.support import errors_on_every_rank, run
 
 
 class TiedLM(nn.Module):
@@ -283,6 +284,35 @@ def test_a_weight_shared_inside_a_unit_compiles() -> None:
     expected = shared_reference("inner")
     for params, _ in run(2, train_shared, "inner", SHARED_UNITS["blocks"], 3, "aot_eager"):
         fzero.assert_trees_close(params, expected, rtol=1e-10, atol=1e-12)
+
+
+def _compiled_over_a_shared_module_without_module(mesh: fzero.Mesh) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3), nn.Tanh()).double()
+    model.append(model[2])  # one module reached by two paths
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=1)
+    step = fzero.sharded_step(
+        lambda p, x: functional_call(model, p, (x,)).sum(), opt, mesh, stage=1,
+        compile="aot_eager",
+    )  # fmt: skip
+    with warnings.catch_warnings():  # torch's, as dynamo reads the module's non-leaf .grad
+        warnings.filterwarnings("ignore", "The .grad attribute", UserWarning)
+        for _ in range(2):
+            state, _ = step(state, torch.ones(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_compiled_step_over_a_module_torch_left_holding_its_tensors_says_so() -> None:
+    """Without `module=`, torch's functional_call leaves a module reached by two paths
+    holding the first step's tensors (pytorch#164759), and torch.compile, tracing the
+    second, meets one whose flat buffer the update wrote: autograd's in-place refusal,
+    which fzero had put as the loss writing a parameter (a fuzzer of this stop's)."""
+    for msg in errors_on_every_rank(2, _compiled_over_a_shared_module_without_module):
+        assert "met a tensor an earlier step handed it" in msg, msg
+        assert "pytorch#164759" in msg and "module=" in msg, msg
+        assert "the loss wrote" not in msg, msg
 
 
 class Rotary(nn.Module):
