@@ -51,7 +51,9 @@ def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 10, (3, 5), generator=g), torch.randn(3, 2, dtype=F64, generator=g)
 
 
-def _attempt(mesh: fzero.Mesh, stage: int, frozen: bool, how: str, writer: int | None) -> str:
+def _attempt(
+    mesh: fzero.Mesh, stage: int, frozen: bool, how: str, writer: int | None, compile: Any = False
+) -> str:
     """One step whose loss looks up the renormalizing embedding (on rank `writer` only, or
     on every rank); the rank's error as "Type: message"."""
     model, params = _setup(frozen)
@@ -74,6 +76,7 @@ def _attempt(mesh: fzero.Mesh, stage: int, frozen: bool, how: str, writer: int |
         stage=stage,
         module=model if how == "hooks" else None,
         just_in_time=how == "gathered",
+        compile=compile,
     )
     try:
         step(state, _batch(mesh.rank))
@@ -105,6 +108,17 @@ def test_a_trainable_parameter_written_in_place_is_named(stage: int) -> None:
             f"ValueError: rank {rank}: the loss wrote the trainable parameter 'emb.weight' in "
             "place (autograd: Output 0 of _Enter is a view"
         ), message
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_compiled_loss_writing_a_trainable_parameter_is_named_a_write() -> None:
+    """Traced, the write is autograd's refusal as the graph runs: its words stay, not those
+    of a tensor a module still holds from an earlier step (tests/engine/test_tied.py),
+    which torch.compile meets while it traces."""
+    for message in run(2, _attempt, 1, False, "upfront", None, "aot_eager"):
+        assert "the loss wrote a trainable parameter in place" in message, message
+        assert "earlier step" not in message, message
 
 
 @pytest.mark.multiprocess
