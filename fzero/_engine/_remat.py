@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -31,6 +32,13 @@ def remat(module: nn.Module) -> Callable[..., Any]:
     the unit (the same one gather for the backward; no reduction of its own), but the
     unit's parameters are then alive for the whole recompute.
 
+    The recompute is a replay: the buffers the forward wrote in place (BatchNorm's running
+    statistics, a power iteration's vectors) read what they held before the forward, and
+    what the recompute writes to them is dropped. torch's checkpoint writes them a second
+    time (BatchNorm's statistics move twice a step); FairScale's `checkpoint_wrapper` mends
+    BatchNorm alone. This costs a copy of the module's buffers, kept from the forward to
+    its backward.
+
     Args:
       module: the submodule to checkpoint.
 
@@ -39,9 +47,37 @@ def remat(module: nn.Module) -> Callable[..., Any]:
     """
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return rebound(_non_reentrant, module, module, *args, **kwargs)
+        return rebound(_non_reentrant, module, _replayed(module), *args, **kwargs)
 
     return call
+
+
+def _replayed(module: nn.Module) -> Callable[..., Any]:
+    """`module` as a function whose second call (the recompute) reads the module's buffers
+    as the first call (the forward) found them, and writes to copies of them."""
+    found: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal found
+        if found is not None:  # the recompute: fresh copies, should it run twice
+            with bind([(d, k, v.clone()) for d, k, v in found]):
+                return module(*args, **kwargs)
+        if torch.is_grad_enabled():  # else no graph: torch's checkpoint never recomputes
+            # Every buffer, not those whose version moved: BatchNorm's kernel writes its
+            # statistics without moving their version counter. One that needs a gradient
+            # is left as it is (a copy would cut the gradient; autograd refuses writes to
+            # a leaf that needs one).
+            with torch.no_grad():
+                found = [
+                    (sub._buffers, k, v.clone())
+                    for sub in module.modules()
+                    for k, v in sub._buffers.items()
+                    if isinstance(v, torch.Tensor) and not v.requires_grad
+                ]
+        return module(*args, **kwargs)
+
+    run.__qualname__ = type(module).__name__  # what messages call it: the module's class
+    return run
 
 
 def _non_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,7 @@
 """fzero.remat: activation checkpointing inside and around units, at every stage."""
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 import fzero
-from tests.support import counting, run
+from tests.support import counting, differences, module_values, run
 
 
 class Block(nn.Module):
@@ -140,3 +141,108 @@ def test_compiled_remat_around_a_hooked_unit_is_refused_naming_the_remedy() -> N
         assert said.startswith("fzero: a fzero.remat of Block ran outside"), said
         assert "checkpoint the unit's body rather than the unit" in said
     assert run(2, compiled_remat, "inside") == ["trained"] * 2
+
+
+# A block whose forward writes its buffers in place: BatchNorm's running statistics (with
+# momentum, and the cumulative average that counts batches), and spectral norm's power
+# iteration, whose updated vectors the output then reads.
+NORMS: dict[str, Callable[[], nn.Module]] = {
+    "batchnorm": lambda: nn.BatchNorm1d(4),
+    "cumulative": lambda: nn.BatchNorm1d(4, momentum=None),
+    "spectral": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
+}
+
+
+class Normed(nn.Module):
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(4, 4), NORMS[norm]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.fc(x)))
+
+
+class NormedNet(nn.Module):
+    def __init__(self, norm: str, remat: bool) -> None:
+        super().__init__()
+        self.block, self.out, self.remat = Normed(norm), nn.Linear(4, 2), remat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(fzero.remat(self.block)(x) if self.remat else self.block(x))
+
+
+def normed(norm: str, remat: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return (
+        NormedNet(norm, remat).double(),
+        torch.randn(3, 8, 4, generator=g, dtype=torch.float64),
+        torch.randn(3, 8, 2, generator=g, dtype=torch.float64),
+    )
+
+
+def normed_reference(norm: str, n: int) -> dict[str, torch.Tensor]:
+    """Plain torch, no checkpoint: each step's gradient the mean of `n` ranks' losses on
+    their slices, each from the step's starting buffers; the buffers after the step those
+    rank 0's forward left (each rank's module keeps its own)."""
+    model, xs, ys = normed(norm, remat=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+
+    def buffers(values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(values[k] if values is not None else v)
+        return {k: v.clone() for k, v in model.named_buffers()}
+
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        start, after = buffers(), {}
+        for xr, yr in zip(x.chunk(n), y.chunk(n)):
+            buffers(start)
+            (((model(xr) - yr) ** 2).mean() / n).backward()
+            after = after or buffers()  # rank 0's
+        buffers(after)
+        opt.step()
+    return module_values(model)
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_remat_by_hand_replays_the_buffers_its_forward_wrote(norm: str) -> None:
+    # torch's checkpoint writes them again in the recompute: BatchNorm's statistics moved
+    # twice a step, and spectral norm's recompute iterated from the forward's result, its
+    # gradients those of another weight.
+    model, xs, ys = normed(norm, remat=True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    want = normed_reference(norm, 1)
+    assert not torch.equal(want["out.weight"], normed(norm, remat=False)[0].out.weight)
+    assert differences(module_values(model), want) == []
+
+
+def train_normed(mesh: fzero.Mesh, norm: str, stage: int) -> dict[str, torch.Tensor]:
+    model, xs, ys = normed(norm, remat=True)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.adam(lr=0.05)
+    units = fzero.units.by_module(model, Normed)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
+
+    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
+        return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
+    sl = slice(4 * mesh.rank, 4 * mesh.rank + 4)
+    for x, y in zip(xs, ys):
+        state, _ = step(state, (x[sl], y[sl]))
+    return {**fzero.gather_params(state.params, mesh), **dict(model.named_buffers())}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("norm", ["cumulative", "spectral"])
+def test_remat_in_a_step_replays_the_buffers_its_forward_wrote(norm: str, stage: int) -> None:
+    want = normed_reference(norm, 2)
+    got = run(2, train_normed, norm, stage)[0]
+    fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12, what=f"{norm} {stage}")
