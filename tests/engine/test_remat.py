@@ -64,23 +64,33 @@ def reference(n: int = 2) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int, int]:
-    model, xs, ys = make(how, mesh.size)
+def stepped(
+    mesh: fzero.Mesh, model: nn.Module, block: type, stage: int, xs: torch.Tensor, ys: torch.Tensor
+) -> fzero.ShardedState:
+    """`model` trained by Adam with `block` modules as units, each rank on its slice of
+    each step's batch."""
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fzero.optim.adam(lr=0.05)
-    units = fzero.units.by_module(model, Block)
+    units = fzero.units.by_module(model, block)
     state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
 
     def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
         return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
 
     step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
-    sl = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+    rows = xs.shape[1] // mesh.size
+    sl = slice(rows * mesh.rank, rows * (mesh.rank + 1))
+    for x, y in zip(xs, ys):
+        state, _ = step(state, (x[sl], y[sl]))
+    return state
+
+
+def train(mesh: fzero.Mesh, how: str, stage: int) -> tuple[Any, int, int]:
+    model, xs, ys = make(how, mesh.size)
     reductions = ("reduce_scatter_async", "all_reduce_async", "reduce_scatter_mean")
     gathers_of = ("all_gather_async", "all_gather_many_async")  # stage 1: the update's
     with counting(gathers_of) as gathers, counting(reductions) as reduced:
-        for t in range(xs.shape[0]):
-            state, _ = step(state, (xs[t, sl], ys[t, sl]))
+        state = stepped(mesh, model, Block, stage, xs, ys)
     return fzero.gather_params(state.params, mesh), len(gathers), len(reduced)
 
 
@@ -224,18 +234,7 @@ def test_remat_by_hand_replays_the_buffers_its_forward_wrote(norm: str) -> None:
 
 def train_normed(mesh: fzero.Mesh, norm: str, stage: int) -> dict[str, torch.Tensor]:
     model, xs, ys = normed(norm, remat=True)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = fzero.optim.adam(lr=0.05)
-    units = fzero.units.by_module(model, Normed)
-    state = fzero.shard_state(params, opt, mesh, stage=stage, units=units)
-
-    def loss_fn(p: dict, batch: tuple) -> torch.Tensor:
-        return ((functional_call(model, p, (batch[0],)) - batch[1]) ** 2).mean()
-
-    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage, module=model)
-    sl = slice(4 * mesh.rank, 4 * mesh.rank + 4)
-    for x, y in zip(xs, ys):
-        state, _ = step(state, (x[sl], y[sl]))
+    state = stepped(mesh, model, Normed, stage, xs, ys)
     return {**fzero.gather_params(state.params, mesh), **dict(model.named_buffers())}
 
 
