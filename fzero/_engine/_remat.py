@@ -32,12 +32,12 @@ def remat(module: nn.Module) -> Callable[..., Any]:
     the unit (the same one gather for the backward; no reduction of its own), but the
     unit's parameters are then alive for the whole recompute.
 
-    The recompute is a replay: the buffers the forward wrote in place (BatchNorm's running
-    statistics, a power iteration's vectors) read what they held before the forward, and
-    what the recompute writes to them is dropped. torch's checkpoint writes them a second
-    time (BatchNorm's statistics move twice a step); FairScale's `checkpoint_wrapper` mends
-    BatchNorm alone. This costs a copy of the module's buffers, kept from the forward to
-    its backward.
+    The recompute is a replay: the buffers the forward wrote, in place (BatchNorm's running
+    statistics, a power iteration's vectors) or by rebinding (`self.ema = ...`), read what
+    they held before the forward, and what the recompute writes to them is dropped.
+    torch's checkpoint writes them a second time (BatchNorm's statistics move twice a
+    step); FairScale's `checkpoint_wrapper` mends BatchNorm alone. This costs a copy of the
+    module's buffers, kept from the forward to its backward.
 
     Args:
       module: the submodule to checkpoint.
@@ -100,7 +100,11 @@ def rebound(
     step = current_step()
 
     def run(*a: Any, **kw: Any) -> Any:
-        bound = now if now is not None else later()  # else: the recompute
+        if now is not None:  # the forward, with what is bound: binding it again would put
+            # back, after the forward, a buffer the forward itself rebinds (`self.ema = ...`)
+            with keep(), placeholders_said(step, now, fn, "fzero.remat"):
+                return fn(*a, **kw)
+        bound = later()  # the recompute, whose own rebinding is put back after it
         with keep(), bind(bound), placeholders_said(step, bound, fn, "fzero.remat"):
             return fn(*a, **kw)
 

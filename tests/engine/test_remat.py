@@ -153,13 +153,27 @@ def test_compiled_remat_around_a_hooked_unit_is_refused_naming_the_remedy() -> N
     assert run(2, compiled_remat, "inside") == ["trained"] * 2
 
 
-# A block whose forward writes its buffers in place: BatchNorm's running statistics (with
-# momentum, and the cumulative average that counts batches), and spectral norm's power
-# iteration, whose updated vectors the output then reads.
+class Centred(nn.Module):
+    """Its input less a running mean of it, a buffer the forward rebinds (out of place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return x - self.mean
+
+
+# A block whose forward writes its buffers: in place, BatchNorm's running statistics (with
+# momentum, and the cumulative average that counts batches) and spectral norm's power
+# iteration, whose updated vectors the output then reads; or by rebinding one.
 NORMS: dict[str, Callable[[], nn.Module]] = {
     "batchnorm": lambda: nn.BatchNorm1d(4),
     "cumulative": lambda: nn.BatchNorm1d(4, momentum=None),
     "spectral": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
+    "rebound": Centred,
 }
 
 
@@ -193,8 +207,8 @@ def normed(norm: str, remat: bool) -> tuple[nn.Module, torch.Tensor, torch.Tenso
 
 def normed_reference(norm: str, n: int) -> dict[str, torch.Tensor]:
     """Plain torch, no checkpoint: each step's gradient the mean of `n` ranks' losses on
-    their slices, each from the step's starting buffers; the buffers after the step those
-    rank 0's forward left (each rank's module keeps its own)."""
+    their slices, each rank's forward with its own buffers (each rank's module keeps its
+    own); rank 0's at the end."""
     model, xs, ys = normed(norm, remat=False)
     opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
 
@@ -204,15 +218,15 @@ def normed_reference(norm: str, n: int) -> dict[str, torch.Tensor]:
                 v.copy_(values[k] if values is not None else v)
         return {k: v.clone() for k, v in model.named_buffers()}
 
+    ranks = [buffers() for _ in range(n)]
     for x, y in zip(xs, ys):
         opt.zero_grad()
-        start, after = buffers(), {}
-        for xr, yr in zip(x.chunk(n), y.chunk(n)):
-            buffers(start)
+        for r, (xr, yr) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            buffers(ranks[r])
             (((model(xr) - yr) ** 2).mean() / n).backward()
-            after = after or buffers()  # rank 0's
-        buffers(after)
+            ranks[r] = buffers()
         opt.step()
+    buffers(ranks[0])
     return module_values(model)
 
 
@@ -240,7 +254,7 @@ def train_normed(mesh: fzero.Mesh, norm: str, stage: int) -> dict[str, torch.Ten
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("norm", ["cumulative", "spectral"])
+@pytest.mark.parametrize("norm", ["cumulative", "spectral", "rebound"])
 def test_remat_in_a_step_replays_the_buffers_its_forward_wrote(norm: str, stage: int) -> None:
     want = normed_reference(norm, 2)
     got = run(2, train_normed, norm, stage)[0]
