@@ -46,8 +46,12 @@ class Precision:
         update at stages 1-2, per unit at stage 3; FairScale's `broadcast_fp16`). None:
         the compute dtype. Lower than the compute dtype at stages 1-2, it also makes
         master copies necessary, since the gathered values are rounded.
-      buffer_dtype: dtype module buffers (BatchNorm statistics) are kept in. None keeps
-        theirs, which is usually what you want: statistics stay in fp32.
+      buffer_dtype: dtype the state's buffers (BatchNorm statistics) are kept in. None
+        keeps theirs: statistics stay in fp32. torch's batch_norm then refuses a weight
+        `param_dtype` casts to bfloat16 (it takes weight and statistics in one dtype):
+        set this to `param_dtype`, or keep the norms' parameters in float32 (a bfloat16
+        model with float32 norms and `master_dtype` alone); a step with `module=` names
+        the norm and both remedies.
       master_dtype: dtype of the master copies. None: the promotion of the original
         parameter dtypes of each buffer (fp32 for fp32 models). Set alone (no
         `param_dtype`) over parameters of another dtype, a bfloat16 model say, the

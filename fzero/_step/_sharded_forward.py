@@ -39,6 +39,7 @@ from ._compiled import CompiledLoss
 from ._config import check_module
 from ._entries import entry_inputs, jit_units
 from ._loss import copied
+from ._norm_dtypes import norm_dtypes_named
 from ._options import EAGER_BURST, GRAPH_BURST, check_step_state
 from ._sharded_step import collector_paused
 from ._traced_hooks import check_loss
@@ -97,7 +98,10 @@ def sharded_forward(
     def forward(state: ShardedState, batch: Any) -> Any:
         # Stages 0-2 send nothing in a forward: no call to check (one rank may sample).
         sends = gathers_to_compute(getattr(state, "stage", None))
-        with _comm.call(mesh, "sharded_forward", sends=sends):
+        with (
+            _comm.call(mesh, "sharded_forward", sends=sends),
+            norm_dtypes_named(module, state, mesh.rank),
+        ):
             if backend is not None:
                 return _compiled_forward(state, batch)
             return _forward(state, batch)

@@ -53,6 +53,7 @@ from ._entries import jit_units
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
+from ._norm_dtypes import norm_dtypes_named
 from ._options import StepOptions, check_step_state, step_options
 from ._unused import say_unused
 
@@ -167,6 +168,7 @@ def sharded_step(
             _comm.call(mesh, "sharded_step", problem=lambda: refused(state)),
             collector_paused(),
             differentiating("sharded_step", mesh.rank),
+            norm_dtypes_named(o.module, state, mesh.rank),
         ):
             return _step(state, batch)
 
