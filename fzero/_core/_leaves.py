@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 
 def check_leaves(paths: list[str], leaves: list[Any]) -> None:
@@ -19,6 +20,13 @@ def check_leaves(paths: list[str], leaves: list[Any]) -> None:
             raise TypeError(
                 f"params leaf {path!r} is a {type(leaf).__name__}, expected a "
                 "floating-point torch.Tensor"
+            )
+        if isinstance(leaf, UninitializedTensorMixin):  # has no shape: any use raises
+            raise ValueError(
+                f"params leaf {path!r} is an uninitialized parameter (a lazy module's, such "
+                "as nn.LazyLinear's, before its first forward): it has no shape to shard "
+                "yet. Run the model once on a batch before shard_state; torch's lazy "
+                "modules take their shapes there"
             )
         if not leaf.is_floating_point():
             raise TypeError(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import fzero
 from fzero import optim
@@ -76,6 +77,11 @@ def _batch() -> torch.Tensor:
         (_params(layers__0__b=np.zeros(3)), TypeError, r"'layers\.0\.b' is a ndarray"),
         ({}, ValueError, r"params has no leaves"),
         ({"layers": [], "scale": None}, ValueError, r"params has no leaves"),
+        (  # torch's own message ("Attempted to use an uninitialized parameter") names none
+            _params(layers__1__w=nn.LazyLinear(2).weight),
+            ValueError,
+            r"'layers\.1\.w' is an uninitialized parameter \(a lazy module's",
+        ),
     ],
     ids=[
         "int-tensor",
@@ -85,6 +91,7 @@ def _batch() -> torch.Tensor:
         "numpy-array",
         "empty-dict",
         "no-tensors",
+        "lazy-parameter",
     ],
 )
 def test_params_must_be_a_pytree_of_floating_tensors(
