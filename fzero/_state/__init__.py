@@ -43,6 +43,7 @@ from ._precision import held_shards as held_shards
 from ._precision import master_params as master_params
 from ._precision import meta_like as meta_like
 from ._precision import to_mixed as to_mixed
+from ._precision import update_dtypes as update_dtypes
 from ._shard_state import ShardedState as ShardedState
 from ._shard_state import init_optimizer as init_optimizer
 from ._shard_state import replicate_buffers as replicate_buffers

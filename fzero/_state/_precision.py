@@ -210,6 +210,19 @@ def needs_master(precision: Precision | None, layout: ShardLayout, stage: Stage)
     )
 
 
+def update_dtypes(state: Any) -> list[torch.dtype | None]:
+    """Per bucket of `state.layout`, the dtype its optimizer updates it in: its masters'
+    (a stage-0 tree of them, or shards); None without masters, and for frozen buckets.
+    A mean over micro-batches is taken in it (`accumulate="local"`)."""
+    lay, master = state.layout, state.master
+    if master is None:
+        return [None] * len(lay.buckets)
+    if isinstance(master, Shards):
+        return [None if b.frozen else t.dtype for b, t in zip(lay.buckets, master.buffers)]
+    dtypes = dict(zip(leaf_paths(master), (m.dtype for m in tree_flatten(master)[0])))
+    return [None if b.frozen else dtypes[b.ordered[0].path] for b in lay.buckets]
+
+
 def held_shards(buffers: tuple[torch.Tensor, ...], master: Shards, layout: ShardLayout) -> Shards:
     """Stage 3's parameters under mixed precision: each trainable bucket's shard is its
     master itself, held once at full precision and cast to the layout's (compute) dtype

@@ -8,7 +8,7 @@ import torch
 
 from .._core import LossFn, Shards, sparse_gradient, tree_flatten, tree_map, value_and_grad
 from .._engine import Context, Engine, LocalSums, Trained, Watch, hooks_for
-from .._state import ShardedState, params_apart
+from .._state import ShardedState, params_apart, update_dtypes
 from ._sync import StepSync
 
 
@@ -64,11 +64,13 @@ def mean_grad(
     # Local accumulation's earlier micro-batches leave zeros shaped as `like`, to which
     # the last one's reduced gradient is added: a stage-3 shard is its master (float32),
     # so the mean is taken there, but an offloaded shard's device copy is in the compute
-    # dtype. Where `like` is narrower than what the optimizer updates, the mean is taken
-    # in the latter, as without offload (the values of every other run are unchanged).
+    # dtype, as are stage 0's full buckets. Where `like` is narrower than what the
+    # optimizer updates, the mean is taken in the latter, alike at every stage.
     wide = None
     if accumulate == "local" and not s.all_reduce:
         wide = [t.dtype if t.dtype != x.dtype else None for t, x in zip(target.buffers, like)]
+    elif accumulate == "local":  # stage 0: the full buckets, and a tree of masters
+        wide = [d if d != x.dtype else None for d, x in zip(update_dtypes(state), like)]
     # Local accumulation (DDP's no_sync) sums full gradients here across micro-batches.
     sums: LocalSums | None = {} if accumulate == "local" else None
     total: tuple[torch.Tensor, ...] | None = None
@@ -138,8 +140,8 @@ def _by_leaf(
     no per-unit nodes and no flat gradient buffers (assembling them copies every gradient
     once more). The values are those of the unit path on one rank, bitwise: gradients
     pass through the reduce dtype as they would through a reduction ("local"
-    accumulation sums them first, in the reduce dtype where it is wider; "sharded"
-    after), and a mean over micro-batches.
+    accumulation sums them first, in the reduce dtype where it is wider, and takes the
+    mean in the masters' dtype; "sharded" after), and a mean over micro-batches.
     """
     lay = state.layout
     trainable = lay.trainable(state.params)
@@ -168,6 +170,8 @@ def _by_leaf(
         total = grads if total is None else tree_map(torch.add, total, grads)
     if accumulate == "local":
         total = rounded(total)
+        if state.master is not None and len(micro) > 1:  # the mean in the masters' dtype
+            total = tree_map(lambda t, m: t.to(m.dtype), total, state.master)
     if len(micro) > 1:
         total = tree_map(lambda t: t / len(micro), total)
     return _distinct(total)

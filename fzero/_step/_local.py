@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as fc
 from .. import _comm
 from .._comm import Mesh
 from .._core import Shards
-from .._state import ShardedState, params_apart
+from .._state import ShardedState, params_apart, update_dtypes
 from ._entries import all_reduced, bursts, computing, gathered, scattered
 from ._traced_comm import check_sent, sent_finite
 
@@ -66,6 +66,7 @@ def reduce_sums(
     `n` micro-batches: shaped as `compiled_grad`'s (`leaves`: the graph's inputs)."""
     lay, stage, a = state.layout, compiled.stage, compiled.axes
     grads = [x.new_empty(0) for x in leaves]  # frozen buckets' placeholders
+    means = update_dtypes(state)
     # A functional collective's wait cannot look for a peer's failure, and a rank may
     # have failed after the last check (in its last backward): the polled barrier sees it.
     if mesh.size > 1:
@@ -81,7 +82,9 @@ def reduce_sums(
             reduced = all_reduced(gs, dtype, a)
         for i, g in zip(run, reduced):
             g = plain(g)
-            grads[i] = g / n if n > 1 else g
+            if n > 1:  # the mean in the dtype the optimizer updates, as eagerly
+                g = (g if means[i] is None else g.to(means[i])) / n
+            grads[i] = g
     if stage.shards_optimizer:
         return Shards(tuple(grads), lay, mesh.shard_rank)
     full = [x.detach() if b.frozen else g for x, g, b in zip(leaves, grads, lay.buckets)]
