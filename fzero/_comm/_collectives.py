@@ -96,7 +96,12 @@ def all_gather_async(
             # `dtype`, it is cast first, as if held in `out`'s dtype. Alone (one rank, or
             # gloo's broadcasts from its slice of `out`) the copy into `out` casts.
             alone = axis.size == 1 or shard.numel() == 0 or _is_gloo(axis, shard)
-            if quant is not None or dtype not in (None, out.dtype) or not alone:
+            if quant is None and dtype not in (None, out.dtype):
+                # Straight to the dtype it travels in: through `out`'s first would round
+                # twice (float32 masters, fp16 compute, bf16 travel), unlike stages 1-2
+                # gathering updated masters, or step 0's parameters (`compute_params`).
+                shard = shard.to(dtype)
+            elif quant is not None or not alone:
                 shard = shard.to(out.dtype)
         if quant is not None and shard.is_floating_point() and shard.numel():
             codes, scales = _quant.quantize(shard, quant)

@@ -158,12 +158,14 @@ def compute_params(
         return cast
     leaves, treedef = tree_flatten(cast)
     frozen = frozen or [False] * len(leaves)
-    # Integer leaves (a batch counter) are never gathered in `gather_dtype`: left exact.
+    # Rounded from the masters' values straight to `gather_dtype`, as a gather of the
+    # masters rounds them (through `param_dtype` first would round twice). Integer leaves
+    # (a batch counter) are never gathered in `gather_dtype`: left exact.
     return tree_unflatten(
         treedef,
         [
-            x.to(gather).to(x.dtype) if x.is_floating_point() and not f else x
-            for x, f in zip(leaves, frozen)
+            m.detach().to(gather).to(x.dtype) if x.is_floating_point() and not f else x
+            for m, x, f in zip(tree_flatten(params)[0], leaves, frozen)
         ],
     )
 
@@ -304,7 +306,9 @@ def master_params(state: Any, mesh: Mesh) -> PyTree:
     mixed precision (frozen leaves: the parameters as held), else the parameters.
 
     Use it to export or evaluate at full precision; `gather_params(state.params, mesh)`
-    gives the compute-dtype parameters the loss sees.
+    gives the parameters in the compute dtype: at stages 0-2 those the loss sees; at stage
+    3 the masters cast to `param_dtype`, which the loss sees rounded through
+    `gather_dtype` where one is set.
 
     Args:
       state: a ShardedState.
