@@ -846,7 +846,13 @@ def local16_reference(xs: torch.Tensor, ys: torch.Tensor, n: int, m: int) -> dic
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("n", "stage", "compile"),
-    [(1, 0, False), (2, 0, False), (2, 1, False), (2, 3, False), (2, 3, "aot_eager")],
+    [
+        (1, 0, False),
+        (2, 0, False),
+        (2, 1, False),
+        (2, 3, False),
+        pytest.param(2, 3, "aot_eager", marks=pytest.mark.slow),
+    ],
 )
 def test_local_accumulation_in_bf16_takes_the_mean_in_float32_at_every_stage(
     n: int, stage: int, compile: Any
