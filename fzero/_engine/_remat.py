@@ -63,10 +63,10 @@ def _replayed(module: nn.Module) -> Callable[..., Any]:
             with bind([(d, k, v.clone()) for d, k, v in found]):
                 return module(*args, **kwargs)
         if torch.is_grad_enabled():  # else no graph: torch's checkpoint never recomputes
-            # Every buffer, not those whose version moved: BatchNorm's kernel writes its
-            # statistics without moving their version counter. One that needs a gradient
-            # is left as it is (a copy would cut the gradient; autograd refuses writes to
-            # a leaf that needs one).
+            # Every buffer, not only those whose version counter the forward moves:
+            # BatchNorm's kernel writes its statistics without moving it. One that needs
+            # a gradient is left as it is (a copy would cut the gradient; autograd
+            # refuses writes to a leaf that needs one).
             with torch.no_grad():
                 found = [
                     (sub._buffers, k, v.clone())

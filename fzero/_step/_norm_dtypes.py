@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .._core import leaf_paths
+from .._core import leaf_paths, tree_flatten
 from .._state import ShardedState
 
 # Where torch's norms reach the kernel that wants weight and statistics in one dtype.
@@ -41,7 +41,9 @@ def _said(
     if not _inside_a_norm(exc.__traceback__):
         return None
     cast = set(state.layout.paths)
-    held = set() if state.buffers is None else set(leaf_paths(state.buffers))
+    held = {}
+    if state.buffers is not None:
+        held = dict(zip(leaf_paths(state.buffers), tree_flatten(state.buffers)[0]))
     for name, sub in module.named_modules():
         if not isinstance(sub, nn.modules.batchnorm._NormBase):
             continue
@@ -50,7 +52,9 @@ def _said(
         if sub.weight is None or mean is None or f"{at}weight" not in cast:
             continue
         in_state = f"{at}running_mean" in held
-        stats = precision.buffer_dtype if in_state and precision.buffer_dtype else mean.dtype
+        stats = mean.dtype  # the module's own; else as the state holds them, or casts them
+        if in_state:
+            stats = precision.buffer_dtype or held[f"{at}running_mean"].dtype
         if stats == precision.param_dtype:
             continue
         p = precision.param_dtype
