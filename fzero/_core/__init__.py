@@ -30,6 +30,7 @@ from ._layout import ShardLayout as ShardLayout
 from ._layout import build_layout as build_layout
 from ._leaves import check_distinct as check_distinct
 from ._leaves import check_leaves as check_leaves
+from ._leaves import unmatched_leaves as unmatched_leaves
 from ._shards import Shards as Shards
 from ._stages import STAGES as STAGES
 from ._stages import Stage as Stage

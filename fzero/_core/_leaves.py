@@ -108,3 +108,19 @@ def _elements(t: torch.Tensor) -> torch.Tensor:
     """The storage indices of `t`'s elements."""
     n = t.untyped_storage().nbytes() // t.element_size()
     return torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
+
+
+def unmatched_leaves(ours: Sequence[str], we: str, theirs: Sequence[str], they: str) -> str | None:
+    """The leaf paths only one of two trees has, said by name (up to three a side), or
+    None where both have the same. A comparison position by position would name the
+    first leaf after a gap, which both have."""
+    mine, yours = set(ours), set(theirs)
+    said = [
+        f"{len(only)} leaves {a} has and {b} lacks: {only[:3]}{' ...' if len(only) > 3 else ''}"
+        for only, a, b in (
+            ([p for p in ours if p not in yours], we, they),
+            ([p for p in theirs if p not in mine], they, we),
+        )
+        if only
+    ]
+    return "; ".join(said) or None

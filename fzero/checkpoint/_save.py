@@ -22,6 +22,7 @@ from .._core import (
     stage_of,
     tree_flatten,
     tree_unflatten,
+    unmatched_leaves,
 )
 from .._state import ShardedState, cast_params, check_live, frozen_leaves
 from ..optim import Optimizer
@@ -374,6 +375,9 @@ def _target_layout(
     saved = body["layout"]["leaves"]
     leaves = tree_flatten(params_like)[0]
     paths = leaf_paths(params_like)
+    said = unmatched_leaves([x["path"] for x in saved], "the checkpoint", paths, "params_like")
+    if said is not None:
+        raise CheckpointError(f"{directory} holds a different model: {said}")
     for i in range(max(len(saved), len(leaves))):
         if i >= len(saved) or i >= len(leaves) or saved[i]["path"] != paths[i]:
             ours = paths[i] if i < len(paths) else None

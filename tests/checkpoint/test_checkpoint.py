@@ -414,14 +414,18 @@ def test_a_shard_that_would_run_code_is_refused(version: Path, tmp_path: Path, h
 
 
 @pytest.mark.multiprocess
-def test_another_models_checkpoint_names_the_first_differing_leaf(version: Path) -> None:
+def test_another_models_checkpoint_names_the_leaves_that_differ(version: Path) -> None:
     other = make_job([3, 5, 2], 2, 11, "adam")
     message = _load_error(version, other)
     assert "holds a different model: leaf 'layers.0.b' is saved as (4,) torch.float64" in message
+    # A layer more or less is named, not the first leaf after it (which both models have:
+    # "params_like has leaf 'layers.2.b' where the checkpoint has 'scale'", before).
     deeper = make_job([3, 4, 2, 2], 2, 11, "adam")
-    assert "params_like has leaf 'layers.2.b' where the checkpoint has 'scale'" in _load_error(
-        version, deeper
-    )
+    said = "2 leaves params_like has and the checkpoint lacks: ['layers.2.b', 'layers.2.w']"
+    assert said in _load_error(version, deeper)
+    shallower = make_job([3, 2], 2, 11, "adam")
+    said = "2 leaves the checkpoint has and params_like lacks: ['layers.1.b', 'layers.1.w']"
+    assert said in _load_error(version, shallower)
 
 
 @pytest.mark.multiprocess
