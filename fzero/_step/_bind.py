@@ -13,6 +13,7 @@ from .._comm import Mesh
 from .._core import gathers_to_compute, leaf_paths, tree_flatten
 from .._engine import restored
 from .._state import ShardedState
+from ._bound import bound
 from ._casts import forward_casts
 from ._loss import copied
 from ._sharded_forward import Forwarder
@@ -38,7 +39,9 @@ def bind(
     until each one's sequences end, keep them in step the way Hugging Face's
     `generate(..., synced_gpus=True)` does (a rank that has finished goes on running
     the model until all have). An error inside the block on any rank raises on every
-    rank (`fzero.PeerError` on the others).
+    rank (`fzero.PeerError` on the others). A `sharded_step` over the bound model or
+    state is refused inside the block; over another (a student beside a bound teacher)
+    it steps as anywhere.
 
     Args:
       model: the module whose `named_parameters()` / `named_buffers()` the state was
@@ -57,7 +60,7 @@ def bind(
         kept = restored(
             forwarder.cache.shared_slots(model, state.buffers)
         )  # torch's reparametrization's
-        with collector_paused(), casts, kept, engine.session() as params:
+        with collector_paused(), casts, kept, bound(model, state), engine.session() as params:
             tensors = _named(params, model, "params")
             if state.buffers is not None:
                 tensors.update(_named(copied(state.buffers), model, "buffers"))

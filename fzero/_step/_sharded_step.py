@@ -35,6 +35,7 @@ from ..optim import Optimizer
 from ..optim._base import check_optimizer
 from ._aux import Aux
 from ._body import body
+from ._bound import bound_said
 from ._cache import StepCache
 from ._casts import forward_casts
 from ._compile_checks import agree_present
@@ -158,10 +159,12 @@ def sharded_step(
     cache = StepCache()
 
     def refused(state: ShardedState) -> str:
-        """A module= parameter frozen or unfrozen since: refused with the name check, on
-        every rank alike, before anything else is sent."""
+        """A module= parameter frozen or unfrozen since, or a step inside a `bind` block
+        over its own model or state: refused with the name check, on every rank alike,
+        before anything else is sent."""
         flipped = cache.flag_changed(getattr(state, "layout", None), o.module)
-        return flag_changed_said(flipped, o.module, mesh.rank)
+        said = flag_changed_said(flipped, o.module, mesh.rank)
+        return said or bound_said(o.module, state, mesh.rank)
 
     def step(state: ShardedState, batch: Any) -> tuple[ShardedState, torch.Tensor]:
         with (  # the call outermost: what its entry raises on one rank, its peers raise
