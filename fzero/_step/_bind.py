@@ -18,6 +18,7 @@ from ._casts import forward_casts
 from ._loss import copied
 from ._sharded_forward import Forwarder
 from ._sharded_step import collector_paused
+from ._stalls import said_stalled
 
 
 @contextlib.contextmanager
@@ -60,7 +61,15 @@ def bind(
         kept = restored(
             forwarder.cache.shared_slots(model, state.buffers)
         )  # torch's reparametrization's
-        with collector_paused(), casts, kept, bound(model, state), engine.session() as params:
+        stalls = said_stalled("bind", mesh.rank)  # the block's gathers, and its end's check
+        with (
+            collector_paused(),
+            casts,
+            kept,
+            bound(model, state),
+            stalls,
+            engine.session() as params,
+        ):
             tensors = _named(params, model, "params")
             if state.buffers is not None:
                 tensors.update(_named(copied(state.buffers), model, "buffers"))

@@ -42,6 +42,7 @@ from ._loss import copied
 from ._norm_dtypes import norm_dtypes_named
 from ._options import EAGER_BURST, GRAPH_BURST, check_step_state
 from ._sharded_step import collector_paused
+from ._stalls import said_stalled
 from ._traced_hooks import check_loss
 
 Forward = Callable[[ShardedState, Any], Any]
@@ -101,6 +102,7 @@ def sharded_forward(
         with (
             _comm.call(mesh, "sharded_forward", sends=sends),
             norm_dtypes_named(module, state, mesh.rank),
+            said_stalled("sharded_forward", mesh.rank),
         ):
             if backend is not None:
                 return _compiled_forward(state, batch)

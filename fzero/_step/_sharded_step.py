@@ -56,6 +56,7 @@ from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
 from ._norm_dtypes import norm_dtypes_named
 from ._options import StepOptions, check_step_state, step_options
+from ._stalls import stalled
 from ._unused import say_unused
 
 Step = Callable[[ShardedState, Any], tuple[ShardedState, Any]]
@@ -253,7 +254,7 @@ def sharded_step(
             peer = published()
             if peer is not None:
                 raise peer from exc
-            raise _stalled(exc, state, mesh) from exc
+            raise stalled(exc, "sharded_step", mesh.rank, state.step) from exc
         cache.pool.reclaim()
         cache.micro, cache.order = len(micro), out.order
         if used is not None and out.tally.weight != 0:
@@ -383,13 +384,3 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _stalled(exc: Exception, state: ShardedState, mesh: Mesh) -> RuntimeError:
-    """A collective of the step failed: say what usually causes it."""
-    return RuntimeError(
-        f"rank {mesh.rank}: step {state.step}: a collective failed or timed out ({exc}). "
-        "Usually a peer stopped calling step (every rank must call it the same number of "
-        "times: a rank without data this step calls step(state, None)), died, or took "
-        "longer than the process group's timeout"
-    )

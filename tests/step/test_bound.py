@@ -90,3 +90,37 @@ def test_a_student_steps_inside_a_bind_of_its_teacher_like_torch_optim(stage: in
     assert not torch.equal(want["0.weight"], net(0)[0].weight)
     for got in run(2, distil, stage):
         fzero.assert_trees_close(got, want, rtol=1e-12, atol=1e-14, what=f"stage {stage}")
+
+
+def apart(mesh: fzero.Mesh, how: str) -> str:
+    """Rank 0 calls the model twice, rank 1 once: inside `bind`, or `sharded_forward`."""
+    model = net(0)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = fzero.shard_state(params, fzero.optim.sgd(lr=0.1), mesh, stage=3, units=["0", "2"])
+    x = batch(mesh.rank)
+    try:
+        if how == "bind":
+            with fzero.bind(model, state, mesh) as bound:
+                for _ in range(2 - mesh.rank):
+                    bound(x)
+        else:
+            forward = fzero.sharded_forward(
+                lambda p, x: functional_call(model, p, (x,)), mesh, module=model
+            )
+            for _ in range(2 - mesh.rank):
+                forward(state, x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "returned"  # sharded_forward's rank 1: it makes no later fzero call to fail
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["bind", "forward"])
+def test_ranks_calling_the_model_apart_are_told_why_the_gather_timed_out(how: str) -> None:
+    # gloo said only "Timed out waiting 3000ms for send operation to complete".
+    said = fzero.Simulation(2, collective_timeout=3, timeout=60).run(apart, how)
+    told = [s for s in said if "a collective failed or timed out" in s]
+    assert told and all("Usually a peer fell out of step" in s for s in told), said
+    why = "synced_gpus=True" if how == "bind" else "forward(state, None)"
+    assert all(why in s for s in told), said

@@ -1,0 +1,48 @@
+"""Stalls: what a collective that failed or timed out inside a step, a forward or a `bind`
+block usually means, said where gloo's or NCCL's own message names only the wait."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from .._comm import PeerError, is_peer_failure
+
+# Per call: the promise every rank keeps in it, and the usual way one breaks it.
+_KEPT = {
+    "sharded_step": (
+        "every rank must call it the same number of times: a rank without data this step "
+        "calls step(state, None)"
+    ),
+    "sharded_forward": (
+        "every rank must call it the same number of times: a rank without data calls "
+        "forward(state, None)"
+    ),
+    "bind": (
+        "every rank must make the same unit calls inside the block: a rank whose "
+        "generation ended keeps running the model until every rank's has "
+        "(model.generate(..., synced_gpus=True))"
+    ),
+}
+
+
+def stalled(exc: BaseException, where: str, rank: int, step: int | None = None) -> RuntimeError:
+    """A collective inside `where` (a key of `_KEPT`) failed: say what usually causes it."""
+    at = f"step {step}: " if step is not None else ""
+    return RuntimeError(
+        f"rank {rank}: {where}: {at}a collective failed or timed out ({exc}). Usually a "
+        f"peer fell out of step ({_KEPT[where]}), died, or took longer than the process "
+        "group's timeout"
+    )
+
+
+@contextlib.contextmanager
+def said_stalled(where: str, rank: int) -> Iterator[None]:
+    """Within the block, a collective's own failure (not a peer's published one) is raised
+    as `stalled`'s RuntimeError, from it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, PeerError) or not is_peer_failure(exc):
+            raise
+        raise stalled(exc, where, rank) from exc
