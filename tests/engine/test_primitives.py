@@ -309,11 +309,12 @@ def test_an_all_gather_into_a_lower_dtype_gathers_each_shards_cast(
     n: int, travel: torch.dtype | None
 ) -> None:
     """Stage 3's fp32 masters gathered into bf16 buffers: every rank receives each rank's
-    shard cast to bf16 (then through the travel dtype, if any), as torch casts it; at one
-    rank and on gloo by the copy into place, otherwise by a cast before it travels."""
+    shard cast to bf16, as torch casts it (at one rank and on gloo by the copy into place,
+    otherwise by a cast before it travels); with a travel dtype, cast to it straight from
+    the masters and then to bf16, as stages 1-2 gather their updated masters."""
     want = []
     for r in range(n):
-        x = torch.randn(5, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
-        want.append(x if travel is None else x.to(travel).to(torch.bfloat16))
+        x = torch.randn(5, generator=torch.Generator().manual_seed(r))
+        want.append((x if travel is None else x.to(travel)).to(torch.bfloat16))
     for got in run(n, gather_into_lower, travel):
         assert got.dtype == torch.bfloat16 and torch.equal(got, torch.cat(want))
