@@ -60,24 +60,48 @@ def _replayed(module: nn.Module) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal found
         if found is not None:  # the recompute: fresh copies, should it run twice
-            with bind([(d, k, v.clone()) for d, k, v in found]):
+            with bind(_copies(found)):
                 return module(*args, **kwargs)
         if torch.is_grad_enabled():  # else no graph: torch's checkpoint never recomputes
-            # Every buffer, not only those whose version counter the forward moves:
-            # BatchNorm's kernel writes its statistics without moving it. One that needs
-            # a gradient is left as it is (a copy would cut the gradient; autograd
-            # refuses writes to a leaf that needs one).
             with torch.no_grad():
-                found = [
-                    (sub._buffers, k, v.clone())
-                    for sub in module.modules()
-                    for k, v in sub._buffers.items()
-                    if isinstance(v, torch.Tensor) and not v.requires_grad
-                ]
+                found = _copies(_replayable(module))
         return module(*args, **kwargs)
 
     run.__qualname__ = type(module).__name__  # what messages call it: the module's class
     return run
+
+
+def _replayable(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """The buffer slots of `module`'s tree a replay copies, with what is bound there.
+
+    Every buffer, not only those whose version counter the forward moves: BatchNorm's
+    kernel writes its statistics without moving it. Left as they are: one that needs a
+    gradient (a copy would cut it; autograd refuses writes to a leaf that needs one), and
+    views sharing memory with another buffer (copies would part them)."""
+    slots = [
+        (d, k, v)
+        for d in (sub._buffers for sub in module.modules())
+        for k, v in d.items()
+        if isinstance(v, torch.Tensor) and not v.requires_grad
+    ]
+    tensors: dict[Any, set[int]] = {}  # storage -> the distinct tensors on it
+    for _, _, v in slots:
+        tensors.setdefault(_storage(v), set()).add(id(v))
+    return [(d, k, v) for d, k, v in slots if len(tensors[_storage(v)]) == 1]
+
+
+def _copies(slots: list[tuple[dict[str, Any], str, torch.Tensor]]) -> list[Any]:
+    """`slots` bound to copies of their tensors, one copy per tensor (a buffer registered
+    in two submodules stays one)."""
+    made: dict[int, torch.Tensor] = {}
+    for _, _, v in slots:
+        if id(v) not in made:
+            made[id(v)] = v.clone()
+    return [(d, k, made[id(v)]) for d, k, v in slots]
+
+
+def _storage(v: torch.Tensor) -> Any:
+    return (v.device, v.untyped_storage().data_ptr()) if v.device.type != "meta" else id(v)
 
 
 def _non_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -166,6 +166,22 @@ class Centred(nn.Module):
         return x - self.mean
 
 
+class Shared(nn.Module):
+    """One buffer registered by two submodules: one moves it in place, the other reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # float64 already: the model's .double() would part a float32 pair
+        self.a, self.b, mean = nn.Module(), nn.Module(), torch.zeros(4, dtype=torch.float64)
+        self.a.register_buffer("mean", mean)
+        self.b.register_buffer("mean", mean)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.a.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.b.mean
+
+
 # A block whose forward writes its buffers: in place, BatchNorm's running statistics (with
 # momentum, and the cumulative average that counts batches) and spectral norm's power
 # iteration, whose updated vectors the output then reads; or by rebinding one.
@@ -174,6 +190,7 @@ NORMS: dict[str, Callable[[], nn.Module]] = {
     "cumulative": lambda: nn.BatchNorm1d(4, momentum=None),
     "spectral": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
     "rebound": Centred,
+    "shared": Shared,  # replayed as one: copies apart, the reader would miss the write
 }
 
 
@@ -254,7 +271,7 @@ def train_normed(mesh: fzero.Mesh, norm: str, stage: int) -> dict[str, torch.Ten
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("norm", ["cumulative", "spectral", "rebound"])
+@pytest.mark.parametrize("norm", ["cumulative", "spectral", "rebound", "shared"])
 def test_remat_in_a_step_replays_the_buffers_its_forward_wrote(norm: str, stage: int) -> None:
     want = normed_reference(norm, 2)
     got = run(2, train_normed, norm, stage)[0]
