@@ -7,6 +7,7 @@ import contextlib
 import types
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from .._core import leaf_paths, tree_flatten
@@ -14,6 +15,7 @@ from .._state import ShardedState
 
 # Where torch's norms reach the kernel that wants weight and statistics in one dtype.
 _KERNEL_CALLERS = frozenset({"batch_norm", "instance_norm"})
+_DTYPE_WORDS = ("expected scalar type", "dtype", "data type")
 
 
 @contextlib.contextmanager
@@ -37,6 +39,11 @@ def _said(
 ) -> str | None:
     precision = getattr(state, "precision", None)
     if module is None or precision is None or precision.param_dtype is None:
+        return None
+    # torch's words for a dtype it did not expect, on the CPU and CUDA; anything else (a
+    # shape, out of memory) passes as it is.
+    said = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or not any(w in said for w in _DTYPE_WORDS):
         return None
     if not _inside_a_norm(exc.__traceback__):
         return None

@@ -135,3 +135,38 @@ def test_norms_kept_float32_in_a_bfloat16_model_train_like_one_process(stage: in
     assert all(not torch.allclose(want[k], start[k]) for k in want)  # every leaf moved
     for got in run(2, train_mixed, stage):  # bitwise, at two ranks
         assert differences(got, want) == []
+
+
+class Misfit(nn.Module):
+    """A batch norm over statistics of the wrong size: torch's shape error."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stats = torch.zeros(3, dtype=x.dtype), torch.ones(3, dtype=x.dtype)
+        return nn.functional.batch_norm(x, *stats, training=False)
+
+
+def misfit(mesh: fzero.Mesh) -> str:
+    m = nn.Sequential(nn.Linear(4, 4), Misfit(), nn.BatchNorm1d(4))
+    params = {k: v.detach().clone() for k, v in m.named_parameters()}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(
+        params, opt, mesh, stage=0, precision=fzero.Precision(param_dtype=BF16)
+    )
+
+    def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(m, p, (x.to(BF16),)).float().sum()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=0, module=m)
+    try:
+        step(state, torch.randn(5, 4))
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_another_error_inside_a_batch_norm_passes_as_torch_said_it() -> None:
+    # Beside a norm cast away from its statistics ('2'), a shape error inside another
+    # batch norm was told as that norm's dtypes.
+    said = run(1, misfit)[0]
+    assert said.startswith("RuntimeError: ") and "should contain 4 elements not 3" in said, said
