@@ -41,8 +41,9 @@ def bind(
     `generate(..., synced_gpus=True)` does (a rank that has finished goes on running
     the model until all have). An error inside the block on any rank raises on every
     rank (`fzero.PeerError` on the others). A `sharded_step` over the bound model or
-    state is refused inside the block; over another (a student beside a bound teacher)
-    it steps as anywhere.
+    state is refused inside the block, as is one without `module=` (what its loss runs
+    cannot be told); one with `module=` another model (a student beside a bound teacher)
+    steps as anywhere.
 
     Args:
       model: the module whose `named_parameters()` / `named_buffers()` the state was

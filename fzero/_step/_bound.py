@@ -20,18 +20,28 @@ _OPEN: list[tuple[nn.Module, frozenset[int]]] = []
 @contextlib.contextmanager
 def bound(model: nn.Module, state: Any) -> Iterator[None]:
     """Within the block, `model` and `state` are bound (`bound_said` names them)."""
-    _OPEN.append((model, _tensors(state)))
+    entry = (model, _tensors(state))
+    _OPEN.append(entry)
     try:
         yield
     finally:
-        _OPEN.pop()
+        _OPEN.remove(entry)  # this block's, whatever order blocks end in
 
 
 def bound_said(module: nn.Module | None, state: Any, rank: int) -> str:
     """Why this rank refuses a step ("" if it does not): it runs inside a `bind` block over
-    its own model (`module=`, or one sharing a submodule with it) or its own state."""
+    its own model (`module=`, or one sharing a submodule with it) or its own state, or
+    without `module=`, where what its loss runs cannot be told from the bound model."""
     if not _OPEN:
         return ""
+    if module is None:
+        return (
+            f"fzero: rank {rank}: sharded_step without module= inside a `with fzero.bind"
+            f"(...)` block ({type(_OPEN[-1][0]).__name__}): fzero cannot tell whether its "
+            "loss runs the bound model, which would then run inside bind's forward (at "
+            "stage 3 without a gradient). Pass module= (the model the loss runs), or step "
+            "after the block"
+        )
     mine = _tensors(state)
     subs = {id(m) for m in module.modules()} if module is not None else set()
     for model, tensors in _OPEN:

@@ -47,8 +47,34 @@ def test_a_step_inside_a_bind_of_its_own_model_or_state_is_refused_on_every_rank
     # said the loss had written a parameter in place.
     for said in errors_on_every_rank(2, lambda mesh: step_inside(mesh, stage, hooks)):
         assert said.startswith("ValueError: fzero: rank "), said
-        assert "sharded_step inside a `with fzero.bind(...)` block" in said, said
-        assert ("over its own model and state" if hooks else "over its own state (") in said
+        if hooks:
+            assert "inside a `with fzero.bind(...)` block over its own model and state" in said
+        else:  # without module=, what the loss runs cannot be told: refused as such
+            assert "sharded_step without module= inside a `with fzero.bind" in said, said
+
+
+def step_beside_its_average(mesh: fzero.Mesh, stage: int) -> None:
+    """A step without module= inside a bind of the same model holding another state (a
+    moving average's): its loss ran on the average's weights, a third of the loss off."""
+    model = net(0)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = fzero.optim.sgd(lr=0.1)
+    state = fzero.shard_state(params, opt, mesh, stage=stage, units=["0"])
+    average = fzero.shard_state({k: v * 0.5 for k, v in params.items()}, opt, mesh, stage=stage)
+
+    def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).square().mean()
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, stage=stage)
+    with fzero.bind(model, average, mesh):
+        step(state, batch(mesh.rank))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_without_module_inside_a_bind_of_another_state_is_refused(stage: int) -> None:
+    for said in errors_on_every_rank(2, lambda mesh: step_beside_its_average(mesh, stage)):
+        assert "sharded_step without module= inside a `with fzero.bind" in said, said
 
 
 def distil(mesh: fzero.Mesh, stage: int) -> dict[str, torch.Tensor]:
