@@ -8,31 +8,35 @@ from collections.abc import Iterator
 
 from .._comm import PeerError, is_peer_failure
 
-# Per call: the promise every rank keeps in it, and the usual way one breaks it.
+# Per call: what a peer stops calling, and the promise every rank keeps in it.
 _KEPT = {
     "sharded_step": (
+        "step",
         "every rank must call it the same number of times: a rank without data this step "
-        "calls step(state, None)"
+        "calls step(state, None)",
     ),
     "sharded_forward": (
+        "forward",
         "every rank must call it the same number of times: a rank without data calls "
-        "forward(state, None)"
+        "forward(state, None)",
     ),
     "bind": (
+        "the bound model",
         "every rank must make the same unit calls inside the block: a rank whose "
         "generation ended keeps running the model until every rank's has "
-        "(model.generate(..., synced_gpus=True))"
+        "(model.generate(..., synced_gpus=True))",
     ),
 }
 
 
 def stalled(exc: BaseException, where: str, rank: int, step: int | None = None) -> RuntimeError:
     """A collective inside `where` (a key of `_KEPT`) failed: say what usually causes it."""
-    at = f"step {step}: " if step is not None else ""
+    at = f"step {step}: " if step is not None else f"{where}: "
+    what, kept = _KEPT[where]
     return RuntimeError(
-        f"rank {rank}: {where}: {at}a collective failed or timed out ({exc}). Usually a "
-        f"peer fell out of step ({_KEPT[where]}), died, or took longer than the process "
-        "group's timeout"
+        f"rank {rank}: {at}a collective failed or timed out ({exc}). Usually a peer "
+        f"stopped calling {what} ({kept}), died, or took longer than the process group's "
+        "timeout"
     )
 
 
