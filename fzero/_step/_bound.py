@@ -43,7 +43,7 @@ def bound_said(module: nn.Module | None, state: Any, rank: int) -> str:
             "after the block"
         )
     mine = _tensors(state)
-    subs = {id(m) for m in module.modules()} if module is not None else set()
+    subs = {id(m) for m in module.modules()}
     for model, tensors in _OPEN:
         hit = [("model", any(id(m) in subs for m in model.modules())), ("state", tensors & mine)]
         own = " and ".join(what for what, found in hit if found)
