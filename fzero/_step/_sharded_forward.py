@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import _comm
-from .._comm import Mesh, PeerError, is_peer_failure, published
+from .._comm import Mesh
 from .._core import PyTree, Stage, gathers_to_compute, stage_of, unaliased
 from .._engine import (
     CallCheck,
@@ -145,18 +145,9 @@ def sharded_forward(
         casts = forward_casts(forwarder.module, forwarder.hooked(state), state.precision)
         kept = restored(forwarder.cache.shared_slots(forwarder.module, state.buffers))
         with collector_paused(), torch.no_grad(), casts, kept:
-            try:
-                ran = compiled.last if batch is None else batch
-                out, _, called, _ = compiled(leaves, fulls, ran, buffers)
-            except RuntimeError as exc:
-                if isinstance(exc, PeerError) or not is_peer_failure(exc):
-                    raise
-                # The graph's gathers wait where a peer's published failure cannot be
-                # seen: it is what ended the wait, if there is one.
-                peer = published()
-                if peer is None:
-                    raise
-                raise peer from exc
+            # A wait that ends in a peer's failure is said by `forward`'s `said_stalled`.
+            ran = compiled.last if batch is None else batch
+            out, _, called, _ = compiled(leaves, fulls, ran, buffers)
         error = None
         try:
             if compiled.hooks is not None:

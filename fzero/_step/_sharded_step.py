@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import _comm
-from .._comm import Mesh, PeerError, QuantizedComm, is_peer_failure, published
+from .._comm import Mesh, QuantizedComm
 from .._core import LossFn, UnitSpec, differentiating
 from .._engine import (
     Context,
@@ -56,7 +56,7 @@ from ._loss_weights import Weighed
 from ._micro_batches import micro_batches
 from ._norm_dtypes import norm_dtypes_named
 from ._options import StepOptions, check_step_state, step_options
-from ._stalls import stalled
+from ._stalls import said_stalled
 from ._unused import say_unused
 
 Step = Callable[[ShardedState, Any], tuple[ShardedState, Any]]
@@ -225,7 +225,8 @@ def sharded_step(
             )
             # A rank without data runs a batch of its own again (`stand_in`), if it has one.
             agree_present(micro, mesh, stands_in(compiled, micro))
-        try:
+        # A collective that fails or times out is said as a peer's failure or a stall.
+        with said_stalled("sharded_step", mesh.rank, state.step):
             # Compiled, no gradient is handed over during the backward (it is the graph's).
             overlap = compiled is None and _may_overlap(o, cache, state, ctx)
             thread = cache.host_thread() if overlap else None
@@ -246,15 +247,6 @@ def sharded_step(
                     fn, weighed, optimizer, o, ctx, state, micro, cache.order, thread, compiled,
                     used,
                 )  # fmt: skip
-        except RuntimeError as exc:
-            if isinstance(exc, PeerError) or not is_peer_failure(exc):
-                raise
-            # A compiled graph's collectives wait inside the graph, where a peer's
-            # published failure cannot be seen: it is what ended the wait, if there is one.
-            peer = published()
-            if peer is not None:
-                raise peer from exc
-            raise stalled(exc, "sharded_step", mesh.rank, state.step) from exc
         cache.pool.reclaim()
         cache.micro, cache.order = len(micro), out.order
         if used is not None and out.tally.weight != 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .._comm import PeerError, is_peer_failure
+from .._comm import PeerError, is_peer_failure, published
 
 # Per call: what a peer stops calling, and the promise every rank keeps in it.
 _KEPT = {
@@ -41,12 +41,17 @@ def stalled(exc: BaseException, where: str, rank: int, step: int | None = None) 
 
 
 @contextlib.contextmanager
-def said_stalled(where: str, rank: int) -> Iterator[None]:
+def said_stalled(where: str, rank: int, step: int | None = None) -> Iterator[None]:
     """Within the block, a collective's own failure (not a peer's published one) is raised
-    as `stalled`'s RuntimeError, from it."""
+    as a peer's published failure if there is one, else as `stalled`'s RuntimeError."""
     try:
         yield
     except RuntimeError as exc:
         if isinstance(exc, PeerError) or not is_peer_failure(exc):
             raise
-        raise stalled(exc, where, rank) from exc
+        # A compiled graph's collectives wait inside the graph, where a peer's published
+        # failure cannot be seen: it is what ended the wait, if there is one.
+        peer = published()
+        if peer is not None:
+            raise peer from exc
+        raise stalled(exc, where, rank, step) from exc
