@@ -263,13 +263,14 @@ def to_mixed(
       layout, and the full-precision values kept as masters (None if none are needed).
     """
     full_like = meta_like(layout) if stage.shards_params else params
-    computed = full_like
+    # From the full values: a gather dtype rounds the masters straight, as every later
+    # gather does (through the compute dtype first would round twice).
+    cast = compute_params(full_like, precision, stage, layout.frozen)
     if compute is not None and precision.param_dtype is None:
-        leaves, treedef = tree_flatten(full_like)
-        computed = tree_unflatten(
+        leaves, treedef = tree_flatten(cast)
+        cast = tree_unflatten(
             treedef, [x.to(d) if x.is_floating_point() else x for x, d in zip(leaves, compute)]
         )
-    cast = compute_params(computed, precision, stage, layout.frozen)
     lay = build_layout(cast, layout.world_size, layout.kind, layout.specs, list(layout.frozen))
     if not needs_master(precision, lay, stage):
         return params, layout, None
