@@ -3,9 +3,9 @@
 `ShardedState` and `shard_state` (`_shard_state`, the `init` of every stage), the
 ranks' agreement on its layout (`_agree_layout`), deferred initialization from
 initializers or files (`_deferred`, `_initializers`), mixed precision's masters and
-casts (`_precision`), offload's placement off the device (`_offload`, `_spill`), the
-dynamic loss scaler (`_loss_scale`) and the record of states a donating step consumed
-(`_donation`).
+casts (`_precision`), full-precision values made a mixed state (`_mixed`), offload's
+placement off the device (`_offload`, `_spill`), the dynamic loss scaler
+(`_loss_scale`) and the record of states a donating step consumed (`_donation`).
 
 Contract: a state is an immutable pytree (`dataclasses.replace` makes the next one); the
 functions here build, check and convert states but never step them. Imports
@@ -27,6 +27,11 @@ from ._initializers import ValuesInit as ValuesInit
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
 from ._loss_scale import unscale_ as unscale_
+from ._mixed import held_shards as held_shards
+from ._mixed import loading_layout as loading_layout
+from ._mixed import meta_like as meta_like
+from ._mixed import retyped as retyped
+from ._mixed import to_mixed as to_mixed
 from ._offload import Offload as Offload
 from ._offload import Placement as Placement
 from ._offload import check_offload as check_offload
@@ -39,10 +44,8 @@ from ._offload import place as place
 from ._precision import Precision as Precision
 from ._precision import cast_params as cast_params
 from ._precision import gathered_masters as gathered_masters
-from ._precision import held_shards as held_shards
 from ._precision import master_params as master_params
-from ._precision import meta_like as meta_like
-from ._precision import to_mixed as to_mixed
+from ._precision import through_gather as through_gather
 from ._precision import update_dtypes as update_dtypes
 from ._shard_state import ShardedState as ShardedState
 from ._shard_state import init_optimizer as init_optimizer

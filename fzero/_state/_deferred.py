@@ -3,6 +3,8 @@ to agree across ranks (values are made on every rank, never broadcast)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .. import _comm
@@ -19,10 +21,13 @@ def materialize(
     stage: Stage,
     buffers: PyTree,
     precision: Precision | None,
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], PyTree]:
     """This rank's bucket buffers (its slices at stage 3, else full) and `buffers`, with
     the values `init` makes; buffers not on the meta device are kept as given, unless
-    the init reads them from a file that holds them.
+    the init reads them from a file that holds them. `dtypes`, per leaf, what `init` makes
+    the values in where the buckets hold another (a bf16 model's fp32 masters); None: the
+    layout's.
 
     Collective: raises on every rank if any rank's init failed, made other values than
     rank 0's, or made values that overflow the precision's dtypes.
@@ -30,7 +35,7 @@ def materialize(
     rank, error, digests = mesh.shard_rank, None, {}
     flats: tuple[torch.Tensor, ...] = ()
     try:
-        flats, buffers, digests = _fill(init, layout, rank, stage.shards_params, buffers)
+        flats, buffers, digests = _fill(init, layout, rank, stage.shards_params, buffers, dtypes)
         if precision is not None:
             values = _leaf_values(flats, layout, rank, stage)
             check_castable(values, precision.param_dtype, rank, "param_dtype")
@@ -58,7 +63,12 @@ def check_init(params: PyTree, init: Init | None) -> None:
 
 
 def _fill(
-    init: Init, layout: ShardLayout, rank: int, sharded: bool, buffers: PyTree
+    init: Init,
+    layout: ShardLayout,
+    rank: int,
+    sharded: bool,
+    buffers: PyTree,
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], PyTree, dict[str, str]]:
     """This rank's bucket buffers (its slices if `sharded`, else full) and `buffers`, with
     the values `init` makes. Buffers that are not on the meta device are kept as given,
@@ -82,7 +92,7 @@ def _fill(
         flats.append(out)
     likes = {
         p: torch.empty(shape, dtype=dtype, device="meta")
-        for p, shape, dtype in zip(layout.paths, layout.shapes, layout.dtypes)
+        for p, shape, dtype in zip(layout.paths, layout.shapes, dtypes or layout.dtypes)
     }
     held = None
     if buffers is not None:

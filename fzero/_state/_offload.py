@@ -21,6 +21,7 @@ from .._comm import Mesh
 from .._core import ShardLayout, Shards, device_of, stage_of
 from ..optim import Optimizer
 from ..optim._pieces import assemble, by_piece, pieces_spec, walk
+from ._precision import through_gather
 from ._spill import Spill
 
 TIERS = ("host", "disk")
@@ -238,9 +239,10 @@ def place(state: Any, offload: Offload, mesh: Mesh, optimizer: Optimizer | None 
             m, dtype = new_master[k], lay.buckets[k].dtype
             if offload.params:  # a disk master is paged out after its update: copied
                 shared = m.dtype == dtype and spill is None
-                bufs[k] = m if shared else _pinned(m.to(dtype, copy=True), on_gpu)
+                copy = through_gather(m, dtype, state.precision)
+                bufs[k] = m if shared else _pinned(copy, on_gpu)
             elif bufs[k] is master.buffers[k] or bufs[k].dtype != dtype:
-                bufs[k] = master.buffers[k].to(dtype, copy=True)
+                bufs[k] = through_gather(master.buffers[k], dtype, state.precision)
         params = Shards(tuple(bufs), lay, rank)
     placement = Placement(offload, buckets, spill, regions, device)
     placement.release_all()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +15,6 @@ from .._core import (
     ShardLayout,
     Shards,
     Stage,
-    build_layout,
     cut,
     device_of,
     gathers_to_compute,
@@ -170,32 +169,6 @@ def compute_params(
     )
 
 
-def master_layout(
-    layout: ShardLayout, original: PyTree, master_dtype: torch.dtype | None
-) -> tuple[ShardLayout, PyTree]:
-    """The layout of the master copies and the original leaves in their dtypes.
-
-    Same buckets, slots and padding as `layout` (built on the compute dtype), with each
-    bucket's dtype the master dtype, so a master shard and a parameter shard line up
-    element for element.
-    """
-    leaves = tree_flatten(original)[0]
-    per_leaf: list[Any] = list(layout.dtypes)
-    buckets = []
-    for b in layout.buckets:
-        dtype = master_dtype
-        if dtype is None:
-            dtype = b.dtype
-            for s in b.slots:
-                dtype = torch.promote_types(dtype, leaves[s.index].dtype)
-        for s in b.slots:
-            per_leaf[s.index] = dtype
-        buckets.append(replace(b, dtype=dtype))
-    lay = replace(layout, buckets=tuple(buckets), dtypes=tuple(per_leaf))
-    cast = tree_unflatten(layout.treedef, [x.detach().to(d) for x, d in zip(leaves, per_leaf)])
-    return lay, cast
-
-
 def needs_master(precision: Precision | None, layout: ShardLayout, stage: Stage) -> bool:
     """Whether the parameters the loss sees are rounded copies of what the optimizer keeps."""
     if precision is None:
@@ -225,74 +198,17 @@ def update_dtypes(state: Any) -> list[torch.dtype | None]:
     return [None if b.frozen else dtypes[b.ordered[0].path] for b in lay.buckets]
 
 
-def held_shards(buffers: tuple[torch.Tensor, ...], master: Shards, layout: ShardLayout) -> Shards:
-    """Stage 3's parameters under mixed precision: each trainable bucket's shard is its
-    master itself, held once at full precision and cast to the layout's (compute) dtype
-    as it is gathered (FSDP2's cast at the all-gather): no second, compute-dtype copy.
-    Frozen buckets have no master: theirs from `buffers`, in the compute dtype."""
-    bufs = tuple(x if b.frozen else m for x, m, b in zip(buffers, master.buffers, layout.buckets))
-    return Shards(bufs, layout, master.rank)
-
-
-def meta_like(layout: ShardLayout) -> PyTree:
-    """Meta tensors of the layout's leaves: their shapes and dtypes, no values."""
-    leaves = [torch.empty(s, dtype=d, device="meta") for s, d in zip(layout.shapes, layout.dtypes)]
-    return tree_unflatten(layout.treedef, leaves)
-
-
-def to_mixed(
-    params: PyTree,
-    layout: ShardLayout,
-    stage: Stage,
-    precision: Precision,
-    rank: int,
-    compute: Sequence[torch.dtype] | None = None,
-) -> tuple[PyTree, ShardLayout, PyTree]:
-    """Full-precision parameters as `shard_state(..., precision=)` holds them.
-
-    Args:
-      params: what a rank holds at full precision under `layout`: the tree (stages 0-2)
-        or its `Shards` (stage 3), e.g. loaded from a checkpoint or materialized by an init.
-      layout, stage, precision, rank: theirs.
-      compute: per leaf, the dtype the parameters compute in where `precision` names
-        no `param_dtype` (a bfloat16 model saved with float32 masters: `params_like`'s
-        dtypes); None: the loaded ones.
-
-    Returns:
-      `(params, layout, master)`: the parameters cast to the compute dtype and their
-      layout, and the full-precision values kept as masters (None if none are needed).
-    """
-    full_like = meta_like(layout) if stage.shards_params else params
-    # From the full values: a gather dtype rounds the masters straight, as every later
-    # gather does (through the compute dtype first would round twice).
-    cast = compute_params(full_like, precision, stage, layout.frozen)
-    if compute is not None and precision.param_dtype is None:
-        leaves, treedef = tree_flatten(cast)
-        cast = tree_unflatten(
-            treedef, [x.to(d) if x.is_floating_point() else x for x, d in zip(leaves, compute)]
-        )
-    lay = build_layout(cast, layout.world_size, layout.kind, layout.specs, list(layout.frozen))
-    if not needs_master(precision, lay, stage):
-        return params, layout, None
-    mlay, full32 = master_layout(lay, full_like, precision.master_dtype)
-    if stage.shards_params:
-        master: PyTree = Shards(
-            tuple(
-                x.new_empty(0) if b.frozen else x.to(m.dtype)
-                for x, b, m in zip(params.buffers, lay.buckets, mlay.buckets)
-            ),
-            mlay,
-            rank,
-        )
-        frozen = tuple(
-            x.to(b.dtype) if b.frozen else x.new_empty(0)  # the others: their masters
-            for x, b in zip(params.buffers, lay.buckets)
-        )
-        return held_shards(frozen, master, lay), lay, master
-    trainable = mlay.trainable(mlay.unflatten(mlay.flatten(full32)))
-    if stage.shards_optimizer:
-        trainable = Shards(mlay.shard(trainable, rank), mlay, rank)
-    return lay.unflatten(lay.flatten(cast)), lay, trainable
+def through_gather(
+    master: torch.Tensor, dtype: torch.dtype, precision: Precision | None
+) -> torch.Tensor:
+    """A stage-3 master shard as a copy kept beside it in `dtype` (offload's, on the
+    device or the host) must hold it: rounded through `gather_dtype` first where the
+    precision names another, so that the copy gathers to what the master itself would
+    (straight to the gather dtype; through `dtype` first would round twice). A copy."""
+    gather = None if precision is None else precision.gather_dtype
+    if gather is not None and gather != dtype and master.dtype != gather:
+        return master.to(gather).to(dtype)
+    return master.to(dtype, copy=True)
 
 
 def _sends(state: Any, mesh: Any = None) -> bool:

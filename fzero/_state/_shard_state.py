@@ -36,6 +36,7 @@ from ._deferred import check_init, materialize
 from ._frozen import frozen_leaves
 from ._initializers import Init
 from ._loss_scale import DynamicLossScale, LossScaleState
+from ._mixed import held_shards, loading_layout, master_layout, to_mixed
 from ._offload import Offload, Placement, check_offload, place
 from ._precision import (
     Precision,
@@ -43,10 +44,7 @@ from ._precision import (
     check_castable,
     compute_params,
     gathered_leaves,
-    held_shards,
-    master_layout,
     needs_master,
-    to_mixed,
 )
 
 
@@ -339,12 +337,15 @@ def _from_init(
     """shard_state's body when values come from `init` (made in place, never broadcast);
     without its optimizer state if not `with_optimizer` (offload makes it)."""
     rank = mesh.shard_rank
-    flats, buffers = materialize(init, lay, mesh, stage, buffers, precision)
+    model = list(lay.dtypes)  # the values are made in them; without param_dtype, computed in
+    if precision is not None:  # packed in the buckets `to_mixed` makes, in the masters' dtypes
+        lay = loading_layout(lay, stage, precision, model)
+    flats, buffers = materialize(init, lay, mesh, stage, buffers, precision, model)
     held: PyTree = Shards(flats, lay, rank) if stage.shards_params else lay.unflatten(flats)
     opt_state = init_optimizer(held, optimizer, stage, lay, rank, None) if with_optimizer else None
     master = None
     if precision is not None:  # the made values become the masters, as a loaded checkpoint's
-        held, lay, master = to_mixed(held, lay, stage, precision, rank)
+        held, lay, master = to_mixed(held, lay, stage, precision, rank, model)
     state_buffers = replicate_buffers(buffers, mesh, "shard_state")
     if state_buffers is not None and precision is not None:
         state_buffers = cast_params(state_buffers, precision.buffer_dtype)

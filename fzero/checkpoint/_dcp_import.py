@@ -127,7 +127,9 @@ def import_dcp(
       mesh: the mesh.
       params_like: the parameter tree, `dict(model.named_parameters())` (meta tensors
         will do): its paths are the checkpoint's keys for the weights, and its shapes
-        must be the saved ones. The weights keep the checkpoint's dtype.
+        must be the saved ones. The weights keep the checkpoint's dtype; under a
+        `precision`, the wider of it and the model's (an fp32 weight of a bf16 leaf is
+        its master), the parameters computing in the model's dtypes.
       stage: the ZeRO stage (0-3).
       optimizer_key: the key the optimizer state was saved under ("optim" above;
         torchtitan: "optimizer"); a key the checkpoint holds nothing under is refused.
@@ -160,8 +162,12 @@ def import_dcp(
             raise CheckpointError(f"{where} failed: the ranks see different checkpoints")
         assert files is not None
         try:
+            masters = precision is not None
             lay, src, count = _source(files, optimizer, mesh, params_like, optimizer_key,
-                                      layout, units, frozen, step)  # fmt: skip
+                                      layout, units, frozen, step, masters)  # fmt: skip
+            # The dtypes the parameters compute in where `precision` names none.
+            given = tree_flatten(params_like)[0]
+            compute = [getattr(g, "dtype", d) for g, d in zip(given, lay.dtypes)]
             dev = mesh.device if device is None else torch.device(device)
 
             def buffer(path: str) -> torch.Tensor | None:
@@ -170,7 +176,7 @@ def import_dcp(
             state = resume(
                 src, lay, optimizer, spec, mesh, count, dev, "checkpoint.import_dcp",
                 precision=precision, offload=offload,
-                extras=extras(buffers, buffer, loss_scale, dev),
+                extras=extras(buffers, buffer, loss_scale, dev), compute=compute,
             )  # fmt: skip
         except Exception as exc:
             error = exc
@@ -208,9 +214,11 @@ def _source(
     units: Any,
     frozen: Any,
     step: int | None,
+    masters: bool = False,
 ) -> tuple[ShardLayout, DcpSource, int]:
     """The layout, the checkpoint as a source and the step count; only the 0-d values
-    (steps) are read here."""
+    (steps) are read here. Where a precision may keep `masters`, a weight is read in the
+    wider of its saved dtype and the model's."""
     paths = leaf_paths(params_like)
     leaves = []
     for path, given in zip(paths, tree_flatten(params_like)[0]):
@@ -224,7 +232,10 @@ def _source(
             raise CheckpointError(
                 f"weight {path!r} is saved as {tuple(saved.shape)}, the model's is {tuple(shape)}"
             )
-        leaves.append(torch.empty(saved.shape, dtype=saved.dtype, device="meta"))
+        dtype, mine = saved.dtype, getattr(given, "dtype", None)
+        if masters and mine is not None and mine.is_floating_point and dtype.is_floating_point:
+            dtype = torch.promote_types(mine, dtype)
+        leaves.append(torch.empty(saved.shape, dtype=dtype, device="meta"))
     params = tree_unflatten(tree_flatten(params_like)[1], leaves)
     # Frozen as the model's parameters say (their requires_grad), not the meta stand-ins.
     lay = build_layout(params, mesh.shard_size, layout, units, frozen_leaves(params_like, frozen))

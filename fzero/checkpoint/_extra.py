@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from .._comm import Mesh
-from .._core import PyTree, Shards, build_layout, leaf_paths, stage_of, tree_flatten, tree_unflatten
+from .._core import PyTree, Shards, leaf_paths, stage_of, tree_flatten, tree_unflatten
 from .._state import (
     DynamicLossScale,
     LossScaleState,
     Precision,
     ShardedState,
     gathered_masters,
+    retyped,
 )
 from .._state import to_mixed as mixed
 from ._schema import CheckpointError
@@ -47,24 +48,21 @@ def full_precision(state: ShardedState, mesh: Mesh) -> ShardedState:
         params = Shards(bufs, lay, mesh.shard_rank)
         return ShardedState(params, state.opt_state, state.step, lay, state.stage, state.buffers)
     dtypes = _saved_dtypes(state)
+    # The state's own buckets in the saved dtypes (not a layout built again from them,
+    # which would merge a unit's bf16 and fp32 buckets whose masters are both fp32): the
+    # optimizer state lines up with them.
+    flay = retyped(lay, dtypes)
     if stage_of(state.stage).shards_params:
-        mlay = state.master.layout
-        saved = tree_unflatten(
-            lay.treedef,
-            [torch.empty(s, dtype=d, device="meta") for s, d in zip(lay.shapes, dtypes)],
-        )
-        flay = build_layout(saved, mesh.shard_size, lay.kind, lay.specs, list(lay.frozen))
         bufs = tuple(
             p.to(f.dtype) if b.frozen else m
             for p, m, b, f in zip(
-                state.params.buffers, state.master.buffers, mlay.buckets, flay.buckets
+                state.params.buffers, state.master.buffers, lay.buckets, flay.buckets, strict=True
             )
         )
         params: PyTree = Shards(bufs, flay, mesh.shard_rank)
     else:
         leaves = lay.leaves(gathered_masters(state, mesh))
         full = tree_unflatten(lay.treedef, [x.to(d) for x, d in zip(leaves, dtypes)])
-        flay = build_layout(full, mesh.shard_size, lay.kind, lay.specs, list(lay.frozen))
         params = flay.unflatten(flay.flatten(full))
     return ShardedState(params, state.opt_state, state.step, flay, state.stage, state.buffers)
 

@@ -75,14 +75,20 @@ class DictSource:
         return (e.node, e.sub)
 
 
-def _as_given(path: str, value: torch.Tensor, given: Any) -> torch.Tensor:
-    """`value` in the dtype of the model's leaf `given`, whose shape it must have."""
+def _as_given(path: str, value: torch.Tensor, given: Any, masters: bool) -> torch.Tensor:
+    """`value` in the dtype of the model's leaf `given`, whose shape it must have; where
+    a precision may keep `masters`, in the wider of the two (an fp32 value of a bf16 leaf
+    is its master, not rounded: `to_mixed` makes the compute copy)."""
     shape, dtype = getattr(given, "shape", None), getattr(given, "dtype", None)
     if shape is not None and tuple(shape) != tuple(value.shape):
         raise CheckpointError(
             f"model_state_dict's {path!r} is {tuple(value.shape)}, the model's is {tuple(shape)}"
         )
-    return value if dtype is None else value.to(dtype)
+    if dtype is None:
+        return value
+    if masters and dtype.is_floating_point and value.is_floating_point():
+        return value.to(torch.promote_types(dtype, value.dtype))
+    return value.to(dtype)
 
 
 @_comm.collective("checkpoint.import_torch")
@@ -167,8 +173,12 @@ def import_torch(
                 f"model_state_dict does not match the parameters: missing {missing[:5]}"
             )
         leaves = [model_state_dict[p].detach() for p in paths]
+        compute = None  # the dtypes the parameters compute in where precision names none
         if params_like is not None:
-            leaves = [_as_given(p, x, g) for p, x, g in zip(paths, leaves, tree_flatten(like)[0])]
+            given = tree_flatten(like)[0]
+            masters = precision is not None
+            leaves = [_as_given(p, x, g, masters) for p, x, g in zip(paths, leaves, given)]
+            compute = [getattr(g, "dtype", x.dtype) for g, x in zip(given, leaves)]
         params = tree_unflatten(tree_flatten(like)[1], leaves)
         # Frozen from `params_like`'s requires_grad where given (the state dict's values
         # are detached), as import_dcp and load read them.
@@ -183,7 +193,7 @@ def import_torch(
         state = resume(
             src, lay, optimizer, spec, mesh, saved.count if step is None else step, dev,
             "checkpoint.import_torch", precision=precision, offload=offload,
-            extras=extras(buffers, read, loss_scale, dev),
+            extras=extras(buffers, read, loss_scale, dev), compute=compute,
         )  # fmt: skip
     except Exception as exc:
         error = exc

@@ -385,6 +385,50 @@ def test_mixed_precision_with_a_skipped_step_offloaded(
             assert not torch.equal(masters[k], ref["start"][k]), k
 
 
+def seen_through_fp16(mesh: fzero.Mesh, xs: Any, ys: Any, offload: Any) -> list[list[str]]:
+    """Stage 3, bf16 compute, fp16 travel, offloaded: per step, the leaves the loss saw
+    other than the masters rounded straight to fp16, then to bf16."""
+    torch.manual_seed(0)
+    model = Net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    prec = fzero.Precision(param_dtype=BF16, gather_dtype=FP16)
+    opt, kw = fzero.optim.adam(lr=0.01), dict(stage=3, units=UNITS)
+    state = fzero.shard_state(params, opt, mesh, precision=prec, offload=offload, **kw)
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def loss_fn(p: dict, batch: Any) -> torch.Tensor:
+        seen.append({k: v.detach().clone() for k, v in p.items()})
+        return make_loss(model, BF16)(p, batch)
+
+    step = fzero.sharded_step(loss_fn, opt, mesh, **kw)
+    off = []
+    for t in range(xs.shape[0]):
+        masters = fzero.master_params(state, mesh)
+        state, _ = step(state, (xs[t, mesh.rank], ys[t, mesh.rank]))
+        want = {k: m.to(FP16).to(BF16) for k, m in masters.items()}
+        off.append([k for k in want if not torch.equal(seen[t][k], want[k])])
+    assert fzero._core._tree.max_abs_diff(fzero.master_params(state, mesh), params) > 1e-3
+    return off
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("tier, params", [("host", False), ("disk", False), ("host", True)])
+def test_an_offloaded_stage_3_copy_gathers_through_the_gather_dtype_once(
+    tier: str, params: bool, tmp_path: Path
+) -> None:
+    """The device copy (or host shard) beside an offloaded master was held in bf16 and
+    gathered through fp16: master -> bf16 -> fp16 -> bf16, where without offload the
+    gather rounds the master to fp16 straight (found by a fuzzer: offloaded training
+    parted from the device's)."""
+    xs, ys = data(2, 3)
+    offload = fzero.Offload(
+        tier, directory=str(tmp_path) if tier == "disk" else None, params=params
+    )
+    for off in run(2, seen_through_fp16, xs, ys, offload):
+        assert off == [[], [], []]
+
+
 def train_accumulating(mesh: fzero.Mesh, xs: Any, ys: Any, offload: Any) -> Any:
     """Stage 3 in bfloat16 over float32 masters, one rank accumulating locally each
     step's micro-batches (the reference's "ranks"); the masters after each step."""
