@@ -27,8 +27,8 @@ from ._initializers import ValuesInit as ValuesInit
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
 from ._loss_scale import unscale_ as unscale_
+from ._mixed import full_precision_layout as full_precision_layout
 from ._mixed import held_shards as held_shards
-from ._mixed import loading_layout as loading_layout
 from ._mixed import meta_like as meta_like
 from ._mixed import retyped as retyped
 from ._mixed import to_mixed as to_mixed
@@ -43,9 +43,9 @@ from ._offload import piece_buckets as piece_buckets
 from ._offload import place as place
 from ._precision import Precision as Precision
 from ._precision import cast_params as cast_params
+from ._precision import gather_rounded as gather_rounded
 from ._precision import gathered_masters as gathered_masters
 from ._precision import master_params as master_params
-from ._precision import through_gather as through_gather
 from ._precision import update_dtypes as update_dtypes
 from ._shard_state import ShardedState as ShardedState
 from ._shard_state import init_optimizer as init_optimizer

@@ -45,10 +45,14 @@ def master_layout(
 
 
 def retyped(layout: ShardLayout, dtypes: Sequence[torch.dtype]) -> ShardLayout:
-    """`layout`'s buckets, slots and padding with each leaf in `dtypes` (one per bucket):
-    what copies of its leaves in other dtypes line up with, element for element. A mixed
-    state's masters, and its checkpoints, keep the buckets its compute dtypes made: a unit
-    whose bf16 and fp32 leaves share one master dtype still holds two."""
+    """`layout`'s buckets, slots and padding with each leaf in `dtypes` (per leaf, alike
+    within a bucket): what copies of its leaves in other dtypes line up with, element for
+    element. A mixed state's masters, and its checkpoints, keep the buckets its compute
+    dtypes made: a unit whose bf16 and fp32 leaves share one master dtype still holds
+    two."""
+    assert len(dtypes) == len(layout.dtypes), (len(dtypes), len(layout.dtypes))
+    for b in layout.buckets:
+        assert len({dtypes[s.index] for s in b.slots}) == 1, [s.path for s in b.slots]
     buckets = tuple(replace(b, dtype=dtypes[b.slots[0].index]) for b in layout.buckets)
     return replace(layout, buckets=buckets, dtypes=tuple(dtypes))
 
@@ -115,7 +119,7 @@ def to_mixed(
     return lay.unflatten(lay.flatten(cast)), lay, trainable
 
 
-def loading_layout(
+def full_precision_layout(
     layout: ShardLayout,
     stage: Stage,
     precision: Precision,

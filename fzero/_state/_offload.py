@@ -21,7 +21,7 @@ from .._comm import Mesh
 from .._core import ShardLayout, Shards, device_of, stage_of
 from ..optim import Optimizer
 from ..optim._pieces import assemble, by_piece, pieces_spec, walk
-from ._precision import through_gather
+from ._precision import gather_rounded
 from ._spill import Spill
 
 TIERS = ("host", "disk")
@@ -237,12 +237,15 @@ def place(state: Any, offload: Offload, mesh: Mesh, optimizer: Optimizer | None 
             device = next((b.device for b in bufs if b.numel()), bufs[0].device)
         for k in buckets:
             m, dtype = new_master[k], lay.buckets[k].dtype
+            # A copy holds what a gather of its master delivers (`gather_rounded`).
             if offload.params:  # a disk master is paged out after its update: copied
-                shared = m.dtype == dtype and spill is None
-                copy = through_gather(m, dtype, state.precision)
-                bufs[k] = m if shared else _pinned(copy, on_gpu)
+                if m.dtype != dtype or spill is not None:
+                    copy = gather_rounded(m, dtype, state.precision).to(dtype, copy=True)
+                    m = _pinned(copy, on_gpu)
+                bufs[k] = m
             elif bufs[k] is master.buffers[k] or bufs[k].dtype != dtype:
-                bufs[k] = through_gather(master.buffers[k], dtype, state.precision)
+                source = gather_rounded(master.buffers[k], dtype, state.precision)
+                bufs[k] = source.to(dtype, copy=True)
         params = Shards(tuple(bufs), lay, rank)
     placement = Placement(offload, buckets, spill, regions, device)
     placement.release_all()

@@ -163,7 +163,9 @@ def compute_params(
     return tree_unflatten(
         treedef,
         [
-            m.detach().to(gather).to(x.dtype) if x.is_floating_point() and not f else x
+            gather_rounded(m.detach(), x.dtype, precision).to(x.dtype)
+            if x.is_floating_point() and not f
+            else x
             for m, x, f in zip(tree_flatten(params)[0], leaves, frozen)
         ],
     )
@@ -198,17 +200,17 @@ def update_dtypes(state: Any) -> list[torch.dtype | None]:
     return [None if b.frozen else dtypes[b.ordered[0].path] for b in lay.buckets]
 
 
-def through_gather(
+def gather_rounded(
     master: torch.Tensor, dtype: torch.dtype, precision: Precision | None
 ) -> torch.Tensor:
-    """A stage-3 master shard as a copy kept beside it in `dtype` (offload's, on the
-    device or the host) must hold it: rounded through `gather_dtype` first where the
-    precision names another, so that the copy gathers to what the master itself would
-    (straight to the gather dtype; through `dtype` first would round twice). A copy."""
+    """What a copy of `master` in `dtype` is taken from so that it holds what a gather
+    of the master delivers: the master rounded to `gather_dtype` where the precision
+    names one other than `dtype` (then cast to `dtype`, not rounded twice through it),
+    else the master itself (no copy is made here)."""
     gather = None if precision is None else precision.gather_dtype
     if gather is not None and gather != dtype and master.dtype != gather:
-        return master.to(gather).to(dtype)
-    return master.to(dtype, copy=True)
+        return master.to(gather)
+    return master
 
 
 def _sends(state: Any, mesh: Any = None) -> bool:

@@ -36,7 +36,7 @@ from ._deferred import check_init, materialize
 from ._frozen import frozen_leaves
 from ._initializers import Init
 from ._loss_scale import DynamicLossScale, LossScaleState
-from ._mixed import held_shards, loading_layout, master_layout, to_mixed
+from ._mixed import full_precision_layout, held_shards, master_layout, to_mixed
 from ._offload import Offload, Placement, check_offload, place
 from ._precision import (
     Precision,
@@ -339,7 +339,7 @@ def _from_init(
     rank = mesh.shard_rank
     model = list(lay.dtypes)  # the values are made in them; without param_dtype, computed in
     if precision is not None:  # packed in the buckets `to_mixed` makes, in the masters' dtypes
-        lay = loading_layout(lay, stage, precision, model)
+        lay = full_precision_layout(lay, stage, precision, model)
     flats, buffers = materialize(init, lay, mesh, stage, buffers, precision, model)
     held: PyTree = Shards(flats, lay, rank) if stage.shards_params else lay.unflatten(flats)
     opt_state = init_optimizer(held, optimizer, stage, lay, rank, None) if with_optimizer else None

@@ -42,15 +42,17 @@ def stalled(exc: BaseException, where: str, rank: int, step: int | None = None) 
 
 @contextlib.contextmanager
 def said_stalled(where: str, rank: int, step: int | None = None) -> Iterator[None]:
-    """Within the block, a collective's own failure (not a peer's published one) is raised
-    as a peer's published failure if there is one, else as `stalled`'s RuntimeError."""
+    """Within the block, a collective that fails or times out (other than a `PeerError`)
+    is raised as a peer's published failure if there is one, else as `stalled`'s
+    RuntimeError."""
     try:
         yield
     except RuntimeError as exc:
         if isinstance(exc, PeerError) or not is_peer_failure(exc):
             raise
         # A compiled graph's collectives wait inside the graph, where a peer's published
-        # failure cannot be seen: it is what ended the wait, if there is one.
+        # failure cannot be seen, and an eager wait may end before its poll looked: it is
+        # what ended the wait, if there is one.
         peer = published()
         if peer is not None:
             raise peer from exc

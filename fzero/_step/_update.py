@@ -22,7 +22,7 @@ from .._core import (
     tree_map,
 )
 from .._engine import gather_params_into
-from .._state import held_shards, params_apart, through_gather, unscale_
+from .._state import gather_rounded, held_shards, params_apart, unscale_
 from ..optim import Optimizer
 from ..optim._base import check_optimizer, check_slices
 from ..optim._context import ShardContext, grads_owned, shard_context
@@ -155,7 +155,7 @@ def on_device(k: int, master: torch.Tensor, state: Any, donate: bool) -> torch.T
             if state.offload.spill is None and held.dtype == master.dtype:
                 return master  # the host tier without Precision: the shard is the master
             if donate:
-                return held.copy_(through_gather(master, held.dtype, state.precision))
+                return held.copy_(gather_rounded(master, held.dtype, state.precision))
             return _cast_for(master, held.dtype, apart, state.precision)  # pinned for a GPU
         value = _cast_for(master, held.dtype, held.device, state.precision)
         if donate:
@@ -173,10 +173,10 @@ def _cast_for(
     """`master` cast to `dtype` on the host, into pinned memory when it goes to a GPU (the
     copy then runs on the device's stream while the host steps the next unit; torch's
     pinned allocator keeps the buffer until that copy is done). With `precision`, a
-    stage-3 shard's copy: rounded through the gather dtype (`through_gather`)."""
+    stage-3 shard's copy: what a gather of the master delivers (`gather_rounded`)."""
     pinned = device is not None and torch.device(device).type == "cuda"
     out = torch.empty(master.shape, dtype=dtype, device=master.device, pin_memory=pinned)
-    return out.copy_(master if precision is None else through_gather(master, dtype, precision))
+    return out.copy_(gather_rounded(master, dtype, precision))
 
 
 def streamer(

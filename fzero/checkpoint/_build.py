@@ -11,7 +11,7 @@ import torch
 from .. import _comm
 from .._comm import Mesh
 from .._core import Bucket, ShardLayout, Shards, Stage
-from .._state import Offload, Precision, ShardedState, loading_layout, place
+from .._state import Offload, Precision, ShardedState, full_precision_layout, place
 from ..optim import Optimizer
 from ..optim._base import check_slices
 from ._extra import to_mixed
@@ -141,7 +141,10 @@ def resume(
     """
     check_torch_keys(src.schema, optimizer)
     if precision is not None:  # the buckets `to_mixed` makes, in their masters' dtypes
-        layout = loading_layout(layout, stage, precision, compute)
+        # The loaded dtypes are the compute dtypes where none are given: said before the
+        # layout takes the masters' (to_mixed would read those).
+        compute = list(layout.dtypes) if compute is None else compute
+        layout = full_precision_layout(layout, stage, precision, compute)
     making = optimizer if offload is None else None
     state = build_state(src, layout, making, stage, mesh.shard_rank, step, device)
     if stage.shards_optimizer:  # after the state, whose misfit names the leaf

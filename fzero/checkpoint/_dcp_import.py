@@ -129,7 +129,7 @@ def import_dcp(
         will do): its paths are the checkpoint's keys for the weights, and its shapes
         must be the saved ones. The weights keep the checkpoint's dtype; under a
         `precision`, the wider of it and the model's (an fp32 weight of a bf16 leaf is
-        its master), the parameters computing in the model's dtypes.
+        its master), computing in the narrower.
       stage: the ZeRO stage (0-3).
       optimizer_key: the key the optimizer state was saved under ("optim" above;
         torchtitan: "optimizer"); a key the checkpoint holds nothing under is refused.
@@ -165,9 +165,8 @@ def import_dcp(
             masters = precision is not None
             lay, src, count = _source(files, optimizer, mesh, params_like, optimizer_key,
                                       layout, units, frozen, step, masters)  # fmt: skip
-            # The dtypes the parameters compute in where `precision` names none.
-            given = tree_flatten(params_like)[0]
-            compute = [getattr(g, "dtype", d) for g, d in zip(given, lay.dtypes)]
+            saved = [files.entries[path].dtype for path in lay.paths]
+            compute = [_computed_in(g, d) for g, d in zip(tree_flatten(params_like)[0], saved)]
             dev = mesh.device if device is None else torch.device(device)
 
             def buffer(path: str) -> torch.Tensor | None:
@@ -186,6 +185,16 @@ def import_dcp(
             files.close()
     assert state is not None
     return replicated(state, precision, mesh, "checkpoint.import_dcp")
+
+
+def _computed_in(given: Any, saved: torch.dtype) -> torch.dtype:
+    """Under a precision, the dtype a weight computes in: the checkpoint's, unless the
+    model's leaf is narrower (a bf16 leaf's fp32 master; a model built on meta in the
+    default fp32 still computes a bf16 checkpoint in bf16, over fp32 masters)."""
+    mine = getattr(given, "dtype", None)
+    if mine is None or not (mine.is_floating_point and saved.is_floating_point):
+        return saved
+    return saved if torch.promote_types(mine, saved) == mine else mine
 
 
 def _check_key(files: DcpFiles, key: str, weights: set[str]) -> None:

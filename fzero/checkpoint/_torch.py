@@ -136,7 +136,8 @@ def import_torch(
         `model_state_dict` itself (e.g. nested dicts and lists); its leaves that do not
         require grad, where others do, are frozen (`dict(model.named_parameters())`). As
         torch's `load_state_dict`, the state dict's tensors must have its shapes, and are
-        cast to its dtypes.
+        cast to its dtypes (under a `precision`, the parameters compute in them and a
+        wider value is kept as the master, unrounded).
       layout: "flat" or "tensor", as in `shard_state`.
       units: as in `shard_state`.
       frozen: as in `shard_state`.
@@ -149,7 +150,8 @@ def import_torch(
         (`dict(model.named_buffers())`): a buffer the state dict holds takes its value,
         cast to the given buffer's dtype; the others (non-persistent ones) keep theirs.
       precision, loss_scale, offload: as in `shard_state`: the state dict's values
-        become the fp32 masters under `precision`; the scaler starts afresh.
+        become the masters under `precision` (in the wider of their dtype and the
+        model's); the scaler starts afresh.
       param_names: each param group's parameter names, in the group's order, for a
         state dict whose groups do not name them (e.g. `[[n for n, p in decay],
         [n for n, p in no_decay]]`, as the torch optimizer was built).

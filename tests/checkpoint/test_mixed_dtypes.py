@@ -362,3 +362,41 @@ def test_a_precision_keeping_no_masters_loads_in_the_models_dtypes(
     for params, full in run(2, _no_masters, str(tmp_path / "ckpt"), stage):
         for k, v in wider().items():
             assert params[k].dtype == v.dtype and torch.equal(params[k], full[k].to(v.dtype)), k
+
+
+def _bf16_values_imported(mesh: fzero.Mesh, directory: str, stage: int) -> Any:
+    """A bf16 state dict imported without `params_like`, and a bf16 DCP checkpoint for
+    a model built on meta in fp32, both under `master_dtype=fp32`: what the loss sees."""
+    values = {k: v.bfloat16() for k, v in wider().items() if k != "c.w"}
+    opt = fzero.optim.adamw(lr=0.05)
+    kw: dict[str, Any] = {"stage": stage, "precision": MASTERS32}
+    fresh = {"state": {}, "param_groups": [{"params": [0, 1, 2]}]}  # a torch optimizer's
+    from_torch = ck.import_torch(values, fresh, opt, mesh, param_names=[list(values)], **kw)
+    meta = {k: torch.empty(v.shape, device="meta") for k, v in values.items()}
+    from_dcp = ck.import_dcp(directory, opt, mesh, meta, optimizer_key=None, **kw)
+    return [
+        (fzero.gather_params(s.params, mesh), fzero.master_params(s, mesh))
+        for s in (from_torch, from_dcp)
+    ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_values_imported_under_fp32_masters_compute_in_bf16(
+    tmp_path: Path, stage: int
+) -> None:
+    """Without a narrower `params_like`, the imports compute in the values' bf16 over
+    fp32 masters, as before they learnt to keep a wider value as the master (a reader
+    found import_torch then computing in fp32 with no masters)."""
+    import torch.distributed.checkpoint as dcp
+
+    values = {k: v.bfloat16() for k, v in wider().items() if k != "c.w"}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(values), checkpoint_id=str(tmp_path), no_dist=True)
+    for imported in run(2, _bf16_values_imported, str(tmp_path), stage):
+        for params, masters in imported:
+            for k, v in values.items():
+                assert params[k].dtype == torch.bfloat16 and torch.equal(params[k], v), k
+                assert masters[k].dtype == torch.float32 and torch.equal(masters[k], v.float())
