@@ -77,6 +77,7 @@ from ._entries import (
     cuts,
     entered_gather,
     jit_bursts,
+    joined,
 )
 from ._loss import kept_batch
 from ._options import GRAPH_BURST
@@ -388,9 +389,9 @@ class CompiledLoss:
         elif bare:
             return tuple(fulls[i] for i in run)
         elif self.stage.shards_optimizer:
-            out = Scatter.apply(a, *shards, *[fulls[i] for i in run])
+            out = Scatter.apply(a, [fulls[i] for i in run], joined(shards))
         else:
-            out = AllReduce.apply(a, *shards, *[fulls[i] for i in run])
+            out = AllReduce.apply(a, [fulls[i] for i in run], joined(shards))
         # One output's first element: enough to run the entry's backward (autograd hands
         # it zeros for the others), and the slice's backward writes a buffer of that
         # output's size, so one, not one per output.

@@ -43,65 +43,81 @@ def share(g: torch.Tensor, dtype: torch.dtype, ranks: int) -> torch.Tensor:
     return g / ranks if ranks > 1 else g
 
 
+def scattered_flat(gs: Sequence[torch.Tensor], dtype: torch.dtype, axes: Axes) -> torch.Tensor:
+    """This rank's shards of the mean of the full gradients `gs` over every rank, in
+    `dtype`, side by side in one 1-D tensor: one reduce-scatter along the shard axis, of
+    a table whose row r is rank r's slice of every bucket, then a sum across the replicas."""
+    table = torch.cat([share(g, dtype, axes.ranks).reshape(axes.rows, -1) for g in gs], 1)
+    return reduce_rows(table, axes)
+
+
 def scattered(
     gs: Sequence[torch.Tensor], dtype: torch.dtype, axes: Axes, sizes: list[int]
 ) -> tuple[torch.Tensor, ...]:
-    """This rank's shards (of `sizes` elements) of the mean of the full gradients `gs`
-    over every rank, in `dtype`: one reduce-scatter along the shard axis, of a table
-    whose row r is rank r's slice of every bucket, then a sum across the replicas."""
-    table = torch.cat([share(g, dtype, axes.ranks).reshape(axes.rows, -1) for g in gs], 1)
-    mine = reduce_rows(table, axes)
-    return mine.split(sizes)
+    """`scattered_flat`, cut into the shards (of `sizes` elements)."""
+    return scattered_flat(gs, dtype, axes).split(sizes)
+
+
+def all_reduced_flat(gs: Sequence[torch.Tensor], dtype: torch.dtype, axes: Axes) -> torch.Tensor:
+    """The mean of the full gradients `gs` over the ranks, in `dtype`, side by side in one
+    1-D tensor: one all-reduce of them."""
+    return all_reduce_sum(torch.cat([share(g, dtype, axes.ranks).reshape(-1) for g in gs]), axes)
 
 
 def all_reduced(
     gs: Sequence[torch.Tensor], dtype: torch.dtype, axes: Axes
 ) -> tuple[torch.Tensor, ...]:
-    """The mean of the full gradients `gs` over the ranks, in `dtype`: one all-reduce of
-    them side by side, each returned in its shape."""
-    flat = torch.cat([share(g, dtype, axes.ranks).reshape(-1) for g in gs])
-    summed = all_reduce_sum(flat, axes)
+    """`all_reduced_flat`, each gradient's mean in its shape."""
+    summed = all_reduced_flat(gs, dtype, axes)
     return tuple(p.view_as(g) for p, g in zip(summed.split([g.numel() for g in gs]), gs))
 
 
+def joined(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A run's gradient receivers (its shards, or stages 0-2's stand-ins) as the one 1-D
+    tensor an entry's autograd.Function takes, whose gradient it returns whole and whose
+    `cat` splits it back to them. Dynamo traces a Function's output check in Python as
+    outputs × tensor arguments: with a tensor argument per bucket, a run of 100 buckets
+    took 30 s of a 50 s trace (torch/_functorch/autograd_function.py's `is_tensor_arg`)."""
+    if len(shards) == 1:
+        return shards[0].reshape(-1)
+    return torch.cat([s.reshape(-1) for s in shards])
+
+
 class AllReduce(torch.autograd.Function):
-    """Replicated buckets as they are; their gradients all-reduced to the mean over the
-    `rows` ranks as one flat collective, in the dtype of the leaves they are for (the
-    reduce dtype: the forward reads the buckets, in the compute dtype)."""
+    """Replicated buckets as they are (`fulls`, a list: what the forward reads); their
+    gradients all-reduced to the mean over the `rows` ranks as one flat collective, in
+    the dtype of the leaves they are for (the reduce dtype), returned as the gradient of
+    those leaves `joined`."""
 
     @staticmethod
-    def forward(axes: Axes, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(f.view_as(f) for f in tensors[len(tensors) // 2 :])
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        leaves = inputs[1 : 1 + (len(inputs) - 1) // 2]
-        ctx.axes, ctx.dtype = inputs[0], leaves[0].dtype
-
-    @staticmethod
-    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        return (None, *all_reduced(gs, ctx.dtype, ctx.axes), *([None] * len(gs)))
-
-
-class Scatter(torch.autograd.Function):
-    """Replicated buckets as they are; their gradients reduce-scattered (summed) as one
-    collective, each rank's row its shards' gradients, in the shards' dtype (the shards
-    are the leaves the gradients are for; the forward reads the full buckets)."""
-
-    @staticmethod
-    def forward(axes: Axes, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fulls = tensors[len(tensors) // 2 :]
+    def forward(axes: Axes, fulls: list[torch.Tensor], joint: torch.Tensor) -> tuple:
         return tuple(f.view_as(f) for f in fulls)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        shards = inputs[1 : 1 + (len(inputs) - 1) // 2]
-        ctx.axes, ctx.sizes = inputs[0], [s.numel() for s in shards]
-        ctx.dtype = shards[0].dtype
+        ctx.axes, ctx.dtype = inputs[0], inputs[2].dtype
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        return (None, *scattered(gs, ctx.dtype, ctx.axes, ctx.sizes), *([None] * len(gs)))
+        return None, None, all_reduced_flat(gs, ctx.dtype, ctx.axes)
+
+
+class Scatter(torch.autograd.Function):
+    """Replicated buckets as they are (`fulls`, a list: what the forward reads); their
+    gradients reduce-scattered (summed) as one collective, each rank's row its shards'
+    gradients, in the shards' dtype, returned as the gradient of the shards `joined`."""
+
+    @staticmethod
+    def forward(axes: Axes, fulls: list[torch.Tensor], joint: torch.Tensor) -> tuple:
+        return tuple(f.view_as(f) for f in fulls)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.axes, ctx.dtype = inputs[0], inputs[2].dtype
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
+        return None, None, scattered_flat(gs, ctx.dtype, ctx.axes)
 
 
 def gathered(
@@ -112,8 +128,15 @@ def gathered(
     table and cast to `compute`."""
     travel = travelling(axes, travel, compute)
     flat = torch.cat([s.to(travel) for s in shards]) if len(shards) > 1 else shards[0]
-    table = gather_rows(flat.to(travel), axes)
-    return columns(table, [s.numel() for s in shards], compute)
+    return gathered_joint(axes, travel, compute, flat, [s.numel() for s in shards])
+
+
+def gathered_joint(
+    axes: Axes, travel: torch.dtype, compute: torch.dtype, joint: torch.Tensor, sizes: Any
+) -> tuple[torch.Tensor, ...]:
+    """`gathered` of the shards `joined` (of `sizes` elements each)."""
+    table = gather_rows(joint.to(travelling(axes, travel, compute)), axes)
+    return columns(table, sizes, compute)
 
 
 def travelling(axes: Axes, travel: torch.dtype, compute: torch.dtype) -> torch.dtype:
@@ -134,9 +157,10 @@ def columns(table: torch.Tensor, sizes: list[int], compute: torch.dtype) -> tupl
 
 
 class Gather(torch.autograd.Function):
-    """Stage 3's entry: the shards cast to the travel dtype, all-gathered as one
-    collective, each bucket cut from the rank-major table and cast to the compute dtype;
-    their gradients cast to the reduce dtype and reduce-scattered back to the shards."""
+    """Stage 3's entry: the shards (`joined`, of `sizes` elements each) cast to the travel
+    dtype, all-gathered as one collective, each bucket cut from the rank-major table and
+    cast to the compute dtype; their gradients cast to the reduce dtype and
+    reduce-scattered back to the shards."""
 
     @staticmethod
     def forward(
@@ -144,18 +168,18 @@ class Gather(torch.autograd.Function):
         travel: torch.dtype,
         compute: torch.dtype,
         reduce: torch.dtype,
-        *shards: torch.Tensor,
+        sizes: tuple[int, ...],
+        joint: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        return gathered(axes, travel, compute, shards)
+        return gathered_joint(axes, travel, compute, joint, sizes)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.axes, ctx.reduce = inputs[0], inputs[3]
-        ctx.sizes = [s.numel() for s in inputs[4:]]
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, None, None, *scattered(gs, ctx.reduce, ctx.axes, ctx.sizes))
+        return (None,) * 5 + (scattered_flat(gs, ctx.reduce, ctx.axes),)
 
 
 def peer_rows(
@@ -182,11 +206,11 @@ def regathered(
 
 class Regather(torch.autograd.Function):
     """hpZ's stage-3 entry of a resharded unit, checkpointed: the full buckets gathered
-    from `peer_rows`' rows inside the group of k and cast to the compute dtype (the
-    forward's gather and, recomputed, the backward's, never crossing groups; qwZ's
+    from `peer_rows`' rows (`kept`) inside the group of k and cast to the compute dtype
+    (the forward's gather and, recomputed, the backward's, never crossing groups; qwZ's
     blocks travel as int8 both times); their gradients reduce-scattered to the shards
-    over the whole shard axis as `Gather`'s are (the shards are inputs for that alone:
-    the forward reads only the rows)."""
+    (`joined`, of `sizes` elements each) over the whole shard axis as `Gather`'s are (the
+    shards are an input for that alone: the forward reads only the rows)."""
 
     @staticmethod
     def forward(
@@ -194,19 +218,20 @@ class Regather(torch.autograd.Function):
         axes: Axes,
         compute: torch.dtype,
         reduce: torch.dtype,
-        *tensors: torch.Tensor,
+        sizes: tuple[int, ...],
+        joint: torch.Tensor,
+        *kept: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        kept, shards = tensors[: hpz.kept], tensors[hpz.kept :]
-        return regathered(hpz, compute, kept, [s.numel() for s in shards])
+        return regathered(hpz, compute, kept, list(sizes))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.axes, ctx.reduce, ctx.kept = inputs[1], inputs[3], inputs[0].kept
-        ctx.sizes = [s.numel() for s in inputs[4 + ctx.kept :]]
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        return (None,) * (4 + ctx.kept) + scattered(gs, ctx.reduce, ctx.axes, ctx.sizes)
+        joint = scattered_flat(gs, ctx.reduce, ctx.axes)
+        return (None,) * 5 + (joint,) + (None,) * ctx.kept
 
 
 def bare_gather(
@@ -245,14 +270,22 @@ def entered_gather(
     (`recompute`), checkpointed, so that the compiler gathers it again for the backward
     rather than keep the full buffers from the forward; with hpZ, `peer_rows` (kept:
     1/k of the unit) then a checkpointed `Regather` inside the group of k."""
+    sizes = tuple(s.numel() for s in shards)
     if not recompute:
-        return Gather.apply(axes, travel, compute, reduce, *shards)
+        return Gather.apply(axes, travel, compute, reduce, sizes, joined(shards))
     if hpz is None:
-        enter = functools.partial(Gather.apply, axes, travel, compute, reduce)
+
+        def enter(*s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return Gather.apply(axes, travel, compute, reduce, sizes, joined(s))
+
         return checkpoint(enter, *shards, use_reentrant=False)
     kept = peer_rows(hpz, travel, compute, shards)
-    enter = functools.partial(Regather.apply, hpz, axes, compute, reduce)
-    return checkpoint(enter, *kept, *shards, use_reentrant=False)
+
+    def regather(*t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        joint = joined(t[hpz.kept :])
+        return Regather.apply(hpz, axes, compute, reduce, sizes, joint, *t[: hpz.kept])
+
+    return checkpoint(regather, *kept, *shards, use_reentrant=False)
 
 
 def cuts(bucket: Bucket) -> tuple[tuple[int, ...], tuple[tuple[int, int, tuple[int, ...]], ...]]:
