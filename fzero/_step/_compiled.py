@@ -55,6 +55,7 @@ from .._comm import Mesh, QuantizedComm, graph_ran
 from .._core import NAMESPACE, LossFn, ShardLayout, Stage, spec_of
 from .._engine import Members, Unentered
 from .._state import Precision
+from ._bursts import bursts, cuts, jit_bursts
 from ._dynamo import (
     arrive_alike,
     batch_shapes,
@@ -68,17 +69,7 @@ from ._dynamo import (
     unentered_use,
     warn_recompiled,
 )
-from ._entries import (
-    AllReduce,
-    Scatter,
-    bare_gather,
-    bursts,
-    comm_dtypes,
-    cuts,
-    entered_gather,
-    jit_bursts,
-    joined,
-)
+from ._entries import AllReduce, Scatter, bare_gather, comm_dtypes, entered_gather, joined
 from ._loss import kept_batch
 from ._options import GRAPH_BURST
 from ._traced_comm import entry_axes, hpz_axes, sent_finite

@@ -22,7 +22,8 @@ from .. import _comm
 from .._comm import Mesh
 from .._core import Shards
 from .._state import ShardedState, params_apart, update_dtypes
-from ._entries import all_reduced, bursts, computing, gathered, scattered
+from ._bursts import bursts
+from ._entries import all_reduced, computing, gathered, scattered
 from ._traced_comm import check_sent, sent_finite
 
 

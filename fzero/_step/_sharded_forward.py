@@ -32,12 +32,13 @@ from .._engine import (
     restored,
 )
 from .._state import ShardedState, params_apart
+from ._bursts import jit_units
 from ._cache import StepCache
 from ._casts import forward_casts
 from ._compile_checks import agree_present
 from ._compiled import CompiledLoss
 from ._config import check_module
-from ._entries import entry_inputs, jit_units
+from ._entries import entry_inputs
 from ._loss import copied
 from ._norm_dtypes import norm_dtypes_named
 from ._options import EAGER_BURST, GRAPH_BURST, check_step_state

@@ -36,6 +36,7 @@ from ..optim._base import check_optimizer
 from ._aux import Aux
 from ._body import body
 from ._bound import bound_said
+from ._bursts import jit_units
 from ._cache import StepCache
 from ._casts import forward_casts
 from ._compile_checks import agree_present
@@ -50,7 +51,6 @@ from ._config import (
     flag_changed_said,
     say_frozen_trained,
 )
-from ._entries import jit_units
 from ._loss import BufferThread, ScaledLoss, sync_buffers
 from ._loss_weights import Weighed
 from ._micro_batches import micro_batches

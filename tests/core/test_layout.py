@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import fzero
 from fzero._core._layout import build_layout
 from fzero._core._tree import tree_flatten
-from fzero._step._entries import cuts
+from fzero._step._bursts import cuts
 
 # A zero-size leaf at the offset another leaf starts at: once each rank took a 0-d leaf
 # (equal loads), the "tensor" layout's greedy placement puts it in rank 0's segment,
@@ -53,7 +53,7 @@ def test_shards_concatenate_to_the_flat_buffer_and_back(tree: dict, n: int, kind
 def test_a_compiled_steps_cut_gives_every_leaf_from_one_split(
     tree: dict, n: int, kind: str
 ) -> None:
-    """`_step._entries.cuts`: one split of a bucket's full buffer covers it exactly (its
+    """`_step._bursts.cuts`: one split of a bucket's full buffer covers it exactly (its
     padding and gaps pieces of their own) and hands out every leaf."""
     layout = build_layout(tree, n, kind)
     leaves = tree_flatten(tree)[0]

@@ -1049,7 +1049,7 @@ def test_just_in_time_units_enter_in_bursts_up_to_the_cap() -> None:
     buckets (reduce dtype) fit `reduce_bucket_bytes`; 0, or a unit larger than the cap,
     enters alone."""
     from fzero._core._layout import build_layout
-    from fzero._step._entries import jit_bursts, jit_units
+    from fzero._step._bursts import jit_bursts, jit_units
 
     sizes = {"a": 100, "b": 300, "c": 50, "d": 60, "e": 1000}
     params = {u: {"w": torch.zeros(n, dtype=torch.float64)} for u, n in sizes.items()}
