@@ -2,7 +2,8 @@
 eager step, DDP, and DDP with its module compiled, stepped in turn.
 
     python benchmarks/compiled.py [--models deep,gpt] [--steps 10] [--quick]
-                                  [--only REGEX] [--out benchmarks/RESULTS-compiled.md]
+                                  [--only REGEX] [--backend inductor]
+                                  [--out benchmarks/RESULTS-compiled.md]
 
 Two simulated ranks (processes, gloo, one thread each) hold every configuration's model
 and state and step them in turn on the same batches, so this 2-vCPU guest's drift is
@@ -19,7 +20,8 @@ are compared with DDP's. A compiled fzero step runs fzero's Adam fused (one comp
 kernel per piece of the shard), so DDP compiled is measured with torch's fused CPU Adam
 too. `--only` keeps the configurations whose label matches (and DDP, the baseline):
 `--only 'compiled$|eager'` leaves out the just-in-time rows, whose deep-model compile
-takes some 1000 s here.
+takes some 1000 s here. `--backend aot_eager` traces without inductor's code generation:
+its first steps are the trace alone (dynamo and AOTAutograd), fzero's part of a compile.
 """
 
 from __future__ import annotations
@@ -79,16 +81,18 @@ def entered_forward(model: nn.Module, p: dict[str, torch.Tensor], x: torch.Tenso
     return functional_call(model.head, fzero.gathered(p, "head"), (h,))
 
 
-def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int | str) -> Any:
+def make(
+    mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int | str, backend: str
+) -> Any:
     """A configuration's `(step(batch), params())` (`compiled` an int: compiled, in
     bursts of that many bytes instead of the default; "jit": compiled, units entered
-    where the loss asks, `entered_forward`)."""
+    where the loss asks, `entered_forward`), compiled rows by torch.compile's `backend`."""
     model = build_model(s)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model)
-        net = torch.compile(ddp) if compiled else ddp
+        net = torch.compile(ddp, backend=backend) if compiled else ddp
         fused = {"fused": True} if compiled == "fused" else {"foreach": False}
         opt = torch.optim.Adam(model.parameters(), lr=LR, **fused)
 
@@ -109,7 +113,7 @@ def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int |
             return s.loss(entered_forward(model, p, batch[0]), batch[1])
         return s.loss(functional_call(model, p, (batch[0],)), batch[1])
 
-    kw: dict[str, Any] = {"compile": True} if compiled else {"module": model}
+    kw: dict[str, Any] = {"compile": backend} if compiled else {"module": model}
     if compiled == "hooks":  # each unit entered where its submodule runs, hooks traced
         kw["module"] = model
     elif compiled == "jit":
@@ -124,12 +128,14 @@ def make(mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int |
     return fzero_step, lambda: dict(fzero.gather_params(box[0].params, mesh))
 
 
-def in_turn(mesh: fzero.Mesh, name: str, quick: bool, steps: int, configs: list) -> Any:
+def in_turn(
+    mesh: fzero.Mesh, name: str, quick: bool, steps: int, configs: list, backend: str
+) -> Any:
     """Every configuration stepped in turn: per configuration the first step's time,
     the later steps' median, and (rank 0) the final parameters."""
     torch.set_num_threads(1)
     s = spec(name, quick)
-    runs = [make(mesh, s, kind, stage, c) for _, kind, stage, c in configs]
+    runs = [make(mesh, s, kind, stage, c, backend) for _, kind, stage, c in configs]
     times: list[list[float]] = [[] for _ in runs]
     for t in range(steps + 1):
         batch = rank_batch(s, t, mesh.rank, mesh.size)
@@ -147,10 +153,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="tiny models (checks the script)")
     ap.add_argument("--only", default="", help="keep configurations matching this regex")
+    ap.add_argument("--backend", default="inductor", help="torch.compile's, compiled rows")
     ap.add_argument("--out", default=str(Path(__file__).parent / "RESULTS-compiled.md"))
     args = ap.parse_args()
     configs = [c for k, c in enumerate(CONFIGS) if k == 0 or re.search(args.only, c[0])]
     only = f" --only '{args.only}'" if args.only else ""
+    if args.backend != "inductor":
+        only += f" --backend {args.backend}"
     lines = [
         "# Compiled steps on the CPU (issue 50)\n",
         f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, "
@@ -160,7 +169,7 @@ def main() -> None:
     ]
     for name in args.models.split(","):
         out = fzero.Simulation(2, collective_timeout=120, timeout=3600).run(
-            in_turn, name, args.quick, args.steps, configs
+            in_turn, name, args.quick, args.steps, configs, args.backend
         )
         finals = out[0][1]
         rows = [

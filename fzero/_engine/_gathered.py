@@ -123,18 +123,16 @@ def _walked(tree: PyTree, prefix: str) -> Any:
     node, rest = tree, prefix
     while rest:
         if type(node) is dict:
-            if not all(isinstance(k, str) for k in node):
+            # Names alone: another key may be no constant the trace can hand `_route`.
+            # (`map` and `set` dynamo runs itself, not a bytecode at a time.)
+            route = _route(tuple(node), rest, node is tree) if _names(node) else None
+            if route is None:
                 return None
-            # The one key the path goes through, as `subtree_of` matches entries: the
-            # whole rest, or a dotted prefix of it.
-            keys = [k for k in node if rest == k or rest.startswith(k + ".")]
-            if len(keys) == 1:
-                node, rest = node[keys[0]], rest[len(keys[0]) + 1 :]
+            through, below = route
+            if through is not None:
+                node, rest = node[through], rest[len(through) + 1 :]
                 continue
-            if keys or node is not tree:
-                return None
-            # Leaves keyed by dotted names (`named_parameters`): those under the prefix.
-            under = {k[len(rest) + 1 :]: v for k, v in node.items() if k.startswith(rest + ".")}
+            under = {k[len(rest) + 1 :]: node[k] for k in below}
             if not under or not all(
                 isinstance(v, (torch.Tensor, Unentered)) for v in under.values()
             ):
@@ -150,6 +148,27 @@ def _walked(tree: PyTree, prefix: str) -> Any:
     if isinstance(node, Placeholder) or not _plain(node):
         return None
     return node
+
+
+def _names(node: dict) -> bool:
+    """Whether every key of `node` is a string."""
+    return set(map(type, node)) <= {str}
+
+
+@torch.compiler.assume_constant_result
+def _route(keys: tuple[str, ...], rest: str, top: bool) -> tuple[Any, tuple[str, ...]] | None:
+    """A dict's step of `_walked` from its `keys`: `(the one key the path goes through, ())`,
+    as `subtree_of` matches entries (the whole `rest`, or a dotted prefix of it); at the
+    `top` of the tree, `(None, the keys under the prefix)` (leaves keyed by dotted names,
+    `named_parameters`); None where the walk cannot tell. A constant of the trace, worked
+    out by Python rather than traced key by key: a loss asking for 100 units of a
+    400-leaf dict had dynamo step 1.5 M bytecodes here, most of a 110 s compile."""
+    through = [k for k in keys if rest == k or rest.startswith(k + ".")]
+    if len(through) == 1:
+        return through[0], ()
+    if through or not top:
+        return None
+    return None, tuple(k for k in keys if k.startswith(rest + "."))
 
 
 def _plain(node: Any) -> bool:

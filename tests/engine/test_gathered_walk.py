@@ -50,3 +50,25 @@ def test_keys_that_are_not_names_go_the_general_way() -> None:
     tree = {1: T[0], 2: {"w": T[1]}}
     assert all(_walked(tree, p) is None for p in ["1", "2", "2.w"])
     assert _walked([T[0], {"x": T[1]}], "1.x") is T[1]
+
+
+class _Key:
+    """A dict key that is no constant a trace can hand a function (`_gathered._route`)."""
+
+    def __lt__(self, other: Any) -> bool:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", range(len(TREES) + 1))
+def test_the_walk_traced_answers_as_it_does_eagerly(k: int) -> None:
+    """Compiled whole (`fullgraph`, as a compiled step traces `fzero.gathered`), the walk
+    gives its eager answers: a dict's route worked out once as a constant of the trace,
+    and keys that are not all names (one no constant at all) the general way, unbroken."""
+    tree = TREES[k] if k < len(TREES) else {_Key(): T[0], 1: T[1], "a": {"b.c": T[2]}}
+    walk = torch.compile(lambda t: [_walked(t, p) for p in PATHS], backend="eager", fullgraph=True)
+    for path, got, want in zip(PATHS, walk(tree), [_walked(tree, p) for p in PATHS]):
+        assert (got is None) == (want is None), path
+        if want is not None:
+            (lg, sg), (lw, sw) = tree_flatten(got), tree_flatten(want)
+            assert sg == sw and all(torch.equal(a, b) for a, b in zip(lg, lw)), path
