@@ -75,8 +75,11 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
     them; compiling, that is a block the user compiled inside an eager step)."""
     fast = [_walked(params, p) for p in _paths(path)] if compiling else None
     if fast is not None and all(part is not None for part in fast):
-        parts = fast
+        # Plain containers (`_plain`): their leaves are read without optree, whose
+        # flatten and map dynamo traces through its Python stand-in at every call.
+        parts, leaves_of, swap = fast, _leaves, _swapped
     else:
+        leaves_of, swap = _tree_leaves, tree_map
         leaves, treedef = tree_flatten(params)
         if any(isinstance(x, Placeholder) for x in leaves):
             return None
@@ -86,7 +89,7 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
         parts = [cut(treedef, names, p)(leaves) for p in _paths(path)]
     found: dict[Any, list[Unentered]] = {}
     for part in parts:
-        for x in tree_flatten(part)[0]:
+        for x in leaves_of(part):
             if isinstance(x, Unentered):
                 found.setdefault(x.unit, []).append(x)
             elif isinstance(x, Placeholder):  # the walk found an eager step's
@@ -106,7 +109,7 @@ def _entered(params: PyTree, path: str | tuple[str, ...], compiling: bool) -> An
         views.update(xs[0].enter())
     return pick(
         path,
-        [tree_map(lambda x: views[x.path] if isinstance(x, Unentered) else x, p) for p in parts],
+        [swap(lambda x: views[x.path] if isinstance(x, Unentered) else x, p) for p in parts],
     )
 
 
@@ -172,12 +175,35 @@ def _route(keys: tuple[str, ...], rest: str, top: bool) -> tuple[Any, tuple[str,
 
 
 def _plain(node: Any) -> bool:
-    """Whether `node` is a tensor, an `Unentered` leaf, or plain dicts, lists and tuples
-    of them (what the walk may hand back as it is)."""
+    """Whether `node` is a tensor, an `Unentered` leaf, or plain dicts keyed by strings,
+    lists and tuples of them (what the walk may hand back as it is)."""
     if isinstance(node, (torch.Tensor, Unentered)):
         return True
     if type(node) is dict:
-        return all(_plain(v) for v in node.values())
+        return _names(node) and all(_plain(v) for v in node.values())
     if type(node) in (list, tuple):
         return all(_plain(v) for v in node)
     return False
+
+
+def _tree_leaves(tree: PyTree) -> list[Any]:
+    """The leaves of any tree, as optree flattens it in fzero's namespace."""
+    return tree_flatten(tree)[0]
+
+
+def _leaves(node: Any) -> list[Any]:
+    """The leaves of a `_plain` node in optree's order (a dict's by sorted key)."""
+    if type(node) is dict:
+        return [x for k in sorted(node) for x in _leaves(node[k])]
+    if type(node) in (list, tuple):
+        return [x for v in node for x in _leaves(v)]
+    return [node]
+
+
+def _swapped(fn: Any, node: Any) -> Any:
+    """`tree_map(fn, node)` over a `_plain` node (a dict keeps its key order)."""
+    if type(node) is dict:
+        return {k: _swapped(fn, v) for k, v in node.items()}
+    if type(node) in (list, tuple):
+        return type(node)([_swapped(fn, v) for v in node])
+    return fn(node)

@@ -1,5 +1,6 @@
 """`fzero.gathered`'s walk of a tree under compile (`_gathered._walked`): where it answers,
-the same part as the general cut of the flattened tree (`subtree`), or no answer."""
+the same part as the general cut of the flattened tree (`subtree`), or no answer; and the
+walked part's leaves read and swapped as optree does (`_leaves`, `_swapped`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from fzero._core import subtree, tree_flatten
-from fzero._engine._gathered import _walked
+from fzero._core import subtree, tree_flatten, tree_map
+from fzero._engine._gathered import _leaves, _swapped, _walked
 
 T = [torch.full((2,), float(i)) for i in range(12)]
 TREES: list[Any] = [
@@ -50,6 +51,21 @@ def test_keys_that_are_not_names_go_the_general_way() -> None:
     tree = {1: T[0], 2: {"w": T[1]}}
     assert all(_walked(tree, p) is None for p in ["1", "2", "2.w"])
     assert _walked([T[0], {"x": T[1]}], "1.x") is T[1]
+
+
+@pytest.mark.parametrize("k", range(len(TREES)))
+def test_a_walked_part_has_optrees_leaves_and_map(k: int) -> None:
+    """Read without optree, a walked part's leaves come in optree's order (a dict's by
+    sorted key, whatever its insertion order) and a map keeps its structure: the units a
+    call enters, and the order it enters them in, are the general path's."""
+    tree = {"z": TREES[k], "b": [TREES[k]], "a": (T[5], {"q": T[6], "c": T[7]})}
+    got, want = _leaves(tree), tree_flatten(tree)[0]
+    assert len(got) == len(want) and all(x is y for x, y in zip(got, want))
+    halved = _swapped(lambda x: x / 2, tree)
+    (got, spec_got) = tree_flatten(halved)
+    (want, spec_want) = tree_flatten(tree_map(lambda x: x / 2, tree))
+    assert spec_got == spec_want and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert list(halved) == list(tree) and list(halved["z"]) == list(TREES[k])
 
 
 class _Key:
