@@ -116,8 +116,10 @@ def _save(state: ShardedState, path: str, mesh: Mesh) -> str:
         if tmp is not None:  # rank 0 made it; another rank failed
             shutil.rmtree(os.path.join(path, tmp), ignore_errors=True)
         raise
-    tmp, schema = everyone[0][0], merge([r for _, r in everyone[:s]])
+    tmp = everyone[0][0]
     try:
+        # The same reports on every rank: a state they refuse raises on all of them.
+        schema = merge([r for _, r in everyone[:s]])
         # 2. every rank writes (and fsyncs) its own file.
         error, info = None, None
         try:

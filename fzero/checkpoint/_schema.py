@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,7 +189,34 @@ def local_view(opt_state: Any, layout: ShardLayout, stage: Stage, rank: int) -> 
         return value
 
     walk(opt_state, spec, on_node, on_global)
+    _check_no_leaf_among_globals(local, layout)
     return local
+
+
+def _check_no_leaf_among_globals(local: Local, layout: ShardLayout) -> None:
+    """Refuses a global tensor that is a whole leaf's per-parameter value: a tensor with a
+    trainable leaf's shape at a path ending in that leaf's path sits in a subtree shaped
+    like the parameters yet not like the pieces the optimizer was initialised with here."""
+    leaves = {layout.paths[p.leaf]: p.shape for p in local.pieces if p.leaf >= 0}
+    for path, value in local.globals.items():
+        parts = path.split(".")
+        for i in range(1, len(parts)):
+            name = ".".join(parts[i:])
+            if value.dim() and leaves.get(name) == tuple(value.shape):
+                raise CheckpointError(
+                    f"optimizer state {path!r} has the shape of leaf {name!r} "
+                    f"({list(value.shape)}) but lies outside every subtree shaped like the "
+                    f"{len(local.pieces)} pieces the layout gives this rank: the state "
+                    f"does not line up with the layout it is saved with, and {path!r} "
+                    f"would be saved as global state. {_MADE_FOR}"
+                )
+
+
+# How a state comes not to line up (said after what does not).
+_MADE_FOR = (
+    "Was it made for other parameters, units, frozen leaves or another layout? Use the "
+    "optimizer state `shard_state` or `checkpoint.load` made for this state."
+)
 
 
 def report(local: Local, layout: ShardLayout, share: bool = True) -> dict[str, Any]:
@@ -212,11 +240,58 @@ def report(local: Local, layout: ShardLayout, share: bool = True) -> dict[str, A
             r["owners"].append(p.owner)
         entries[key] = r
     shapes = {g: (str(t.dtype), tuple(t.shape)) for g, t in local.globals.items()}
-    return {"kind": local.kind, "nodes": list(local.nodes), "globals": shapes, "entries": entries}
+    out = {"kind": local.kind, "nodes": list(local.nodes), "globals": shapes, "entries": entries}
+    if share:  # rank 0 alone saves the globals: others' must be its (0-d ones: counts, norms)
+        out["values"] = {g: _digest(t) for g, t in local.globals.items() if t.dim()}
+    return out
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A fingerprint of a tensor's bytes, to compare values across ranks."""
+    raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+    return hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
+
+
+def _check_same_globals(reports: Sequence[dict[str, Any]]) -> None:
+    """Every rank's per-piece subtrees and global tensors are rank 0's: rank 0 alone saves
+    the globals, so a rank whose differ would lose them (its moments filed as globals)."""
+    first = reports[0]
+    for rank, r in enumerate(reports[1:], 1):
+        got = _difference(first, r, rank)
+        if got is not None:  # the same reports on every rank: raised on all of them
+            raise _comm.agreed(
+                CheckpointError(
+                    f"the optimizer state does not line up with the layout it is saved "
+                    f"with: {got}. Tensors outside the subtrees that mirror the "
+                    f"optimizer's pieces are global state, saved once from rank 0. {_MADE_FOR}"
+                )
+            )
+
+
+def _difference(first: dict[str, Any], other: dict[str, Any], rank: int) -> str | None:
+    """How rank `rank`'s report differs from rank 0's in its state's structure and globals."""
+    if other["nodes"] != first["nodes"]:
+        nodes = other["nodes"], first["nodes"]
+        return f"its per-piece subtrees are {nodes[0]} on rank {rank}, {nodes[1]} on rank 0"
+
+    def described(report: dict[str, Any], path: str) -> str:
+        if path not in report["globals"]:
+            return "absent"
+        dtype, shape = report["globals"][path]
+        return f"{dtype.removeprefix('torch.')} {list(shape)}"
+
+    values = other.get("values", {}), first.get("values", {})
+    for g in sorted(set(other["globals"]) | set(first["globals"])):
+        if other["globals"].get(g) != first["globals"].get(g):
+            return f"{g!r} is {described(other, g)} on rank {rank}, {described(first, g)} on rank 0"
+        if g in values[0] and g in values[1] and values[0][g] != values[1][g]:
+            return f"{g!r} ({described(first, g)}) holds other values on rank {rank} than on rank 0"
+    return None
 
 
 def merge(reports: Sequence[dict[str, Any]]) -> Schema:
     """The Schema all ranks agree on, from every rank's `report` (in rank order)."""
+    _check_same_globals(reports)
     first = reports[0]
     entries = []
     for key in sorted(set().union(*(r["entries"] for r in reports))):
