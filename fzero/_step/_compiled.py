@@ -69,7 +69,14 @@ from ._dynamo import (
     unentered_use,
     warn_recompiled,
 )
-from ._entries import AllReduce, Scatter, bare_gather, comm_dtypes, entered_gather, joined
+from ._entries import (
+    AllReduce,
+    Scatter,
+    bare_gather,
+    comm_dtypes,
+    entered_gather,
+    joined_receivers,
+)
 from ._loss import kept_batch
 from ._options import GRAPH_BURST
 from ._traced_comm import entry_axes, hpz_axes, sent_finite
@@ -380,9 +387,9 @@ class CompiledLoss:
         elif bare:
             return tuple(fulls[i] for i in run)
         elif self.stage.shards_optimizer:
-            out = Scatter.apply(a, [fulls[i] for i in run], joined(shards))
+            out = Scatter.apply(a, [fulls[i] for i in run], joined_receivers(shards))
         else:
-            out = AllReduce.apply(a, [fulls[i] for i in run], joined(shards))
+            out = AllReduce.apply(a, [fulls[i] for i in run], joined_receivers(shards))
         # One output's first element: enough to run the entry's backward (autograd hands
         # it zeros for the others), and the slice's backward writes a buffer of that
         # output's size, so one, not one per output.

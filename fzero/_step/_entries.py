@@ -83,6 +83,36 @@ def joined(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([s.reshape(-1) for s in shards])
 
 
+def joined_receivers(stand_ins: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`joined` for an entry that reads only the joint's dtype (stages 0-2's). Run as
+    Python (`set_stance("force_eager")`, or a frame dynamo skips) the stand-ins are joined
+    storage-free, where `cat` would write a run's worth of zeros (a graph drops that copy;
+    and a Function of a tensor per bucket is what `joined` keeps out of dynamo's trace)."""
+    if len(stand_ins) == 1 or torch.compiler.is_compiling():
+        return joined(stand_ins)
+    return _JoinedStandIns.apply(*stand_ins)
+
+
+class _JoinedStandIns(torch.autograd.Function):
+    """Stand-ins joined as one expanded zero (their values are never read); the joint's
+    gradient split back to them, as `cat`'s backward splits it."""
+
+    @staticmethod
+    def forward(*stand_ins: torch.Tensor) -> torch.Tensor:
+        total = sum(s.numel() for s in stand_ins)
+        dtype = functools.reduce(torch.promote_types, (s.dtype for s in stand_ins))
+        return stand_in(torch.Size([total]), dtype, stand_ins[0].device)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.shapes, ctx.dtypes = [s.shape for s in inputs], [s.dtype for s in inputs]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        parts = g.split([s.numel() for s in ctx.shapes])
+        return tuple(p.reshape(s).to(d) for p, s, d in zip(parts, ctx.shapes, ctx.dtypes))
+
+
 class AllReduce(torch.autograd.Function):
     """Replicated buckets as they are (`fulls`, a list: what the forward reads); their
     gradients all-reduced to the mean over the `rows` ranks as one flat collective, in
