@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -46,14 +45,15 @@ class _Enters(Protocol):
     def leave(self, unit: str, output: Any = None, done: bool = True) -> Any: ...
 
 
-@dataclass
-class _Open:
+class _Open(NamedTuple):
     """A hooked unit's current entry: its views, and which members' forwards began and
-    ended (indices into the unit's members)."""
+    ended (indices into the unit's members). A NamedTuple, not a dataclass: a compiled
+    step traces the hooks, and dynamo builds a dataclass instance in Python, a hundred
+    bytecodes a unit entered."""
 
     views: dict[str, torch.Tensor]
-    started: set[int] = field(default_factory=set)
-    done: set[int] = field(default_factory=set)
+    started: set[int]
+    done: set[int]
 
 
 class ModuleHooks:
@@ -82,15 +82,16 @@ class ModuleHooks:
                 # pre-hook tells the engine what the module's own pushed (a checkpoint's
                 # saved-tensor hooks: `torch.distributed._composable.checkpoint`).
                 pre = self._opaque(self._pre(unit, j))
-                late = self._opaque(self._late(unit))
                 post = self._opaque(self._post(unit, j))
-                self.handles += [
-                    sub.register_forward_pre_hook(pre, prepend=True),
-                    sub.register_forward_pre_hook(late),
-                    sub.register_forward_hook(post),
-                ]
+                self.handles.append(sub.register_forward_pre_hook(pre, prepend=True))
+                # Traced, the engine has nothing to learn there (`TracedHooks.computes`),
+                # and each hook is bytecodes dynamo steps through at every member's call.
+                late = None if not self.opaque else self._opaque(self._late(unit))
+                if late is not None:
+                    self.handles.append(sub.register_forward_pre_hook(late))
+                self.handles.append(sub.register_forward_hook(post))
                 for name in forward_methods(sub):  # `register_forward_method`'s
-                    before = (_no_kwargs(pre), _no_kwargs(late))
+                    before = tuple(_no_kwargs(h) for h in (pre, late) if h is not None)
                     self.handles.append(AsForward(sub, name, before, (post,)))
         return self
 
@@ -116,7 +117,7 @@ class ModuleHooks:
         def hook(sub: nn.Module, args: Any) -> None:
             entry = self.open.get(unit)
             if entry is None or j in entry.started:
-                entry = self.open[unit] = _Open(self.engine.enter(unit))
+                entry = self.open[unit] = _Open(self.engine.enter(unit), set(), set())
             entry.started.add(j)
             swaps = []
             for path, owner, name in self.hooked[unit][j][1]:

@@ -113,7 +113,7 @@ class CompiledLoss:
     # guards on them are dropped (`compile_loss`), those on `loss_fn` and `hooks` kept.
     FIXED = (
         "layout", "stage", "rank", "ghosts", "travel", "reduce", "axes", "burst_bytes",
-        "local", "reshard", "hpz", "cuts", "runs", "jit_runs", "jit", "index",
+        "local", "reshard", "hpz", "cuts", "runs", "jit_runs", "jit", "index", "hooked",
     )  # fmt: skip
 
     def __init__(
@@ -135,6 +135,7 @@ class CompiledLoss:
         hooked = hooked or {}
         jit = jit | frozenset(hooked)  # entered inside the graph: by a hook, or `gathered`
         self.hooks = TracedHooks(hooked) if hooked else None
+        self.hooked = frozenset(hooked)
         self.ghosts = ghosts(layout, hooked)
         self.travel, self.reduce = comm_dtypes(precision, layout)
         self.axes, self.burst_bytes = entry_axes(mesh, stage, quant), burst_bytes
@@ -291,8 +292,9 @@ class CompiledLoss:
                 self._enter_unit, unit, leaves, fulls, entries, sent, called, entered
             )
             enters[unit] = enter
-            for index, path in slots:
-                views[index] = Unentered(path, spec, len(slots), self.rank, enter)
+            if unit not in self.hooked:  # a hooked unit's leaves are ghosts (below)
+                for index, path in slots:
+                    views[index] = Unentered(path, spec, len(slots), self.rank, enter)
         for index, shape, dtype in self.ghosts:  # swapped for its views by the unit's hook
             views[index] = torch.empty(shape, dtype=dtype, device="meta")
         params = optree.tree_map(lambda k: views[k], self.index, namespace=NAMESPACE)
