@@ -86,7 +86,7 @@ class ModuleHooks:
                 self.handles.append(sub.register_forward_pre_hook(pre, prepend=True))
                 # Traced, the engine has nothing to learn there (`TracedHooks.computes`),
                 # and each hook is bytecodes dynamo steps through at every member's call.
-                late = None if not self.opaque else self._opaque(self._late(unit))
+                late = self._opaque(self._late(unit)) if self.opaque else None
                 if late is not None:
                     self.handles.append(sub.register_forward_pre_hook(late))
                 self.handles.append(sub.register_forward_hook(post))

@@ -24,6 +24,7 @@ from ._initializers import LeafInit as LeafInit
 from ._initializers import ModuleInit as ModuleInit
 from ._initializers import RecordedInit as RecordedInit
 from ._initializers import ValuesInit as ValuesInit
+from ._initializers import digest as digest
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
 from ._loss_scale import unscale_ as unscale_

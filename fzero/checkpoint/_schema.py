@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 from .. import _comm
 from .._comm import Mesh
 from .._core import Bucket, ShardLayout, Stage, tree_unflatten
+from .._state import digest
 from ..optim._pieces import walk as walk
 
 # An optimizer-state entry: (node, sub). `node` is the path of a subtree of the state that
@@ -242,14 +242,8 @@ def report(local: Local, layout: ShardLayout, share: bool = True) -> dict[str, A
     shapes = {g: (str(t.dtype), tuple(t.shape)) for g, t in local.globals.items()}
     out = {"kind": local.kind, "nodes": list(local.nodes), "globals": shapes, "entries": entries}
     if share:  # rank 0 alone saves the globals: others' must be its (0-d ones: counts, norms)
-        out["values"] = {g: _digest(t) for g, t in local.globals.items() if t.dim()}
+        out["values"] = {g: digest(t) for g, t in local.globals.items() if t.dim()}
     return out
-
-
-def _digest(t: torch.Tensor) -> str:
-    """A fingerprint of a tensor's bytes, to compare values across ranks."""
-    raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-    return hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
 
 
 def _check_same_globals(reports: Sequence[dict[str, Any]]) -> None:
