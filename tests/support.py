@@ -194,10 +194,37 @@ def fused_kernels() -> Iterator[list[tuple[int, ...]]]:
         _fused.kernel = original
 
 
-def with_fused_kernels(mesh: fzero.Mesh, fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
-    """A rank's `fn(mesh, *args)` and how many fused kernel calls it made (`run` it)."""
-    out, calls = with_fused_calls(mesh, fn, *args)
-    return out, len(calls)
+@contextlib.contextmanager
+def fused_lists() -> Iterator[list[int]]:
+    """Records how many tensors each call of torch's fused list kernels (`_fused_adam_`,
+    `_fused_adamw_`, `_fused_sgd_`, which `fzero.optim._fused.listed` hands a group of
+    small leaves) updates within the block (then restores)."""
+    names = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")
+    originals = {name: getattr(torch, name) for name in names}
+    calls: list[int] = []
+
+    def spy(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def call(params: list[torch.Tensor], *rest: Any, **kwargs: Any) -> Any:
+            calls.append(len(params))
+            return kernel(params, *rest, **kwargs)
+
+        return call
+
+    for name, kernel in originals.items():
+        setattr(torch, name, spy(kernel))
+    try:
+        yield calls
+    finally:
+        for name, kernel in originals.items():
+            setattr(torch, name, kernel)
+
+
+def with_fused_updates(mesh: fzero.Mesh, fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """A rank's `fn(mesh, *args)` and how many fused calls it made: compiled kernels and
+    torch's fused list kernels (`run` it)."""
+    with fused_kernels() as kernels, fused_lists() as lists:
+        out = fn(mesh, *args)
+    return out, len(kernels) + len(lists)
 
 
 def with_fused_calls(

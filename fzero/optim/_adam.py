@@ -1,7 +1,8 @@
 """Adam and AdamW, bitwise-equal to ``torch.optim.Adam``/``AdamW`` with ``foreach=False``
 (on the CPU, where it is tested) for Python-number hyper-parameters: large leaves op by
 op, small ones a group at a time; fused (`_fused`), large leaves one compiled kernel
-each, a tree's small ones a group a call of torch's own fused list kernel.
+each, small ones (a tree's leaves, a shard's pieces) a group a call of torch's own fused
+list kernel.
 
 A tensor `lr` or `betas` is read as a Python float (`.item()`), and the step's scalars
 (the step size, the bias corrections) computed in float64, as for numbers: torch keeps
@@ -257,7 +258,7 @@ def adam(
         element under sharding, so it works on flat shards too.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
         (`torch.compile`; one pass over memory instead of seven), the small fp32 and
-        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`
+        fp64 leaves or pieces a group at a time through torch's `_fused_adam(w)_`
         (contiguous, on the CPU or a GPU; others keep the list ops), agreeing with
         the unfused ops to a few ulps rather than bitwise. None: fused inside a compiled
         step (`sharded_step(compile=...)`, with its backend), unfused otherwise.
@@ -299,7 +300,7 @@ def adamw(
         element under sharding, so it works on flat shards too.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
         (`torch.compile`; one pass over memory instead of seven), the small fp32 and
-        fp64 leaves of a tree a group at a time through torch's `_fused_adam(w)_`
+        fp64 leaves or pieces a group at a time through torch's `_fused_adam(w)_`
         (contiguous, on the CPU or a GPU; others keep the list ops), agreeing with
         the unfused ops to a few ulps rather than bitwise. None: fused inside a compiled
         step (`sharded_step(compile=...)`, with its backend), unfused otherwise.

@@ -29,8 +29,6 @@ from typing import Any
 
 import torch
 
-from ._context import current
-
 _STEP: ContextVar[str | None] = ContextVar("fzero_fused_step", default=None)
 _KERNELS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
@@ -69,17 +67,16 @@ def split(
     written: list[list[Any]],
 ) -> tuple[list[int], list[list[int]], list[int]]:
     """Which leaves a fused update runs as kernels: `(fused, groups, large)`, the last two
-    what is left of `grouped`'s answer for the unfused ops.
+    what is left of `grouped`'s answer for torch's fused list kernel (`listed`) and the
+    unfused ops.
 
-    Every contiguous fp32 or fp64 leaf with elements whose state (`written`: per leaf,
-    the tensors the update writes besides it) is contiguous too, where the update runs on
-    a shard's pieces (few flat buffers); of a tree (stage 0, an optimizer called on its
-    own), the large ones only: a compiled kernel's call costs some 40 us on the host
-    (measured here), four times what one leaf costs in a group of list ops.
+    The large contiguous fp32 or fp64 leaves with elements whose state (`written`: per
+    leaf, the tensors the update writes besides it) is contiguous too: a compiled
+    kernel's call costs some 80 us on the host (profiled here: dynamo's guards, then
+    AOTAutograd's wrapper), many times what a small leaf costs in a group of torch's list
+    kernel. A tree's and a shard's pieces alike: 100 small units' pieces a kernel each
+    took 8 ms of a 45 ms compiled stage-3 step (the deep benchmark model, profiled).
     """
-    ctx = current()
-    pieces = ctx is not None and ctx.segments is not None
-    candidates = large + [i for g in groups for i in g] if pieces else large
 
     def fits(i: int) -> bool:
         p = leaves[i]
@@ -90,10 +87,9 @@ def split(
             and all(x.is_contiguous() for x in (p, *state))
         )
 
-    fast = [i for i in candidates if fits(i)]
+    fast = [i for i in large if fits(i)]
     taken = set(fast)
-    kept = [[i for i in g if i not in taken] for g in groups]
-    return fast, [g for g in kept if g], [i for i in large if i not in taken]
+    return fast, groups, [i for i in large if i not in taken]
 
 
 def run(
@@ -131,10 +127,10 @@ def run(
 def listed(
     groups: list[list[int]], leaves: list[torch.Tensor], columns: list[list[Any]]
 ) -> tuple[list, list]:
-    """Which of `grouped`'s groups (a tree's small leaves: stage 0's, or an optimizer
-    called on its own) run as torch's own fused list kernel (`_fused_adam(w)_`,
-    `_fused_sgd_`): one call a group, where a compiled kernel would cost some 40 us a
-    leaf and the list ops a pass per op (AdamW over 400 leaves of the deep benchmark
+    """Which of `grouped`'s groups (small leaves of a tree, small pieces of a shard) run
+    as torch's own fused list kernel (`_fused_adam(w)_`, `_fused_sgd_`): one call a
+    group, where a compiled kernel would cost some 80 us a leaf and the list ops a pass
+    per op (AdamW over 400 leaves of the deep benchmark
     model's sizes: 0.55 ms a call, measured alone, against some 7 ms of a compiled step,
     profiled). Of fp32 and fp64 leaves on the CPU or a
     GPU whose tensors (`columns`: per leaf, the gradient and state beside it) are all

@@ -1,7 +1,7 @@
 """Stochastic gradient descent, bitwise-equal to ``torch.optim.SGD(foreach=False)`` (on the
 CPU, where it is tested): large leaves op by op, small ones a group at a time; fused
-(`_fused`), large leaves one compiled kernel each, a tree's small ones a group a call of
-torch's own fused list kernel."""
+(`_fused`), large leaves one compiled kernel each, small ones (a tree's leaves, a shard's
+pieces) a group a call of torch's own fused list kernel."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def sgd(
       mask: where weight decay applies (a predicate on parameter paths or a pytree of
         bools like the parameters); None decays everything.
       fused: each large leaf's (a flat shard's) update as one compiled kernel
-        (`torch.compile`), the small fp32 and fp64 leaves of a tree a group at a time
+        (`torch.compile`), the small fp32 and fp64 leaves or pieces a group at a time
         through torch's `_fused_sgd_` (contiguous, on the CPU or a GPU; others keep the
         list ops), agreeing with the unfused ops to a few ulps
         rather than bitwise. None: fused inside a compiled step (`sharded_step(compile=...)`, with
@@ -108,7 +108,7 @@ def sgd(
             columns = [grad_leaves, buf_leaves]
             run(make_sgd, key, step_scalars, backend, fast, leaves, columns, decay)
             lists, groups = listed(groups, leaves, columns)
-            for idx in lists:  # a tree's small leaves: torch's fused list kernel (`listed`)
+            for idx in lists:  # small leaves or pieces: torch's fused list kernel (`listed`)
                 torch._fused_sgd_(
                     [leaves[i] for i in idx],
                     [grad_leaves[i] for i in idx],

@@ -1,9 +1,11 @@
-"""Fused updates (`fused=True`, and `fused=None` inside a compiled step): each flat piece's
-Adam, AdamW or SGD as one compiled kernel, against torch.optim's single-tensor loop."""
+"""Fused updates (`fused=True`, and `fused=None` inside a compiled step): each large flat
+piece's Adam, AdamW or SGD as one compiled kernel, the small ones (a tree's leaves, a
+shard's pieces) as torch's fused list kernel, against torch.optim's single-tensor loop."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from fzero import optim
 from fzero.optim._context import ShardContext, shard_context
 from fzero.optim._fused import _KERNELS, compiled_updates
 from tests.step.test_weights import DIMS
-from tests.support import fused_kernels, make_params, run, with_fused_kernels
+from tests.support import fused_kernels, fused_lists, make_params, run
 
 # (fzero's factory, torch's class, hyper-parameters): decay on "w" only, so that the flat
 # piece below mixes a decayed and an undecayed parameter (the kernel's mask).
@@ -33,6 +35,13 @@ CONFIGS: dict[str, tuple[Callable[..., optim.Optimizer], type, dict[str, Any]]] 
     "sgd-nesterov": (optim.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
 }
 SEGMENTS = ((("w", 0, 300), ("b", 300, 340)),)
+
+
+@pytest.fixture
+def kernels_for_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every leaf with elements counts as large (`_base._SMALL` 0): the small pieces below
+    run the compiled kernel as a large one does, not torch's list kernel."""
+    monkeypatch.setattr(fzero.optim._base, "_SMALL", 0)
 
 
 def _make(name: str, fused: bool | None) -> optim.Optimizer:
@@ -64,6 +73,7 @@ def _train(
     return piece, torch.cat([tw, tb]), start
 
 
+@pytest.mark.usefixtures("kernels_for_every_piece")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_fused_kernels_step_as_torch_in_float64(name: str) -> None:
     """Compiled by inductor, a kernel call a step: within 1e-12 of torch's loop,
@@ -76,6 +86,7 @@ def test_fused_kernels_step_as_torch_in_float64(name: str) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.usefixtures("kernels_for_every_piece")
 @pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
 def test_fused_kernels_round_within_a_few_ulps_in_float32(name: str) -> None:
     """The kernel's rounding differs from the seven ops' (`_fused`): the documented bound,
@@ -97,6 +108,7 @@ def test_16_bit_leaves_keep_the_unfused_ops() -> None:
     assert calls == [] and torch.equal(got, want) and not torch.equal(got, start)
 
 
+@pytest.mark.usefixtures("kernels_for_every_piece")
 def test_fused_none_follows_the_compiled_step() -> None:
     """`fused=None` (the default) fuses inside a compiled step's update, with its backend,
     and nowhere else; `fused=False` never does (bitwise torch's loop there too)."""
@@ -112,6 +124,7 @@ def test_fused_none_follows_the_compiled_step() -> None:
     torch.testing.assert_close(on, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.usefixtures("kernels_for_every_piece")
 def test_a_kernel_compiles_once_for_new_sizes_and_learning_rates() -> None:
     """The step's scalars are arguments and the shapes dynamic: a schedule and pieces of
     other sizes reuse the compiled kernel (one graph; none if an earlier test made it)."""
@@ -137,6 +150,7 @@ SHAPES = [(), (1,), (4, 7), (5,), (4, 4), (1, 7), (7, 1), (2, 3, 3, 3), (4, 3, 1
 SHAPES += [(1, 1, 7), (3, 1, 3, 3), (6, 2), (2, 2, 2, 2, 2)]
 
 
+@pytest.mark.usefixtures("kernels_for_every_piece")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_kernels_update_owned_tensors_of_any_shape(backend: str) -> None:
     """Every shape through one kernel (flat views), AdamW as torch's."""
@@ -161,23 +175,40 @@ def test_kernels_update_owned_tensors_of_any_shape(backend: str) -> None:
         assert (got - x).abs().max() > 1e-4
 
 
-@pytest.mark.multiprocess
-def test_a_compiled_step_runs_its_update_as_fused_kernels() -> None:
-    """`sharded_step(compile=...)` with the default `adamw()`: every rank's update runs
-    kernels (each owned tensor of layout="tensor" one call), training as torch.optim."""
+def _fused_train(mesh: fzero.Mesh, large: bool, *args: Any) -> tuple[Any, int, list[int]]:
+    """`test_compiled.train` in a rank, every owned tensor large (`_base._SMALL` 0) or
+    as it is: what it returns, its compiled kernels' calls, its list kernels' calls."""
     from tests.step.test_compiled import train
+
+    if large:
+        fzero.optim._base._SMALL = 0  # this rank process's own copy
+    with fused_kernels() as kernels, fused_lists() as lists:
+        out = train(mesh, *args)
+    return out, len(kernels), lists
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("large", [False, True])
+def test_a_compiled_step_runs_its_update_fused(large: bool) -> None:
+    """`sharded_step(compile=...)` with the default `adamw()`: every rank's update runs
+    fused, training as torch.optim: small owned tensors (layout="tensor") as groups of
+    torch's fused list kernel, no compiled kernel; large ones a compiled kernel each."""
     from tests.step.test_weights import make_data, reference
 
     params = make_params(DIMS, torch.float64, 2)
     data = make_data([[[2], [1]], [[1], [2]]], 2)
     want = reference(params, data, "pair", "adamw")
-    args = (train, params, data, "pair", 2, "tensor", "aot_eager", (), 0, "adamw")
-    for (got, _), calls in run(2, with_fused_kernels, *args):
+    args = (params, data, "pair", 2, "tensor", "aot_eager", (), 0, "adamw")
+    for (got, _), kernels, lists in run(2, _fused_train, large, *args):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
-        assert calls > 0
+        if large:
+            assert kernels > 0 and lists == [], (kernels, lists)
+        else:
+            assert kernels == 0 and lists, (kernels, lists)
     assert fzero._core._tree.max_abs_diff(got, params) > 1e-3
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     ("factory", "cls", "hyper"),
@@ -190,18 +221,20 @@ def test_a_compiled_step_runs_its_update_as_fused_kernels() -> None:
         (optim.sgd, torch.optim.SGD, dict(lr=0.05, weight_decay=0.1)),
     ],
 )
-def test_a_trees_small_leaves_run_torchs_fused_list_kernel(
+def test_small_leaves_and_pieces_run_torchs_fused_list_kernel(
     factory: Callable[..., optim.Optimizer],
     cls: type,
     hyper: dict[str, Any],
     dtype: torch.dtype,
+    pieces: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Fused, a tree's small leaves (stage 0's, where a kernel a leaf costs more than it
-    saves) go to torch's `_fused_adam(w)_` or `_fused_sgd_` (momentum seeded on the
-    first step as torch's loop seeds it), one call per group of one decay flag, no
-    compiled kernel: within 1e-12 of torch's loop in float64, 1 ulp of the largest
-    parameter in float32, parameters moved."""
+    """Fused, a tree's small leaves (stage 0's) or a shard's small pieces (stages 1-3's,
+    a piece a leaf here; where a kernel each costs more than it saves) go to torch's
+    `_fused_adam(w)_` or `_fused_sgd_` (momentum seeded on the first step as torch's
+    loop seeds it), one call per group of one decay flag, no compiled kernel: within
+    1e-12 of torch's loop in float64, 1 ulp of the largest parameter in float32,
+    parameters moved."""
     g = torch.Generator().manual_seed(1)
     shapes = {"w1": (7, 5), "w2": (5,), "b1": (5,), "b2": (3, 2)}
     start = {k: torch.randn(s, generator=g, dtype=dtype) for k, s in shapes.items()}
@@ -225,15 +258,25 @@ def test_a_trees_small_leaves_run_torchs_fused_list_kernel(
         kernel(params, *args, **kwargs)
 
     monkeypatch.setattr(torch, name, counted)
-    params, state = {k: v.clone() for k, v in start.items()}, None
+    params: Any = {k: v.clone() for k, v in start.items()}
+    # As a shard's pieces: each leaf flat, its own piece (a decay flag a piece).
+    segments = tuple(((k, 0, v.numel()),) for k, v in start.items())
+    ctx = ShardContext(None, True, segments)
+    context = (lambda: shard_context(ctx)) if pieces else nullcontext
+    if pieces:
+        params = tuple(v.reshape(-1) for v in params.values())
     state = opt.init(params)
     with fused_kernels() as compiled:
         for _ in range(4):
             grads = {k: torch.randn(s, generator=g, dtype=dtype) for k, s in shapes.items()}
-            params, state = opt.update_(grads, state, params)
+            given = tuple(v.reshape(-1) for v in grads.values()) if pieces else grads
+            with context():
+                params, state = opt.update_(given, state, params)
             for k in tw:
                 tw[k].grad = grads[k]
             ref.step()
+    if pieces:
+        params = {k: v.view(start[k].shape) for k, v in zip(start, params)}
     # Per step, a call for the decayed leaves and one for the others (one without decay).
     assert compiled == [] and calls == ([2, 2] if decay else [4]) * 4, calls
     for k in shapes:
@@ -278,6 +321,7 @@ def test_a_group_with_a_transposed_leaf_keeps_the_list_ops(
         assert torch.equal(params[k], ref_p[k]) and not torch.equal(params[k], start[k]), k
 
 
+@pytest.mark.usefixtures("kernels_for_every_piece")
 def test_a_kernel_past_its_recompile_limit_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dynamo's limit at 1 and fresh kernels: a one-element piece and a longer one need two
     variants of AdamW's kernel; the second runs eagerly instead of raising mid-run (no

@@ -34,7 +34,7 @@ from tests.support import (
     peak_rss_rise,
     run,
     with_fused_calls,
-    with_fused_kernels,
+    with_fused_updates,
 )
 
 MAX_NORM = 0.4
@@ -194,17 +194,18 @@ def test_offloaded_training_is_the_device_training_and_torchs(
 
 @pytest.mark.parametrize("clip", [True, False])
 def test_a_fused_optimizer_steps_an_offloaded_state_as_torch(clip: bool) -> None:
-    """`adamw(fused=True)`: the host's update a compiled kernel (inductor's loop) per
-    offloaded bucket, also on the host thread that steps units during the backward
-    (without clipping); float64 against torch.optim, parameters moved."""
+    """`adamw(fused=True)`: the host's update fused (a small offloaded bucket's shard in
+    torch's fused list kernel, a large one a compiled kernel), also on the host thread
+    that steps units during the backward (without clipping); float64 against
+    torch.optim, parameters moved."""
     params = make_params(DIMS, torch.float64, 5)
     xs, ys = batches(3, 2, 2)
     want = torch_reference(params, xs, ys, "shift", clip)
     offload = fzero.Offload("host", 1.0)
     args = (train, params, xs, ys, 3, "flat", offload, None, "shift", True, clip)
-    for (masters, report), calls in run(2, with_fused_kernels, *args):
+    for (masters, report), calls in run(2, with_fused_updates, *args):
         fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
-        assert report.host > 0 and calls >= 3  # a kernel call at least per step
+        assert report.host > 0 and calls >= 3  # a fused call at least per step
     assert fzero._core._tree.max_abs_diff(masters, params) > 1e-3
 
 
@@ -231,7 +232,7 @@ def test_a_compiled_step_updates_an_offloaded_state(
     want = torch_reference(params, xs, ys, "shift", clip)
     offload = fzero.Offload(tier, 1.0, directory, params=apart)
     args = (params, xs, ys, stage, "flat", offload, accumulate, "shift", None, clip, "aot_eager")
-    for (masters, report), calls in run(2, with_fused_kernels, train, *args):
+    for (masters, report), calls in run(2, with_fused_updates, train, *args):
         fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
         assert report.host + report.disk > 0 and calls > 0
         assert torch.equal(masters["shift"], params["shift"])

@@ -665,7 +665,7 @@ def test_mixed_precision_and_a_skipping_loss_scaler_compile(stage: int, case: st
     update and halves the scale. The masters are torch.optim.Adam's under
     torch.amp.GradScaler on one process doing the same casts: at 2 ranks (a division by
     2 is exact) within the fused update's few fp32 ulps (eager: bitwise; compiled, the
-    update is one kernel per piece, `fzero.optim._fused`), within bf16's rounding of the
+    update fused, `fzero.optim._fused`), within bf16's rounding of the
     mean at 3, where each rank divides before the sum and torch after it."""
     _precision_case(stage, case)
 
