@@ -16,9 +16,10 @@ rows before the forward, where the loss asks ("just in time": `fzero.gathered` p
 unit), or where each block runs ("module hooks", traced); stage 3 recomputes a gather
 entered inside the forward for the backward. Adam everywhere (torch's
 single-tensor Adam for DDP, fzero's for fzero); every row's parameters after the steps
-are compared with DDP's. A compiled fzero step runs fzero's Adam fused (one compiled
-kernel per piece of the shard), so DDP compiled is measured with torch's fused CPU Adam
-too. `--only` keeps the configurations whose label matches (and DDP, the baseline):
+are compared with DDP's. A compiled fzero step runs fzero's Adam fused (a compiled
+kernel per large piece of the shard, torch's fused list kernel for the small ones), so
+DDP compiled is measured with torch's fused CPU Adam too. `--only` keeps the
+configurations whose label matches (and DDP, the baseline):
 `--only 'compiled$|eager'` leaves out the just-in-time rows, whose deep-model compile
 takes some 1000 s here. `--backend aot_eager` traces without inductor's code generation:
 its first steps are the trace alone (dynamo and AOTAutograd), fzero's part of a compile.

@@ -20,7 +20,7 @@ size 1 on NCCL, one unit per block:
 
 fzero runs `fzero.optim.adamw` (the same arithmetic on the GPU and on the host: the
 offloaded rows are bitwise the on-device one), and in the "fused AdamW" rows
-`adamw(fused=True)` on the host (each piece one compiled kernel, threaded: the fast host
+`adamw(fused=True)` on the host (each large piece one compiled kernel, threaded: the fast host
 optimizer, to a few ulps); FSDP2 runs `torch.optim.AdamW` on its
 CPU-resident parameters (torch's default implementation there). Each row runs in a fresh
 process; the median of `--steps` steps after `--warmup` (the first step of an offloaded
@@ -80,7 +80,7 @@ ROWS = [  # (model, label, builder name, offload keywords)
 
 def fzero_offloaded(cfg: dict[str, int], device: torch.device, offload: Any) -> Any:
     """fzero stage 3, bf16, on the GPU (`offload` None) or offloaded (`fused`: the host's
-    AdamW as one compiled kernel a piece, `adamw(fused=True)`)."""
+    AdamW as one compiled kernel a large piece, `adamw(fused=True)`)."""
     mesh = fzero.ProcessGroupMesh()
     precision = fzero.Precision(torch.bfloat16, reduce_dtype=torch.float32)
     offload = None if offload is None else dict(offload)

@@ -86,6 +86,18 @@ def test_fused_kernels_step_as_torch_in_float64(name: str) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def test_a_small_piece_mixing_decay_flags_keeps_its_kernel() -> None:
+    """As sizes are (no fixture): the 340-element piece mixing a decayed and an undecayed
+    parameter takes a per-element mask, which torch's list kernel does not, so it runs
+    the compiled kernel, a call a step, as torch's loop in float64."""
+    _, cls, hyper = CONFIGS["adamw"]
+    with fused_kernels() as calls, fused_lists() as lists:
+        got, want, start = _train(_make("adamw", True), cls, hyper, torch.float64)
+    assert calls == [(340,)] * 4 and lists == []
+    assert (got - start).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.usefixtures("kernels_for_every_piece")
 @pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
 def test_fused_kernels_round_within_a_few_ulps_in_float32(name: str) -> None:

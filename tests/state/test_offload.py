@@ -28,6 +28,8 @@ from tests.state.test_precision import (
     reference,
 )
 from tests.support import (
+    fused_kernels,
+    fused_lists,
     make_params,
     map_every_allocation,
     mlp_loss,
@@ -192,20 +194,38 @@ def test_offloaded_training_is_the_device_training_and_torchs(
         assert list(Path(directory).iterdir()) == []  # the files live only while mapped
 
 
+def _fused_offloaded(mesh: fzero.Mesh, large: bool, *args: Any) -> tuple[Any, int, int]:
+    """`train` in a rank, every piece large (`_base._SMALL` 0: a compiled kernel each) or
+    as it is (these small ones: torch's fused list kernel): what it returns, its
+    compiled kernels' calls, its list kernels' calls."""
+    if large:
+        fzero.optim._base._SMALL = 0  # this rank process's own copy
+    with fused_kernels() as kernels, fused_lists() as lists:
+        out = train(mesh, *args)
+    return out, len(kernels), len(lists)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("large", [False, True])
 @pytest.mark.parametrize("clip", [True, False])
-def test_a_fused_optimizer_steps_an_offloaded_state_as_torch(clip: bool) -> None:
-    """`adamw(fused=True)`: the host's update fused (a small offloaded bucket's shard in
-    torch's fused list kernel, a large one a compiled kernel), also on the host thread
-    that steps units during the backward (without clipping); float64 against
-    torch.optim, parameters moved."""
+def test_a_fused_optimizer_steps_an_offloaded_state_as_torch(clip: bool, large: bool) -> None:
+    """`adamw(fused=True)`: the host's update fused, small offloaded buckets' shards in
+    torch's fused list kernel, large ones a compiled kernel each (every piece made large
+    here, `large`), also on the host thread that steps units during the backward
+    (without clipping); float64 against torch.optim, parameters moved."""
     params = make_params(DIMS, torch.float64, 5)
     xs, ys = batches(3, 2, 2)
     want = torch_reference(params, xs, ys, "shift", clip)
     offload = fzero.Offload("host", 1.0)
-    args = (train, params, xs, ys, 3, "flat", offload, None, "shift", True, clip)
-    for (masters, report), calls in run(2, with_fused_updates, *args):
+    args = (params, xs, ys, 3, "flat", offload, None, "shift", True, clip)
+    for (masters, report), kernels, lists in run(2, _fused_offloaded, large, *args):
         fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
-        assert report.host > 0 and calls >= 3  # a fused call at least per step
+        assert report.host > 0
+        # A call at least per step, of the one kind.
+        if large:
+            assert kernels >= 3 and lists == 0, (kernels, lists)
+        else:
+            assert lists >= 3 and kernels == 0, (kernels, lists)
     assert fzero._core._tree.max_abs_diff(masters, params) > 1e-3
 
 
