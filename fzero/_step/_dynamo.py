@@ -8,6 +8,7 @@ import ast
 import builtins
 import contextlib
 import functools
+import re
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -125,7 +126,7 @@ def compile_loss(
     cache keys it by layout), so those guards can only pass. The user's loss keeps all
     of its guards: what it reads may change between calls."""
     if fixed and hasattr(torch._dynamo.types, "GuardFilterEntry"):  # torch >= 2.8
-        roots = tuple(f"L['self'].{name}" for name in fixed)
+        roots = tuple(f"self.{name}" for name in fixed)
         make = functools.partial(_compile, fn, backend, fullgraph, before_run)
         return _Filtered(make, functools.partial(_unfixed, roots))
     return _compile(fn, backend, fullgraph, before_run, None)
@@ -212,11 +213,15 @@ _COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functiona
 
 
 def _unfixed(roots: tuple[str, ...], entries: Any) -> list[bool]:
-    """`guard_filter_fn`: keeps each guard but those on a value under one of `roots`."""
-    return [
-        not any(e.name == r or e.name.startswith((f"{r}.", f"{r}[")) for r in roots)
-        for e in entries
-    ]
+    """`guard_filter_fn`: keeps each guard but those on a value under one of `roots`
+    (`self.layout`). An entry names its value as torch 2.13 does, the frame's locals
+    unwrapped (`self.layout.buckets[3]`), or as the guard itself does
+    (`L['self'].layout.buckets[3]`): a filter matching only the second dropped nothing."""
+    names = [_LOCAL.sub(r"\1", e.name) for e in entries]
+    return [not any(n == r or n.startswith((f"{r}.", f"{r}[")) for r in roots) for n in names]
+
+
+_LOCAL = re.compile(r"L\[\s*['\"](.*?)['\"]\s*\]")  # a frame local, `L['self']`
 
 
 def unentered_use(rank: int) -> str:
