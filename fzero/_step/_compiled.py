@@ -253,11 +253,12 @@ class CompiledLoss:
         self.compiled = self._compile(fullgraph=False)
 
     def _compile(self, fullgraph: bool) -> Any:
+        # In pieces the user's frames get the filter too, their `self` theirs: none then.
         return compile_loss(
             own_code(self._loss),
             self.backend,
             fullgraph,
-            self.FIXED,
+            self.FIXED if fullgraph else (),
             None if self.meets is None else self._arrive,
         )
 

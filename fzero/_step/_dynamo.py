@@ -214,7 +214,9 @@ _COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functiona
 
 def _unfixed(roots: tuple[str, ...], entries: Any) -> list[bool]:
     """`guard_filter_fn`: keeps each guard but those on a value under one of `roots`
-    (`self.layout`). An entry names its value as torch 2.13 does, the frame's locals
+    (`self.layout`), for a `fullgraph` trace: its one frame is the loss's own (in pieces
+    the user's frames, whose `self` is another object, would be filtered too). An entry
+    names its value as torch 2.13 does, the frame's locals
     unwrapped (`self.layout.buckets[3]`), or as the guard itself does
     (`L['self'].layout.buckets[3]`): a filter matching only the second dropped nothing."""
     names = [_LOCAL.sub(r"\1", e.name) for e in entries]
