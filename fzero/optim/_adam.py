@@ -32,7 +32,7 @@ from ._base import (
     zero_count,
     zeros_like_tree,
 )
-from ._fused import backend_for, listed, make_adam, run, split, step_tensor
+from ._fused import backend_for, bumped, listed, make_adam, run, split, step_tensor
 
 
 class AdamState(NamedTuple):
@@ -124,6 +124,7 @@ def _adam(
                     amsgrad=amsgrad,
                     maximize=maximize,
                 )
+                bumped(at)
         scratch = _Scratch([nu_l[i] for i in large], [[nu_l[i] for i in g] for g in groups])
 
         def one(

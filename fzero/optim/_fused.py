@@ -149,6 +149,14 @@ def listed(
     return ok, [g for g in groups if g not in ok]
 
 
+def bumped(params: list[torch.Tensor]) -> None:
+    """The version of each tensor torch's fused list kernel updated, moved on as any
+    in-place op moves it: the kernel writes them without (torch 2.13), and autograd's
+    check of a saved tensor's version is how a step meeting a tensor an earlier step
+    handed out, then updated, says so (`tests/engine/test_tied.py`)."""
+    torch.autograd.graph.increment_version(params)
+
+
 def step_tensor(step: float, like: torch.Tensor) -> torch.Tensor:
     """The step count as torch's fused kernels read it: a float32 tensor on `like`'s
     device (copied there without waiting, as `scalars` does)."""

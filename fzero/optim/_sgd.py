@@ -24,7 +24,7 @@ from ._base import (
     zero_count,
     zeros_like_tree,
 )
-from ._fused import backend_for, listed, make_sgd, run, split
+from ._fused import backend_for, bumped, listed, make_sgd, run, split
 
 
 class SgdState(NamedTuple):
@@ -121,6 +121,7 @@ def sgd(
                     maximize=maximize,
                     is_first_step=count == 0 and momentum != 0,  # torch's: no buffer, no flag
                 )
+                bumped([leaves[i] for i in idx])
         for idx in groups:  # the same ops, each one list op over the group (`grouped`)
             ps, d_ps = [leaves[i] for i in idx], [grad_leaves[i] for i in idx]
             d_ps = torch._foreach_neg(d_ps) if maximize else d_ps
