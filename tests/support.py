@@ -219,6 +219,18 @@ def fused_lists() -> Iterator[list[int]]:
             setattr(torch, name, kernel)
 
 
+def with_fused_kinds(
+    mesh: fzero.Mesh, large: bool, fn: Callable[..., Any], *args: Any
+) -> tuple[Any, int, int]:
+    """A rank's `fn(mesh, *args)`, every piece large (`_base._SMALL` 0: a compiled kernel
+    each) or as it is, and its compiled kernels' and list kernels' calls (`run` it)."""
+    if large:
+        fzero.optim._base._SMALL = 0  # this rank process's own copy
+    with fused_kernels() as kernels, fused_lists() as lists:
+        out = fn(mesh, *args)
+    return out, len(kernels), len(lists)
+
+
 def with_fused_updates(mesh: fzero.Mesh, fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     """A rank's `fn(mesh, *args)` and how many fused calls it made: compiled kernels and
     torch's fused list kernels (`run` it)."""

@@ -16,7 +16,7 @@ from fzero import optim
 from fzero.optim._context import ShardContext, shard_context
 from fzero.optim._fused import _KERNELS, compiled_updates
 from tests.step.test_weights import DIMS
-from tests.support import fused_kernels, fused_lists, make_params, run
+from tests.support import fused_kernels, fused_lists, make_params, run, with_fused_kinds
 
 # (fzero's factory, torch's class, hyper-parameters): decay on "w" only, so that the flat
 # piece below mixes a decayed and an undecayed parameter (the kernel's mask).
@@ -187,36 +187,25 @@ def test_kernels_update_owned_tensors_of_any_shape(backend: str) -> None:
         assert (got - x).abs().max() > 1e-4
 
 
-def _fused_train(mesh: fzero.Mesh, large: bool, *args: Any) -> tuple[Any, int, list[int]]:
-    """`test_compiled.train` in a rank, every owned tensor large (`_base._SMALL` 0) or
-    as it is: what it returns, its compiled kernels' calls, its list kernels' calls."""
-    from tests.step.test_compiled import train
-
-    if large:
-        fzero.optim._base._SMALL = 0  # this rank process's own copy
-    with fused_kernels() as kernels, fused_lists() as lists:
-        out = train(mesh, *args)
-    return out, len(kernels), lists
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("large", [False, True])
 def test_a_compiled_step_runs_its_update_fused(large: bool) -> None:
     """`sharded_step(compile=...)` with the default `adamw()`: every rank's update runs
     fused, training as torch.optim: small owned tensors (layout="tensor") as groups of
     torch's fused list kernel, no compiled kernel; large ones a compiled kernel each."""
+    from tests.step.test_compiled import train
     from tests.step.test_weights import make_data, reference
 
     params = make_params(DIMS, torch.float64, 2)
     data = make_data([[[2], [1]], [[1], [2]]], 2)
     want = reference(params, data, "pair", "adamw")
     args = (params, data, "pair", 2, "tensor", "aot_eager", (), 0, "adamw")
-    for (got, _), kernels, lists in run(2, _fused_train, large, *args):
+    for (got, _), kernels, lists in run(2, with_fused_kinds, large, train, *args):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         if large:
-            assert kernels > 0 and lists == [], (kernels, lists)
+            assert kernels > 0 and lists == 0, (kernels, lists)
         else:
-            assert kernels == 0 and lists, (kernels, lists)
+            assert kernels == 0 and lists > 0, (kernels, lists)
     assert fzero._core._tree.max_abs_diff(got, params) > 1e-3
 
 

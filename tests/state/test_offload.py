@@ -28,14 +28,13 @@ from tests.state.test_precision import (
     reference,
 )
 from tests.support import (
-    fused_kernels,
-    fused_lists,
     make_params,
     map_every_allocation,
     mlp_loss,
     peak_rss_rise,
     run,
     with_fused_calls,
+    with_fused_kinds,
     with_fused_updates,
 )
 
@@ -194,17 +193,6 @@ def test_offloaded_training_is_the_device_training_and_torchs(
         assert list(Path(directory).iterdir()) == []  # the files live only while mapped
 
 
-def _fused_offloaded(mesh: fzero.Mesh, large: bool, *args: Any) -> tuple[Any, int, int]:
-    """`train` in a rank, every piece large (`_base._SMALL` 0: a compiled kernel each) or
-    as it is (these small ones: torch's fused list kernel): what it returns, its
-    compiled kernels' calls, its list kernels' calls."""
-    if large:
-        fzero.optim._base._SMALL = 0  # this rank process's own copy
-    with fused_kernels() as kernels, fused_lists() as lists:
-        out = train(mesh, *args)
-    return out, len(kernels), len(lists)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("large", [False, True])
 @pytest.mark.parametrize("clip", [True, False])
@@ -218,7 +206,7 @@ def test_a_fused_optimizer_steps_an_offloaded_state_as_torch(clip: bool, large: 
     want = torch_reference(params, xs, ys, "shift", clip)
     offload = fzero.Offload("host", 1.0)
     args = (params, xs, ys, 3, "flat", offload, None, "shift", True, clip)
-    for (masters, report), kernels, lists in run(2, _fused_offloaded, large, *args):
+    for (masters, report), kernels, lists in run(2, with_fused_kinds, large, train, *args):
         fzero.assert_trees_close(masters, want, rtol=1e-10, atol=1e-12)
         assert report.host > 0
         # A call at least per step, of the one kind.
