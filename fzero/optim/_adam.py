@@ -24,6 +24,7 @@ from ._base import (
     flatten_as,
     from_inplace,
     grouped,
+    mul_each_,
     resolve_lr,
     scale_where_,
     validate_beta,
@@ -165,11 +166,11 @@ def _adam(
             g = torch._foreach_neg(g) if maximize else g
             if decay[idx[0]] is True:
                 if decoupled:
-                    torch._foreach_mul_(p, 1 - step_lr * weight_decay)
+                    mul_each_(p, 1 - step_lr * weight_decay)
                 else:
                     g = torch._foreach_add(g, p, alpha=weight_decay)
             torch._foreach_lerp_(m, g, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
+            mul_each_(v, beta2)
             torch._foreach_addcmul_(v, g, g, value=1 - beta2)
             top = v
             if amsgrad:

@@ -18,6 +18,7 @@ from ._base import (
     flatten_as,
     from_inplace,
     grouped,
+    mul_each_,
     resolve_lr,
     validate_lr,
     validate_non_negative,
@@ -132,7 +133,7 @@ def sgd(
                 if count == 0:
                     torch._foreach_copy_(bufs, d_ps)
                 else:
-                    torch._foreach_mul_(bufs, momentum)
+                    mul_each_(bufs, momentum)
                     torch._foreach_add_(bufs, d_ps, alpha=1 - dampening)
                 d_ps = torch._foreach_add(d_ps, bufs, alpha=momentum) if nesterov else bufs
             torch._foreach_add_(ps, d_ps, alpha=-step_lr)

@@ -462,7 +462,9 @@ def test_adam_over_mixed_dtypes_sizes_and_strides_matches_torch(
     [
         (optim.sgd, torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
         (optim.adam, torch.optim.Adam, {"weight_decay": 0.1, "amsgrad": True}),
+        (optim.adam, torch.optim.Adam, {"betas": (0.9, 0.99)}),
         (optim.adamw, torch.optim.AdamW, {}),
+        (optim.adamw, torch.optim.AdamW, {"weight_decay": 0.33}),
     ],
 )
 def test_low_precision(
@@ -471,8 +473,12 @@ def test_low_precision(
     hp: dict[str, Any],
     dtype: torch.dtype,
 ) -> None:
+    """16-bit small leaves, updated as a group by list ops (`_base.grouped`): bitwise
+    torch's loop, with factors that 16-bit rounding would change (0.9967, 0.99, 0.9):
+    on the CPU torch's `_foreach_mul_` rounds a Python scalar to the list's dtype, which
+    the loop's `mul_` does not (`_base.mul_each_`)."""
     hp = dict(hp, lr=0.01)
-    skeleton = {"a": (3, 5), "b": (), "c": (0,)}
+    skeleton = {"a": (3, 5), "b": (), "c": (0,), "d": (20, 16)}
     run_both(make(**hp), ref_cls, dict(hp, foreach=False), skeleton, 0, dtype)
 
 
