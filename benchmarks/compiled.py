@@ -2,7 +2,7 @@
 eager step, DDP, and DDP with its module compiled, stepped in turn.
 
     python benchmarks/compiled.py [--models deep,gpt] [--steps 10] [--quick]
-                                  [--only REGEX] [--backend inductor]
+                                  [--only REGEX] [--backend inductor] [--decay WD]
                                   [--out benchmarks/RESULTS-compiled.md]
 
 Two simulated ranks (processes, gloo, one thread each) hold every configuration's model
@@ -21,8 +21,11 @@ kernel per large piece of the shard, torch's fused list kernel for the small one
 DDP compiled is measured with torch's fused CPU Adam too. `--only` keeps the
 configurations whose label matches (and DDP, the baseline):
 `--only 'compiled$|eager'` leaves out the just-in-time rows, whose deep-model compile
-takes some 1000 s here. `--backend aot_eager` traces without inductor's code generation:
-its first steps are the trace alone (dynamo and AOTAutograd), fzero's part of a compile.
+takes some 1000 s here. `--decay WD` trains with AdamW instead, weight decay WD on the
+matrices and none on biases and norms (the usual recipe: fzero's `mask=`, torch's two
+parameter groups), so that every small unit's piece of a rank mixes the two.
+`--backend aot_eager` traces without inductor's code generation: its first steps are
+the trace alone (dynamo and AOTAutograd), fzero's part of a compile.
 """
 
 from __future__ import annotations
@@ -83,19 +86,35 @@ def entered_forward(model: nn.Module, p: dict[str, torch.Tensor], x: torch.Tenso
 
 
 def make(
-    mesh: fzero.Mesh, s: Any, kind: str, stage: int, compiled: bool | int | str, backend: str
+    mesh: fzero.Mesh,
+    s: Any,
+    kind: str,
+    stage: int,
+    compiled: bool | int | str,
+    backend: str,
+    decay: float = 0.0,
 ) -> Any:
     """A configuration's `(step(batch), params())` (`compiled` an int: compiled, in
     bursts of that many bytes instead of the default; "jit": compiled, units entered
-    where the loss asks, `entered_forward`), compiled rows by torch.compile's `backend`."""
+    where the loss asks, `entered_forward`), compiled rows by torch.compile's `backend`;
+    `decay` > 0: AdamW with that weight decay on the matrices alone."""
     model = build_model(s)
+    matrices = {k for k, v in model.named_parameters() if v.dim() >= 2}
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model)
         net = torch.compile(ddp, backend=backend) if compiled else ddp
         fused = {"fused": True} if compiled == "fused" else {"foreach": False}
-        opt = torch.optim.Adam(model.parameters(), lr=LR, **fused)
+        if decay:
+            named = list(model.named_parameters())
+            groups = [
+                {"params": [v for k, v in named if k in matrices]},
+                {"params": [v for k, v in named if k not in matrices], "weight_decay": 0.0},
+            ]
+            opt = torch.optim.AdamW(groups, lr=LR, weight_decay=decay, **fused)
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=LR, **fused)
 
         def ddp_step(batch: Any) -> None:
             opt.zero_grad(set_to_none=True)
@@ -106,7 +125,10 @@ def make(
     blocks = [g[0] if len(g) == 1 else tuple(g) for g in s.block_groups(model)]
     units = [*blocks, *s.extra_units]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = fzero.optim.adam(lr=LR)
+    if decay:
+        opt = fzero.optim.adamw(lr=LR, weight_decay=decay, mask=lambda path: path in matrices)
+    else:
+        opt = fzero.optim.adam(lr=LR)
     box = [fzero.shard_state(params, opt, mesh, stage=stage, units=units)]
 
     def loss_fn(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
@@ -130,13 +152,19 @@ def make(
 
 
 def in_turn(
-    mesh: fzero.Mesh, name: str, quick: bool, steps: int, configs: list, backend: str
+    mesh: fzero.Mesh,
+    name: str,
+    quick: bool,
+    steps: int,
+    configs: list,
+    backend: str,
+    decay: float = 0.0,
 ) -> Any:
     """Every configuration stepped in turn: per configuration the first step's time,
     the later steps' median, and (rank 0) the final parameters."""
     torch.set_num_threads(1)
     s = spec(name, quick)
-    runs = [make(mesh, s, kind, stage, c, backend) for _, kind, stage, c in configs]
+    runs = [make(mesh, s, kind, stage, c, backend, decay) for _, kind, stage, c in configs]
     times: list[list[float]] = [[] for _ in runs]
     for t in range(steps + 1):
         batch = rank_batch(s, t, mesh.rank, mesh.size)
@@ -155,12 +183,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny models (checks the script)")
     ap.add_argument("--only", default="", help="keep configurations matching this regex")
     ap.add_argument("--backend", default="inductor", help="torch.compile's, compiled rows")
+    ap.add_argument("--decay", type=float, default=0.0, help="AdamW, decay on matrices")
     ap.add_argument("--out", default=str(Path(__file__).parent / "RESULTS-compiled.md"))
     args = ap.parse_args()
     configs = [c for k, c in enumerate(CONFIGS) if k == 0 or re.search(args.only, c[0])]
     only = f" --only '{args.only}'" if args.only else ""
     if args.backend != "inductor":
         only += f" --backend {args.backend}"
+    if args.decay:
+        only += f" --decay {args.decay:g}"
     lines = [
         "# Compiled steps on the CPU (issue 50)\n",
         f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, "
@@ -170,7 +201,7 @@ def main() -> None:
     ]
     for name in args.models.split(","):
         out = fzero.Simulation(2, collective_timeout=120, timeout=3600).run(
-            in_turn, name, args.quick, args.steps, configs, args.backend
+            in_turn, name, args.quick, args.steps, configs, args.backend, args.decay
         )
         finals = out[0][1]
         rows = [

@@ -14,13 +14,26 @@ from hypothesis import strategies as st
 import fzero
 from fzero import optim
 
-# name -> (fzero optimizer factory, torch.optim class, kwargs shared by both)
+
+def on_matrices(path: str) -> bool:
+    """The usual weight-decay mask: the layers' matrices ("layers.i.w"), not their biases
+    or the scale and shift, so that a flat piece of a layer mixes the two."""
+    return path.endswith(".w")
+
+
+# name -> (fzero optimizer factory, torch.optim class, kwargs shared by both; a `mask`
+# is fzero's, and torch's two parameter groups, `make_torch_optimizer`)
 OPTIMIZERS: dict[str, tuple[Any, type, dict[str, Any]]] = {
     "sgd": (optim.sgd, torch.optim.SGD, {"lr": 0.1}),
     "momentum": (optim.sgd, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
     "nesterov": (optim.sgd, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
     "adam": (optim.adam, torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}),
     "adamw": (optim.adamw, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "adamw_matrices": (
+        optim.adamw,
+        torch.optim.AdamW,
+        {"lr": 0.01, "weight_decay": 0.3, "mask": on_matrices},
+    ),
     "torch_rmsprop": (None, torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
     "torch_adamw": (None, torch.optim.AdamW, {"lr": 0.01}),
 }
@@ -31,9 +44,22 @@ def make_optimizer(name: str) -> optim.Optimizer:
     return factory(**kwargs) if factory is not None else optim.from_torch(cls, **kwargs)
 
 
-def make_torch_optimizer(name: str, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+def make_torch_optimizer(
+    name: str, tensors: list[torch.Tensor], paths: list[str] | None = None
+) -> torch.optim.Optimizer:
+    """torch's optimizer for `name` over `tensors`; with a `mask` (decay by path), two
+    parameter groups, the second without weight decay (`paths`: the tensors' paths)."""
     _, cls, kwargs = OPTIMIZERS[name]
-    return cls(tensors, foreach=False, **kwargs)
+    if "mask" not in kwargs:
+        return cls(tensors, foreach=False, **kwargs)
+    if paths is None:
+        raise TypeError(f"{name!r} decays by path: make_torch_optimizer needs the paths")
+    mask, rest = kwargs["mask"], {k: v for k, v in kwargs.items() if k != "mask"}
+    groups = [
+        {"params": [t for t, p in zip(tensors, paths, strict=True) if mask(p)]},
+        {"params": [t for t, p in zip(tensors, paths) if not mask(p)], "weight_decay": 0.0},
+    ]
+    return cls(groups, foreach=False, **rest)
 
 
 def mlp_loss(params: dict[str, Any], batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -112,7 +138,7 @@ def train_reference(case: Case) -> dict[str, Any]:
     """Plain torch.optim on one process over the concatenated batch: the ground truth."""
     leaves, treedef = fzero._core._tree.tree_flatten(case.params)
     tensors = [x.detach().clone().requires_grad_() for x in leaves]
-    opt = make_torch_optimizer(case.optimizer, tensors)
+    opt = make_torch_optimizer(case.optimizer, tensors, fzero._core._tree.leaf_paths(case.params))
     for t in range(case.xs.shape[0]):
         opt.zero_grad()
         mlp_loss(

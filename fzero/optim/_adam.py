@@ -20,6 +20,7 @@ from ._base import (
     Optimizer,
     Params,
     ScalarOrSchedule,
+    by_flag,
     decay_flags,
     flatten_as,
     from_inplace,
@@ -90,6 +91,9 @@ def _adam(
         leaves, _, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
         nu_max_l = rest[0] if amsgrad else [None] * len(leaves)
         decay = decay_flags(mask, params, len(leaves), weight_decay)
+        leaves, (g_l, mu_l, nu_l, nu_max_l), decay = by_flag(
+            leaves, [g_l, mu_l, nu_l, nu_max_l], decay
+        )
         groups, large = grouped(leaves, decay)
         backend = backend_for(fused)
         if backend is not None:  # a compiled kernel per large leaf, the rest as below

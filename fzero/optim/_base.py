@@ -215,19 +215,68 @@ def zero_count() -> torch.Tensor:
 
 
 def decay_flags(mask: Any, params: Params, n: int, weight_decay: float) -> list[Any]:
-    """Per leaf: False (no decay), True, or a 0/1 tensor (a shard mixing parameters)."""
+    """Per leaf: False (no decay), True, or the `Spans` of a piece mixing parameters
+    (which `by_flag` cuts or masks)."""
     if weight_decay == 0:
         return [False] * n
     if mask is None:
         return [True] * n
     from ._context import resolve_mask
 
-    return [
-        m if isinstance(m, bool) else m.to(dtype)
-        for m, dtype in zip(
-            resolve_mask(mask, params), (p.dtype for p in optree.tree_leaves(params))
+    return resolve_mask(mask, params)
+
+
+def by_flag(
+    leaves: list[torch.Tensor], columns: list[list[Any]], decay: list[Any]
+) -> tuple[list[torch.Tensor], list[list[Any]], list[Any]]:
+    """The leaves an elementwise update walks, one decay flag each where that costs no
+    more calls: a piece mixing parameters (`Spans`) with at most one run over `_SMALL`
+    elements becomes views of its runs, a flag each. Its small runs then join `grouped`'s
+    groups (one list op, or one call of torch's fused list kernel, for many), its large
+    run is a leaf of its own, and no per-element mask is made or read. Any other mixed
+    piece keeps a 0/1 mask of its dtype: every large run would be a compiled kernel's call
+    (some 80 us on the host, `_fused.split`) where the mask costs a pass over memory.
+
+    Args:
+      leaves: the parameter leaves (a rank's pieces, or a tree's leaves).
+      columns: per leaf, each tensor updated beside it (gradient, moments; None stays).
+      decay: per leaf, as `decay_flags` gives.
+
+    Returns:
+      `(leaves, columns, decay)`, decay True, False or a 0/1 tensor per leaf.
+    """
+    from ._context import Spans
+
+    if not any(isinstance(d, Spans) for d in decay):
+        return leaves, columns, decay
+    out, cols, flags = [], [[] for _ in columns], []
+    for i, (p, d) in enumerate(zip(leaves, decay)):
+        beside = [c[i] for c in columns]
+        tensors = [p, *(t for t in beside if t is not None)]
+        cut = (
+            isinstance(d, Spans)
+            and sum(hi - lo > _SMALL for lo, hi, _ in d.runs) <= 1
+            and all(t.dim() <= 1 or t.is_contiguous() for t in tensors)
         )
-    ]
+        if not cut:
+            out.append(p)
+            for col, t in zip(cols, beside):
+                col.append(t)
+            flags.append(d.mask(p) if isinstance(d, Spans) else d)
+            continue
+        # Views (the update writes through to the piece), a split per tensor: the runs
+        # cover the piece, and one call for all of them costs less than a slice each.
+        sizes = [hi - lo for lo, hi, _ in d.runs]
+        out += _runs(p, sizes)
+        for col, t in zip(cols, beside):
+            col += [None] * len(sizes) if t is None else _runs(t, sizes)
+        flags += [on for _, _, on in d.runs]
+    return out, cols, flags
+
+
+def _runs(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """`t`'s elements, flat, as consecutive views of `sizes` elements."""
+    return list((t if t.dim() == 1 else t.view(-1)).split_with_sizes(sizes))
 
 
 def scale_where_(p: torch.Tensor, factor: float, flag: Any) -> torch.Tensor:

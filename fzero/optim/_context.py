@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -176,8 +176,24 @@ def global_sum(local: torch.Tensor, whole: bool = False) -> torch.Tensor:
     return all_reduce_sum(local, ctx.mesh.shard)
 
 
-def resolve_mask(mask: Any, params: Any) -> list[bool | torch.Tensor]:
-    """Per leaf of `params`: True/False, or a 0/1 tensor for a piece mixing parameters.
+class Spans(NamedTuple):
+    """A piece mixing parameters with and without weight decay, as runs of its flat
+    elements: `(first, end, decayed)` in order, covering the piece (a shard's padding,
+    held by no parameter, is not decayed), neighbours of one flag merged."""
+
+    runs: tuple[tuple[int, int, bool], ...]
+
+    def mask(self, like: torch.Tensor) -> torch.Tensor:
+        """The runs as a 0/1 tensor of `like`'s shape, dtype and device (1: decayed)."""
+        m = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        for lo, hi, on in self.runs:
+            if on:
+                m[lo:hi] = 1
+        return m.view(like.shape)
+
+
+def resolve_mask(mask: Any, params: Any) -> list[bool | Spans]:
+    """Per leaf of `params`: True/False, or the `Spans` of a piece mixing parameters.
 
     Args:
       mask: a predicate on parameter paths, or a pytree of bools shaped like the full
@@ -194,17 +210,32 @@ def resolve_mask(mask: Any, params: Any) -> list[bool | torch.Tensor]:
         from .._core import leaf_paths
 
         return [bool(predicate(p)) for p in leaf_paths(params)]
-    out: list[bool | torch.Tensor] = []
+    out: list[bool | Spans] = []
     for piece, segments in zip(leaves, ctx.segments, strict=True):
         flags = {bool(predicate(path)) for path, _, _ in segments}
         if len(flags) <= 1:
             out.append(flags.pop() if flags else False)
             continue
-        m = torch.zeros(piece.numel(), dtype=torch.bool, device=piece.device)
-        for path, lo, hi in segments:
-            m[lo:hi] = bool(predicate(path))
-        out.append(m.view(piece.shape))
+        runs: list[tuple[int, int, bool]] = []
+        at = 0
+        for path, lo, hi in sorted(segments, key=lambda s: s[1]):
+            _extend(runs, at, lo, False)  # a gap: padding
+            _extend(runs, max(lo, at), hi, bool(predicate(path)))
+            at = max(at, hi)
+        _extend(runs, at, piece.numel(), False)
+        out.append(Spans(tuple(runs)))
     return out
+
+
+def _extend(runs: list[tuple[int, int, bool]], lo: int, hi: int, on: bool) -> None:
+    """`runs` with `[lo, hi)` flagged `on` after them, merged into the last run of its
+    flag; nothing where the span is empty."""
+    if hi <= lo:
+        return
+    if runs and runs[-1][2] == on and runs[-1][1] == lo:
+        runs[-1] = (runs[-1][0], hi, on)
+    else:
+        runs.append((lo, hi, on))
 
 
 def _predicate(mask: Any) -> Callable[[str], bool]:

@@ -14,6 +14,7 @@ from ._base import (
     Optimizer,
     Params,
     ScalarOrSchedule,
+    by_flag,
     decay_flags,
     flatten_as,
     from_inplace,
@@ -97,6 +98,7 @@ def sgd(
         leaves, _, (grad_leaves, *rest) = flatten_as(params, *trees)
         buf_leaves = rest[0] if rest else [None] * len(leaves)
         decay = decay_flags(mask, params, len(leaves), weight_decay)
+        leaves, (grad_leaves, buf_leaves), decay = by_flag(leaves, [grad_leaves, buf_leaves], decay)
 
         groups, large = grouped(leaves, decay)
         backend = backend_for(fused)

@@ -86,16 +86,95 @@ def test_fused_kernels_step_as_torch_in_float64(name: str) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_a_small_piece_mixing_decay_flags_keeps_its_kernel() -> None:
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_small_piece_mixing_decay_flags_runs_torchs_list_kernel(name: str) -> None:
     """As sizes are (no fixture): the 340-element piece mixing a decayed and an undecayed
-    parameter takes a per-element mask, which torch's list kernel does not, so it runs
-    the compiled kernel, a call a step, as torch's loop in float64."""
+    parameter is cut into its two runs, each in the group of its flag for torch's list
+    kernel, a call a flag a step, no compiled kernel and no mask: as torch's loop in
+    float64, parameters moved."""
+    _, cls, hyper = CONFIGS[name]
+    with fused_kernels() as calls, fused_lists() as lists:
+        got, want, start = _train(_make(name, True), cls, hyper, torch.float64)
+    decays = hyper.get("weight_decay", 0) > 0  # else no run is decayed: one flag
+    assert calls == [] and lists == ([1, 1] if decays else [1]) * 4, (calls, lists)
+    assert (got - start).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_piece_with_one_large_run_runs_it_unmasked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With w's 300 elements over the small size and b's 40 under it, the piece is cut
+    too: w a compiled kernel of its own, without a mask, and b torch's list kernel; a
+    piece of two large runs (the fixture's `_SMALL` 0, `test_fused_kernels_step_...`)
+    keeps one masked kernel call."""
+    monkeypatch.setattr(fzero.optim._base, "_SMALL", 100)
     _, cls, hyper = CONFIGS["adamw"]
     with fused_kernels() as calls, fused_lists() as lists:
         got, want, start = _train(_make("adamw", True), cls, hyper, torch.float64)
-    assert calls == [(340,)] * 4 and lists == []
+    assert calls == [(300,)] * 4 and lists == [1] * 4, (calls, lists)
     assert (got - start).abs().max() > 1e-3
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_alternating_parameters_and_padding_in_a_piece_step_as_torch(fused: bool) -> None:
+    """A flat piece of four parameters alternating decay, then a shard's padding (held by
+    no parameter, zero gradient): each parameter as torch's AdamW with two groups (1e-12
+    fused, bitwise unfused), the padding left at zero, one call per flag a step fused."""
+    g = torch.Generator().manual_seed(3)
+    sizes = {"w1": 100, "b1": 10, "w2": 90, "b2": 5}
+    segments, at = [], 0
+    for k, n in sizes.items():
+        segments.append((k, at, at + n))
+        at += n
+    pad = 3
+    start = {k: torch.randn(n, generator=g, dtype=torch.float64) for k, n in sizes.items()}
+    piece = torch.cat([*start.values(), torch.zeros(pad, dtype=torch.float64)])
+    opt = optim.adamw(lr=0.01, weight_decay=0.33, mask=lambda p: p[0] == "w", fused=fused)
+    state = opt.init((piece,))
+    tw = {k: v.clone() for k, v in start.items()}
+    ref = torch.optim.AdamW(
+        [{"params": [tw["w1"], tw["w2"]]}, {"params": [tw["b1"], tw["b2"]], "weight_decay": 0}],
+        lr=0.01,
+        weight_decay=0.33,
+        foreach=False,
+    )
+    ctx = ShardContext(None, True, (tuple(segments),))
+    with fused_kernels() as calls, fused_lists() as lists:
+        for _ in range(3):
+            grads = {k: torch.randn(n, generator=g, dtype=torch.float64) for k, n in sizes.items()}
+            flat = torch.cat([*grads.values(), torch.zeros(pad, dtype=torch.float64)])
+            with shard_context(ctx):
+                (piece,), state = opt.update_((flat,), state, (piece,))
+            for k in tw:
+                tw[k].grad = grads[k]
+            ref.step()
+    # w1, w2 decayed; b1, and b2 with the padding after it (one run), not.
+    assert calls == [] and lists == ([2, 2] * 3 if fused else []), lists
+    for (k, lo, hi), v in zip(segments, start.values()):
+        assert (piece[lo:hi] - v).abs().max() > 1e-3, k
+        if fused:
+            torch.testing.assert_close(piece[lo:hi], tw[k], rtol=0, atol=1e-12)
+        else:
+            assert torch.equal(piece[lo:hi], tw[k]), k
+    assert torch.equal(piece[at:], torch.zeros(pad, dtype=torch.float64))
+
+
+def test_a_mixed_pieces_spans_cover_it_in_order() -> None:
+    """`resolve_mask`'s answer for a piece mixing flags: its runs in element order
+    whatever the segments' order, neighbours of one flag merged, gaps and the tail (a
+    shard's padding) undecayed; a piece of one flag stays a bool."""
+    from fzero.optim._context import Spans, resolve_mask
+
+    segments = (
+        (("c", 12, 20), ("a", 2, 5), ("b", 5, 9)),
+        (("a", 0, 4),),
+    )
+    pieces = (torch.zeros(24), torch.zeros(4))
+    with shard_context(ShardContext(None, True, segments)):
+        got = resolve_mask(lambda path: path != "c", pieces)
+    assert got == [Spans(((0, 2, False), (2, 9, True), (9, 24, False))), True]
+    mask = got[0].mask(torch.zeros(24, dtype=torch.float64))
+    assert mask.dtype == torch.float64 and mask.tolist() == [0] * 2 + [1] * 7 + [0] * 15
 
 
 @pytest.mark.usefixtures("kernels_for_every_piece")
@@ -187,19 +266,29 @@ def test_kernels_update_owned_tensors_of_any_shape(backend: str) -> None:
         assert (got - x).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("large", [False, True])
-def test_a_compiled_step_runs_its_update_fused(large: bool) -> None:
-    """`sharded_step(compile=...)` with the default `adamw()`: every rank's update runs
-    fused, training as torch.optim: small owned tensors (layout="tensor") as groups of
-    torch's fused list kernel, no compiled kernel; large ones a compiled kernel each."""
+@pytest.mark.parametrize(
+    ("stage", "layout", "optimizer"), [(2, "tensor", "adamw"), (3, "flat", "adamw_matrices")]
+)
+def test_a_compiled_step_runs_its_update_fused(
+    large: bool, stage: int, layout: str, optimizer: str
+) -> None:
+    """`sharded_step(compile=...)` with `adamw()` (`fused=None`): every rank's update runs
+    fused, training as torch.optim in float64. Stage 2's small owned tensors
+    (layout="tensor") go as groups to torch's fused list kernel, no compiled kernel;
+    stage 3's flat pieces, with decay on the matrices alone (torch: two parameter
+    groups), each mix a matrix and its bias and are cut into their runs, all of them
+    small: the list kernel too. Every piece large (`_SMALL` 0): a compiled kernel each,
+    a mixed piece's with its mask."""
     from tests.step.test_compiled import train
     from tests.step.test_weights import make_data, reference
 
     params = make_params(DIMS, torch.float64, 2)
     data = make_data([[[2], [1]], [[1], [2]]], 2)
-    want = reference(params, data, "pair", "adamw")
-    args = (params, data, "pair", 2, "tensor", "aot_eager", (), 0, "adamw")
+    want = reference(params, data, "pair", optimizer)
+    args = (params, data, "pair", stage, layout, "aot_eager", (), 0, optimizer)
     for (got, _), kernels, lists in run(2, with_fused_kinds, large, train, *args):
         fzero.assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
         if large:

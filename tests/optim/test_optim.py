@@ -565,13 +565,21 @@ def test_from_torch_says_which_optimizers_need_whole_tensors() -> None:
     assert optim.adamw(lr=0.1).whole_tensors is None
 
 
+@pytest.mark.parametrize("cut", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(dtype: torch.dtype) -> None:
+def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(
+    dtype: torch.dtype, cut: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One flat piece holding a decayed and an undecayed parameter (as a flat shard does):
     fzero's AdamW equals torch's AdamW with two parameter groups, bitwise, in half
     precision too (the decay is the product with the Python float `1 - lr * wd`, as
-    torch's `p.mul_` rounds it, not with that factor rounded to the parameter's dtype)."""
+    torch's `p.mul_` rounds it, not with that factor rounded to the parameter's dtype).
+    Cut into its runs as it is small (`_base.by_flag`), or (`_SMALL` 0: two large runs)
+    one piece with a per-element mask."""
     from fzero.optim._context import ShardContext, shard_context
+
+    if not cut:
+        monkeypatch.setattr(_base, "_SMALL", 0)
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)

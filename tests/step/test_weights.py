@@ -95,7 +95,8 @@ def reference(
     tensors = [
         x.detach().clone().requires_grad_(not p.startswith(frozen)) for x, p in zip(leaves, paths)
     ]
-    opt = make_torch_optimizer(optimizer, [t for t in tensors if t.requires_grad])
+    trained = [(t, p) for t, p in zip(tensors, paths) if t.requires_grad]
+    opt = make_torch_optimizer(optimizer, [t for t, _ in trained], [p for _, p in trained])
     for step in data:
         batches = [mb for per_rank in step for mb in per_rank if mb is not None]
         p = tree_unflatten(treedef, tensors)
