@@ -1,13 +1,14 @@
 """The host time of one rank's optimizer update over a model of many small units.
 
-    python benchmarks/update_time.py [--steps 60] [--out benchmarks/RESULTS-update-time.md]
+    python benchmarks/update_time.py [--models deep,gpt] [--steps 60]
+                                     [--out benchmarks/RESULTS-update-time.md]
 
 A compiled step spends little on its forward and backward where units are small; what
 is left is host work per piece, and the update is some of it. This times
-`fzero.optim.adamw(...).update_` over rank 0's pieces of the deep benchmark model
-(`benchmarks/models.py`: 100 units of 4 leaves, flat shards at world size 2, 2,144
-elements a piece), as `sharded_update` runs it (under the shard's context), in one
-process and one thread:
+`fzero.optim.adamw(...).update_` over rank 0's pieces of a benchmark model
+(`benchmarks/models.py`, flat shards at world size 2, a unit a block: the deep model's
+100 units of 4 leaves, 2,144 elements a piece; the GPT's blocks, 10^5-10^6), as
+`sharded_update` runs it (under the shard's context), in one process and one thread:
 
 - fused, as a compiled step runs it (`optim._fused.compiled_updates`: a compiled kernel a
   large piece, torch's fused list kernel for the small ones) and unfused (torch's list
@@ -42,9 +43,9 @@ from fzero.optim._context import ShardContext, shard_context
 from fzero.optim._fused import compiled_updates
 
 
-def median_update(fused: bool, masked: bool, steps: int) -> float:
-    """The median seconds of rank 0's update of the deep model's pieces."""
-    s = spec("deep", False)
+def median_update(name: str, fused: bool, masked: bool, steps: int) -> float:
+    """The median seconds of rank 0's update of model `name`'s pieces."""
+    s = spec(name, False)
     model = build_model(s)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     matrices = {k for k, v in params.items() if v.dim() >= 2}
@@ -68,22 +69,25 @@ def median_update(fused: bool, masked: bool, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="deep,gpt")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default=str(Path(__file__).parent / "RESULTS-update-time.md"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     lines = [
-        "# One rank's update of the deep model's 100 small pieces\n",
+        "# One rank's optimizer update, piece by piece\n",
         f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, one thread: `python benchmarks/update_time.py "
-        f"--steps {args.steps}`. Median of the steps after the first ten.\n",
-        "| update | decay everywhere (ms) | decay on matrices alone (ms) |",
-        "|---|---:|---:|",
+        f"--models {args.models} --steps {args.steps}`. Median of the steps after the "
+        "first ten.\n",
+        "| model | update | decay everywhere (ms) | decay on matrices alone (ms) |",
+        "|---|---|---:|---:|",
     ]
-    for label, fused in (("fused (a compiled step's)", True), ("unfused (eager)", False)):
-        plain, masked = (median_update(fused, m, args.steps) * 1e3 for m in (False, True))
-        lines.append(f"| {label} | {plain:.2f} | {masked:.2f} |")
-        print(lines[-1], flush=True)
+    for name in args.models.split(","):
+        for label, fused in (("fused (a compiled step's)", True), ("unfused (eager)", False)):
+            plain, masked = (median_update(name, fused, m, args.steps) * 1e3 for m in (False, True))
+            lines.append(f"| {name} | {label} | {plain:.2f} | {masked:.2f} |")
+            print(lines[-1], flush=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -91,11 +91,11 @@ def _adam(
         leaves, _, (g_l, mu_l, nu_l, *rest) = flatten_as(params, *trees)
         nu_max_l = rest[0] if amsgrad else [None] * len(leaves)
         decay = decay_flags(mask, params, len(leaves), weight_decay)
+        backend = backend_for(fused)
         leaves, (g_l, mu_l, nu_l, nu_max_l), decay = by_flag(
-            leaves, [g_l, mu_l, nu_l, nu_max_l], decay
+            leaves, [g_l, mu_l, nu_l, nu_max_l], decay, backend is not None
         )
         groups, large = grouped(leaves, decay)
-        backend = backend_for(fused)
         if backend is not None:  # a compiled kernel per large leaf, the rest as below
             step_scalars = [
                 1 - step_lr * weight_decay if decoupled else weight_decay,

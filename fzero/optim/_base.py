@@ -227,20 +227,24 @@ def decay_flags(mask: Any, params: Params, n: int, weight_decay: float) -> list[
 
 
 def by_flag(
-    leaves: list[torch.Tensor], columns: list[list[Any]], decay: list[Any]
+    leaves: list[torch.Tensor], columns: list[list[Any]], decay: list[Any], fused: bool
 ) -> tuple[list[torch.Tensor], list[list[Any]], list[Any]]:
     """The leaves an elementwise update walks, one decay flag each where that costs no
-    more calls: a piece mixing parameters (`Spans`) with at most one run over `_SMALL`
-    elements becomes views of its runs, a flag each. Its small runs then join `grouped`'s
-    groups (one list op, or one call of torch's fused list kernel, for many), its large
-    run is a leaf of its own, and no per-element mask is made or read. Any other mixed
-    piece keeps a 0/1 mask of its dtype: every large run would be a compiled kernel's call
-    (some 80 us on the host, `_fused.split`) where the mask costs a pass over memory.
+    more calls: a piece mixing parameters (`Spans`) becomes views of its runs, a flag
+    each. Its small runs then join `grouped`'s groups (one list op, or one call of
+    torch's fused list kernel, for many), each large run is a leaf of its own, and no
+    per-element mask is made or read (building it, then reading it, made a fused update
+    of a 4M-element piece twice as slow here). Fused, each large run is a compiled
+    kernel's call (some 80 us on the host, `_fused.split`) where the mask was one for the
+    piece: a piece is cut where it has at most one run over `_SMALL` elements, or, on the
+    CPU, where its extra calls cost less than its mask (`_CALL_ELEMENTS`); any other
+    keeps a 0/1 mask of its dtype.
 
     Args:
       leaves: the parameter leaves (a rank's pieces, or a tree's leaves).
       columns: per leaf, each tensor updated beside it (gradient, moments; None stays).
       decay: per leaf, as `decay_flags` gives.
+      fused: whether the update runs fused (`_fused.backend_for`).
 
     Returns:
       `(leaves, columns, decay)`, decay True, False or a 0/1 tensor per leaf.
@@ -255,7 +259,7 @@ def by_flag(
         tensors = [p, *(t for t in beside if t is not None)]
         cut = (
             isinstance(d, Spans)
-            and sum(hi - lo > _SMALL for lo, hi, _ in d.runs) <= 1
+            and (not fused or _calls_pay(p, d))
             and all(t.dim() <= 1 or t.is_contiguous() for t in tensors)
         )
         if not cut:
@@ -272,6 +276,23 @@ def by_flag(
             col += [None] * len(sizes) if t is None else _runs(t, sizes)
         flags += [on for _, _, on in d.runs]
     return out, cols, flags
+
+
+# On the CPU, a fused update's compiled kernel call costs about what building and reading
+# a 0/1 mask over this many elements does (the benchmark GPT's rank pieces, 10^5-10^6
+# elements in 4 large runs of a block: masked 5.3 ms, unmasked 1.7 ms for its 2.7M
+# elements, `benchmarks/update_time.py`; a call some 80 us). A GPU's memory is two orders
+# faster, its calls no cheaper: there a piece keeps its mask unless one run is large.
+_CALL_ELEMENTS = 1 << 16
+
+
+def _calls_pay(p: torch.Tensor, spans: Any) -> bool:
+    """Whether a fused update cuts piece `p` (`spans` its runs): its runs over `_SMALL`
+    elements, one compiled kernel call each, cost no more than its mask."""
+    large = sum(hi - lo > _SMALL for lo, hi, _ in spans.runs)
+    if large <= 1:
+        return True
+    return p.device.type == "cpu" and p.numel() >= (large - 1) * _CALL_ELEMENTS
 
 
 def _runs(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -323,7 +344,7 @@ def grouped(leaves: list[torch.Tensor], decay: list[Any]) -> tuple[list[list[int
 
     Args:
       leaves: the parameter leaves.
-      decay: per leaf, as `decay_flags` gives.
+      decay: per leaf, as `by_flag` gives (True, False or a 0/1 tensor).
 
     Returns:
       `(groups, large)`: lists of leaf positions per group, and the other positions.

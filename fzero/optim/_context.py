@@ -219,9 +219,10 @@ def resolve_mask(mask: Any, params: Any) -> list[bool | Spans]:
         runs: list[tuple[int, int, bool]] = []
         at = 0
         for path, lo, hi in sorted(segments, key=lambda s: s[1]):
+            assert lo >= at, f"segments of one piece overlap at {path!r}: {segments}"
             _extend(runs, at, lo, False)  # a gap: padding
-            _extend(runs, max(lo, at), hi, bool(predicate(path)))
-            at = max(at, hi)
+            _extend(runs, lo, hi, bool(predicate(path)))
+            at = hi
         _extend(runs, at, piece.numel(), False)
         out.append(Spans(tuple(runs)))
     return out

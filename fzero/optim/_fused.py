@@ -242,7 +242,7 @@ def make_sgd(nesterov: bool, maximize: bool, momentum: bool, decay: str) -> Call
 
 
 def decay_kind(flag: Any) -> str:
-    """A leaf's decay flag (`decay_flags`) as a kernel's key."""
+    """A leaf's decay flag (`_base.by_flag`'s) as a kernel's key."""
     if flag is False:
         return "none"
     return "all" if flag is True else "mask"

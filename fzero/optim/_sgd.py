@@ -98,10 +98,11 @@ def sgd(
         leaves, _, (grad_leaves, *rest) = flatten_as(params, *trees)
         buf_leaves = rest[0] if rest else [None] * len(leaves)
         decay = decay_flags(mask, params, len(leaves), weight_decay)
-        leaves, (grad_leaves, buf_leaves), decay = by_flag(leaves, [grad_leaves, buf_leaves], decay)
-
-        groups, large = grouped(leaves, decay)
         backend = backend_for(fused)
+        leaves, (grad_leaves, buf_leaves), decay = by_flag(
+            leaves, [grad_leaves, buf_leaves], decay, backend is not None
+        )
+        groups, large = grouped(leaves, decay)
         if backend is not None:  # a compiled kernel per large leaf, the rest as below
             first = count == 0
             step_scalars = [step_lr, weight_decay, momentum, 0.0 if first else momentum]

@@ -115,11 +115,71 @@ def test_a_piece_with_one_large_run_runs_it_unmasked(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_alternating_parameters_and_padding_in_a_piece_step_as_torch(fused: bool) -> None:
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_cpu_piece_with_several_large_runs_is_cut_where_its_calls_cost_less_than_its_mask(
+    cut: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fused on the CPU, a piece with two large runs (`_SMALL` 100: w1's 300 elements
+    and w2's 200, b's 40 between) is cut where its one extra kernel call costs less than
+    its mask (`_CALL_ELEMENTS` 500 against its 540 elements): a kernel a large run, b
+    torch's list kernel, no mask made; else (600) one kernel with the mask. Both as
+    torch's AdamW with two groups in float64."""
+    from fzero.optim._context import Spans
+
+    monkeypatch.setattr(fzero.optim._base, "_SMALL", 100)
+    monkeypatch.setattr(fzero.optim._base, "_CALL_ELEMENTS", 500 if cut else 600)
+    masks: list[int] = []
+    made = Spans.mask
+    monkeypatch.setattr(Spans, "mask", lambda self, like: masks.append(1) or made(self, like))
+    g = torch.Generator().manual_seed(4)
+    sizes = {"w1": 300, "b": 40, "w2": 200}
+    start = {k: torch.randn(n, generator=g, dtype=torch.float64) for k, n in sizes.items()}
+    piece = torch.cat(list(start.values()))
+    opt = optim.adamw(lr=0.01, weight_decay=0.33, mask=lambda p: p[0] == "w", fused=True)
+    state = opt.init((piece,))
+    tw = {k: v.clone() for k, v in start.items()}
+    ref = torch.optim.AdamW(
+        [{"params": [tw["w1"], tw["w2"]]}, {"params": [tw["b"]], "weight_decay": 0}],
+        lr=0.01,
+        weight_decay=0.33,
+        foreach=False,
+    )
+    ctx = ShardContext(None, True, ((("w1", 0, 300), ("b", 300, 340), ("w2", 340, 540)),))
+    with fused_kernels() as calls, fused_lists() as lists:
+        for _ in range(3):
+            grads = {k: torch.randn(n, generator=g, dtype=torch.float64) for k, n in sizes.items()}
+            with shard_context(ctx):
+                (piece,), state = opt.update_((torch.cat(list(grads.values())),), state, (piece,))
+            for k in tw:
+                tw[k].grad = grads[k]
+            ref.step()
+    if cut:
+        assert calls == [(300,), (200,)] * 3 and lists == [1] * 3 and masks == []
+    else:
+        assert calls == [(540,)] * 3 and lists == [] and masks == [1] * 3
+    torch.testing.assert_close(piece, torch.cat(list(tw.values())), rtol=0, atol=1e-12)
+    assert (piece - torch.cat(list(start.values()))).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("fused", "every_run_large"), [(True, False), (False, False), (False, True), (True, True)]
+)
+def test_alternating_parameters_and_padding_in_a_piece_step_as_torch(
+    fused: bool, every_run_large: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A flat piece of four parameters alternating decay, then a shard's padding (held by
     no parameter, zero gradient): each parameter as torch's AdamW with two groups (1e-12
-    fused, bitwise unfused), the padding left at zero, one call per flag a step fused."""
+    fused, bitwise unfused), the padding left at zero. Cut into its runs, no mask made:
+    fused, torch's list kernel, a call per flag a step; unfused, whatever the runs'
+    sizes. Fused with every run large (`_SMALL` 0): one compiled kernel a step, with a
+    mask."""
+    from fzero.optim._context import Spans
+
+    masks: list[int] = []
+    made = Spans.mask
+    monkeypatch.setattr(Spans, "mask", lambda self, like: masks.append(1) or made(self, like))
+    if every_run_large:
+        monkeypatch.setattr(fzero.optim._base, "_SMALL", 0)
     g = torch.Generator().manual_seed(3)
     sizes = {"w1": 100, "b1": 10, "w2": 90, "b2": 5}
     segments, at = [], 0
@@ -148,8 +208,10 @@ def test_alternating_parameters_and_padding_in_a_piece_step_as_torch(fused: bool
             for k in tw:
                 tw[k].grad = grads[k]
             ref.step()
-    # w1, w2 decayed; b1, and b2 with the padding after it (one run), not.
-    assert calls == [] and lists == ([2, 2] * 3 if fused else []), lists
+    if fused and every_run_large:
+        assert calls == [(at + pad,)] * 3 and lists == [] and masks == [1] * 3
+    else:  # w1, w2 decayed; b1, and b2 with the padding after it (one run), not
+        assert calls == [] and lists == ([2, 2] * 3 if fused else []) and masks == []
     for (k, lo, hi), v in zip(segments, start.values()):
         assert (piece[lo:hi] - v).abs().max() > 1e-3, k
         if fused:

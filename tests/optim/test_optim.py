@@ -565,8 +565,16 @@ def test_from_torch_says_which_optimizers_need_whole_tensors() -> None:
     assert optim.adamw(lr=0.1).whole_tensors is None
 
 
-@pytest.mark.parametrize("cut", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("dtype", "cut"),
+    [
+        (torch.bfloat16, True),
+        (torch.float16, True),
+        (torch.float32, True),
+        (torch.bfloat16, False),
+        (torch.float16, False),
+    ],
+)
 def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(
     dtype: torch.dtype, cut: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -574,18 +582,21 @@ def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(
     fzero's AdamW equals torch's AdamW with two parameter groups, bitwise, in half
     precision too (the decay is the product with the Python float `1 - lr * wd`, as
     torch's `p.mul_` rounds it, not with that factor rounded to the parameter's dtype).
-    Cut into its runs as it is small (`_base.by_flag`), or (`_SMALL` 0: two large runs)
-    one piece with a per-element mask."""
-    from fzero.optim._context import ShardContext, shard_context
+    Unfused, the piece is cut into its runs (`_base.by_flag`), no mask made; fused with
+    two large runs (`_SMALL` 0), it keeps a per-element mask, and a 16-bit piece runs
+    the unfused ops with it."""
+    from fzero.optim._context import ShardContext, Spans, shard_context
 
+    masks: list[int] = []
+    made = Spans.mask
+    monkeypatch.setattr(Spans, "mask", lambda self, like: masks.append(1) or made(self, like))
     if not cut:
         monkeypatch.setattr(_base, "_SMALL", 0)
-
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     grads = [(torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype))]
     grads.append((torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)))
-    opt = optim.adamw(lr=0.01, weight_decay=0.33, mask=lambda path: path == "w")
+    opt = optim.adamw(lr=0.01, weight_decay=0.33, mask=lambda path: path == "w", fused=not cut)
     piece = torch.cat([w, b])
     state = opt.init((piece,))
     ctx = ShardContext(None, True, ((("w", 0, 300), ("b", 300, 340)),))
@@ -603,3 +614,4 @@ def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(
         ref.step()
     assert torch.equal(piece[:300], tw) and torch.equal(piece[300:], tb)
     assert not torch.equal(piece[:300], w)
+    assert masks == ([] if cut else [1, 1]), masks  # a mask a step, or none
