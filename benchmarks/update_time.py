@@ -1,4 +1,4 @@
-"""The host time of one rank's optimizer update over a model of many small units.
+"""The host time of one rank's optimizer update over a benchmark model's pieces.
 
     python benchmarks/update_time.py [--models deep,gpt] [--steps 60]
                                      [--out benchmarks/RESULTS-update-time.md]

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple, TypeAlias
 import optree
 import torch
 
+from ._fused import FUSED_DTYPES
+
 Params: TypeAlias = Any
 """An optree pytree whose leaves are ``torch.Tensor`` parameters."""
 
@@ -229,16 +231,17 @@ def decay_flags(mask: Any, params: Params, n: int, weight_decay: float) -> list[
 def by_flag(
     leaves: list[torch.Tensor], columns: list[list[Any]], decay: list[Any], fused: bool
 ) -> tuple[list[torch.Tensor], list[list[Any]], list[Any]]:
-    """The leaves an elementwise update walks, one decay flag each where that costs no
-    more calls: a piece mixing parameters (`Spans`) becomes views of its runs, a flag
-    each. Its small runs then join `grouped`'s groups (one list op, or one call of
-    torch's fused list kernel, for many), each large run is a leaf of its own, and no
-    per-element mask is made or read (building it, then reading it, made a fused update
-    of a 4M-element piece twice as slow here). Fused, each large run is a compiled
-    kernel's call (some 80 us on the host, `_fused.split`) where the mask was one for the
-    piece: a piece is cut where it has at most one run over `_SMALL` elements, or, on the
-    CPU, where its extra calls cost less than its mask (`_CALL_ELEMENTS`); any other
-    keeps a 0/1 mask of its dtype.
+    """The leaves an elementwise update walks: a piece mixing parameters (`Spans`) as
+    views of its runs, a decay flag each, where that costs no more than a mask. Its small
+    runs then join `grouped`'s groups (one list op, or one call of torch's fused list
+    kernel, for many), each large run is a leaf of its own, and no per-element mask is
+    made or read (the mask's build and passes were most of a masked update's time here,
+    `benchmarks/RESULTS-update-time.md`). Unfused (and a 16-bit or complex piece, which
+    runs the unfused ops fused too), every mixed piece is cut. Fused, each large run is a
+    compiled kernel's call (some 80 us on the host, `_fused.split`) where the mask was
+    one for the piece: a piece is cut where it has at most one run over `_SMALL` elements
+    or, on the CPU, where its extra calls cost less than its mask (`_CALL_ELEMENTS`); any
+    other keeps a 0/1 mask of its dtype.
 
     Args:
       leaves: the parameter leaves (a rank's pieces, or a tree's leaves).
@@ -259,7 +262,7 @@ def by_flag(
         tensors = [p, *(t for t in beside if t is not None)]
         cut = (
             isinstance(d, Spans)
-            and (not fused or _calls_pay(p, d))
+            and (not fused or p.dtype not in FUSED_DTYPES or _calls_pay(p, d))
             and all(t.dim() <= 1 or t.is_contiguous() for t in tensors)
         )
         if not cut:
@@ -279,10 +282,12 @@ def by_flag(
 
 
 # On the CPU, a fused update's compiled kernel call costs about what building and reading
-# a 0/1 mask over this many elements does (the benchmark GPT's rank pieces, 10^5-10^6
-# elements in 4 large runs of a block: masked 5.3 ms, unmasked 1.7 ms for its 2.7M
-# elements, `benchmarks/update_time.py`; a call some 80 us). A GPU's memory is two orders
-# faster, its calls no cheaper: there a piece keeps its mask unless one run is large.
+# a 0/1 mask over this many elements does: on the benchmark GPT's rank 0 (8 mixed pieces
+# of 302,512 elements, 2 large runs each), its fused AdamW took 4.5-8.3 ms a step masked
+# and 1.6-2.5 ms without a mask, one thread (`benchmarks/RESULTS-update-time.md`): some
+# 1.4 ns an element, against some 80 us a call. The threshold is extrapolated from that
+# one model. A GPU's memory is two orders faster and its calls no cheaper (not measured):
+# there a piece keeps its mask unless at most one run is large.
 _CALL_ELEMENTS = 1 << 16
 
 

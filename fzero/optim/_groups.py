@@ -33,8 +33,8 @@ def param_groups(
     that group's optimizer on them in place, with the same ops and scalars as torch's
     for that group, so the result is bitwise `make`'s on each part. Groups whose
     parameters alternate inside a unit (a weight, a bias, a weight, ...) cut its shard
-    into many runs, an op per run: weight decay on and off belongs in `mask=`, whose runs
-    of one flag join the other pieces' in one list op (`_base.by_flag`).
+    into many runs, an op per run: weight decay on and off belongs in `mask=`, whose small
+    runs of one flag join the other pieces' in one list op (`_base.by_flag`).
 
     torch's own optimizers run the same way, `make=functools.partial(from_torch,
     torch.optim.RMSprop)`, with torch's state (a dict per parameter): a run gets its

@@ -115,6 +115,54 @@ def test_a_piece_with_one_large_run_runs_it_unmasked(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [(name, torch.float64) for name in sorted(CONFIGS)]
+    + [(name, torch.bfloat16) for name in sorted(CONFIGS) if CONFIGS[name][2].get("weight_decay")],
+)
+def test_unfused_pieces_of_large_runs_are_cut_and_step_as_torch_bitwise(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unfused, a mixed piece is cut into its runs whatever their sizes (`_SMALL` 0:
+    both of w's and b's runs large), no mask made: bitwise torch's loop with two
+    parameter groups, for Adam's L2 term with AMSGrad and maximize, AdamW, SGD with
+    momentum and Nesterov, in float64 and, where there is decay to cut by, in bf16 (where
+    the masked ops were not bitwise). A bf16 piece that is not cut (no decay) is one
+    tensor where torch's loop has two, and torch's CPU kernels round a 16-bit element in
+    a vectorised body and in a scalar tail apart: the same op over 340 elements and over
+    the first 300 can differ in an ulp."""
+    from fzero.optim._context import Spans
+
+    monkeypatch.setattr(fzero.optim._base, "_SMALL", 0)
+    masks: list[int] = []
+    made = Spans.mask
+    monkeypatch.setattr(Spans, "mask", lambda self, like: masks.append(1) or made(self, like))
+    _, cls, hyper = CONFIGS[name]
+    with fused_kernels() as calls:
+        got, want, start = _train(_make(name, False), cls, hyper, dtype)
+    assert calls == [] and masks == []
+    assert torch.equal(got, want) and not torch.equal(got, start)
+
+
+def test_where_a_fused_piece_of_several_large_runs_is_cut() -> None:
+    """`_base._calls_pay`: one large run, always; several, on the CPU where the piece
+    holds `_CALL_ELEMENTS` elements per extra kernel call; elsewhere (a GPU: here the
+    meta device) never."""
+    from fzero.optim._base import _CALL_ELEMENTS, _SMALL, _calls_pay
+    from fzero.optim._context import Spans
+
+    big = 2 * _CALL_ELEMENTS
+    one = Spans(((0, 10, False), (10, big, True)))
+    two = Spans(((0, big // 2, True), (big // 2, big // 2 + 10, False), (big // 2 + 10, big, True)))
+    assert _calls_pay(torch.empty(big, device="meta"), one)
+    assert _calls_pay(torch.empty(big), two)
+    assert not _calls_pay(torch.empty(big, device="meta"), two)
+    few = _CALL_ELEMENTS - 1  # two large runs, too few elements for the extra call
+    assert few > 2 * _SMALL
+    split = Spans(((0, few // 2, True), (few // 2, few, False)))
+    assert not _calls_pay(torch.empty(few), split)
+
+
 @pytest.mark.parametrize("cut", [True, False])
 def test_a_cpu_piece_with_several_large_runs_is_cut_where_its_calls_cost_less_than_its_mask(
     cut: bool, monkeypatch: pytest.MonkeyPatch

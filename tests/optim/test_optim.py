@@ -566,37 +566,37 @@ def test_from_torch_says_which_optimizers_need_whole_tensors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "cut"),
+    ("dtype", "fused"),
     [
-        (torch.bfloat16, True),
-        (torch.float16, True),
-        (torch.float32, True),
         (torch.bfloat16, False),
         (torch.float16, False),
+        (torch.float32, False),
+        (torch.bfloat16, True),
+        (torch.float16, True),
     ],
 )
 def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(
-    dtype: torch.dtype, cut: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One flat piece holding a decayed and an undecayed parameter (as a flat shard does):
     fzero's AdamW equals torch's AdamW with two parameter groups, bitwise, in half
     precision too (the decay is the product with the Python float `1 - lr * wd`, as
     torch's `p.mul_` rounds it, not with that factor rounded to the parameter's dtype).
-    Unfused, the piece is cut into its runs (`_base.by_flag`), no mask made; fused with
-    two large runs (`_SMALL` 0), it keeps a per-element mask, and a 16-bit piece runs
-    the unfused ops with it."""
+    The piece is cut into its runs (`_base.by_flag`), no mask made: unfused, and fused
+    for a 16-bit piece, which runs the unfused ops there, even with two large runs
+    (`_SMALL` 0) where an fp32 piece would keep its mask for one compiled kernel."""
     from fzero.optim._context import ShardContext, Spans, shard_context
 
     masks: list[int] = []
     made = Spans.mask
     monkeypatch.setattr(Spans, "mask", lambda self, like: masks.append(1) or made(self, like))
-    if not cut:
+    if fused:
         monkeypatch.setattr(_base, "_SMALL", 0)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     grads = [(torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype))]
     grads.append((torch.randn(300, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)))
-    opt = optim.adamw(lr=0.01, weight_decay=0.33, mask=lambda path: path == "w", fused=not cut)
+    opt = optim.adamw(lr=0.01, weight_decay=0.33, mask=lambda path: path == "w", fused=fused)
     piece = torch.cat([w, b])
     state = opt.init((piece,))
     ctx = ShardContext(None, True, ((("w", 0, 300), ("b", 300, 340)),))
@@ -614,4 +614,4 @@ def test_a_decay_mask_across_a_flat_piece_rounds_as_torch(
         ref.step()
     assert torch.equal(piece[:300], tw) and torch.equal(piece[300:], tb)
     assert not torch.equal(piece[:300], w)
-    assert masks == ([] if cut else [1, 1]), masks  # a mask a step, or none
+    assert masks == [], masks
